@@ -1,0 +1,2 @@
+"""dptrain: data-parallel training of PyTorch models."""
+__version__ = "0.1.0"

@@ -1,0 +1,111 @@
+"""DataLoader construction around :class:`GlobalBatchSampler`, and data-factory helpers."""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .sampler import GlobalBatchSampler
+
+__all__ = ["build_dataloader", "split_train_val", "worker_seed"]
+
+
+def _mix(*values: int) -> int:
+    # SeedSequence mixes its inputs well, so nearby (rank, worker) pairs do not get
+    # correlated streams the way seed + rank + worker_id would (nor collide).
+    state = np.random.SeedSequence([int(v) for v in values]).generate_state(1, np.uint64)
+    return int(state[0]) >> 1  # 63 bits: fits torch.manual_seed's int64
+
+
+def worker_seed(seed: int, rank: int, worker_id: int) -> int:
+    """Deterministic 63-bit seed for DataLoader worker ``worker_id`` of data-parallel ``rank``."""
+    return _mix(seed, rank, worker_id)
+
+
+def _seed_worker(worker_id: int, *, seed: int, rank: int) -> None:
+    # Module-level function (wrapped in functools.partial) so it pickles under the spawn and
+    # forkserver start methods as well as fork.
+    s = worker_seed(seed, rank, worker_id)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+
+
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    sampler: GlobalBatchSampler,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    seed: int = 0,
+) -> DataLoader:
+    """A DataLoader yielding this rank's micro-batches in :class:`GlobalBatchSampler` order.
+
+    Workers (if any) are persistent and seeded from ``(seed, sampler.dp_rank, worker_id)``
+    so any randomness inside ``__getitem__`` is reproducible.  ``pin_memory`` is ignored
+    when CUDA is unavailable (pinning needs a CUDA runtime and would only warn).
+    """
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    # Seeds the loader's own base seed (used by torch for worker RNG before our init fn runs);
+    # two-value entropy keeps it distinct from every worker_seed.
+    generator = torch.Generator().manual_seed(_mix(seed, sampler.dp_rank))
+    kwargs: dict[str, Any] = {}
+    if num_workers > 0:
+        kwargs["worker_init_fn"] = functools.partial(_seed_worker, seed=seed, rank=sampler.dp_rank)
+        # The sampler is infinite, so the loader is iterated once; persistent workers also
+        # avoid re-forking (and re-mapping datasets) if the caller does restart iteration.
+        kwargs["persistent_workers"] = True
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=bool(pin_memory) and torch.cuda.is_available(),
+        collate_fn=collate_fn,
+        generator=generator,
+        **kwargs,
+    )
+
+
+def _dataset_like(obj: object) -> bool:
+    return isinstance(obj, Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
+
+
+def split_train_val(obj: object) -> tuple[Any, Any | None]:
+    """Normalise a data factory's return value to ``(train, val_or_None)``.
+
+    Accepts a Dataset, a 2-element ``(train, val)`` tuple/list (``val`` may be ``None``), or
+    a dict with ``"train"`` and optional ``"val"``.  Anything else raises TypeError.
+    """
+    if isinstance(obj, dict):
+        if "train" not in obj:
+            raise TypeError(f"data factory returned a dict without a 'train' key (keys: {sorted(obj)})")
+        extra = set(obj) - {"train", "val"}
+        if extra:
+            raise TypeError(f"data factory returned a dict with unexpected keys {sorted(extra)}")
+        train, val = obj["train"], obj.get("val")
+    elif isinstance(obj, (tuple, list)):
+        if len(obj) != 2:
+            raise TypeError(
+                f"data factory returned a {type(obj).__name__} of length {len(obj)}; expected (train, val)"
+            )
+        train, val = obj
+    elif isinstance(obj, Dataset):
+        return obj, None
+    else:
+        raise TypeError(
+            f"data factory returned {type(obj).__module__}.{type(obj).__qualname__}; expected a "
+            f"Dataset, a (train, val) tuple/list, or a dict {{'train': ..., 'val': ...}}"
+        )
+    if not _dataset_like(train):
+        raise TypeError(f"train split is a {type(train).__qualname__}, not a Dataset")
+    if val is not None and not _dataset_like(val):
+        raise TypeError(f"val split is a {type(val).__qualname__}, not a Dataset")
+    return train, val

@@ -1,0 +1,260 @@
+"""A small LLaMA-style byte-level causal language model.
+
+Plain ``nn.Module`` with no parallelism awareness; the layout (``tok_emb``, ``layers``,
+``norm``, ``head``; ``attn.wq/wk/wv/wo`` and ``mlp.w1/w2/w3`` as separate ``nn.Linear``)
+is what the FSDP and tensor-parallel strategies rely on, so keep the names stable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    """Hyper-parameters of :class:`LlamaLM` (see :func:`build_llama` for defaults)."""
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_hidden is None:
+            # LLaMA rule: 2/3 of 4*dim keeps SwiGLU's 3 matrices at the cost of a 4*dim GELU MLP.
+            self.ffn_hidden = 32 * math.ceil(int(2 * 4 * self.dim / 3) / 32)
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} not divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError("head dim must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return float32 ``(cos, sin)`` tables of shape ``[seq_len, head_dim // 2]``."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[B, H, T, hd]`` (half-split pairing) by position-dependent angles."""
+    # Rotate in float32: bf16 angles lose too much precision at long positions.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)  # back to the autocast/compute dtype so SDPA sees matching q/k/v dtypes
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale, computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with rotary embeddings and optional grouped KV heads."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Head counts come from the tensors (-1), not the config, so a tensor-parallel
+        # column split of wq/wk/wv (fewer local heads) works without touching this code.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.size(1) != q.size(1):  # GQA: share each KV head across a group of query heads
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention then SwiGLU MLP (the FSDP sharding unit)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim)
+        self.mlp = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaLM(nn.Module):
+    """Byte-level LLaMA-style causal LM whose ``forward(batch)`` returns the mean CE loss."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        # Non-persistent: derived from the config, so they stay out of checkpoints.
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re-)initialise all weights and rope tables; call after ``to_empty()`` from meta init."""
+        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, mod in self.named_modules():
+            if isinstance(mod, nn.Linear | nn.Embedding):
+                # Output projections feed the residual stream once per block; scaling keeps
+                # the stream's variance independent of depth (GPT-2 / LLaMA practice).
+                std = out_std if name.endswith(("attn.wo", "mlp.w2")) else 0.02
+                nn.init.normal_(mod.weight, mean=0.0, std=std)
+            elif isinstance(mod, RMSNorm):
+                mod.reset_parameters()
+        self._refresh_rope(self.rope_cos.device)
+
+    def _refresh_rope(self, device: torch.device) -> None:
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
+        # Rebuild lazily if the tables are on the wrong device, were left on meta by a
+        # deferred init, or were cast by model.to(dtype) (they must stay float32).
+        c = self.rope_cos
+        if c.device != device or c.is_meta or c.dtype != torch.float32:
+            self._refresh_rope(device)
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[B, T, V]`` for token ids ``idx`` of shape ``[B, T]``.
+
+        Under FSDP2 call ``register_fsdp_forward_method(model, "logits")`` first so the
+        parameters get all-gathered (only ``__call__``/``forward`` trigger the hooks).
+        """
+        x = self.tok_emb(idx)
+        cos, sin = self._rope(idx.size(1), x.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+    def forward(self, batch) -> torch.Tensor:
+        """Mean cross-entropy loss of ``batch``.
+
+        ``batch`` is a LongTensor ``[B, T+1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``), a
+        dict with ``input_ids`` and aligned ``labels`` (``-100`` = ignored), or a
+        ``(input_ids, labels)`` pair.
+        """
+        if isinstance(batch, dict):
+            idx, targets = batch["input_ids"], batch["labels"]
+        elif isinstance(batch, tuple | list):
+            idx, targets = batch
+        else:
+            idx, targets = batch[:, :-1], batch[:, 1:]
+        logits = self.logits(idx)
+        # float32 CE even under bf16 autocast: log-softmax over the vocab is precision-sensitive.
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+        )
+
+    def num_params(self, *, exclude_embedding: bool = False) -> int:
+        """Number of (unique) parameters; optionally without the input embedding table.
+
+        With tied embeddings the shared matrix is always counted, since the output
+        projection is a real matmul. Works on FSDP2 DTensors (``numel`` is global).
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and not self.cfg.tie_embeddings:
+            n -= self.tok_emb.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward) at context length ``seq_len``.
+
+        ``6*N + 12*L*d*T`` (PaLM appendix B convention): ``6N`` for the matmuls of the ``N``
+        non-embedding parameters (2 FLOPs per multiply-add, x3 for forward + backward), plus
+        ``12*L*d*T`` for the attention score and value matmuls (``QK^T`` and ``AV``), counted
+        without discounting the causal mask. Used as the numerator of MFU.
+        """
+        n = self.num_params(exclude_embedding=True)
+        return 6 * n + 12 * self.cfg.n_layers * self.cfg.dim * seq_len
+
+
+def build_llama(
+    *,
+    vocab_size: int = 256,
+    dim: int = 128,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    n_kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    max_seq_len: int = 256,
+    tie_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+) -> LlamaLM:
+    """Build a :class:`LlamaLM` (deterministic given ``torch.manual_seed``)."""
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_hidden=ffn_hidden,
+        max_seq_len=max_seq_len,
+        tie_embeddings=tie_embeddings,
+        rope_theta=rope_theta,
+    )
+    return LlamaLM(cfg)

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import torch
 import yaml
 from torch import nn
 
+from dptrain.build import import_object
+
 DEFAULT_MODEL_FACTORY = "dptrain.models.llama:build_llama"
-
-
-def import_object(spec: str):
-    """Import ``"pkg.mod:attr"`` (or ``"pkg.mod.attr"``); the attribute part may be dotted."""
-    if ":" in spec:
-        mod_name, attr = spec.split(":", 1)
-    else:
-        mod_name, _, attr = spec.rpartition(".")
-    if not mod_name or not attr:
-        raise ValueError(f"expected 'package.module:name', got {spec!r}")
-    obj = importlib.import_module(mod_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _max_seq_len(model: nn.Module) -> int | None:

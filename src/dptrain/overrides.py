@@ -104,6 +104,8 @@ def _build(cls: type, data: dict[str, Any], *, prefix: str) -> Any:
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
+            if value is None:  # `train:` with nothing under it
+                value = {}
             if not isinstance(value, dict):
                 raise ConfigError(f"{prefix + name!r} must be a section (mapping), not {value!r}")
             kwargs[name] = _build(hint, value, prefix=f"{prefix}{name}.")
@@ -144,11 +146,15 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         if isinstance(value, bool):
             return value
     elif hint is int:
+        if isinstance(value, str):  # "3e2", "1_000": YAML 1.1 leaves some numbers as strings
+            value = _number(value)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            value = _number(value)
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
     elif hint is str:
@@ -159,10 +165,20 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             return value
     elif origin is tuple:
         if isinstance(value, list | tuple) and len(value) == len(args):
-            return tuple(_coerce(v, a, name) for v, a in zip(value, args))
+            return tuple(_coerce(v, a, name) for v, a in zip(value, args, strict=True))
     else:
         return value
     raise ConfigError(f"{name}={value!r} has the wrong type; expected {_hint_name(hint)}")
+
+
+def _number(text: str) -> Any:
+    """`text` as an int or float when it spells one, else unchanged (the caller reports the type error)."""
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            continue
+    return text
 
 
 def _hint_name(hint: Any) -> str:
@@ -183,6 +199,11 @@ def dump_yaml(cfg: Config, extra: dict[str, Any] | None = None) -> str:
 # ---------------------------------------------------------------------------------------
 # DeepSpeed-style JSON
 # ---------------------------------------------------------------------------------------
+
+def _no_auto(d: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of a DeepSpeed block without its "auto" values (HF Trainer style: keep dptrain's own value)."""
+    return {k: v for k, v in (d or {}).items() if v != "auto"}
+
 
 _ZERO_STAGE = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}
 _DS_OPTIM = {"sgd": "sgd", "adam": "adam", "adamw": "adamw"}
@@ -220,7 +241,7 @@ def from_deepspeed(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if kind not in _DS_OPTIM:
             raise ConfigError(f"DeepSpeed optimizer.type={opt.get('type')!r} is not supported; use one of: SGD, Adam, AdamW")
         put("optim.name", _DS_OPTIM[kind])
-        params = dict(opt.get("params") or {})
+        params = _no_auto(opt.get("params"))
         for pk, target in (("lr", "optim.lr"), ("weight_decay", "optim.weight_decay"), ("momentum", "optim.momentum"), ("eps", "optim.eps")):
             if pk in params:
                 put(target, params.pop(pk))
@@ -232,7 +253,7 @@ def from_deepspeed(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if "scheduler" in ds:
         sch = ds.pop("scheduler") or {}
         kind = sch.get("type")
-        params = dict(sch.get("params") or {})
+        params = _no_auto(sch.get("params"))
         if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
             raise ConfigError(
                 f"DeepSpeed scheduler.type={kind!r} is not supported; use WarmupLR, WarmupDecayLR or WarmupCosineLR"
@@ -252,8 +273,8 @@ def from_deepspeed(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 params.pop(k, None)
         unknown += [f"scheduler.params.{k}" for k in params]
 
-    fp16 = ds.pop("fp16", None) or {}
-    bf16 = ds.pop("bf16", None) or {}
+    fp16 = _no_auto(ds.pop("fp16", None))
+    bf16 = _no_auto(ds.pop("bf16", None))
     if fp16.get("enabled") is True and bf16.get("enabled") is True:
         raise ConfigError("DeepSpeed config enables both fp16 and bf16; enable at most one")
     if fp16.get("enabled") is True:
@@ -270,14 +291,15 @@ def from_deepspeed(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         unknown += [f"bf16.{k}" for k in bf16 if k != "enabled"]
 
     if "zero_optimization" in ds:
-        zero = dict(ds.pop("zero_optimization") or {})
+        zero = _no_auto(ds.pop("zero_optimization"))
         stage = zero.pop("stage", 0)
         if stage not in _ZERO_STAGE:
             raise ConfigError(f"DeepSpeed zero_optimization.stage={stage!r} is not valid; use 0, 1, 2 or 3")
         put("parallel.strategy", _ZERO_STAGE[stage])
         offload = [k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device", "none") != "none"]
         for k in ("offload_optimizer", "offload_param"):
-            zero.pop(k, None)
+            sub = zero.pop(k, None) or {}
+            unknown += [f"zero_optimization.{k}.{sk}" for sk in sub if sk != "device"]
         if offload:
             if stage != 3:
                 raise ConfigError(

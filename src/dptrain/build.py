@@ -1,0 +1,87 @@
+"""Factories named by import path in the config: model, data, loss, collate."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptrain.config import ConfigError, DataConfig, ModelConfig
+from dptrain.data.loader import split_train_val
+
+
+def import_object(spec: str) -> Any:
+    """Import `"pkg.mod:attr"` (or `"pkg.mod.attr"`); the attribute part may be dotted."""
+    if ":" in spec:
+        mod_name, attr = spec.split(":", 1)
+    else:
+        mod_name, _, attr = spec.rpartition(".")
+    if not mod_name or not attr:
+        raise ConfigError(f"expected an import path 'package.module:name', got {spec!r}")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import module {mod_name!r} named in {spec!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"module {mod_name!r} has no attribute {attr!r} (from {spec!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_model(cfg: ModelConfig, *, seed: int) -> nn.Module:
+    """Call the model factory under `seed`, so every rank starts from identical weights
+    (FSDP2 does not broadcast parameters; DDP does, but then the seed costs nothing)."""
+    factory = import_object(cfg.factory)
+    torch.manual_seed(seed)
+    try:
+        model = factory(**cfg.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model.factory {cfg.factory!r} rejected model.kwargs {cfg.kwargs}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def build_datasets(cfg: DataConfig) -> tuple[Any, Any | None]:
+    """(train, val or None) from the data factory."""
+    factory = import_object(cfg.factory)
+    try:
+        out = factory(**cfg.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"data.factory {cfg.factory!r} rejected data.kwargs {cfg.kwargs}: {e}") from None
+    return split_train_val(out)
+
+
+def build_loss_fn(spec: str | None) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """`fn(model, batch) -> scalar loss`: the configured one, or the model's own forward."""
+    if spec is not None:
+        return import_object(spec)
+    return forward_loss
+
+
+def forward_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The model's forward returns the loss, or an object with `.loss` (Hugging Face models).
+    nn.DataParallel gathers one loss per GPU: their mean is the batch mean for equal splits."""
+    out = model(batch)
+    loss = getattr(out, "loss", out)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"the model's forward returned {type(out).__name__}, not a loss tensor; "
+            "return the loss, an object with .loss, or set train.loss=pkg.mod:fn"
+        )
+    return loss.mean() if loss.ndim else loss
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors in nested tuples/lists/dicts to `device` (non-blocking from pinned memory)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch

@@ -1,0 +1,80 @@
+"""Turning a config into torchrun arguments, and running torchrun (`torch.distributed.run`).
+
+dptrain never spawns workers itself: `run_torchrun` hands an argv to PyTorch's elastic agent.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from dptrain.config import LaunchConfig
+
+# torchrun with gloo cannot re-rendezvous after a worker dies while the agent shares its TCP
+# store with the workers (pytorch#135712); a separate store per restart round makes it work.
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun_args(cfg: LaunchConfig, *, nproc_per_node: int, module: str, module_args: list[str]) -> list[str]:
+    """The torchrun argv that runs `python -m module module_args...` on every worker."""
+    args = ["--nproc-per-node", str(nproc_per_node), "--nnodes", str(cfg.nnodes)]
+    if cfg.nnodes == 1 and cfg.rdzv_endpoint is None:
+        args.append("--standalone")  # picks a free local port; nothing to configure
+    else:
+        if cfg.rdzv_endpoint is None:
+            raise ValueError(
+                f"launch.nnodes={cfg.nnodes} needs launch.rdzv_endpoint=host:port (the node running rank 0)"
+            )
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint, "--rdzv-id", cfg.rdzv_id]
+        args += ["--node-rank", str(cfg.node_rank)]
+    args += ["--max-restarts", str(cfg.max_restarts)]
+    return [*args, "--module", module, *module_args]
+
+
+def run_torchrun(argv: list[str], *, restarts: bool) -> int:
+    """Run torchrun in this process; return 0 on success, 1 when a worker failed (torchrun has
+    already printed which rank failed and its error)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if restarts:
+        os.environ.update(RESTART_ENV)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would pin every worker to 1 thread (with a warning); share the cores instead.
+        nproc = int(argv[argv.index("--nproc-per-node") + 1]) if "--nproc-per-node" in argv else 1
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(nproc, 1)))
+    args = get_args_parser().parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        failures = ", ".join(f"rank {f.rank} (exit {f.exitcode})" for f in e.failures.values())
+        print(f"dptrain: worker(s) failed: {failures}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def user_script_args(argv: list[str], *, default_nproc: int) -> list[str]:
+    """`dptrain launch` arguments with dptrain's defaults filled in: every local GPU (or 2 CPU
+    workers) and a standalone rendezvous when the user named neither."""
+    out = list(argv)
+    script_at = next((i for i, a in enumerate(out) if not a.startswith("-") and (i == 0 or not _takes_value(out[i - 1]))), len(out))
+    opts = out[:script_at]
+    extra: list[str] = []
+    if not any(o.split("=")[0] in ("--nproc-per-node", "--nproc_per_node") for o in opts):
+        extra += ["--nproc-per-node", str(default_nproc)]
+    if not any(o.split("=")[0] in ("--rdzv-endpoint", "--rdzv_endpoint", "--standalone", "--master-addr", "--master_addr", "--nnodes") for o in opts):
+        extra.append("--standalone")
+    return extra + out
+
+
+_VALUE_OPTS = {
+    "--nnodes", "--nproc-per-node", "--nproc_per_node", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint",
+    "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf", "--max-restarts", "--max_restarts",
+    "--monitor-interval", "--monitor_interval", "--start-method", "--start_method", "--role", "--log-dir",
+    "--log_dir", "-r", "--redirects", "-t", "--tee", "--local-ranks-filter", "--local_ranks_filter", "--node-rank",
+    "--node_rank", "--master-addr", "--master_addr", "--master-port", "--master_port", "--local-addr", "--local_addr",
+}
+
+
+def _takes_value(opt: str) -> bool:
+    return opt in _VALUE_OPTS

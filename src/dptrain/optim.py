@@ -1,0 +1,69 @@
+"""Optimizer and learning-rate schedule built from `OptimConfig`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from dptrain.config import OptimConfig
+
+
+def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
+    """Decay matrices and embeddings; leave biases and norm gains (1-D tensors) undecayed."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(
+    model: nn.Module, *, cfg: OptimConfig, lr: float, shard_state: bool = False
+) -> torch.optim.Optimizer:
+    """SGD/Adam/AdamW over `model`'s parameters. shard_state=True (ZeRO-1) partitions the optimizer
+    state over ranks with ZeroRedundancyOptimizer; each rank updates its slice and broadcasts it."""
+    groups = param_groups(model, weight_decay=cfg.weight_decay)
+    if cfg.name == "sgd":
+        cls, kw = torch.optim.SGD, {"lr": lr, "momentum": cfg.momentum}
+    elif cfg.name == "adam":
+        cls, kw = torch.optim.Adam, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps}
+    elif cfg.name == "adamw":
+        cls, kw = torch.optim.AdamW, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps}
+    else:
+        raise ValueError(f"optim.name={cfg.name!r} is not valid; choose one of: sgd, adam, adamw")
+    if shard_state:
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, **kw, weight_decay=groups[0]["weight_decay"])
+        for g in groups[1:]:
+            opt.add_param_group(g)
+        return opt
+    return cls(groups, **kw)
+
+
+def lr_lambda(step: int, *, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr at `step`: linear warmup, then cosine/linear decay or constant."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, max_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, cfg: OptimConfig, max_steps: int) -> LambdaLR:
+    def fn(step: int) -> float:
+        return lr_lambda(
+            step, warmup_steps=cfg.warmup_steps, max_steps=max_steps, schedule=cfg.schedule,
+            min_lr_ratio=cfg.min_lr_ratio,
+        )
+
+    return LambdaLR(optimizer, fn)

@@ -160,6 +160,8 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     elif hint is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)  # e.g. launch.rdzv_id=42
     elif origin is dict:
         if isinstance(value, dict):
             return value
@@ -297,6 +299,12 @@ def from_deepspeed(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             raise ConfigError(f"DeepSpeed zero_optimization.stage={stage!r} is not valid; use 0, 1, 2 or 3")
         put("parallel.strategy", _ZERO_STAGE[stage])
         offload = [k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device", "none") != "none"]
+        nvme = [k for k in offload if zero[k].get("device") != "cpu"]
+        if nvme:
+            raise ConfigError(
+                f"DeepSpeed zero_optimization.{nvme[0]}.device={zero[nvme[0]].get('device')!r} is not supported; "
+                "dptrain offloads to the CPU only (device: cpu)"
+            )
         for k in ("offload_optimizer", "offload_param"):
             sub = zero.pop(k, None) or {}
             unknown += [f"zero_optimization.{k}.{sk}" for sk in sub if sk != "device"]

@@ -1,0 +1,53 @@
+"""Shared fixtures: every test must leave no process group and no launcher variables behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Make the helpers in tests/ (mp.py, test modules used as data factories such as
+# `test_parity:tiny_tokens`) importable whatever pytest's import mode or rootdir.
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+from mp import DIST_ENV_VARS  # noqa: E402
+
+# Variables a launcher sets; a test that leaves them in os.environ makes every later test
+# (and every later Trainer) believe it was started by torchrun.
+LEAK_CHECKED_VARS = (*DIST_ENV_VARS, "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")
+
+
+def _dist_initialized() -> bool:
+    if "torch" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_distributed_state():
+    """Fail a test that leaves torch.distributed initialised or launcher env vars changed in this process."""
+    before = {k: os.environ.get(k) for k in LEAK_CHECKED_VARS}
+    was_initialized = _dist_initialized()
+    yield
+    problems = []
+    if _dist_initialized() and not was_initialized:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()  # clean up so the next test starts fresh
+        problems.append("torch.distributed was left initialised in the test process")
+    changed = {k: (before[k], os.environ.get(k)) for k in LEAK_CHECKED_VARS if os.environ.get(k) != before[k]}
+    for k, (old, _new) in changed.items():
+        if old is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = old
+    if changed:
+        problems.append("environment variables leaked: " + ", ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in changed.items()))
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)

@@ -92,7 +92,7 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dptrain import launch
-    from dptrain.build import build_datasets
+    from dptrain.build import build_datasets, import_object
 
     cfg = _load(args.items, extra=_flag_overrides(args))
     nproc = local_world_size(cfg.launch)
@@ -102,6 +102,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                               launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc))
     # Build the data once here: it warms caches (the corpus) before ranks race for them, and a
     # dataset smaller than one global batch is refused before any worker starts.
+    for spec in (cfg.model.factory, cfg.train.loss, cfg.data.collate):
+        if spec:
+            import_object(spec)  # a typo in an import path fails here, not in every worker
     train, _ = build_datasets(cfg.data)
     if len(train) < res.global_batch_size:
         raise ConfigError(

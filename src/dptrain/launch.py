@@ -47,7 +47,7 @@ def run_torchrun(argv: list[str], *, restarts: bool) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        failures = ", ".join(f"rank {f.rank} (exit {f.exitcode})" for f in e.failures.values())
+        failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
         print(f"dptrain: worker(s) failed: {failures}", file=sys.stderr)
         return 1
     return 0

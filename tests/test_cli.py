@@ -1,0 +1,120 @@
+"""End-to-end: the `dptrain` command as a user runs it (real torchrun, real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.kwargs.dim=32", "model.kwargs.n_layers=2", "model.kwargs.n_heads=2", "model.kwargs.max_seq_len=32",
+    "data.kwargs.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+    "train.log_every_steps=2", "train.eval_every_steps=4", "train.eval_batches=2",
+]
+
+
+def dptrain(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "dptrain", *args], capture_output=True, text=True, timeout=timeout, env=full_env,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.timeout(240)
+def test_run_two_processes_writes_the_run_directory(tmp_path):
+    out = tmp_path / "run"
+    r = dptrain("run", *TINY, "train.max_steps=6", "--nproc-per-node", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dptrain run summary" in r.stdout
+    assert r.stdout.count("val loss") >= 2  # evaluated at the start and the end, printed once (rank 0)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [2, 4, 6]
+    for rec in steps:
+        assert {"step", "loss", "lr", "tokens_per_s", "samples_per_s"} <= rec.keys()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["world_size"] == 2 and summary["strategy"] == "ddp"
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    assert {"final_loss", "wall_s"} <= summary.keys()
+    # the consolidated weights carry the plain module's names
+    from dptrain.build import build_model
+    from dptrain.overrides import load_config
+
+    cfg = load_config(out / "config.yaml")
+    names = set(build_model(cfg.model, seed=0).state_dict())
+    assert set(load_file(out / "final" / "model.safetensors")) == names
+    # and the model samples text
+    g = dptrain("generate", str(out), "--prompt", "def ", "--max-new-tokens", "20")
+    assert g.returncode == 0, g.stderr
+    assert g.stdout.startswith("def ")
+
+
+@pytest.mark.timeout(240)
+def test_run_fsdp_single_strategy_and_deepspeed_json(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({
+        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.002}},
+        "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "wall_clock_breakdown": False,
+    }))
+    out = tmp_path / "fsdp"
+    tiny = [t for t in TINY if "batch_size" not in t]
+    r = dptrain("run", str(ds), *tiny, "train.max_steps=4", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "wall_clock_breakdown" in r.stderr  # unknown DeepSpeed keys are named, not dropped
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["strategy"] == "fsdp" and summary["precision"] == "bf16" and summary["world_size"] == 2
+    assert len(load_file(out / "final" / "model.safetensors")) > 0
+
+    out1 = tmp_path / "single"
+    r = dptrain("run", *TINY, "train.max_steps=2", "parallel.strategy=single", "--out", str(out1))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out1 / "summary.json").read_text())["world_size"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_inconsistent_batch_is_refused_before_any_process_starts(tmp_path):
+    r = dptrain("run", "train.global_batch_size=16", "train.micro_batch_size=4", "train.grad_accum_steps=8",
+                "--nproc-per-node", "2", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2
+    assert "16 != 4 * 8 * 2" in r.stderr
+    assert "micro_batch_size=" in r.stderr  # valid alternatives are offered
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_errors_exit_2_and_name_the_value(tmp_path):
+    r = dptrain("run", "train.max_step=5", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "train.max_step" in r.stderr and "max_steps" in r.stderr
+    r = dptrain("run", "parallel.strategy=dp", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "CUDA" in r.stderr and "ddp" in r.stderr
+    r = dptrain("run", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "missing.yaml" in r.stderr
+    r = dptrain("run", "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs.n=10",
+                "model.factory=dptrain.models.toy:build_mlp", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "10" in r.stderr and "32" in r.stderr
+    r = dptrain("run", "model.factory=nosuch.module:fn", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "nosuch.module" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_config_show_prints_resolved_values():
+    r = dptrain("config", "show", "train.global_batch_size=64", "optim.lr_scaling=linear", "optim.base_batch_size=32",
+                "--nproc-per-node", "2")
+    assert r.returncode == 0, r.stderr
+    assert "grad_accum_steps: 4" in r.stdout  # 64 = 8 * 4 * 2
+    assert "lr * G / base" in r.stdout
+
+
+@pytest.mark.timeout(120)
+def test_launch_runs_a_users_own_loop():
+    r = dptrain("launch", "--nproc-per-node", "2", "examples/own_loop.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("done") == 1  # rank 0 only

@@ -14,6 +14,7 @@ while the parent has no process group and no CUDA context; both are checked.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -62,6 +63,9 @@ def _child(fn: Callable[..., Any], rank: int, args: tuple, env: dict[str, str], 
     os.environ.update(env)
     result_path = Path(workdir) / f"rank{rank}.pkl"
     error_path = Path(workdir) / f"rank{rank}.err"
+    # On timeout the parent sends SIGUSR1 first: every thread's Python stack lands here.
+    stack_file = open(Path(workdir) / f"rank{rank}.stack", "w")  # noqa: SIM115 - lives until _exit
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     code = 0
     try:
         import torch
@@ -164,36 +168,49 @@ def _wait(procs: list[mp.process.BaseProcess], timeout: float) -> tuple[list[int
         now = time.monotonic()
         if now >= deadline:
             ranks = [procs.index(p) for p in alive]
+            _dump_stacks(alive)
             for p in alive:
                 _kill(p)
             return ranks, []
         if failed_at is not None and now - failed_at >= FAILURE_GRACE_S:
             ranks = [procs.index(p) for p in alive]
+            _dump_stacks(alive)
             for p in alive:
                 _kill(p)
             return [], ranks
         multiprocessing.connection.wait([p.sentinel for p in alive], timeout=min(0.2, deadline - now))
 
 
+def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
+    """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) before they are killed."""
+    for p in procs:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.5)
+
+
 def _collect(
     procs: list[mp.process.BaseProcess], workdir: Path, timed_out: list[int], killed: list[int], timeout: float
 ) -> list[Any]:
     results: list[Any] = []
-    failed: dict[int, str] = {}
+    failed: dict[int, str] = {}  # rank -> traceback (or why there is none)
+    hung: dict[int, str] = {}  # rank -> its Python stacks when it was killed
     for rank, p in enumerate(procs):
-        err, res = workdir / f"rank{rank}.err", workdir / f"rank{rank}.pkl"
+        err, res, stack = (workdir / f"rank{rank}.{ext}" for ext in ("err", "pkl", "stack"))
         if err.exists():
             failed[rank] = err.read_text()
         elif rank in timed_out or rank in killed:
-            pass
+            hung[rank] = (stack.read_text().strip() if stack.exists() else "") or "(no stack dump)"
         elif p.exitcode != 0 or not res.exists():
             failed[rank] = f"exited with code {p.exitcode} without a traceback (crashed or killed by a signal)"
-        if res.exists() and rank not in failed:
+        if res.exists() and rank not in failed and rank not in hung:
             with open(res, "rb") as f:
                 results.append(pickle.load(f))
         else:
             results.append(None)
-    if failed or timed_out or killed:
+    if failed or hung:
         parts = [f"{len(failed)} of {len(procs)} rank(s) failed"]
         if timed_out:
             parts.append(f"rank(s) {timed_out} timed out after {timeout:g}s and were killed")
@@ -201,6 +218,8 @@ def _collect(
             parts.append(f"rank(s) {killed} were still running {FAILURE_GRACE_S:g}s after a failure and were killed")
         msg = "; ".join(parts)
         for rank, tb in sorted(failed.items()):
-            msg += f"\n\n===== rank {rank} =====\n{tb.rstrip()}"
+            msg += f"\n\n===== rank {rank}: traceback =====\n{tb.rstrip()}"
+        for rank, st in sorted(hung.items()):
+            msg += f"\n\n===== rank {rank}: killed while running; its stacks =====\n{st}"
         raise RankError(msg, failed=failed, timed_out=timed_out, killed=killed)
     return results

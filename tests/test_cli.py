@@ -118,3 +118,14 @@ def test_launch_runs_a_users_own_loop():
     r = dptrain("launch", "--nproc-per-node", "2", "examples/own_loop.py")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("done") == 1  # rank 0 only
+
+
+@pytest.mark.timeout(30)
+def test_readme_config_reference_matches_the_code():
+    from dptrain.cli import config_reference
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- config-reference:start -->\n") + len("<!-- config-reference:start -->\n")
+    assert readme[start:readme.index("<!-- config-reference:end -->")] == config_reference(), (
+        "README config reference is stale: regenerate it with `dptrain config docs`"
+    )

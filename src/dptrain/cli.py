@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--nproc-per-node")
     show.set_defaults(func=cmd_config_show)
 
+    docs = cfg_sub.add_parser("docs", help="print the config reference (Markdown) from the fields' docstrings")
+    docs.set_defaults(func=cmd_config_docs)
+
     gen = sub.add_parser("generate", help="sample text from a trained language model")
     gen.add_argument("run_dir")
     gen.add_argument("--prompt", default="def ")
@@ -138,6 +141,27 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     res = resolve(cfg, world_size=local_world_size(cfg.launch) * cfg.launch.nnodes)
     print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")
     return 0
+
+
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    print(config_reference(), end="")
+    return 0
+
+
+def config_reference() -> str:
+    """Markdown tables of every config field: default and docstring."""
+    from dptrain.config import field_docs, to_dict
+
+    defaults = to_dict(Config())
+    lines = []
+    for section in dataclasses.fields(Config):
+        lines += [f"**`{section.name}`**", "", "| field | default | meaning |", "|---|---|---|"]
+        docs = field_docs(type(getattr(Config(), section.name)))
+        for name, doc in docs.items():
+            default = defaults[section.name][name]
+            lines.append(f"| `{section.name}.{name}` | `{default}` | {doc} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

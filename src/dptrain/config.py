@@ -60,7 +60,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    max_steps: int = 200
+    max_steps: int = 500
     """Number of optimizer steps to train."""
     global_batch_size: int | None = 32
     """Samples per optimizer step over all ranks = micro_batch_size * grad_accum_steps * dp world size."""

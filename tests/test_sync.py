@@ -7,9 +7,15 @@
   and equal the average over ranks of the single-process accumulated gradients;
 - `clip_grad_norm_` returns the same global norm on every rank, the norm of the full averaged
   gradient (also when FSDP2 shards it), and clips by that norm everywhere.
+
+Teardown order matters: a DDP model deallocated after `destroy_process_group()` can deadlock
+(its Reducer drops the last reference to the gloo group with the GIL held; ~ProcessGroupGloo then
+joins a gloo thread that is waiting for the GIL). The rank function deletes the model first.
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -83,6 +89,7 @@ def _rank_fn(rank: int, strategy: str, sync_each: bool) -> dict:
     env = DistEnv.from_env()
     assert env.launched and env.rank == rank and env.world_size == WORLD
     init_process_group(env, backend="gloo", device=CPU, timeout_s=60)
+    model = None
     try:
         model = apply_strategy(fresh_model(), cfg=ParallelConfig(strategy=strategy), device=CPU)
         out: dict = {"sharded": is_sharded(model)}
@@ -99,6 +106,12 @@ def _rank_fn(rank: int, strategy: str, sync_each: bool) -> dict:
         out["clipped"] = full_grads(model)
         return out
     finally:
+        # Drop the wrapper BEFORE the process group: DDP's C++ Reducer holds the gloo group, and
+        # if its deallocation drops the last reference, ~ProcessGroupGloo joins the gloo threads
+        # while holding the GIL, deadlocking with a thread that needs the GIL to free a finished
+        # work item (upstream PyTorch; see the module docstring).
+        del model
+        gc.collect()
         destroy_process_group()
 
 

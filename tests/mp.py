@@ -19,8 +19,11 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import re
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -118,13 +121,15 @@ def run_ranks(
     *args: Any,
     timeout: float = 120,
     env: dict[str, str] | None = None,
+    grace: float = FAILURE_GRACE_S,
 ) -> list[Any]:
     """Run `fn(rank, *args)` on `world_size` forked ranks; return their results in rank order.
 
     `fn` and `args` are not pickled (fork), but each return value is, so return plain data
     (tensors are fine, DTensors are not: call `.full_tensor()` first). `env` adds variables to
-    every child's environment. Raises RankError listing every failing rank's traceback and the
-    ranks that timed out or were killed.
+    every child's environment. Once a rank has failed, the others get `grace` seconds to finish or
+    fail on their own before they are killed. Raises RankError listing every failing rank's
+    traceback, and the Python stacks of the ranks that timed out or were killed.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -147,16 +152,18 @@ def run_ranks(
                 p = ctx.Process(target=_child, args=(fn, rank, args, child_env, workdir), name=f"rank{rank}", daemon=False)
                 p.start()
                 procs.append(p)
-            timed_out, killed = _wait(procs, timeout)
+            timed_out, killed = _wait(procs, timeout, grace, Path(workdir))
         finally:
             for p in procs:  # also on KeyboardInterrupt in the parent: no orphans
                 if p.is_alive():
                     _kill(p)
-        return _collect(procs, Path(workdir), timed_out, killed, timeout)
+        return _collect(procs, Path(workdir), timed_out, killed, timeout, grace)
 
 
-def _wait(procs: list[mp.process.BaseProcess], timeout: float) -> tuple[list[int], list[int]]:
-    """Wait for all ranks; kill the rest on timeout or FAILURE_GRACE_S after a rank failed."""
+def _wait(
+    procs: list[mp.process.BaseProcess], timeout: float, grace: float, workdir: Path
+) -> tuple[list[int], list[int]]:
+    """Wait for all ranks; kill the rest on timeout or `grace` seconds after a rank failed."""
     deadline = time.monotonic() + timeout
     failed_at: float | None = None
     while True:
@@ -168,41 +175,67 @@ def _wait(procs: list[mp.process.BaseProcess], timeout: float) -> tuple[list[int
         now = time.monotonic()
         if now >= deadline:
             ranks = [procs.index(p) for p in alive]
-            _dump_stacks(alive)
+            _dump_stacks(alive, workdir)
             for p in alive:
                 _kill(p)
             return ranks, []
-        if failed_at is not None and now - failed_at >= FAILURE_GRACE_S:
+        if failed_at is not None and now - failed_at >= grace:
             ranks = [procs.index(p) for p in alive]
-            _dump_stacks(alive)
+            _dump_stacks(alive, workdir)
             for p in alive:
                 _kill(p)
             return [], ranks
         multiprocessing.connection.wait([p.sentinel for p in alive], timeout=min(0.2, deadline - now))
 
 
-def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
-    """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) before they are killed."""
+# Frames of the Python interpreter itself: noise in a native stack (the Python stack is dumped separately).
+_INTERPRETER_FRAME = re.compile(r"Python/|Objects/|Include/|Modules/|Programs/|\b_?Py[A-Z_]\w* \(|pybind11::|libc-start|_start \(")
+
+
+def _dump_stacks(procs: list[mp.process.BaseProcess], workdir: Path) -> None:
+    """Before hung ranks are killed: their Python stacks (faulthandler on SIGUSR1) and, when gdb is
+    installed, their native stacks (a hang inside C++ shows no Python frame: a deadlock in a
+    destructor, a collective waiting for a peer)."""
     for p in procs:
         try:
             os.kill(p.pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
     time.sleep(0.5)
+    gdb = shutil.which("gdb") if os.environ.get("DPTRAIN_TEST_NATIVE_STACKS", "1") != "0" else None
+    if gdb is None:
+        return
+    for p in procs:
+        rank = int(p.name.removeprefix("rank"))
+        try:
+            out = subprocess.run(
+                [gdb, "-p", str(p.pid), "-batch", "-nx", "-ex", "thread apply all bt 25"],
+                capture_output=True, text=True, timeout=20,
+            ).stdout
+        except (subprocess.TimeoutExpired, OSError):
+            continue
+        frames = [
+            line[:180] for line in out.splitlines()
+            if line.startswith("Thread ") or (line.startswith("#") and not _INTERPRETER_FRAME.search(line))
+        ]
+        (workdir / f"rank{rank}.native").write_text("\n".join(frames[:400]))
 
 
 def _collect(
-    procs: list[mp.process.BaseProcess], workdir: Path, timed_out: list[int], killed: list[int], timeout: float
+    procs: list[mp.process.BaseProcess], workdir: Path, timed_out: list[int], killed: list[int], timeout: float,
+    grace: float,
 ) -> list[Any]:
     results: list[Any] = []
     failed: dict[int, str] = {}  # rank -> traceback (or why there is none)
     hung: dict[int, str] = {}  # rank -> its Python stacks when it was killed
     for rank, p in enumerate(procs):
-        err, res, stack = (workdir / f"rank{rank}.{ext}" for ext in ("err", "pkl", "stack"))
+        err, res, stack, native = (workdir / f"rank{rank}.{ext}" for ext in ("err", "pkl", "stack", "native"))
         if err.exists():
             failed[rank] = err.read_text()
         elif rank in timed_out or rank in killed:
-            hung[rank] = (stack.read_text().strip() if stack.exists() else "") or "(no stack dump)"
+            hung[rank] = (stack.read_text().strip() if stack.exists() else "") or "(no Python stack dump)"
+            if native.exists():
+                hung[rank] += "\n--- native stacks (gdb) ---\n" + native.read_text()
         elif p.exitcode != 0 or not res.exists():
             failed[rank] = f"exited with code {p.exitcode} without a traceback (crashed or killed by a signal)"
         if res.exists() and rank not in failed and rank not in hung:
@@ -215,7 +248,7 @@ def _collect(
         if timed_out:
             parts.append(f"rank(s) {timed_out} timed out after {timeout:g}s and were killed")
         if killed:
-            parts.append(f"rank(s) {killed} were still running {FAILURE_GRACE_S:g}s after a failure and were killed")
+            parts.append(f"rank(s) {killed} were still running {grace:g}s after a failure and were killed")
         msg = "; ".join(parts)
         for rank, tb in sorted(failed.items()):
             msg += f"\n\n===== rank {rank}: traceback =====\n{tb.rstrip()}"

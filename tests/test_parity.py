@@ -10,6 +10,7 @@ division or a sum-instead-of-mean gradient reduction.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from pathlib import Path
@@ -17,7 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from mp import run_ranks
 from safetensors.torch import load_file
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, default_collate
 
 from dptrain.data import GlobalBatchSampler
@@ -25,7 +28,6 @@ from dptrain.models.llama import build_llama
 from dptrain.models.toy import build_mlp, build_regression_data
 from dptrain.overrides import load_config
 from dptrain.trainer import Trainer
-from mp import run_ranks
 
 SEED = 1234
 STEPS = 4
@@ -77,15 +79,20 @@ MODELS: dict[str, dict[str, Any]] = {
 # ------------------------------------------------------------------ reference and candidate
 def reference(
     model: str = "mlp", *, global_batch: int, steps: int = STEPS, lr: float = LR, grad_clip: float | None = None,
-    skip: frozenset[int] = frozenset(),
+    skip: frozenset[int] = frozenset(), momentum: float = 0.0, weight_decay: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain single-process PyTorch on the global batch: (final state dict, pre-clip grad norm per step).
-    Steps in `skip` consume their batch but do not update (an fp16 overflow)."""
+    Steps in `skip` consume their batch but do not update (an fp16 overflow). Weight decay applies
+    to matrices only, not to biases and norm gains (dptrain's documented policy)."""
     spec = MODELS[model]
     ds = spec["data"](**spec["data_kwargs"])
     torch.manual_seed(SEED)
     net = spec["build"](**spec["kwargs"])
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.0, weight_decay=0.0)
+    groups = [
+        {"params": [p for p in net.parameters() if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in net.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.SGD(groups, lr=lr, momentum=momentum)
     order = GlobalBatchSampler(
         dataset_len=len(ds), global_batch_size=global_batch, micro_batch_size=global_batch,
         grad_accum_steps=1, dp_rank=0, dp_world_size=1, seed=SEED, shuffle=True,
@@ -132,10 +139,11 @@ def overrides(
 
 
 def _fit_rank(rank: int, items: list[str], out_dir: str) -> dict[str, Any]:
-    return Trainer(load_config(None, items), out_dir=out_dir).fit()
+    trainer = Trainer(load_config(None, items), out_dir=out_dir)
+    return trainer.fit()
 
 
-def train(items: list[str], world_size: int, out_dir: Path, *, timeout: float = 60) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def train(items: list[str], world_size: int, out_dir: Path, *, timeout: float = 40) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Run the Trainer on `world_size` ranks (in this process for world_size 1, i.e. strategy
     single); return (final weights, metrics records)."""
     if world_size == 1:
@@ -203,6 +211,33 @@ def test_tolerance_detects_a_missing_loss_division():
     assert max_abs_diff(doubled, want) > 1000 * ATOL
 
 
+OPTIONS = {
+    "sync_each_micro_step": (["parallel.sync_each_micro_step=true"], {}),
+    "momentum_weight_decay": (["optim.momentum=0.9", "optim.weight_decay=0.1"], {"momentum": 0.9, "weight_decay": 0.1}),
+    "tiny_ddp_buckets": (["parallel.bucket_cap_mb=0.0001"], {}),
+    "cpu_offload": (["parallel.cpu_offload=true"], {}),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "strategy,option",
+    [("ddp", "sync_each_micro_step"), ("fsdp", "sync_each_micro_step"), ("zero1", "momentum_weight_decay"),
+     ("fsdp", "momentum_weight_decay"), ("ddp", "tiny_ddp_buckets"), ("fsdp", "cpu_offload")],
+)
+def test_option_matches_reference(strategy, option, tmp_path):
+    """Options that change how (not what) is reduced or stepped keep parity; momentum and weight
+    decay also exercise the optimizer state (sharded under zero1 and fsdp) across steps."""
+    extra, ref_kwargs = OPTIONS[option]
+    items = overrides(strategy=strategy, world_size=2, accum=2) + extra  # later overrides win
+    got, _ = train(items, 2, tmp_path)
+    want, _ = reference(global_batch=GLOBAL_BATCH[2], **ref_kwargs)
+    assert_weights_close(got, want)
+    if ref_kwargs:
+        plain, _ = reference(global_batch=GLOBAL_BATCH[2])
+        assert max_abs_diff(plain, want) > 1000 * ATOL, "the option must change the result to be tested"
+
+
 # ------------------------------------------------------------------ clipping under sharding
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -267,3 +302,19 @@ def test_fp16_zero2_skips_overflowing_steps_on_every_rank(tmp_path):
     # fp16 autocast is not bit-equal to fp32, but far closer than a wrongly applied step.
     assert_weights_close(got, want, rtol=1e-3, atol=1e-4)
     assert max_abs_diff(unskipped, want) > 10 * 1e-4
+
+
+def _ddp_wrappers_after_fit(rank: int, items: list[str], out_dir: str) -> int:
+    trainer = Trainer(load_config(None, items), out_dir=out_dir)
+    trainer.fit()
+    gc.collect()
+    return sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+
+
+@pytest.mark.timeout(60)
+def test_no_ddp_reducer_outlives_fit(tmp_path):
+    """The deadlock itself is a rare race; its precondition is deterministic: after fit() returns,
+    no DDP wrapper (whose C++ Reducer holds the destroyed gloo group) may still be alive."""
+    counts = run_ranks(_ddp_wrappers_after_fit, 2, overrides(strategy="ddp", world_size=2, accum=1, steps=1),
+                       str(tmp_path), timeout=40)
+    assert counts == [0, 0], f"DDP wrappers alive after fit() on each rank: {counts}"

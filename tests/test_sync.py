@@ -19,6 +19,7 @@ import gc
 
 import pytest
 import torch
+from mp import run_ranks
 from torch import nn
 
 from dptrain.config import ParallelConfig
@@ -26,7 +27,6 @@ from dptrain.dist.env import DistEnv
 from dptrain.dist.process_group import destroy_process_group, init_process_group
 from dptrain.models.toy import build_mlp, build_regression_data
 from dptrain.parallel import apply_strategy, clip_grad_norm_, is_sharded, sync_gradients, unwrap
-from mp import run_ranks
 
 SEED = 7
 WORLD = 2
@@ -140,7 +140,7 @@ STRATEGIES = ["ddp", "zero2", "fsdp"]
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_no_sync_accumulates_locally_then_sync_averages(strategy):
-    results = run_ranks(_rank_fn, WORLD, strategy, False, timeout=45)
+    results = run_ranks(_rank_fn, WORLD, strategy, False, timeout=30)
     assert [r["sharded"] for r in results] == [strategy != "ddp"] * WORLD
 
     # Under no-sync: nothing was reduced, every rank holds only its own micro-batch's gradient.
@@ -163,7 +163,7 @@ def test_no_sync_accumulates_locally_then_sync_averages(strategy):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sync_each_micro_step_gives_the_same_gradients(strategy):
-    results = run_ranks(_rank_fn, WORLD, strategy, True, timeout=45)
+    results = run_ranks(_rank_fn, WORLD, strategy, True, timeout=30)
     want = {n: g / WORLD for n, g in reference_grads([(r, k) for r in range(WORLD) for k in range(ACCUM)]).items()}
     for r in results:
         assert "unsynced" not in r
@@ -173,7 +173,7 @@ def test_sync_each_micro_step_gives_the_same_gradients(strategy):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_clip_grad_norm_is_global(strategy):
-    results = run_ranks(_rank_fn, WORLD, strategy, False, timeout=45)
+    results = run_ranks(_rank_fn, WORLD, strategy, False, timeout=30)
     want = {n: g / WORLD for n, g in reference_grads([(r, k) for r in range(WORLD) for k in range(ACCUM)]).items()}
     ref_norm = total_norm(want)
     assert ref_norm > 10 * MAX_NORM, "the clip must be active for this test to mean anything"
@@ -187,3 +187,73 @@ def test_clip_grad_norm_is_global(strategy):
     for r in results:
         assert_grads_close(r["clipped"], {n: g * scale for n, g in want.items()})
     torch.testing.assert_close(total_norm(results[0]["clipped"]), torch.tensor(MAX_NORM), rtol=1e-4, atol=0)
+
+
+# ------------------------------------------------------------------ the harness itself
+def _env_and_result(rank: int, scale: int) -> dict:
+    import os
+
+    return {"rank": rank, "value": rank * scale, "threads": torch.get_num_threads(), "pid": os.getpid(),
+            "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS")},
+            "launched": DistEnv.from_env().launched}
+
+
+def _fail_some(rank: int, pid_dir: str) -> None:
+    import os
+    import time
+    from pathlib import Path
+
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+    if rank == 0:
+        raise ValueError("culprit on rank 0")
+    if rank == 1:
+        raise KeyError("second failure on rank 1")
+    time.sleep(60)  # rank 2 hangs, like a rank blocked in a collective
+
+
+@pytest.mark.timeout(30)
+def test_run_ranks_returns_results_in_rank_order_with_launcher_env():
+    results = run_ranks(_env_and_result, 3, 10, timeout=20)
+    assert [r["value"] for r in results] == [0, 10, 20]
+    for rank, r in enumerate(results):
+        assert r["launched"] and r["threads"] == 1
+        assert r["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
+                            "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+    assert len({r["pid"] for r in results}) == 3
+
+
+@pytest.mark.timeout(30)
+def test_run_ranks_reports_every_failing_rank_and_kills_the_hung_one(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from mp import RankError
+
+    monkeypatch.setenv("DPTRAIN_TEST_NATIVE_STACKS", "0")  # gdb would take seconds per rank
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(_fail_some, 3, str(tmp_path), timeout=20, grace=0.5)
+    assert time.monotonic() - t0 < 10, "the hung rank must be killed soon after the others failed"
+    msg = str(info.value)
+    assert "culprit on rank 0" in msg and "second failure on rank 1" in msg
+    assert info.value.killed == [2] and sorted(info.value.failed) == [0, 1]
+    assert "_fail_some" in msg.split("===== rank 2")[1], "the hung rank's stack must be in the report"
+    for rank in range(3):
+        pid = int((tmp_path / f"{rank}.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # no orphan left behind
+
+
+@pytest.mark.timeout(30)
+def test_run_ranks_timeout_kills_all_ranks(monkeypatch):
+    import time
+
+    from mp import RankError
+
+    monkeypatch.setenv("DPTRAIN_TEST_NATIVE_STACKS", "0")
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(lambda rank: time.sleep(60), 2, timeout=1)
+    assert time.monotonic() - t0 < 8
+    assert info.value.timed_out == [0, 1]
+    assert "timed out after 1s" in str(info.value)

@@ -150,6 +150,9 @@ class Trainer:
                 if self.cfg.log.progress:
                     print_summary(summary, run_dir=self.run_dir)
             collectives.barrier()
+            # Drop the DDP wrapper while its process group still exists: a reducer freed after
+            # destroy_process_group can deadlock gloo's teardown against a finishing barrier.
+            self.model = unwrap(self.model)
         return summary
 
     def _open_outputs(self) -> None:

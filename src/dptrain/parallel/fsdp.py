@@ -30,7 +30,8 @@ def apply_fsdp(
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # pinned host memory only helps (and only exists) with an accelerator to copy to
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     else:
         model = model.to(device)
     for unit in shard_units(model):

@@ -314,8 +314,6 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
             f"parallel.strategy={cfg.parallel.strategy!r} runs in one process but the world size is {world_size}; "
             "use launch.nproc_per_node=1 (--nproc-per-node 1) or a multi-process strategy (ddp, zero1, zero2, fsdp)"
         )
-    if cfg.precision.dtype == "fp16" and device == "cpu" and cfg.parallel.strategy in ("zero2", "fsdp"):
-        pass  # ShardedGradScaler supports the CPU; nothing to refuse.
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"

@@ -1,0 +1,42 @@
+"""The `diagnostics` config section: defaults, validation messages, overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from dptrain.config import Config, ConfigError, validate
+from dptrain.overrides import load_config
+
+
+@pytest.mark.timeout(30)
+def test_defaults_are_valid_and_the_watchdog_fires_before_the_collective_timeout() -> None:
+    cfg = Config()
+    validate(cfg)
+    assert 0 < cfg.diagnostics.hang_timeout_s < cfg.parallel.timeout_s
+    assert cfg.diagnostics.nonfinite == "off"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("diagnostics.nonfinite=ignore", "diagnostics.nonfinite='ignore' is not valid; choose one of: skip, error, off"),
+        ("diagnostics.straggler_every_steps=-1", "diagnostics.straggler_every_steps=-1 is not valid"),
+        ("diagnostics.max_consecutive_skips=0", "diagnostics.max_consecutive_skips=0 is not valid; it must be an integer >= 1"),
+        ("diagnostics.memory_window=2", "diagnostics.memory_window=2 is not valid; it must be an integer >= 3"),
+        ("diagnostics.straggler_margin=0", "diagnostics.straggler_margin=0 is not valid; it must be a number > 0"),
+        ("diagnostics.hang_timeout_s=-5", "diagnostics.hang_timeout_s=-5 is not valid"),
+        ("diagnostics.hang_timeout_s=700", "diagnostics.hang_timeout_s=700 must be below parallel.timeout_s=600"),
+    ],
+)
+def test_bad_values_are_refused_with_the_value_named(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(load_config(None, [override]))
+
+
+@pytest.mark.timeout(30)
+def test_overrides_reach_the_section_and_zero_turns_checks_off() -> None:
+    cfg = load_config(None, ["diagnostics.hang_timeout_s=0", "diagnostics.drift_every_steps=0",
+                             "diagnostics.nonfinite=skip", "parallel.timeout_s=30"])
+    validate(cfg)
+    assert (cfg.diagnostics.hang_timeout_s, cfg.diagnostics.drift_every_steps, cfg.diagnostics.nonfinite) == (0, 0, "skip")

@@ -1,0 +1,97 @@
+"""`Diagnostics`: the one object the trainer talks to.
+
+The trainer calls it at a few fixed points: `preflight(model)` before the strategy wraps the
+model, `start()` before the first step, `phase(name)` when the step enters data loading,
+forward, backward or the optimizer, `skip_step(loss, grad_norm)` before `optimizer.step()`,
+`on_step_end(step)` after it, and `close()`. Each check is a small object of its own module;
+the hub only routes calls and writes findings to `RUN_DIR/diagnostics.jsonl` (rank 0) and the
+console.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptrain.config import DiagnosticsConfig
+from dptrain.diagnostics.preflight import run_preflight
+from dptrain.diagnostics.watchdog import Watchdog
+from dptrain.dist.env import DistEnv
+
+STORE_PREFIX = "dptrain/diag/"
+
+
+def apply_collective_checks(cfg: DiagnosticsConfig) -> None:
+    """Before the process group exists: have torch check every collective's op and shapes across
+    ranks (its ProcessGroupWrapper, enabled by TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+    if cfg.check_collectives:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+
+
+def _default_store() -> Any:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore(STORE_PREFIX, _get_default_store())
+
+
+class Diagnostics:
+    """Watchdog, pre-flight, non-finite policy, straggler, drift and memory checks of one rank."""
+
+    def __init__(self, cfg: DiagnosticsConfig, *, env: DistEnv, run_dir: Path, say: Any = None) -> None:
+        self.cfg, self.env, self.run_dir = cfg, env, Path(run_dir)
+        self.device = torch.device("cpu")
+        self.step = 0  # the step being trained (1-based), for heartbeats and reports
+        self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.watchdog: Watchdog | None = None
+        self._sink = None
+
+    # ------------------------------------------------------------------ start / stop
+    def preflight(self, model: nn.Module, *, config: dict[str, Any]) -> None:
+        """All ranks agree on world size, config and model; else every rank raises the same error."""
+        if self.cfg.preflight:
+            self.phase("preflight", collective="all_gather_object (pre-flight)")
+            run_preflight(world_size=self.env.world_size, config=config, model=model)
+
+    def start(self, *, step: int, device: torch.device) -> None:
+        """Arm the checks; `step` is the number of steps already done (0, or a resumed step)."""
+        self.step, self.device = step + 1, device
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._sink = open(self.run_dir / "diagnostics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        if self.cfg.hang_timeout_s > 0:
+            self.watchdog = Watchdog(timeout_s=self.cfg.hang_timeout_s, store=_default_store(), rank=self.env.rank,
+                                     world_size=self.env.world_size, run_dir=self.run_dir)
+            self.watchdog.start()
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+
+    # ------------------------------------------------------------------ the step
+    def phase(self, name: str, *, collective: str | None = None) -> None:
+        """The training thread enters `name` (data, forward, backward, optimizer, eval, save, ...)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(self.step, name, collective)
+
+    def on_step_end(self, step: int) -> None:
+        """After optimizer step `step` (1-based)."""
+        self.step = step + 1
+
+    # ------------------------------------------------------------------ reporting
+    def report(self, kind: str, record: dict[str, Any], message: str | None = None) -> None:
+        """A finding: one line in diagnostics.jsonl and, with a message, one on the console (rank 0)."""
+        if self._sink is not None:
+            self._sink.write(json.dumps({"kind": kind, **record}) + "\n")
+        if message and self.env.is_main:
+            self._say(message)

@@ -1,0 +1,69 @@
+"""Helpers for the diagnostics tests: the `dptrain` command in a subprocess, orphan checks, and
+test-only factories and loss functions that misbehave on one rank (selected by environment
+variables, which torchrun passes on to its workers)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+TOY = [
+    "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
+    "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
+    "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every_steps=2",
+    "train.eval_every_steps=0", "optim.name=sgd", "optim.lr=0.05", "optim.warmup_steps=0",
+]
+
+
+def dptrain(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m dptrain ARGS` with this checkout's src/ and tests/ importable in every worker."""
+    path = os.pathsep.join([str(ROOT / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "dptrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def processes_mentioning(text: str) -> list[psutil.Process]:
+    """Live processes whose command line contains `text` (e.g. a run directory): orphans."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and any(text in a for a in p.info["cmdline"] or []):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+_calls = {"train": 0}
+
+
+def _training_call(model: nn.Module) -> int:
+    """How many training-mode loss calls this process has made (evaluation calls are not counted)."""
+    if model.training:
+        _calls["train"] += 1
+    return _calls["train"]
+
+
+def sleepy_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The model's loss, except that rank $HANG_RANK sleeps forever in its $HANG_STEP-th training call."""
+    n = _training_call(model)
+    if _rank() == int(os.environ.get("HANG_RANK", "-1")) and n == int(os.environ.get("HANG_STEP", "0")):
+        Path(os.environ["HANG_MARK"]).write_text(str(time.time()))
+        while True:
+            time.sleep(3600)
+    return model(batch)

@@ -67,3 +67,35 @@ def sleepy_loss(model: nn.Module, batch) -> torch.Tensor:
         while True:
             time.sleep(3600)
     return model(batch)
+
+
+def mlp_wider_on_rank1(**kwargs) -> nn.Module:
+    """The toy MLP, with a wider second block on rank 1 only (a model that differs on one rank)."""
+    from dptrain.models.toy import build_mlp
+
+    model = build_mlp(**kwargs)
+    if _rank() == 1:
+        model.layers[1] = type(model.layers[1])(32, 48)
+        model.head = nn.Linear(48, 4)
+    return model
+
+
+def train(rank: int, out_dir: str, overrides: list[str]) -> dict:
+    """Run `Trainer.fit()` on this rank (for tests/mp.run_ranks) and return its summary."""
+    from dptrain.overrides import load_config
+    from dptrain.trainer import Trainer
+
+    cfg = load_config(None, [*TOY, "log.progress=false", *overrides])
+    return Trainer(cfg, out_dir=out_dir).fit()
+
+
+def nan_batch_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The model's loss, with a NaN written into the batch of rank $NAN_RANK at training calls $NAN_STEPS."""
+    n = _training_call(model)
+    steps = {int(s) for s in os.environ.get("NAN_STEPS", "").split(",") if s}
+    if _rank() == int(os.environ.get("NAN_RANK", "-1")) and n in steps:
+        x, y = batch
+        x = x.clone()
+        x[0, 0] = float("nan")
+        batch = (x, y)
+    return model(batch)

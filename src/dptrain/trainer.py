@@ -117,7 +117,8 @@ class Trainer:
         diag.phase("optimizer")
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         self.grad_norm = clip_grad_norm_(self.model, self.cfg.optim.grad_clip)
-        self.scaler.step(self.optimizer)  # skipped only by fp16 overflow, counted in `skipped_steps`
+        if not diag.skip_step(step_loss, self.grad_norm):  # nonfinite=skip: all ranks skip the same step
+            self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -155,7 +156,7 @@ class Trainer:
             self._open_outputs()
             try:
                 self._setup()
-                self.diag.start(step=self.state.step, device=self.device)
+                self.diag.start(step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled())
                 summary = self._loop()
                 self.diag.phase("save")
                 self._save_final()
@@ -267,6 +268,7 @@ class Trainer:
             **self._throughput(state.step, train_time),
             "dptrain_version": __version__,
             "torch_version": torch.__version__,
+            **self.diag.summary(),
         }
         if final_val is not None and self.tokens_per_sample:
             summary["final_val_bpb"] = final_val / math.log(2)

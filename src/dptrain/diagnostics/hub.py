@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dptrain.config import DiagnosticsConfig
+from dptrain.diagnostics.nonfinite import NonFiniteGuard
 from dptrain.diagnostics.preflight import run_preflight
 from dptrain.diagnostics.watchdog import Watchdog
 from dptrain.dist.env import DistEnv
@@ -50,6 +51,7 @@ class Diagnostics:
         self.step = 0  # the step being trained (1-based), for heartbeats and reports
         self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
         self.watchdog: Watchdog | None = None
+        self.nonfinite: NonFiniteGuard | None = None
         self._sink = None
 
     # ------------------------------------------------------------------ start / stop
@@ -59,9 +61,15 @@ class Diagnostics:
             self.phase("preflight", collective="all_gather_object (pre-flight)")
             run_preflight(world_size=self.env.world_size, config=config, model=model)
 
-    def start(self, *, step: int, device: torch.device) -> None:
-        """Arm the checks; `step` is the number of steps already done (0, or a resumed step)."""
+    def start(self, *, step: int, device: torch.device, loss_scaling: bool = False) -> None:
+        """Arm the checks; `step` is the number of steps already done (0, or a resumed step);
+        `loss_scaling`: fp16's scaler handles infinite gradients itself."""
         self.step, self.device = step + 1, device
+        cfg, env = self.cfg, self.env
+        if cfg.nonfinite != "off":
+            self.nonfinite = NonFiniteGuard(policy=cfg.nonfinite, max_consecutive=cfg.max_consecutive_skips,
+                                            rank=env.rank, world_size=env.world_size, device=device,
+                                            check_grad_norm=not loss_scaling, report=self.report)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._sink = open(self.run_dir / "diagnostics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -83,6 +91,17 @@ class Diagnostics:
         """The training thread enters `name` (data, forward, backward, optimizer, eval, save, ...)."""
         if self.watchdog is not None:
             self.watchdog.beat(self.step, name, collective)
+
+    def skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """nonfinite=skip|error: True when every rank must skip this update (see nonfinite.py)."""
+        if self.nonfinite is None:
+            return False
+        self.phase("optimizer", collective="all_reduce (non-finite flags)")
+        return self.nonfinite.skip_step(self.step, loss, grad_norm)
+
+    def summary(self) -> dict[str, Any]:
+        """Counters for summary.json."""
+        return {"nonfinite_skipped_steps": self.nonfinite.skipped} if self.nonfinite is not None else {}
 
     def on_step_end(self, step: int) -> None:
         """After optimizer step `step` (1-based)."""

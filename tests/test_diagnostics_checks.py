@@ -1,0 +1,74 @@
+"""Pre-flight, non-finite policy, straggler, drift and memory checks on real gloo ranks (fork)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diag_helpers import train
+from safetensors.torch import load_file
+
+from dptrain.diagnostics.preflight import compare_facts
+from mp import RankError, run_ranks
+
+
+@pytest.mark.timeout(60)
+def test_a_model_that_differs_on_one_rank_is_refused_with_the_same_message_everywhere(tmp_path):
+    with pytest.raises(RankError) as info:
+        run_ranks(train, 2, str(tmp_path), ["model.factory=diag_helpers:mlp_wider_on_rank1", "train.max_steps=2"],
+                  timeout=60)
+    failed = info.value.failed
+    assert sorted(failed) == [0, 1]
+    messages = [next(line for line in tb.splitlines() if line.startswith("dptrain.diagnostics.preflight.PreflightError"))
+                for tb in failed.values()]
+    assert messages[0] == messages[1]
+    assert "rank 1's model differs from rank 0's at parameter 'layers.1.fc.weight'" in messages[0]
+    assert "shape (32, 32) dtype float32 on rank 0, shape (48, 32) dtype float32 on rank 1" in messages[0]
+
+
+@pytest.mark.timeout(30)
+def test_world_size_and_config_mismatches_name_the_difference():
+    base = {"world_size": 2, "config_hash": "a", "config": {"train.max_steps": "10"}, "model": [("w", (2,), "float32")]}
+    assert compare_facts([base, dict(base)], joined=2) is None
+    assert "rank 1 was started with WORLD_SIZE=3 but 2 ranks joined" in compare_facts(
+        [base, {**base, "world_size": 3}], joined=2)
+    other = {**base, "config_hash": "b", "config": {"train.max_steps": "12"}}
+    assert "first differing key: train.max_steps = 10 on rank 0, 12 on rank 1" in compare_facts([base, other], joined=2)
+    extra = {**base, "model": [("w", (2,), "float32"), ("b", (1,), "float32")]}
+    assert "at parameter 'b': absent on rank 0, shape (1,) dtype float32 on rank 1" in compare_facts([base, extra], joined=2)
+
+
+def _records(run_dir, kind: str) -> list[dict]:
+    lines = (run_dir / "diagnostics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+NAN = ["train.loss=diag_helpers:nan_batch_loss", "train.max_steps=6", "diagnostics.max_consecutive_skips=2"]
+
+
+@pytest.mark.timeout(60)
+def test_nan_in_one_rank_batch_is_skipped_on_every_rank(tmp_path):
+    summaries = run_ranks(train, 2, str(tmp_path), [*NAN, "diagnostics.nonfinite=skip"], timeout=60,
+                          env={"NAN_RANK": "1", "NAN_STEPS": "3"})
+    assert [s["nonfinite_skipped_steps"] for s in summaries] == [1, 1]
+    assert summaries[0]["steps"] == 6
+    (record,) = _records(tmp_path, "nonfinite")
+    assert (record["step"], record["ranks"], record["action"]) == (3, [1], "skipped")
+    weights = load_file(tmp_path / "final" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.timeout(60)
+def test_nonfinite_error_and_too_many_consecutive_skips_stop_every_rank_naming_step_and_rank(tmp_path):
+    with pytest.raises(RankError) as info:
+        run_ranks(train, 2, str(tmp_path), [*NAN, "diagnostics.nonfinite=error"], timeout=60,
+                  env={"NAN_RANK": "1", "NAN_STEPS": "4"})
+    assert sorted(info.value.failed) == [0, 1]
+    for tb in info.value.failed.values():
+        assert "NonFiniteError: step 4: non-finite loss from the data of rank(s) 1; stopping" in tb
+    with pytest.raises(RankError) as info:
+        run_ranks(train, 2, str(tmp_path / "skips"), [*NAN, "diagnostics.nonfinite=skip"], timeout=60,
+                  env={"NAN_RANK": "0", "NAN_STEPS": "2,3"})
+    assert sorted(info.value.failed) == [0, 1]
+    assert "step 3: 2 consecutive steps skipped" in info.value.failed[1]

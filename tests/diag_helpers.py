@@ -99,3 +99,34 @@ def nan_batch_loss(model: nn.Module, batch) -> torch.Tensor:
         x[0, 0] = float("nan")
         batch = (x, y)
     return model(batch)
+
+
+class _SlowData(torch.utils.data.Dataset):
+    """The toy regression data; every item costs $SLOW_S seconds on rank $SLOW_RANK."""
+
+    def __init__(self, inner: torch.utils.data.Dataset) -> None:
+        self.inner = inner
+        slow = _rank() == int(os.environ.get("SLOW_RANK", "-1")) and os.environ.get("SLOW_WHERE") == "data"
+        self.delay = float(os.environ.get("SLOW_S", "0")) if slow else 0.0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        if self.delay:
+            time.sleep(self.delay)
+        return self.inner[i]
+
+
+def slow_data(**kwargs) -> torch.utils.data.Dataset:
+    """Data factory: the toy regression data, slow to load on one rank (see `_SlowData`)."""
+    from dptrain.models.toy import build_regression_data
+
+    return _SlowData(build_regression_data(**kwargs))
+
+
+def slow_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The model's loss; rank $SLOW_RANK spends $SLOW_S more seconds per call when $SLOW_WHERE=compute."""
+    if _rank() == int(os.environ.get("SLOW_RANK", "-1")) and os.environ.get("SLOW_WHERE") == "compute":
+        time.sleep(float(os.environ["SLOW_S"]))
+    return model(batch)

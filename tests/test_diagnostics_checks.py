@@ -72,3 +72,27 @@ def test_nonfinite_error_and_too_many_consecutive_skips_stop_every_rank_naming_s
                   env={"NAN_RANK": "0", "NAN_STEPS": "2,3"})
     assert sorted(info.value.failed) == [0, 1]
     assert "step 3: 2 consecutive steps skipped" in info.value.failed[1]
+
+
+SLOW = ["data.factory=diag_helpers:slow_data", "train.loss=diag_helpers:slow_loss", "train.max_steps=8",
+        "diagnostics.straggler_every_steps=4"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["data", "compute"])
+def test_a_slowed_rank_is_named_as_the_straggler_with_the_slow_part(tmp_path, where):
+    # 4 samples per micro-batch: 5 ms per item in the data, or 20 ms per forward in the compute
+    env = {"SLOW_RANK": "1", "SLOW_WHERE": where, "SLOW_S": "0.005" if where == "data" else "0.02"}
+    run_ranks(train, 2, str(tmp_path), SLOW, timeout=60, env=env)
+    found = _records(tmp_path, "straggler")
+    assert [(s["steps"], s["rank"], s["cause"]) for s in found] == [([1, 4], 1, where), ([5, 8], 1, where)]
+    assert found[-1]["others_wait_s"] > 0.015  # rank 0 waits at the probe for the slow rank's ~20 ms
+    (split,) = [r for r in _records(tmp_path, "step_split") if r["steps"] == [5, 8]]
+    assert split["ranks"][0]["wait"] > 0.015 and split["ranks"][1]["wait"] < 0.005
+
+
+@pytest.mark.timeout(60)
+def test_a_healthy_run_names_no_straggler(tmp_path):
+    run_ranks(train, 2, str(tmp_path), [*SLOW, "train.max_steps=12"], timeout=60)
+    assert len(_records(tmp_path, "step_split")) == 3
+    assert _records(tmp_path, "straggler") == []

@@ -111,7 +111,7 @@ class Trainer:
                 diag.phase("forward")
                 with autocast(self.cfg.precision, self.device):
                     loss = self.loss_fn(self.model, batch) / accum  # mean over the whole global batch
-                diag.phase("backward", collective="gradient reduction (in backward)" if sync else None)
+                diag.phase("backward", sync=sync)  # sync: DDP/FSDP reduce gradients in this backward
                 self.scaler.scale(loss).backward()
             step_loss += loss.detach()
         diag.phase("optimizer")

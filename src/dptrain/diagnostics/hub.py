@@ -22,6 +22,7 @@ from torch import nn
 from dptrain.config import DiagnosticsConfig
 from dptrain.diagnostics.nonfinite import NonFiniteGuard
 from dptrain.diagnostics.preflight import run_preflight
+from dptrain.diagnostics.straggler import StepTimer, describe, find_stragglers, gather_rows
 from dptrain.diagnostics.watchdog import Watchdog
 from dptrain.dist.env import DistEnv
 
@@ -52,6 +53,7 @@ class Diagnostics:
         self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
         self.watchdog: Watchdog | None = None
         self.nonfinite: NonFiniteGuard | None = None
+        self.timer: StepTimer | None = None
         self._sink = None
 
     # ------------------------------------------------------------------ start / stop
@@ -70,6 +72,8 @@ class Diagnostics:
             self.nonfinite = NonFiniteGuard(policy=cfg.nonfinite, max_consecutive=cfg.max_consecutive_skips,
                                             rank=env.rank, world_size=env.world_size, device=device,
                                             check_grad_norm=not loss_scaling, report=self.report)
+        if cfg.straggler_every_steps and env.world_size > 1:
+            self.timer = StepTimer(device=device)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._sink = open(self.run_dir / "diagnostics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -87,10 +91,17 @@ class Diagnostics:
             self._sink = None
 
     # ------------------------------------------------------------------ the step
-    def phase(self, name: str, *, collective: str | None = None) -> None:
-        """The training thread enters `name` (data, forward, backward, optimizer, eval, save, ...)."""
+    def phase(self, name: str, *, sync: bool = False, collective: str | None = None) -> None:
+        """The training thread enters `name` (data, forward, backward, optimizer, eval, save, ...);
+        `sync`: this backward reduces gradients across ranks (the straggler probe goes just before it)."""
+        if sync:
+            collective = "gradient reduction in backward" + (" (after the straggler probe)" if self.timer else "")
         if self.watchdog is not None:
             self.watchdog.beat(self.step, name, collective)
+        if self.timer is not None:
+            if sync:
+                self.timer.probe()
+            self.timer.mark(name)
 
     def skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """nonfinite=skip|error: True when every rank must skip this update (see nonfinite.py)."""
@@ -104,8 +115,22 @@ class Diagnostics:
         return {"nonfinite_skipped_steps": self.nonfinite.skipped} if self.nonfinite is not None else {}
 
     def on_step_end(self, step: int) -> None:
-        """After optimizer step `step` (1-based)."""
+        """After optimizer step `step` (1-based): the periodic checks that gather across ranks."""
+        if self.timer is not None:
+            self.timer.step_done()
+            if step % self.cfg.straggler_every_steps == 0:
+                self._check_stragglers(step)
         self.step = step + 1
+
+    def _check_stragglers(self, step: int) -> None:
+        assert self.timer is not None
+        self.phase("diagnostics", collective="all_gather_object (straggler split)")
+        first = step - self.timer.steps + 1
+        rows = gather_rows(self.timer.row(self.env.rank))
+        self.report("step_split", {"steps": [first, step], "ranks": rows})
+        for s in find_stragglers(rows, margin=self.cfg.straggler_margin):
+            self.report("straggler", {"steps": [first, step], **s}, describe(s, first=first, last=step))
+        self.timer.reset()
 
     # ------------------------------------------------------------------ reporting
     def report(self, kind: str, record: dict[str, Any], message: str | None = None) -> None:

@@ -130,3 +130,14 @@ def slow_loss(model: nn.Module, batch) -> torch.Tensor:
     if _rank() == int(os.environ.get("SLOW_RANK", "-1")) and os.environ.get("SLOW_WHERE") == "compute":
         time.sleep(float(os.environ["SLOW_S"]))
     return model(batch)
+
+
+def nudging_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The model's loss; in training call $NUDGE_STEP, rank $NUDGE_RANK adds 1e-6 to one weight of
+    `layers.1.fc.weight` (a replica that silently drifts)."""
+    n = _training_call(model)
+    if _rank() == int(os.environ.get("NUDGE_RANK", "-1")) and n == int(os.environ.get("NUDGE_STEP", "0")):
+        module = getattr(model, "module", model)
+        with torch.no_grad():
+            module.layers[1].fc.weight[0, 0] += 1e-6
+    return model(batch)

@@ -96,3 +96,41 @@ def test_a_healthy_run_names_no_straggler(tmp_path):
     run_ranks(train, 2, str(tmp_path), [*SLOW, "train.max_steps=12"], timeout=60)
     assert len(_records(tmp_path, "step_split")) == 3
     assert _records(tmp_path, "straggler") == []
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_nudged_on_one_rank_is_caught_at_the_next_check(tmp_path):
+    with pytest.raises(RankError) as info:
+        run_ranks(train, 2, str(tmp_path), ["train.loss=diag_helpers:nudging_loss", "train.max_steps=8",
+                                            "diagnostics.drift_every_steps=2"],
+                  timeout=60, env={"NUDGE_RANK": "1", "NUDGE_STEP": "3"})
+    assert sorted(info.value.failed) == [0, 1]
+    for tb in info.value.failed.values():
+        assert "ReplicaDriftError: replica drift at step 4: parameter 'layers.1.fc.weight' differs on rank(s) 1" in tb
+    checks = _records(tmp_path, "drift")
+    assert [(c["step"], c["ok"]) for c in checks] == [(2, True), (4, False)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_healthy_replicas_never_drift(tmp_path, strategy):
+    run_ranks(train, 2, str(tmp_path), ["train.max_steps=10", "diagnostics.drift_every_steps=1",
+                                        "optim.name=adamw", f"parallel.strategy={strategy}"], timeout=60)
+    checks = _records(tmp_path, "drift")
+    assert len(checks) == 10 and all(c["ok"] for c in checks)
+
+
+@pytest.mark.timeout(30)
+def test_checksums_see_any_single_element_change_and_majority_names_the_odd_rank():
+    from dptrain.diagnostics.drift import find_drift, param_checksums
+    from dptrain.models.toy import build_mlp
+
+    model = build_mlp()
+    names, before = param_checksums(model)
+    with torch.no_grad():
+        model.head.bias[1] = torch.nextafter(model.head.bias[1], torch.tensor(1.0))  # one ulp
+    _, after = param_checksums(model)
+    changed = [n for n, a, b in zip(names, before.tolist(), after.tolist(), strict=True) if a != b]
+    assert changed == ["head.bias"]
+    assert find_drift(["w"], [[5], [5], [7], [5]]) == [("w", [2])]
+    assert find_drift(["w", "b"], [[1, 2], [1, 3]]) == [("b", [1])]

@@ -156,7 +156,7 @@ class Trainer:
             self._open_outputs()
             try:
                 self._setup()
-                self.diag.start(step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled())
+                self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled())
                 summary = self._loop()
                 self.diag.phase("save")
                 self._save_final()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,13 @@ import torch
 from torch import nn
 
 from dptrain.config import DiagnosticsConfig
+from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
 from dptrain.diagnostics.nonfinite import NonFiniteGuard
 from dptrain.diagnostics.preflight import run_preflight
 from dptrain.diagnostics.straggler import StepTimer, describe, find_stragglers, gather_rows
 from dptrain.diagnostics.watchdog import Watchdog
 from dptrain.dist.env import DistEnv
+from dptrain.parallel import is_sharded, unwrap
 
 STORE_PREFIX = "dptrain/diag/"
 
@@ -54,6 +57,7 @@ class Diagnostics:
         self.watchdog: Watchdog | None = None
         self.nonfinite: NonFiniteGuard | None = None
         self.timer: StepTimer | None = None
+        self.replica: nn.Module | None = None  # the module whose replicas the drift check compares
         self._sink = None
 
     # ------------------------------------------------------------------ start / stop
@@ -63,9 +67,9 @@ class Diagnostics:
             self.phase("preflight", collective="all_gather_object (pre-flight)")
             run_preflight(world_size=self.env.world_size, config=config, model=model)
 
-    def start(self, *, step: int, device: torch.device, loss_scaling: bool = False) -> None:
-        """Arm the checks; `step` is the number of steps already done (0, or a resumed step);
-        `loss_scaling`: fp16's scaler handles infinite gradients itself."""
+    def start(self, model: nn.Module, *, step: int, device: torch.device, loss_scaling: bool = False) -> None:
+        """Arm the checks for the strategy-wrapped `model`; `step` is the number of steps already done
+        (0, or a resumed step); `loss_scaling`: fp16's scaler handles infinite gradients itself."""
         self.step, self.device = step + 1, device
         cfg, env = self.cfg, self.env
         if cfg.nonfinite != "off":
@@ -74,6 +78,8 @@ class Diagnostics:
                                             check_grad_norm=not loss_scaling, report=self.report)
         if cfg.straggler_every_steps and env.world_size > 1:
             self.timer = StepTimer(device=device)
+        if cfg.drift_every_steps and env.world_size > 1 and not is_sharded(model):
+            self.replica = unwrap(model)  # zero2/fsdp: one copy of each shard, nothing to compare
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._sink = open(self.run_dir / "diagnostics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -120,7 +126,20 @@ class Diagnostics:
             self.timer.step_done()
             if step % self.cfg.straggler_every_steps == 0:
                 self._check_stragglers(step)
+        if self.replica is not None and step % self.cfg.drift_every_steps == 0:
+            self._check_drift(step)
         self.step = step + 1
+
+    def _check_drift(self, step: int) -> None:
+        assert self.replica is not None
+        self.phase("diagnostics", collective="all_gather (replica checksums)")
+        t0 = time.perf_counter()
+        try:
+            check_replicas(self.replica, step=step)
+        except ReplicaDriftError as e:
+            self.report("drift", {"step": step, "ok": False, "error": str(e)}, str(e))
+            raise
+        self.report("drift", {"step": step, "ok": True, "seconds": time.perf_counter() - t0})
 
     def _check_stragglers(self, step: int) -> None:
         assert self.timer is not None

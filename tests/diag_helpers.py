@@ -141,3 +141,13 @@ def nudging_loss(model: nn.Module, batch) -> torch.Tensor:
         with torch.no_grad():
             module.layers[1].fc.weight[0, 0] += 1e-6
     return model(batch)
+
+
+_kept: list[torch.Tensor] = []
+
+
+def leaky_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The model's loss; rank $LEAK_RANK keeps a fresh 4 MiB tensor alive on every training call."""
+    if model.training and _rank() == int(os.environ.get("LEAK_RANK", "-1")):
+        _kept.append(torch.ones(2**20))  # ones, not empty: the pages are touched, so RSS grows
+    return model(batch)

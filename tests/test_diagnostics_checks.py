@@ -134,3 +134,28 @@ def test_checksums_see_any_single_element_change_and_majority_names_the_odd_rank
     assert changed == ["head.bias"]
     assert find_drift(["w"], [[5], [5], [7], [5]]) == [("w", [2])]
     assert find_drift(["w", "b"], [[1, 2], [1, 3]]) == [("b", [1])]
+
+
+@pytest.mark.timeout(60)
+def test_steady_memory_growth_on_one_rank_is_reported_with_its_slope(tmp_path):
+    run_ranks(train, 2, str(tmp_path), ["train.loss=diag_helpers:leaky_loss", "train.max_steps=8",
+                                        "diagnostics.memory_every_steps=1", "diagnostics.memory_window=5",
+                                        "diagnostics.memory_leak_mb=10"], timeout=60, env={"LEAK_RANK": "1"})
+    leaks = _records(tmp_path, "memory_leak")
+    assert leaks and {leak["rank"] for leak in leaks} == {1}
+    assert leaks[0]["memory"] == "rss" and 3.5 < leaks[0]["mb_per_step"] < 4.5, leaks[0]
+    samples = _records(tmp_path, "memory")
+    assert len(samples) == 8 and all(len(s["ranks"]) == 2 and s["ranks"][0]["rss_mb"] > 0 for s in samples)
+
+
+@pytest.mark.timeout(30)
+def test_line_fit_and_stray_context_detection():
+    from dptrain.diagnostics.memory import fit_line, stray_gpu0_contexts
+
+    slope, r2 = fit_line([1, 2, 3, 4], [10, 12, 14, 16])
+    assert slope == pytest.approx(2.0) and r2 == pytest.approx(1.0)
+    assert fit_line([1, 2, 3, 4], [10, 10, 10, 10]) == (0.0, 0.0)
+    rows = [{"rank": 0, "host": "a", "pid": 10, "local_rank": 0, "gpu0_pids": [10, 11, 99]},
+            {"rank": 1, "host": "a", "pid": 11, "local_rank": 1},
+            {"rank": 2, "host": "b", "pid": 11, "local_rank": 1}]
+    assert stray_gpu0_contexts(rows) == [{"rank": 1, "host": "a", "pid": 11}]

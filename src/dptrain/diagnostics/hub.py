@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch import nn
 
 from dptrain.config import DiagnosticsConfig
 from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
+from dptrain.diagnostics.memory import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
 from dptrain.diagnostics.nonfinite import NonFiniteGuard
 from dptrain.diagnostics.preflight import run_preflight
 from dptrain.diagnostics.straggler import StepTimer, describe, find_stragglers, gather_rows
@@ -58,6 +60,7 @@ class Diagnostics:
         self.nonfinite: NonFiniteGuard | None = None
         self.timer: StepTimer | None = None
         self.replica: nn.Module | None = None  # the module whose replicas the drift check compares
+        self.memory: MemoryMonitor | None = None
         self._sink = None
 
     # ------------------------------------------------------------------ start / stop
@@ -80,6 +83,8 @@ class Diagnostics:
             self.timer = StepTimer(device=device)
         if cfg.drift_every_steps and env.world_size > 1 and not is_sharded(model):
             self.replica = unwrap(model)  # zero2/fsdp: one copy of each shard, nothing to compare
+        if cfg.memory_every_steps:
+            self.memory = MemoryMonitor(device=device, window=cfg.memory_window, leak_mb=cfg.memory_leak_mb)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._sink = open(self.run_dir / "diagnostics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -128,7 +133,29 @@ class Diagnostics:
                 self._check_stragglers(step)
         if self.replica is not None and step % self.cfg.drift_every_steps == 0:
             self._check_drift(step)
+        if self.memory is not None and step % self.cfg.memory_every_steps == 0:
+            self._check_memory(step)
         self.step = step + 1
+
+    def _check_memory(self, step: int) -> None:
+        assert self.memory is not None
+        self.phase("diagnostics", collective="all_gather_object (memory)")
+        first = len(self.memory.samples) == 0
+        env = self.env
+        row = {"rank": env.rank, "host": socket.gethostname(), "pid": os.getpid(), "local_rank": env.local_rank,
+               **self.memory.sample(step), "leaks": self.memory.leaks()}
+        if first and self.device.type == "cuda" and env.local_rank == 0:
+            row["gpu0_pids"] = gpu0_pids()  # once: nvidia-smi takes a fraction of a second
+        rows = gather_rows(row)
+        self.report("memory", {"step": step, "ranks": rows})
+        for r in rows:
+            for leak in r["leaks"]:
+                self.report("memory_leak", {"rank": r["rank"], "host": r["host"], **leak},
+                            describe_leak(r["rank"], r["host"], leak))
+        for s in stray_gpu0_contexts(rows) if first else []:
+            self.report("gpu0_context", s, f"memory: rank {s['rank']} (pid {s['pid']} on {s['host']}) holds a CUDA "
+                        "context on GPU 0, which is not its device: it costs GPU 0 memory; call "
+                        "torch.cuda.set_device(local_rank) before any CUDA work (dptrain's bind_device does)")
 
     def _check_drift(self, step: int) -> None:
         assert self.replica is not None

@@ -143,7 +143,7 @@ def test_steady_memory_growth_on_one_rank_is_reported_with_its_slope(tmp_path):
                                         "diagnostics.memory_leak_mb=10"], timeout=60, env={"LEAK_RANK": "1"})
     leaks = _records(tmp_path, "memory_leak")
     assert leaks and {leak["rank"] for leak in leaks} == {1}
-    assert leaks[0]["memory"] == "rss" and 3.5 < leaks[0]["mb_per_step"] < 4.5, leaks[0]
+    assert leaks[0]["memory"] == "rss" and 2.5 < leaks[0]["mb_per_step"] < 5.5, leaks[0]  # 4 MiB kept per step
     samples = _records(tmp_path, "memory")
     assert len(samples) == 8 and all(len(s["ranks"]) == 2 and s["ranks"][0]["rss_mb"] > 0 for s in samples)
 

@@ -151,3 +151,13 @@ def leaky_loss(model: nn.Module, batch) -> torch.Tensor:
     if model.training and _rank() == int(os.environ.get("LEAK_RANK", "-1")):
         _kept.append(torch.ones(2**20))  # ones, not empty: the pages are touched, so RSS grows
     return model(batch)
+
+
+def mismatched_collective_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The model's loss; in training call 2 every rank all-reduces a tensor of a rank-dependent shape
+    (a bug that otherwise hangs or corrupts memory)."""
+    import torch.distributed as dist
+
+    if _training_call(model) == 2:
+        dist.all_reduce(torch.ones(2 + _rank()))
+    return model(batch)

@@ -159,3 +159,15 @@ def test_line_fit_and_stray_context_detection():
             {"rank": 1, "host": "a", "pid": 11, "local_rank": 1},
             {"rank": 2, "host": "b", "pid": 11, "local_rank": 1}]
     assert stray_gpu0_contexts(rows) == [{"rank": 1, "host": "a", "pid": 11}]
+
+
+@pytest.mark.timeout(60)
+def test_check_collectives_reports_a_mismatched_collective_on_every_rank_with_op_and_shapes(tmp_path):
+    with pytest.raises(RankError) as info:
+        run_ranks(train, 2, str(tmp_path), ["train.loss=diag_helpers:mismatched_collective_loss", "train.max_steps=4",
+                                            "diagnostics.check_collectives=true",
+                                            "parallel.strategy=fsdp"], timeout=60)
+    assert sorted(info.value.failed) == [0, 1]
+    for tb in info.value.failed.values():
+        assert "Detected mismatch between collectives on ranks" in tb
+        assert "OpType=ALLREDUCE" in tb and "TensorShape=[2]" in tb and "TensorShape=[3]" in tb

@@ -165,10 +165,10 @@ class LogConfig:
 
 @dataclass(frozen=True)
 class DiagnosticsConfig:
-    hang_timeout_s: float = 300.0
-    """Seconds without progress before the watchdog writes every rank's stack, names the suspect rank(s) and ends the job (0: off). Must be below parallel.timeout_s."""
+    hang_timeout_s: float | None = None
+    """Seconds without progress before the watchdog writes every rank's stack, names the suspect rank(s) and ends the job (0: off; default: min(300, parallel.timeout_s / 2)). Must be below parallel.timeout_s."""
     check_collectives: bool = False
-    """Check that every rank calls the same collective with the same shapes (TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for debugging)."""
+    """Check that every rank calls the same collective with the same shapes (TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for debugging; not with ddp/zero1, whose constructor crashes under it)."""
     preflight: bool = True
     """At start, check that all ranks agree on world size, config and model (parameter names, shapes, dtypes)."""
     straggler_every_steps: int = 50
@@ -403,6 +403,12 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.bucket_cap_mb <= 0:
         raise ConfigError(f"parallel.bucket_cap_mb={cfg.parallel.bucket_cap_mb!r} is not valid; it must be > 0")
     validate_diagnostics(cfg.diagnostics, pg_timeout_s=cfg.parallel.timeout_s)
+    if cfg.diagnostics.check_collectives and cfg.parallel.strategy in ("ddp", "zero1"):
+        raise ConfigError(
+            f"diagnostics.check_collectives=true cannot be used with parallel.strategy={cfg.parallel.strategy!r}: "
+            "DDP's constructor crashes (segmentation fault) under TORCH_DISTRIBUTED_DEBUG=DETAIL in torch 2.13; "
+            "debug collectives with parallel.strategy=fsdp, zero2 or single"
+        )
 
 
 def validate_diagnostics(d: DiagnosticsConfig, *, pg_timeout_s: float) -> None:
@@ -418,14 +424,21 @@ def validate_diagnostics(d: DiagnosticsConfig, *, pg_timeout_s: float) -> None:
             raise ConfigError(f"diagnostics.{name}={v!r} is not valid; it must be an integer >= {low}")
     for name in ("hang_timeout_s", "straggler_margin", "memory_leak_mb"):
         v, off_ok = getattr(d, name), name == "hang_timeout_s"
+        if v is None and off_ok:
+            continue
         if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or (v == 0 and not off_ok):
             rule = "a number >= 0 (0 turns the watchdog off)" if off_ok else "a number > 0"
-            raise ConfigError(f"diagnostics.{name}={v:g} is not valid; it must be {rule}")
+            raise ConfigError(f"diagnostics.{name}={v!r} is not valid; it must be {rule}")
     if d.hang_timeout_s and d.hang_timeout_s >= pg_timeout_s:
         raise ConfigError(
             f"diagnostics.hang_timeout_s={d.hang_timeout_s:g} must be below parallel.timeout_s={pg_timeout_s:g}, "
             "or the collective timeout fires first without naming the hung rank; lower it or raise parallel.timeout_s"
         )
+
+
+def hang_timeout(d: DiagnosticsConfig, *, pg_timeout_s: float) -> float:
+    """The watchdog's timeout: as set, or min(300 s, half the process-group timeout); 0 means off."""
+    return d.hang_timeout_s if d.hang_timeout_s is not None else min(300.0, pg_timeout_s / 2)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -60,7 +60,8 @@ class Trainer:
         self.run_dir = Path(out_dir or default_out_dir(cfg))
         self.state = TrainState()
         # Watchdog, pre-flight, non-finite policy, stragglers, drift, memory: idle until start().
-        self.diag = Diagnostics(cfg.diagnostics, env=self.env, run_dir=self.run_dir, say=self._say)
+        self.diag = Diagnostics(cfg.diagnostics, env=self.env, run_dir=self.run_dir,
+                                pg_timeout_s=cfg.parallel.timeout_s, say=self._say)
 
     # ---------------------------------------------------------------- building
     def _setup(self) -> None:

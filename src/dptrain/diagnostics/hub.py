@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dptrain.config import DiagnosticsConfig
+from dptrain.config import DiagnosticsConfig, hang_timeout
 from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
 from dptrain.diagnostics.memory import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
 from dptrain.diagnostics.nonfinite import NonFiniteGuard
@@ -38,7 +38,10 @@ def apply_collective_checks(cfg: DiagnosticsConfig) -> None:
     """Before the process group exists: have torch check every collective's op and shapes across
     ranks (its ProcessGroupWrapper, enabled by TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
     if cfg.check_collectives:
+        import torch.distributed as dist
+
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()  # torch reads the variable when it is imported; re-read it now
 
 
 def _default_store() -> Any:
@@ -51,8 +54,10 @@ def _default_store() -> Any:
 class Diagnostics:
     """Watchdog, pre-flight, non-finite policy, straggler, drift and memory checks of one rank."""
 
-    def __init__(self, cfg: DiagnosticsConfig, *, env: DistEnv, run_dir: Path, say: Any = None) -> None:
+    def __init__(self, cfg: DiagnosticsConfig, *, env: DistEnv, run_dir: Path, pg_timeout_s: float,
+                 say: Any = None) -> None:
         self.cfg, self.env, self.run_dir = cfg, env, Path(run_dir)
+        self.hang_timeout_s = hang_timeout(cfg, pg_timeout_s=pg_timeout_s)
         self.device = torch.device("cpu")
         self.step = 0  # the step being trained (1-based), for heartbeats and reports
         self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
@@ -88,8 +93,8 @@ class Diagnostics:
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._sink = open(self.run_dir / "diagnostics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
-        if self.cfg.hang_timeout_s > 0:
-            self.watchdog = Watchdog(timeout_s=self.cfg.hang_timeout_s, store=_default_store(), rank=self.env.rank,
+        if self.hang_timeout_s > 0:
+            self.watchdog = Watchdog(timeout_s=self.hang_timeout_s, store=_default_store(), rank=self.env.rank,
                                      world_size=self.env.world_size, run_dir=self.run_dir)
             self.watchdog.start()
 

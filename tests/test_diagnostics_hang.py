@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -19,6 +20,9 @@ def test_a_rank_that_sleeps_forever_is_named_with_every_rank_stack(tmp_path):
                 env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)})
     ended = time.time()
     assert r.returncode != 0, r.stdout[-2000:]
+    # the launcher and rank 0 say where the (unauthenticated) store listens
+    assert "standalone rendezvous on this node" in r.stdout and "unauthenticated" in r.stdout
+    assert re.search(r"rendezvous store: [\w.-]+:\d+ \(torch.distributed's TCPStore is unauthenticated", r.stdout)
     assert f"exit {EXIT_HANG}" in r.stderr  # both ranks left through the watchdog, not a collective timeout
     report = (out / "hang_report.txt").read_text()
     assert "suspect rank(s): rank 1 (" in report, report

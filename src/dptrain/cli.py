@@ -127,6 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         Trainer(cfg, out_dir=run_dir).fit()
         return 0
     argv = launch.torchrun_args(cfg.launch, nproc_per_node=nproc, module="dptrain.worker", module_args=[str(run_dir)])
+    print(launch.describe_rendezvous(cfg.launch), flush=True)
     return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0)
 
 

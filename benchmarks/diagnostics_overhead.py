@@ -27,6 +27,7 @@ VARIANTS = {
     "straggler probe": ["diagnostics.straggler_every_steps=50"],
     "drift check (1 per step)": ["diagnostics.drift_every_steps=1"],
     "memory sample (1 per step)": ["diagnostics.memory_every_steps=1"],
+    "off (again: the noise)": [],
 }
 MODELS = {
     "toy": ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",

@@ -49,4 +49,6 @@ def test_overrides_reach_the_section_and_zero_turns_checks_off() -> None:
     cfg = load_config(None, ["diagnostics.hang_timeout_s=0", "diagnostics.drift_every_steps=0",
                              "diagnostics.nonfinite=skip", "parallel.timeout_s=30"])
     validate(cfg)
+    # YAML 1.1 reads `off` as False; the text field gets its word back
+    assert load_config(None, ["diagnostics.nonfinite=off"]).diagnostics.nonfinite == "off"
     assert (cfg.diagnostics.hang_timeout_s, cfg.diagnostics.drift_every_steps, cfg.diagnostics.nonfinite) == (0, 0, "skip")

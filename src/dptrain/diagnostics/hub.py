@@ -26,7 +26,7 @@ from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
 from dptrain.diagnostics.memory import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
 from dptrain.diagnostics.nonfinite import NonFiniteGuard
 from dptrain.diagnostics.preflight import run_preflight
-from dptrain.diagnostics.straggler import StepTimer, describe, find_stragglers, gather_rows
+from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, find_stragglers, gather_rows
 from dptrain.diagnostics.watchdog import Watchdog
 from dptrain.dist.env import DistEnv
 from dptrain.parallel import is_sharded, unwrap
@@ -114,10 +114,15 @@ class Diagnostics:
             collective = "gradient reduction in backward" + (" (after the straggler probe)" if self.timer else "")
         if self.watchdog is not None:
             self.watchdog.beat(self.step, name, collective)
-        if self.timer is not None:
+        if self.timer is not None and self._timed(self.step):
             if sync:
                 self.timer.probe()
             self.timer.mark(name)
+
+    def _timed(self, step: int) -> bool:
+        """Straggler timing (and its probe) covers the last SAMPLE_STEPS steps of every window."""
+        k = self.cfg.straggler_every_steps
+        return (k - step % k) % k < SAMPLE_STEPS
 
     def skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """nonfinite=skip|error: True when every rank must skip this update (see nonfinite.py)."""
@@ -132,10 +137,16 @@ class Diagnostics:
 
     def on_step_end(self, step: int) -> None:
         """After optimizer step `step` (1-based): the periodic checks that gather across ranks."""
-        if self.timer is not None:
+        if self.timer is not None and self._timed(step):
             self.timer.step_done()
             if step % self.cfg.straggler_every_steps == 0:
                 self._check_stragglers(step)
+            elif not self._timed(step + 1):
+                self.timer.reset()
+            if self._timed(step + 1):
+                self.timer.resume()
+        elif self.timer is not None and self._timed(step + 1):
+            self.timer.resume()
         if self.replica is not None and step % self.cfg.drift_every_steps == 0:
             self._check_drift(step)
         if self.memory is not None and step % self.cfg.memory_every_steps == 0:

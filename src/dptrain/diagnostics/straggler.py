@@ -10,7 +10,9 @@ How the split is measured (host clocks, per rank, summed over a window of steps)
   point (data, forward, earlier micro-steps) shows up as the others' waiting time there. On
   CUDA the device is synchronised before the barrier so that queued kernels count as compute.
 
-Every `every_steps` steps the per-rank averages are gathered (`all_gather_object`); a rank
+Only the last SAMPLE_STEPS steps of every `every_steps` window are timed and probed, so the
+probe's cost is paid on at most that many steps per window. At the window's end the per-rank
+averages are gathered (`all_gather_object`); a rank
 whose data + compute exceeds the median of the other ranks by more than `margin` (and by at
 least 1 ms per step, so that jitter on tiny steps is not news) is named with its host, and the
 split says whether its data loading or its compute is slow.
@@ -27,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 MIN_EXCESS_S = 1e-3
+SAMPLE_STEPS = 10
+"""Steps timed (and probed) at the end of every `straggler_every_steps` window."""
 BUCKETS = ("data", "compute", "wait", "other")
 _BUCKET_OF = {"data": "data", "forward": "compute", "backward": "compute", "optimizer": "compute", "wait": "wait"}
 
@@ -58,6 +62,10 @@ class StepTimer:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         self.mark("backward")
+
+    def resume(self) -> None:
+        """Start timing again after untimed steps (their time is not counted)."""
+        self._bucket, self._last = "other", time.perf_counter()
 
     def step_done(self) -> None:
         self.mark("other")

@@ -44,6 +44,7 @@ def _timed(fn, iters: int, device: torch.device) -> float:
 def sweep(device: torch.device, *, budget_s: float = 0.5) -> list[dict[str, float]]:
     """One row per message size: seconds per all-reduce, algbw and busbw in GB/s."""
     n = dist.get_world_size()
+    _timed(lambda: dist.all_reduce(torch.ones(1024, device=device)), 20, device)  # connections, first-call setup
     rows = []
     for size in SIZES:
         x = torch.ones(size // 4, dtype=torch.float32, device=device)

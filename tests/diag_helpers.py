@@ -161,3 +161,15 @@ def mismatched_collective_loss(model: nn.Module, batch) -> torch.Tensor:
     if _training_call(model) == 2:
         dist.all_reduce(torch.ones(2 + _rank()))
     return model(batch)
+
+
+def gil_holding_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The model's loss, except that rank $HANG_RANK, in its $HANG_STEP-th training call, enters a
+    regular expression that backtracks for hours without releasing the GIL (its own threads freeze)."""
+    import re
+
+    n = _training_call(model)
+    if _rank() == int(os.environ.get("HANG_RANK", "-1")) and n == int(os.environ.get("HANG_STEP", "0")):
+        Path(os.environ["HANG_MARK"]).write_text(str(time.time()))
+        re.match(r"(a|aa)+$", "a" * 200 + "b")
+    return model(batch)

@@ -48,7 +48,25 @@ def test_suspects_are_the_ranks_not_where_the_others_are():
     assert find_suspects({0: at(5, 2), 1: at(5, 2), 2: at(5, 4), 3: at(5, 2)})[0] == [2]
     # a rank that sent nothing is always named
     suspects, why = find_suspects({0: at(5, 2), 1: None})
-    assert suspects == [1] and "no heartbeat" in why
+    assert suspects == [1] and "did not answer" in why
+    # ... and so is one whose last heartbeat is known but which sent no stack (frozen holding the GIL)
+    assert find_suspects({0: at(5, 3), 1: {**at(5, 4), "answered": False}})[0] == [1]
     # everybody at the same point: nobody is singled out, the report says so
     suspects, why = find_suspects({0: at(5, 2), 1: at(5, 2)})
     assert suspects == [] and "same point" in why
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_frozen_holding_the_gil_is_named_for_not_answering(tmp_path):
+    out, mark = tmp_path / "run", tmp_path / "hang-started"
+    r = dptrain("run", *TOY, "train.max_steps=1000", "train.loss=diag_helpers:gil_holding_loss",
+                "diagnostics.hang_timeout_s=2", "--nproc-per-node", "2", "--out", str(out),
+                env={"HANG_RANK": "0", "HANG_STEP": "2", "HANG_MARK": str(mark)})
+    ended = time.time()
+    assert r.returncode != 0
+    report = (out / "hang_report.txt").read_text()
+    assert "suspect rank(s): rank 0 --" in report and "did not answer the alarm" in report, report
+    assert (out / "stacks" / "rank1.txt").exists() and not (out / "stacks" / "rank0.txt").exists()
+    print(f"\nfrozen rank named; job ended {ended - float(mark.read_text()):.2f}s after it froze")
+    assert ended - float(mark.read_text()) < 2 + 15
+    assert processes_mentioning(str(out)) == []

@@ -52,14 +52,16 @@ def format_stacks(*, skip_ident: int | None = None) -> str:
 def find_suspects(beats: dict[int, dict[str, Any] | None]) -> tuple[list[int], str]:
     """Ranks that are not where the others are, and why.
 
-    `beats[rank]` is the rank's last heartbeat (`step`, `seq`: phase changes within the step),
-    or None when it sent nothing. A strict majority at one position names the others; without
-    one (e.g. two ranks), the ranks furthest behind are named: the rest wait for them.
+    `beats[rank]` is the rank's last heartbeat (`step`, `seq`: phase changes within the step;
+    `answered`: False when it sent no stack after the alarm), or None when it sent nothing. A rank
+    that did not answer is named; otherwise a strict majority at one position names the others,
+    and without one (e.g. two ranks) the ranks furthest behind are named: the rest wait for them.
     """
-    silent = sorted(r for r, b in beats.items() if b is None)
+    silent = sorted(r for r, b in beats.items() if b is None or not b.get("answered", True))
     pos = {r: (b["step"], b["seq"]) for r, b in beats.items() if b is not None}
     if silent:
-        return silent, "sent no heartbeat or stack (the process is dead or frozen inside code holding the GIL)"
+        return silent, ("did not answer the alarm: the process is dead, or frozen in code that holds the GIL "
+                        "(its last heartbeat is in the table)")
     counts = collections.Counter(pos.values())
     if len(counts) == 1:
         if len(pos) == 1:
@@ -177,9 +179,9 @@ class Watchdog:
         beats: dict[int, dict[str, Any] | None] = {}
         for r in range(self.world_size):
             beats[r] = None
-            for key in (f"stack/{r}", f"hb/{r}"):
+            for key, answered in ((f"stack/{r}", True), (f"hb/{r}", False)):
                 if self.store.check([key]):
-                    beats[r] = json.loads(self.store.get(key))
+                    beats[r] = {**json.loads(self.store.get(key)), "answered": answered}
                     break
         return beats
 

@@ -137,16 +137,13 @@ class Diagnostics:
 
     def on_step_end(self, step: int) -> None:
         """After optimizer step `step` (1-based): the periodic checks that gather across ranks."""
-        if self.timer is not None and self._timed(step):
-            self.timer.step_done()
-            if step % self.cfg.straggler_every_steps == 0:
-                self._check_stragglers(step)
-            elif not self._timed(step + 1):
-                self.timer.reset()
-            if self._timed(step + 1):
-                self.timer.resume()
-        elif self.timer is not None and self._timed(step + 1):
-            self.timer.resume()
+        if self.timer is not None:
+            if self._timed(step):
+                self.timer.step_done()
+                if step % self.cfg.straggler_every_steps == 0:
+                    self._check_stragglers(step)  # the window's last step; resets the timer
+            elif self._timed(step + 1):
+                self.timer.resume()  # a timed stretch begins; the untimed steps before it do not count
         if self.replica is not None and step % self.cfg.drift_every_steps == 0:
             self._check_drift(step)
         if self.memory is not None and step % self.cfg.memory_every_steps == 0:

@@ -92,9 +92,12 @@ def test_a_slowed_rank_is_named_as_the_straggler_with_the_slow_part(tmp_path, wh
 
 
 @pytest.mark.timeout(60)
-def test_a_healthy_run_names_no_straggler(tmp_path):
-    run_ranks(train, 2, str(tmp_path), [*SLOW, "train.max_steps=12"], timeout=60)
-    assert len(_records(tmp_path, "step_split")) == 3
+def test_a_healthy_run_names_no_straggler_and_times_the_last_steps_of_each_window(tmp_path):
+    run_ranks(train, 2, str(tmp_path), [*SLOW, "train.max_steps=24", "diagnostics.straggler_every_steps=12"],
+              timeout=60)
+    splits = _records(tmp_path, "step_split")
+    assert [s["steps"] for s in splits] == [[3, 12], [15, 24]]  # SAMPLE_STEPS = 10 of every 12
+    assert all(row["steps"] == 10 for s in splits for row in s["ranks"])
     assert _records(tmp_path, "straggler") == []
 
 

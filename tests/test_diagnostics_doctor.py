@@ -63,3 +63,30 @@ def test_doctor_comm_sweeps_all_reduce_sizes_over_two_ranks():
     for _, us, algbw, busbw in rows:
         assert float(us) > 0 and float(busbw) == pytest.approx(float(algbw), abs=1e-3)  # 2(n-1)/n = 1 at n=2
     assert "rank 0 (" in table and "<-> rank 1" in table
+
+
+FAKE_SMI = """#!/bin/sh
+case "$*" in
+  *topo*) echo "        GPU0    GPU1    CPU Affinity"; echo "GPU0     X      NV18    0-15"; echo "GPU1    NV18     X      0-15" ;;
+  *pcie*) echo "0, NVIDIA H100, 5, 16, 16"; echo "1, NVIDIA H100, 5, 4, 16" ;;
+  *query-gpu=index,pci.bus_id*) echo "0, 00000000:18:00.0"; echo "1, 00000000:2A:00.0" ;;
+  *query-compute-apps*) echo "1234, 00000000:18:00.0"; echo "1235, 00000000:18:00.0"; echo "1235, 00000000:2A:00.0" ;;
+esac
+"""
+
+
+@pytest.mark.timeout(30)
+def test_gpu_topology_pcie_width_and_gpu0_contexts_from_nvidia_smi(tmp_path, monkeypatch):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    from dptrain.diagnostics.doctor import check_topology
+    from dptrain.diagnostics.memory import gpu0_pids
+
+    lines, warnings = check_topology()
+    assert "GPU0     X      NV18    0-15" in "\n".join(lines)
+    assert "GPU 1: PCIe gen 5, link width x4 (max x16)" in lines
+    assert len(warnings) == 1 and warnings[0].startswith("GPU 1 (NVIDIA H100) runs at PCIe x4 of x16")
+    assert gpu0_pids() == [1234, 1235]

@@ -12,11 +12,13 @@ from dptrain.diagnostics.watchdog import EXIT_HANG, find_suspects
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_that_sleeps_forever_is_named_with_every_rank_stack(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_that_sleeps_forever_is_named_with_every_rank_stack(tmp_path, strategy):
     out, mark = tmp_path / "run", tmp_path / "hang-started"
     timeout_s = 3.0
     r = dptrain("run", *TOY, "train.max_steps=1000", "train.loss=diag_helpers:sleepy_loss",
-                f"diagnostics.hang_timeout_s={timeout_s}", "--nproc-per-node", "2", "--out", str(out),
+                f"parallel.strategy={strategy}", f"diagnostics.hang_timeout_s={timeout_s}",
+                "--nproc-per-node", "2", "--out", str(out),
                 env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)})
     ended = time.time()
     assert r.returncode != 0, r.stdout[-2000:]
@@ -29,7 +31,12 @@ def test_a_rank_that_sleeps_forever_is_named_with_every_rank_stack(tmp_path):
     assert "sleepy_loss" in report  # the sleeping rank's stack, in the report itself
     stacks = {rank: (out / "stacks" / f"rank{rank}.txt").read_text() for rank in (0, 1)}
     assert "in sleepy_loss" in stacks[1] and "at step 3, phase forward" in stacks[1]
-    assert "at step 3, phase backward" in stacks[0] and "sleepy_loss" not in stacks[0]
+    # ddp: the other rank waits in backward's gradient reduction; fsdp: in forward's all-gather,
+    # the same phase as the sleeper, which is then told apart by not being inside torch.distributed
+    assert f"at step 3, phase {'backward' if strategy == 'ddp' else 'forward'}" in stacks[0]
+    where = dict(re.findall(r"^\s+(\d+)\s+\S+\s+\d+\s+3\s+\w+.*\n\s+at (.+)$", report, re.M))
+    assert re.search(r"torch/(distributed|autograd)/", where["0"]), report  # waiting for rank 1
+    assert where["1"].endswith("in sleepy_loss"), report
     detected = (out / "hang_report.txt").stat().st_mtime - float(mark.read_text())
     print(f"\nhang detected {detected:.2f}s after the rank fell asleep; job ended {ended - float(mark.read_text()):.2f}s after")
     assert timeout_s <= detected < timeout_s + 4
@@ -51,6 +58,10 @@ def test_suspects_are_the_ranks_not_where_the_others_are():
     assert suspects == [1] and "did not answer" in why
     # ... and so is one whose last heartbeat is known but which sent no stack (frozen holding the GIL)
     assert find_suspects({0: at(5, 3), 1: {**at(5, 4), "answered": False}})[0] == [1]
+    # same point, but one rank is not inside torch.distributed/autograd: the others wait for it
+    inside, outside = {"in_collective": True}, {"in_collective": False}
+    suspects, why = find_suspects({0: {**at(5, 2), **inside}, 1: {**at(5, 2), **outside}, 2: {**at(5, 2), **inside}})
+    assert suspects == [1] and "not inside torch.distributed" in why
     # everybody at the same point: nobody is singled out, the report says so
     suspects, why = find_suspects({0: at(5, 2), 1: at(5, 2)})
     assert suspects == [] and "same point" in why

@@ -33,6 +33,20 @@ EXIT_HANG = 3
 """Exit code of every rank after a hang report."""
 
 _FLAG, _DONE = "hang", "hang_reported"
+# Where a rank blocked in a collective waits: c10d calls, FSDP/DDP hooks, the autograd engine
+# (DDP reduces gradients inside backward). The innermost Python frame of such a rank is in one.
+_WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/")
+
+
+def main_thread_position() -> tuple[str, bool]:
+    """("file:line in function" of the main thread's innermost Python frame, whether it is in torch's
+    distributed or autograd code, i.e. most likely waiting for other ranks)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return "?", False
+    code = frame.f_code
+    path = code.co_filename.replace("\\", "/")
+    return f"{path}:{frame.f_lineno} in {code.co_name}", any(part in path for part in _WAITING_IN)
 
 
 def format_stacks(*, skip_ident: int | None = None) -> str:
@@ -66,6 +80,10 @@ def find_suspects(beats: dict[int, dict[str, Any] | None]) -> tuple[list[int], s
     if len(counts) == 1:
         if len(pos) == 1:
             return sorted(pos), "made no progress (a world of one: this rank is the only candidate)"
+        outside = sorted(r for r, b in beats.items() if b is not None and not b.get("in_collective", True))
+        if 0 < len(outside) < len(pos):
+            return outside, ("at the same step and phase as the others but not inside torch.distributed or "
+                             "autograd, where the others wait for it")
         return [], ("all ranks are at the same point: the hang is inside that operation or the backend "
                     "(compare the stacks; a collective called with different arguments?)")
     (common, n), = counts.most_common(1)
@@ -150,7 +168,8 @@ class Watchdog:
                 print(f"dptrain watchdog: rank {self.rank}: stopped ({type(e).__name__}: {e})", file=sys.stderr)
 
     def _on_hang(self, *, reporter: bool) -> None:
-        record = self.heartbeat()
+        where, in_collective = main_thread_position()
+        record = {**self.heartbeat(), "where": where, "in_collective": in_collective}
         stacks = format_stacks(skip_ident=threading.get_ident())
         path = self.run_dir / "stacks" / f"rank{self.rank}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -210,6 +229,8 @@ def hang_report(beats: dict[int, dict[str, Any] | None], *, timeout_s: float, re
             continue
         lines.append(f"{r:>4}  {b['host'][:16]:<16} {b['pid']:>7}  {b['step']:>6}  {b['phase']:<12} "
                      f"{b['idle_s']:>7.1f}  {b.get('collective') or '-'}")
+        if b.get("where"):
+            lines.append(f"{'':>6}at {b['where']}")
     for r in suspects or sorted(beats):
         stack = (beats.get(r) or {}).get("stacks")
         if stack:

@@ -110,11 +110,12 @@ class Diagnostics:
     def phase(self, name: str, *, sync: bool = False, collective: str | None = None) -> None:
         """The training thread enters `name` (data, forward, backward, optimizer, eval, save, ...);
         `sync`: this backward reduces gradients across ranks (the straggler probe goes just before it)."""
+        timed = self.timer is not None and self._timed(self.step)
         if sync:
-            collective = "gradient reduction in backward" + (" (after the straggler probe)" if self.timer else "")
+            collective = "gradient reduction in backward" + (" (after the straggler probe)" if timed else "")
         if self.watchdog is not None:
             self.watchdog.beat(self.step, name, collective)
-        if self.timer is not None and self._timed(self.step):
+        if self.timer is not None and timed:
             if sync:
                 self.timer.probe()
             self.timer.mark(name)

@@ -35,6 +35,15 @@ def test_world_size_and_config_mismatches_name_the_difference():
         [base, {**base, "world_size": 3}], joined=2)
     other = {**base, "config_hash": "b", "config": {"train.max_steps": "12"}}
     assert "first differing key: train.max_steps = 10 on rank 0, 12 on rank 1" in compare_facts([base, other], joined=2)
+    # node-local settings (each node's launch.node_rank, run directory) are not compared
+    from torch import nn
+
+    from dptrain.diagnostics.preflight import local_facts
+
+    node0, node1 = ({"train": {"max_steps": 10}, "launch": {"node_rank": r}, "log": {"out_dir": f"runs/n{r}"}}
+                    for r in (0, 1))
+    facts = [local_facts(world_size=2, config=c, model=nn.Linear(2, 2)) for c in (node0, node1)]
+    assert compare_facts(facts, joined=2) is None
     extra = {**base, "model": [("w", (2,), "float32"), ("b", (1,), "float32")]}
     assert "at parameter 'b': absent on rank 0, shape (1,) dtype float32 on rank 1" in compare_facts([base, extra], joined=2)
 

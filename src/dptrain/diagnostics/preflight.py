@@ -15,6 +15,10 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+# Config keys that legitimately differ between nodes (each node runs its own `dptrain run` with
+# its launch.node_rank, and may pick its own timestamped run directory): not compared.
+NODE_LOCAL_PREFIXES = ("launch.", "log.")
+
 
 class PreflightError(RuntimeError):
     """Ranks disagree on world size, config or model; the message is the same on every rank."""
@@ -39,7 +43,7 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 def local_facts(*, world_size: int, config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     """What this rank believes; compared across ranks by `compare_facts`."""
-    flat = flatten(config)
+    flat = {k: v for k, v in flatten(config).items() if not k.startswith(NODE_LOCAL_PREFIXES)}
     digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:12]
     return {"world_size": world_size, "config_hash": digest, "config": flat, "model": model_fingerprint(model)}
 

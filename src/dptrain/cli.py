@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     docs = cfg_sub.add_parser("docs", help="print the config reference (Markdown) from the fields' docstrings")
     docs.set_defaults(func=cmd_config_docs)
 
+    doctor = sub.add_parser("doctor", help="check this machine for distributed training (versions, GPUs, network, env)")
+    doctor.add_argument("--comm", action="store_true", help="also run an all-reduce bandwidth/latency sweep across ranks")
+    doctor.add_argument("--nproc-per-node", type=int, help="ranks for --comm (default: every GPU, else 2 on the CPU)")
+    doctor.set_defaults(func=lambda a: _doctor().run_doctor(comm=a.comm, nproc=a.nproc_per_node))
+
     gen = sub.add_parser("generate", help="sample text from a trained language model")
     gen.add_argument("run_dir")
     gen.add_argument("--prompt", default="def ")
@@ -122,6 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         Trainer(cfg, out_dir=run_dir).fit()
         return 0
     argv = launch.torchrun_args(cfg.launch, nproc_per_node=nproc, module="dptrain.worker", module_args=[str(run_dir)])
+    print(launch.describe_rendezvous(cfg.launch), flush=True)
     return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0)
 
 
@@ -162,6 +168,12 @@ def config_reference() -> str:
             lines.append(f"| `{section.name}.{name}` | `{default}` | {doc} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _doctor():
+    from dptrain.diagnostics import doctor
+
+    return doctor
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw", "adam")
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("cosine", "constant", "linear")
+NONFINITE_POLICIES = ("skip", "error", "off")
 
 
 def _llama_defaults() -> dict[str, Any]:
@@ -163,6 +164,32 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class DiagnosticsConfig:
+    hang_timeout_s: float | None = None
+    """Seconds without progress before the watchdog writes every rank's stack, names the suspect rank(s) and ends the job (0: off; default: min(300, parallel.timeout_s / 2)). Must be below parallel.timeout_s."""
+    check_collectives: bool = False
+    """Check that every rank calls the same collective with the same shapes (TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for debugging; not with ddp/zero1, whose constructor crashes under it)."""
+    preflight: bool = True
+    """At start, check that all ranks agree on world size, config and model (parameter names, shapes, dtypes)."""
+    straggler_every_steps: int = 50
+    """Compare ranks' step-time split (data, compute, waiting for others) every N steps (0: off; adds one tiny barrier per step)."""
+    straggler_margin: float = 0.25
+    """A rank whose data + compute time exceeds the median of the other ranks by this fraction is named a straggler."""
+    drift_every_steps: int = 100
+    """Compare a checksum of every parameter across data-parallel replicas every N steps (0: off; skipped under zero2/fsdp)."""
+    nonfinite: str = "off"
+    """Non-finite loss or gradient norm: skip (all ranks skip the step), error (stop naming step and rank) or off (no per-step check)."""
+    max_consecutive_skips: int = 5
+    """nonfinite=skip: stop with an error after this many consecutive skipped steps."""
+    memory_every_steps: int = 50
+    """Sample host RSS (and CUDA allocated/reserved/peak) on every rank every N steps (0: off)."""
+    memory_window: int = 10
+    """Samples in the linear fit that detects steady memory growth."""
+    memory_leak_mb: float = 256.0
+    """Report a leak when the fitted growth over the window exceeds this many MiB (and the fit is steady, R^2 >= 0.9)."""
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -172,6 +199,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -372,6 +400,43 @@ def validate(cfg: Config) -> None:
         )
     if cfg.parallel.bucket_cap_mb <= 0:
         raise ConfigError(f"parallel.bucket_cap_mb={cfg.parallel.bucket_cap_mb!r} is not valid; it must be > 0")
+    validate_diagnostics(cfg.diagnostics, pg_timeout_s=cfg.parallel.timeout_s)
+    if cfg.diagnostics.check_collectives and cfg.parallel.strategy in ("ddp", "zero1"):
+        raise ConfigError(
+            f"diagnostics.check_collectives=true cannot be used with parallel.strategy={cfg.parallel.strategy!r}: "
+            "DDP's constructor crashes (segmentation fault) under TORCH_DISTRIBUTED_DEBUG=DETAIL in torch 2.13; "
+            "debug collectives with parallel.strategy=fsdp, zero2 or single"
+        )
+
+
+def validate_diagnostics(d: DiagnosticsConfig, *, pg_timeout_s: float) -> None:
+    """Ranges of the diagnostics section; the watchdog must fire before the process-group timeout."""
+    _choice(d.nonfinite, NONFINITE_POLICIES, "diagnostics.nonfinite")
+    for name in ("straggler_every_steps", "drift_every_steps", "memory_every_steps"):
+        v = getattr(d, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"diagnostics.{name}={v!r} is not valid; it must be an integer >= 0 (0 turns it off)")
+    for name, low in (("max_consecutive_skips", 1), ("memory_window", 3)):
+        v = getattr(d, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ConfigError(f"diagnostics.{name}={v!r} is not valid; it must be an integer >= {low}")
+    for name in ("hang_timeout_s", "straggler_margin", "memory_leak_mb"):
+        v, off_ok = getattr(d, name), name == "hang_timeout_s"
+        if v is None and off_ok:
+            continue
+        if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or (v == 0 and not off_ok):
+            rule = "a number >= 0 (0 turns the watchdog off)" if off_ok else "a number > 0"
+            raise ConfigError(f"diagnostics.{name}={v!r} is not valid; it must be {rule}")
+    if d.hang_timeout_s and d.hang_timeout_s >= pg_timeout_s:
+        raise ConfigError(
+            f"diagnostics.hang_timeout_s={d.hang_timeout_s:g} must be below parallel.timeout_s={pg_timeout_s:g}, "
+            "or the collective timeout fires first without naming the hung rank; lower it or raise parallel.timeout_s"
+        )
+
+
+def hang_timeout(d: DiagnosticsConfig, *, pg_timeout_s: float) -> float:
+    """The watchdog's timeout: as set, or min(300 s, half the process-group timeout); 0 means off."""
+    return d.hang_timeout_s if d.hang_timeout_s is not None else min(300.0, pg_timeout_s / 2)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

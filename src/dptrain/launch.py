@@ -31,6 +31,14 @@ def torchrun_args(cfg: LaunchConfig, *, nproc_per_node: int, module: str, module
     return [*args, "--module", module, *module_args]
 
 
+def describe_rendezvous(cfg: LaunchConfig) -> str:
+    """The line the launcher prints before starting workers: where the rendezvous store listens."""
+    where = (f"c10d rendezvous at {cfg.rdzv_endpoint} (job id {cfg.rdzv_id!r}, {cfg.nnodes} node(s))" if cfg.rdzv_endpoint
+             else "standalone rendezvous on this node (torchrun picks a free port; rank 0 prints it)")
+    return (f"dptrain: {where}. torch.distributed's TCPStore is unauthenticated and listens on all interfaces: "
+            "run only on a trusted network")
+
+
 def run_torchrun(argv: list[str], *, restarts: bool) -> int:
     """Run torchrun in this process; return 0 on success, 1 when a worker failed (torchrun has
     already printed which rank failed and its error)."""

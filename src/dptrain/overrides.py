@@ -162,6 +162,8 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             return value
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)  # e.g. launch.rdzv_id=42
+        if isinstance(value, bool):
+            return "on" if value else "off"  # YAML 1.1 reads off/no/false as False: diagnostics.nonfinite=off
     elif origin is dict:
         if isinstance(value, dict):
             return value

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,8 +22,9 @@ from torch import nn
 
 from dptrain import __version__
 from dptrain.build import build_datasets, build_loss_fn, build_model, import_object, to_device
-from dptrain.config import Config, Resolved, default_out_dir, resolve
+from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
 from dptrain.data import GlobalBatchSampler, build_dataloader
+from dptrain.diagnostics import Diagnostics, apply_collective_checks
 from dptrain.dist import collectives
 from dptrain.dist.env import DistEnv
 from dptrain.dist.process_group import bind_device, process_group
@@ -57,13 +59,17 @@ class Trainer:
         self.res: Resolved = resolve(cfg, world_size=self.env.world_size)
         self.run_dir = Path(out_dir or default_out_dir(cfg))
         self.state = TrainState()
+        # Watchdog, pre-flight, non-finite policy, stragglers, drift, memory: idle until start().
+        self.diag = Diagnostics(cfg.diagnostics, env=self.env, run_dir=self.run_dir,
+                                pg_timeout_s=cfg.parallel.timeout_s, say=self._say)
 
     # ---------------------------------------------------------------- building
     def _setup(self) -> None:
         cfg, res = self.cfg, self.res
-        self.model: nn.Module = apply_strategy(
-            build_model(cfg.model, seed=cfg.train.seed), cfg=cfg.parallel, device=self.device
-        )
+        model = build_model(cfg.model, seed=cfg.train.seed)
+        # Before any wrapper's own collectives: all ranks agree on world size, config and model.
+        self.diag.preflight(model, config=to_dict(cfg))
+        self.model: nn.Module = apply_strategy(model, cfg=cfg.parallel, device=self.device)
         self.optimizer = build_optimizer(
             self.model, cfg=cfg.optim, lr=res.lr, shard_state=cfg.parallel.strategy == "zero1"
         )
@@ -96,18 +102,24 @@ class Trainer:
         """One optimizer step over `grad_accum_steps` micro-batches; returns the (local) mean loss."""
         accum = self.res.grad_accum_steps
         step_loss = torch.zeros((), device=self.device)
+        diag = self.diag  # heartbeats and step-time split; see diagnostics/hub.py
         for micro in range(accum):
+            diag.phase("data")
             batch = to_device(next(self.batches), self.device)
             # Reduce gradients only after the last micro-step (unless asked to every time).
             sync = micro == accum - 1 or self.cfg.parallel.sync_each_micro_step
             with sync_gradients(self.model, sync):
+                diag.phase("forward")
                 with autocast(self.cfg.precision, self.device):
                     loss = self.loss_fn(self.model, batch) / accum  # mean over the whole global batch
+                diag.phase("backward", sync=sync)  # sync: DDP/FSDP reduce gradients in this backward
                 self.scaler.scale(loss).backward()
             step_loss += loss.detach()
+        diag.phase("optimizer")
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         self.grad_norm = clip_grad_norm_(self.model, self.cfg.optim.grad_clip)
-        self.scaler.step(self.optimizer)  # skipped only by fp16 overflow, counted in `skipped_steps`
+        if not diag.skip_step(step_loss, self.grad_norm):  # nonfinite=skip: all ranks skip the same step
+            self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -128,6 +140,7 @@ class Trainer:
         first = self.env.rank * per_rank
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for b in range(n_batches):
+            self.diag.phase("eval")
             idx = range(first + b * mb, first + (b + 1) * mb)
             batch = (self.collate or torch.utils.data.default_collate)([self.val_ds[i] for i in idx])
             with autocast(self.cfg.precision, self.device):
@@ -139,11 +152,17 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train `train.max_steps` steps; write metrics, final weights and the summary; return the summary."""
         self.device = bind_device(self.env, self.res.device)
+        apply_collective_checks(self.cfg.diagnostics)  # must precede the process group
         with process_group(self.env, backend=self.res.backend, device=self.device, timeout_s=self.cfg.parallel.timeout_s):
-            self._setup()
             self._open_outputs()
-            summary = self._loop()
-            self._save_final()
+            try:
+                self._setup()
+                self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled())
+                summary = self._loop()
+                self.diag.phase("save")
+                self._save_final()
+            finally:
+                self.diag.close()
             if self.env.is_main:
                 (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
                 self.console.close()
@@ -173,6 +192,19 @@ class Trainer:
             f"{res.grad_accum_steps} x dp {res.dp_world_size}; {res.lr_rule}\n"
             f"run dir: {self.run_dir}"
         )
+        if self.env.launched:
+            self.console.message(
+                f"rendezvous store: {self.env.master_addr}:{self.env.master_port} (torch.distributed's TCPStore is "
+                "unauthenticated and listens on all interfaces: keep it on a trusted network)"
+            )
+
+    def _say(self, text: str) -> None:
+        """A diagnostics finding: on the console, or on stderr when the progress display is off."""
+        console = getattr(self, "console", None)
+        if console is not None and console.enabled:
+            console.message(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.jsonl is not None:
@@ -199,6 +231,7 @@ class Trainer:
             scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
             loss_acc += self.train_step()
             state.step += 1
+            self.diag.on_step_end(state.step)
             state.samples_seen += res.global_batch_size
             window_steps += 1
             if scale_before is not None and self.scaler.get_scale() < scale_before:
@@ -239,6 +272,7 @@ class Trainer:
             **self._throughput(state.step, train_time),
             "dptrain_version": __version__,
             "torch_version": torch.__version__,
+            **self.diag.summary(),
         }
         if final_val is not None and self.tokens_per_sample:
             summary["final_val_bpb"] = final_val / math.log(2)

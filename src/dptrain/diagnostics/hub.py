@@ -1,0 +1,201 @@
+"""`Diagnostics`: the one object the trainer talks to.
+
+The trainer calls it at a few fixed points: `preflight(model)` before the strategy wraps the
+model, `start()` before the first step, `phase(name)` when the step enters data loading,
+forward, backward or the optimizer, `skip_step(loss, grad_norm)` before `optimizer.step()`,
+`on_step_end(step)` after it, and `close()`. Each check is a small object of its own module;
+the hub only routes calls and writes findings to `RUN_DIR/diagnostics.jsonl` (rank 0) and the
+console.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptrain.config import DiagnosticsConfig, hang_timeout
+from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
+from dptrain.diagnostics.memory import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
+from dptrain.diagnostics.nonfinite import NonFiniteGuard
+from dptrain.diagnostics.preflight import run_preflight
+from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, find_stragglers, gather_rows
+from dptrain.diagnostics.watchdog import Watchdog
+from dptrain.dist.env import DistEnv
+from dptrain.parallel import is_sharded, unwrap
+
+STORE_PREFIX = "dptrain/diag/"
+
+
+def apply_collective_checks(cfg: DiagnosticsConfig) -> None:
+    """Before the process group exists: have torch check every collective's op and shapes across
+    ranks (its ProcessGroupWrapper, enabled by TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+    if cfg.check_collectives:
+        import torch.distributed as dist
+
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()  # torch reads the variable when it is imported; re-read it now
+
+
+def _default_store() -> Any:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore(STORE_PREFIX, _get_default_store())
+
+
+class Diagnostics:
+    """Watchdog, pre-flight, non-finite policy, straggler, drift and memory checks of one rank."""
+
+    def __init__(self, cfg: DiagnosticsConfig, *, env: DistEnv, run_dir: Path, pg_timeout_s: float,
+                 say: Any = None) -> None:
+        self.cfg, self.env, self.run_dir = cfg, env, Path(run_dir)
+        self.hang_timeout_s = hang_timeout(cfg, pg_timeout_s=pg_timeout_s)
+        self.device = torch.device("cpu")
+        self.step = 0  # the step being trained (1-based), for heartbeats and reports
+        self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.watchdog: Watchdog | None = None
+        self.nonfinite: NonFiniteGuard | None = None
+        self.timer: StepTimer | None = None
+        self.replica: nn.Module | None = None  # the module whose replicas the drift check compares
+        self.memory: MemoryMonitor | None = None
+        self._sink = None
+
+    # ------------------------------------------------------------------ start / stop
+    def preflight(self, model: nn.Module, *, config: dict[str, Any]) -> None:
+        """All ranks agree on world size, config and model; else every rank raises the same error."""
+        if self.cfg.preflight:
+            self.phase("preflight", collective="all_gather_object (pre-flight)")
+            run_preflight(world_size=self.env.world_size, config=config, model=model)
+
+    def start(self, model: nn.Module, *, step: int, device: torch.device, loss_scaling: bool = False) -> None:
+        """Arm the checks for the strategy-wrapped `model`; `step` is the number of steps already done
+        (0, or a resumed step); `loss_scaling`: fp16's scaler handles infinite gradients itself."""
+        self.step, self.device = step + 1, device
+        cfg, env = self.cfg, self.env
+        if cfg.nonfinite != "off":
+            self.nonfinite = NonFiniteGuard(policy=cfg.nonfinite, max_consecutive=cfg.max_consecutive_skips,
+                                            rank=env.rank, world_size=env.world_size, device=device,
+                                            check_grad_norm=not loss_scaling, report=self.report)
+        if cfg.straggler_every_steps and env.world_size > 1:
+            self.timer = StepTimer(device=device)
+        if cfg.drift_every_steps and env.world_size > 1 and not is_sharded(model):
+            self.replica = unwrap(model)  # zero2/fsdp: one copy of each shard, nothing to compare
+        if cfg.memory_every_steps:
+            self.memory = MemoryMonitor(device=device, window=cfg.memory_window, leak_mb=cfg.memory_leak_mb)
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._sink = open(self.run_dir / "diagnostics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        if self.hang_timeout_s > 0:
+            self.watchdog = Watchdog(timeout_s=self.hang_timeout_s, store=_default_store(), rank=self.env.rank,
+                                     world_size=self.env.world_size, run_dir=self.run_dir)
+            self.watchdog.start()
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+
+    # ------------------------------------------------------------------ the step
+    def phase(self, name: str, *, sync: bool = False, collective: str | None = None) -> None:
+        """The training thread enters `name` (data, forward, backward, optimizer, eval, save, ...);
+        `sync`: this backward reduces gradients across ranks (the straggler probe goes just before it)."""
+        timed = self.timer is not None and self._timed(self.step)
+        if sync:
+            collective = "gradient reduction in backward" + (" (after the straggler probe)" if timed else "")
+        if self.watchdog is not None:
+            self.watchdog.beat(self.step, name, collective)
+        if self.timer is not None and timed:
+            if sync:
+                self.timer.probe()
+            self.timer.mark(name)
+
+    def _timed(self, step: int) -> bool:
+        """Straggler timing (and its probe) covers the last SAMPLE_STEPS steps of every window."""
+        k = self.cfg.straggler_every_steps
+        return (k - step % k) % k < SAMPLE_STEPS
+
+    def skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """nonfinite=skip|error: True when every rank must skip this update (see nonfinite.py)."""
+        if self.nonfinite is None:
+            return False
+        self.phase("optimizer", collective="all_reduce (non-finite flags)")
+        return self.nonfinite.skip_step(self.step, loss, grad_norm)
+
+    def summary(self) -> dict[str, Any]:
+        """Counters for summary.json."""
+        return {"nonfinite_skipped_steps": self.nonfinite.skipped} if self.nonfinite is not None else {}
+
+    def on_step_end(self, step: int) -> None:
+        """After optimizer step `step` (1-based): the periodic checks that gather across ranks."""
+        if self.timer is not None:
+            if self._timed(step):
+                self.timer.step_done()
+                if step % self.cfg.straggler_every_steps == 0:
+                    self._check_stragglers(step)  # the window's last step; resets the timer
+            elif self._timed(step + 1):
+                self.timer.resume()  # a timed stretch begins; the untimed steps before it do not count
+        if self.replica is not None and step % self.cfg.drift_every_steps == 0:
+            self._check_drift(step)
+        if self.memory is not None and step % self.cfg.memory_every_steps == 0:
+            self._check_memory(step)
+        self.step = step + 1
+
+    def _check_memory(self, step: int) -> None:
+        assert self.memory is not None
+        self.phase("diagnostics", collective="all_gather_object (memory)")
+        first = len(self.memory.samples) == 0
+        env = self.env
+        row = {"rank": env.rank, "host": socket.gethostname(), "pid": os.getpid(), "local_rank": env.local_rank,
+               **self.memory.sample(step), "leaks": self.memory.leaks()}
+        if first and self.device.type == "cuda" and env.local_rank == 0:
+            row["gpu0_pids"] = gpu0_pids()  # once: nvidia-smi takes a fraction of a second
+        rows = gather_rows(row)
+        self.report("memory", {"step": step, "ranks": rows})
+        for r in rows:
+            for leak in r["leaks"]:
+                self.report("memory_leak", {"rank": r["rank"], "host": r["host"], **leak},
+                            describe_leak(r["rank"], r["host"], leak))
+        for s in stray_gpu0_contexts(rows) if first else []:
+            self.report("gpu0_context", s, f"memory: rank {s['rank']} (pid {s['pid']} on {s['host']}) holds a CUDA "
+                        "context on GPU 0, which is not its device: it costs GPU 0 memory; call "
+                        "torch.cuda.set_device(local_rank) before any CUDA work (dptrain's bind_device does)")
+
+    def _check_drift(self, step: int) -> None:
+        assert self.replica is not None
+        self.phase("diagnostics", collective="all_gather (replica checksums)")
+        t0 = time.perf_counter()
+        try:
+            check_replicas(self.replica, step=step)
+        except ReplicaDriftError as e:
+            self.report("drift", {"step": step, "ok": False, "error": str(e)}, str(e))
+            raise
+        self.report("drift", {"step": step, "ok": True, "seconds": time.perf_counter() - t0})
+
+    def _check_stragglers(self, step: int) -> None:
+        assert self.timer is not None
+        self.phase("diagnostics", collective="all_gather_object (straggler split)")
+        first = step - self.timer.steps + 1
+        rows = gather_rows(self.timer.row(self.env.rank))
+        self.report("step_split", {"steps": [first, step], "ranks": rows})
+        for s in find_stragglers(rows, margin=self.cfg.straggler_margin):
+            self.report("straggler", {"steps": [first, step], **s}, describe(s, first=first, last=step))
+        self.timer.reset()
+
+    # ------------------------------------------------------------------ reporting
+    def report(self, kind: str, record: dict[str, Any], message: str | None = None) -> None:
+        """A finding: one line in diagnostics.jsonl and, with a message, one on the console (rank 0)."""
+        if self._sink is not None:
+            self._sink.write(json.dumps({"kind": kind, **record}) + "\n")
+        if message and self.env.is_main:
+            self._say(message)

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from mp import run_ranks
 from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, default_collate
@@ -28,6 +27,7 @@ from dptrain.models.llama import build_llama
 from dptrain.models.toy import build_mlp, build_regression_data
 from dptrain.overrides import load_config
 from dptrain.trainer import Trainer
+from mp import run_ranks
 
 SEED = 1234
 STEPS = 4

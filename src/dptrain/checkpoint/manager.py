@@ -31,6 +31,7 @@ import torch
 from dptrain import __version__
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
+from dptrain.checkpoint.attempts import ProgressFile, report_restart
 from dptrain.checkpoint.preempt import PreemptionFlag
 from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, truncate_metrics
 from dptrain.checkpoint.rng import get_rng_state, set_rng_state
@@ -65,6 +66,7 @@ class CheckpointManager:
         self.resumed_from: Path | None = None
         self.initial_val_loss: float | None = None
         self.preemption: PreemptionFlag | None = None
+        self.progress: ProgressFile | None = None
 
     def _say(self, message: str) -> None:
         if self.env.is_main:
@@ -76,8 +78,14 @@ class CheckpointManager:
         self.preemption = PreemptionFlag(device=trainer.device)
         choice = ResumeChoice()
         if self.env.is_main:
-            choice = choose_checkpoint(self.resume, root=self.root, trust=self.trust)
-        choice = collectives.broadcast_object(choice)
+            if self.env.restart_count > 0:
+                report = report_restart(self.run_dir, attempt=self.env.restart_count)
+                if report:
+                    choice.messages.append(report)
+            choice = self._choose(choice)
+        choice = collectives.broadcast_object(choice)  # also: nobody rewrites its progress file before the report
+        if self.env.launched and self.root_cfg.launch.max_restarts > 0:
+            self.progress = ProgressFile(self.run_dir, rank=self.env.rank, attempt=self.env.restart_count)
         for line in choice.messages:
             self._say(line)
         if choice.error:
@@ -91,6 +99,16 @@ class CheckpointManager:
             self.initial_val_loss = truncate_metrics(self.run_dir / "metrics.jsonl", step=trainer.state.step)
         self._say(f"dptrain: resumed from {choice.path} at step {trainer.state.step}")
         return True
+
+    def _choose(self, choice: ResumeChoice) -> ResumeChoice:
+        found = choose_checkpoint(self.resume, root=self.root, trust=self.trust)
+        found.messages[:0] = choice.messages
+        return found
+
+    def record_error(self, message: str) -> None:
+        """Note the error this rank is dying with in its progress file (for the restart report)."""
+        if self.progress is not None:
+            self.progress.error(message)
 
     def _load(self, trainer: Any, path: Path, meta: dict[str, Any]) -> None:
         want = config_hash(self.root_cfg.model)
@@ -121,6 +139,8 @@ class CheckpointManager:
         """After a step: save when due or when preempted. Returns True when the run must stop now
         (preemption: the checkpoint is committed on every rank before this returns)."""
         step = trainer.state.step
+        if self.progress is not None:
+            self.progress.step(step)
         stop = self.preemption.should_stop() if self.preemption else False
         due = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
         if (due or stop) and self.last_saved_step != step:

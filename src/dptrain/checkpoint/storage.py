@@ -15,6 +15,7 @@ Every file is read with `torch.load(weights_only=True)` (DCP through `safe_dcp`)
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -106,5 +107,7 @@ def load_full_model_state(ckpt_dir: Path, *, fmt: str) -> dict[str, torch.Tensor
     for key, item in meta.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
             state["model"][key[len("model."):]] = torch.empty(item.size, dtype=item.properties.dtype)
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return state["model"]

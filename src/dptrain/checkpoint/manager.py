@@ -186,14 +186,24 @@ class CheckpointManager:
         return path
 
     def _hash_files(self, path: Path, *, rank: int, world: int) -> dict[str, dict[str, Any]]:
-        """Hash the folder's files, split over ranks (shared file system), gathered everywhere."""
+        """Hash the folder's files, split over ranks (shared file system); the result is complete on
+        rank 0. The shares travel as small temp files, not as an object collective: gloo's
+        all_gather_object can leave a work holding Python tensors that deadlocks teardown."""
         names = mf.data_files(path)
         mine = {n: mf.file_entry(path / n) for n in names[rank::world]}
         if world == 1:
             return mine
-        gathered: list[dict[str, Any]] = [{} for _ in range(world)]
-        torch.distributed.all_gather_object(gathered, mine)
-        return {k: v for part in gathered for k, v in part.items()}
+        share = path / f".hashes.rank{rank}.tmp"
+        share.write_text(json.dumps(mine))
+        collectives.barrier()
+        if rank != 0:
+            return {}
+        entries: dict[str, dict[str, Any]] = {}
+        for r in range(world):
+            part = path / f".hashes.rank{r}.tmp"
+            entries.update(json.loads(part.read_text()))
+            part.unlink()
+        return entries
 
     def _meta(self, trainer: Any) -> dict[str, Any]:
         res = trainer.res

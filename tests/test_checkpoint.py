@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,39 @@ def test_world_size_change_restores_model_and_optimizer_exactly(tmp_path, strate
     assert [s for s, _ in losses(run)] == [1, 2, 3, 4, 5]  # continues at the next global step
     meta = json.loads((run / "checkpoints" / "step_000005" / "manifest.json").read_text())["meta"]
     assert meta["world_size"] == after and meta["global_batch_size"] == 8 and meta["sampler"]["step"] == 5
+
+
+def fit_slow_writes(rank: int, out: Path, overrides: list[str]) -> dict:
+    """fit() with background checkpoint writes that take 0.3 s per file (many steps long)."""
+    import threading
+    import time
+
+    from dptrain.checkpoint import storage
+
+    real = storage.save_torch
+
+    def slow(path: Path, obj) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+        real(path, obj)
+
+    storage.save_torch = slow
+    return fit(rank, out, overrides)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_async_save_commits_only_complete_checkpoints_and_resumes_exactly(tmp_path, capfd, strategy):
+    over = [f"parallel.strategy={strategy}", "train.max_steps=8", "checkpoint.every_steps=2"]
+    run_ranks(fit, 2, tmp_path / "ref", over)
+    run = tmp_path / "run"
+    run_ranks(fit_slow_writes, 2, run, [*over, "checkpoint.async_save=true"])
+    infos = mf.list_checkpoints(run / "checkpoints")
+    assert [(i.step, i.state) for i in infos] == [(s, "committed") for s in (2, 4, 6, 8)], [i.reason for i in infos]
+    assert losses(run) == losses(tmp_path / "ref") and weights_sha(run) == weights_sha(tmp_path / "ref")
+    for step in (6, 8):  # resume from the background-written step 4
+        shutil.rmtree(run / "checkpoints" / mf.step_dir_name(step))
+    capfd.readouterr()
+    run_ranks(fit, 2, run, [*over, "checkpoint.async_save=true"])
+    assert "step_000004 at step 4" in capfd.readouterr().err
+    assert losses(run) == losses(tmp_path / "ref") and weights_sha(run) == weights_sha(tmp_path / "ref")

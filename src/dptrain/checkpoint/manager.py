@@ -23,6 +23,7 @@ import json
 import shutil
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,9 @@ class CheckpointManager:
         self.initial_val_loss: float | None = None
         self.preemption: PreemptionFlag | None = None
         self.progress: ProgressFile | None = None
+        self._pending: tuple[Path, Future, dict[str, Any], float] | None = None  # save in flight
+        self._executor: ThreadPoolExecutor | None = None
+        self._async_group: Any = None
 
     def _say(self, message: str) -> None:
         if self.env.is_main:
@@ -136,29 +140,40 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def maybe_save(self, trainer: Any) -> bool:
-        """After a step: save when due or when preempted. Returns True when the run must stop now
-        (preemption: the checkpoint is committed on every rank before this returns)."""
+        """After a step: commit a finished background save, save when due or when preempted.
+        Returns True when the run must stop now (the checkpoint is committed on every rank by then)."""
         step = trainer.state.step
         if self.progress is not None:
             self.progress.step(step)
-        stop = self.preemption.should_stop() if self.preemption else False
+        busy = self._pending is not None and not self._pending[1].done()
+        stop, any_busy = self.preemption.should_stop(busy=busy) if self.preemption else (False, busy)
+        if self._pending is not None and not any_busy:
+            self._finish_pending()  # every rank's files are on disk: hash, manifest, marker
         due = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
         if (due or stop) and self.last_saved_step != step:
-            self.save(trainer)
+            self.save(trainer, background=self.cfg.async_save and not stop)
         if stop:
+            self._finish_pending()
             self._say(f"dptrain: preempted (SIGTERM): saved step {step}; resume with the same command")
         return stop
 
     def save_final(self, trainer: Any) -> None:
-        """The end-of-run checkpoint (skipped when this step was just saved)."""
+        """The end-of-run checkpoint (skipped when this step was just saved); waits for any
+        background save, so nothing is left half-written when the process exits."""
         if self.last_saved_step != trainer.state.step:
-            self.save(trainer)
+            self.save(trainer, background=False)
+        self._finish_pending()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         if self.preemption:
             self.preemption.restore()
 
-    def save(self, trainer: Any) -> Path:
-        """Write, hash and commit the checkpoint of the current step. Collective."""
-        step, rank, world = trainer.state.step, self.env.rank, self.env.world_size
+    def save(self, trainer: Any, *, background: bool = False) -> Path:
+        """Write the checkpoint of the current step, then hash and commit it. Collective. With
+        `background`, only the snapshot is taken now; the commit follows at the first step
+        boundary after every rank has finished writing (see `maybe_save`)."""
+        self._finish_pending()  # one save in flight at a time
+        step, rank = trainer.state.step, self.env.rank
         path = self.root / mf.step_dir_name(step)
         t0 = time.perf_counter()
         if self.env.is_main:
@@ -168,22 +183,43 @@ class CheckpointManager:
                 shutil.rmtree(path)
             path.mkdir()
         collectives.barrier()
-        storage.save_model_optim(path, model=trainer.model, optimizer=trainer.optimizer, rank=rank)
+        if background:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptrain-ckpt")
+                self._async_group = torch.distributed.new_group(backend="gloo")  # the checkpoint's own collectives
+            written = storage.async_save_model_optim(path, model=trainer.model, optimizer=trainer.optimizer, rank=rank,
+                                                     process_group=self._async_group, executor=self._executor)
+        else:
+            storage.save_model_optim(path, model=trainer.model, optimizer=trainer.optimizer, rank=rank)
+            written = Future()
+            written.set_result(None)
         if rank == 0:
             scaler = trainer.scaler.state_dict() if trainer.scaler.is_enabled() else None
             storage.save_torch(path / "train.pt", {"scheduler": trainer.scheduler.state_dict(), "scaler": scaler})
         storage.save_torch(path / f"rank_{rank:05d}.pt", {"rng": get_rng_state(), "log_window": trainer.log_window.state_dict()})
+        self._pending = (path, written, self._meta(trainer), t0)
+        self.last_saved_step = step
+        if not background:
+            self._finish_pending()
+        return path
+
+    def _finish_pending(self) -> None:
+        """Wait for this rank's files of the save in flight, then hash, write the manifest and
+        commit. Collective: every rank calls it at the same step."""
+        if self._pending is None:
+            return
+        path, written, meta, t0 = self._pending
+        self._pending = None
+        written.result()  # re-raises a failed background write: never committed then
         collectives.barrier()
-        entries = self._hash_files(path, rank=rank, world=world)
-        if rank == 0:
-            digest = mf.write_manifest(path, files=entries, meta=self._meta(trainer))
+        entries = self._hash_files(path, rank=self.env.rank, world=self.env.world_size)
+        if self.env.is_main:
+            digest = mf.write_manifest(path, files=entries, meta=meta)
             mf.commit(path, manifest_sha256=digest)
             for old in mf.prune(self.root, keep_last=self.cfg.keep_last):
                 self._say(f"dptrain: removed old checkpoint {old}")
         collectives.barrier()  # nobody moves on (or exits) before the commit
-        self.last_saved_step = step
-        self._say(f"dptrain: checkpoint {path} committed ({time.perf_counter() - t0:.2f}s)")
-        return path
+        self._say(f"dptrain: checkpoint {path} committed ({time.perf_counter() - t0:.2f}s after the save began)")
 
     def _hash_files(self, path: Path, *, rank: int, world: int) -> dict[str, dict[str, Any]]:
         """Hash the folder's files, split over ranks (shared file system); the result is complete on

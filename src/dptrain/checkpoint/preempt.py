@@ -32,13 +32,15 @@ class PreemptionFlag:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = True
 
-    def should_stop(self) -> bool:
-        """True on every rank when any rank has received SIGTERM. Collective: call on every rank."""
+    def should_stop(self, *, busy: bool = False) -> tuple[bool, bool]:
+        """(any rank received SIGTERM, any rank is `busy`), the same on every rank; one small
+        all-reduce. `busy` carries the background checkpoint writer's state. Collective."""
+        flags = [self.received, busy]
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.received
-        flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            return flags[0], flags[1]
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0].item()), bool(t[1].item())
 
     def restore(self) -> None:
         """Put the previous SIGTERM handler back."""

@@ -14,8 +14,10 @@ Every file is read with `torch.load(weights_only=True)` (DCP through `safe_dcp`)
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,39 @@ def save_model_optim(ckpt_dir: Path, *, model: nn.Module, optimizer: torch.optim
     if rank == 0:
         save_torch(ckpt_dir / "model.pt", {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()})
         save_torch(ckpt_dir / "optim.pt", optimizer.state_dict())
+
+
+def async_save_model_optim(
+    ckpt_dir: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, process_group: Any,
+    executor: ThreadPoolExecutor,
+) -> Future:
+    """Like `save_model_optim`, but only the snapshot is taken now (collective); the files are written
+    in the background. The Future is done when this rank's files are on disk (fsynced).
+
+    DCP: `dcp.async_save` stages the shards to CPU memory, then writes them in its own thread,
+    coordinating over `process_group` (a dedicated gloo group, so the training's collectives never
+    interleave with the checkpoint's). Full: rank 0 clones model and optimizer state, a thread writes."""
+    if state_format(model) == SHARDED:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, optimizer)
+        writer = dcp.FileSystemWriter(ckpt_dir / DCP_DIR, sync_files=True)
+        return dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer, process_group=process_group)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+    done: Future = Future()
+    if rank != 0:
+        done.set_result(None)
+        return done
+    model_sd = {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+    optim_sd = copy.deepcopy(optimizer.state_dict())  # the live state keeps changing while we write
+
+    def write() -> None:
+        save_torch(ckpt_dir / "model.pt", model_sd)
+        save_torch(ckpt_dir / "optim.pt", optim_sd)
+
+    return executor.submit(write)
 
 
 def load_model_optim(ckpt_dir: Path, *, fmt: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

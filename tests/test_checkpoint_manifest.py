@@ -189,3 +189,39 @@ def test_restart_report_names_the_dead_rank_and_its_step(tmp_path):
     assert "rank 0" in text and "Connection closed by peer" in text
     rec = json.loads((tmp_path / "attempts.jsonl").read_text())
     assert rec["attempt"] == 0 and rec["restarted_as"] == 1 and {f["rank"] for f in rec["failures"]} == {0, 1}
+
+
+def _run_dir_with_checkpoint(tmp_path: Path, overrides: list[str]) -> Path:
+    from dptrain.overrides import dump_yaml, load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_yaml(load_config(None, overrides)))
+    d = make_ckpt(run / "checkpoints", 4)
+    body = json.loads((d / "manifest.json").read_text())
+    meta = {"step": 4, "global_batch_size": 8, "world_size": 2}
+    mf.commit(d, manifest_sha256=mf.write_manifest(d, files=body["files"], meta=meta))
+    return run
+
+
+@pytest.mark.timeout(30)
+def test_resume_keeps_the_global_batch_and_re_derives_accumulation(tmp_path):
+    from dptrain.checkpoint.cli import prepare_resume
+    from dptrain.config import ConfigError, resolve
+    from dptrain.overrides import load_config
+
+    base = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.grad_accum_steps=2"]
+    run = _run_dir_with_checkpoint(tmp_path, base)
+    cfg = prepare_resume(load_config(None, base), run_dir=run, resume="auto", trust=False, world_size=1)
+    res = resolve(cfg, world_size=1)
+    assert (res.global_batch_size, res.micro_batch_size, res.grad_accum_steps) == (8, 2, 4)
+    with pytest.raises(ConfigError, match="global batch of 8 at world size 3"):
+        prepare_resume(load_config(None, base), run_dir=run, resume="auto", trust=False, world_size=3)
+    with pytest.raises(ConfigError, match="global_batch_size=8, this run asks for 16"):
+        prepare_resume(load_config(None, [*base[1:], "train.global_batch_size=16"]), run_dir=run, resume="auto",
+                       trust=False, world_size=2)
+    with pytest.raises(ConfigError, match=r"another model \(model.kwargs"):
+        prepare_resume(load_config(None, [*base, "model.kwargs.dim=64"]), run_dir=run, resume="auto", trust=False,
+                       world_size=2)
+    with pytest.raises(ConfigError, match="--resume none, but"):
+        prepare_resume(load_config(None, base), run_dir=run, resume="none", trust=False, world_size=2)

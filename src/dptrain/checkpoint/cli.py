@@ -54,6 +54,14 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
     """Check that `cfg` can continue the run in `run_dir` (same model, same global batch) and
     re-derive gradient accumulation for a new world size. Raises ConfigError (exit 2)."""
     if resume == "none":
+        from dptrain.checkpoint.manager import checkpoint_root
+
+        root = checkpoint_root(cfg.checkpoint, run_dir)
+        if mf.step_dirs(root):
+            raise ConfigError(
+                f"--resume none, but {root} holds checkpoints of an earlier run (a later --resume auto or an elastic "
+                "restart would pick them up); use a new --out, or move that directory away"
+            )
         return cfg
     old_cfg = run_dir / "config.yaml"
     if old_cfg.is_file():

@@ -95,6 +95,8 @@ class CheckpointManager:
         if choice.error:
             raise mf.CheckpointError(choice.error)
         if choice.path is None:
+            if self.env.is_main:  # starting over in this directory: its metrics start over too
+                truncate_metrics(self.run_dir / "metrics.jsonl", step=-1)
             return False
         self._load(trainer, Path(choice.path), choice.meta)
         self.resumed_from = Path(choice.path)

@@ -63,8 +63,8 @@ def fit_capturing(rank: int, out: Path, overrides: list[str], what: str) -> dict
     name = "save" if what == "saved" else "maybe_resume"
     real = getattr(CheckpointManager, name)
 
-    def wrapped(self, trainer):
-        result = real(self, trainer)
+    def wrapped(self, trainer, **kwargs):
+        result = real(self, trainer, **kwargs)
         capture(trainer)
         return result
 

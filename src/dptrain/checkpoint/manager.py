@@ -126,7 +126,8 @@ class CheckpointManager:
         storage.load_model_optim(path, fmt=meta["format"], model=trainer.model, optimizer=trainer.optimizer)
         train = storage.load_torch(path / "train.pt")
         trainer.scheduler.load_state_dict(train["scheduler"])
-        trainer.scaler.load_state_dict(train["scaler"]) if train["scaler"] else None
+        if train["scaler"]:
+            trainer.scaler.load_state_dict(train["scaler"])
         trainer.state.step = int(meta["step"])
         trainer.state.samples_seen = int(meta["samples_seen"])
         trainer.state.skipped_steps = int(meta.get("skipped_steps", 0))

@@ -82,9 +82,11 @@ def weights_sha(run_dir: Path) -> str:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
-def test_crash_between_data_files_and_marker_is_ignored_and_resume_is_exact(tmp_path, capfd, strategy):
-    over = ["train.max_steps=8", "checkpoint.every_steps=2", f"parallel.strategy={strategy}"]
+@pytest.mark.parametrize(("strategy", "log_every"), [("ddp", 1), ("zero1", 1), ("ddp", 3)])
+def test_crash_between_data_files_and_marker_is_ignored_and_resume_is_exact(tmp_path, capfd, strategy, log_every):
+    # log_every=3 with saves every 2 steps: the resumed run starts inside a logging window
+    over = ["train.max_steps=8", "checkpoint.every_steps=2", f"parallel.strategy={strategy}",
+            f"train.log_every_steps={log_every}"]
     run_ranks(fit, 2, tmp_path / "ref", over)
     crash = tmp_path / "crash"
     with pytest.raises(RankError):

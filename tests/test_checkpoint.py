@@ -218,3 +218,21 @@ def test_async_save_commits_only_complete_checkpoints_and_resumes_exactly(tmp_pa
     run_ranks(fit, 2, run, [*over, "checkpoint.async_save=true"])
     assert "step_000004 at step 4" in capfd.readouterr().err
     assert losses(run) == losses(tmp_path / "ref") and weights_sha(run) == weights_sha(tmp_path / "ref")
+
+
+@pytest.mark.timeout(60)
+def test_export_consolidates_sharded_checkpoints_without_a_process_group(tmp_path):
+    import argparse
+
+    from safetensors.torch import load_file
+
+    from dptrain.checkpoint.cli import cmd_export
+
+    run = tmp_path / "run"
+    run_ranks(fit, 2, run, ["train.max_steps=2", "parallel.strategy=fsdp"])
+    out = tmp_path / "exported.safetensors"
+    assert cmd_export(argparse.Namespace(target=str(run), out=str(out), trust_checkpoint=False)) == 0
+    exported, final = load_file(out), load_file(run / "final" / "model.safetensors")
+    assert exported.keys() == final.keys()
+    for k in final:
+        assert torch.equal(exported[k], final[k]), k

@@ -7,6 +7,7 @@ Exit codes: 0 done, 143 preempted (SIGTERM; a checkpoint of the last finished st
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -16,7 +17,9 @@ from dptrain.overrides import load_config
 from dptrain.trainer import Trainer
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
+    """Train the run in RUN_DIR on this rank; the exit code. `keep` receives the Trainer so that the
+    caller decides when it (and the process groups its model holds) is destroyed."""
     p = argparse.ArgumentParser(prog="python -m dptrain.worker")
     p.add_argument("run_dir")
     p.add_argument("--resume", default="auto")
@@ -25,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     cfg = load_config(run_dir / "config.yaml")
     trainer = Trainer(cfg, out_dir=run_dir, resume=args.resume, trust_checkpoint=args.trust_checkpoint)
+    if keep is not None:
+        keep.append(trainer)
     try:
         summary = trainer.fit()
     except BaseException:
@@ -34,4 +39,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _trainer: list = []
+    code = main(keep=_trainer)
+    # Everything is written and the process group destroyed; skip the interpreter's teardown. Freeing a
+    # DDP model there drops the last reference to its gloo process group, whose destructor joins a
+    # worker thread that may be waiting for the GIL (seen as a hang of a finished rank under load).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -225,7 +225,7 @@ class Trainer:
         # A resumed run evaluated at its start already (the record is kept in metrics.jsonl).
         initial_val = self._eval_and_log() if state.step == 0 else self.ckpt.initial_val_loss
         window = self.log_window
-        window_start, t0 = time.perf_counter(), time.perf_counter()
+        window_start, t0, first_step = time.perf_counter(), time.perf_counter(), state.step
         train_time = 0.0
         last_loss = None
         preempted = False
@@ -258,7 +258,19 @@ class Trainer:
                 preempted = True
                 break
         final_val = None if preempted else self._eval_and_log()
-        wall = time.perf_counter() - t0
+        times = {"wall_s": time.perf_counter() - t0, "train_s": train_time}
+        summary = self._summary(last_loss=last_loss, initial_val=initial_val, final_val=final_val, times=times,
+                                steps_here=state.step - first_step)
+        if preempted:
+            summary["preempted"] = True
+        return summary
+
+    def _summary(
+        self, *, last_loss: float | None, initial_val: float | None, final_val: float | None,
+        times: dict[str, float], steps_here: int,
+    ) -> dict[str, Any]:
+        """summary.json; throughput counts the steps trained in this process (a resumed run's own)."""
+        cfg, res, state = self.cfg, self.res, self.state
         summary: dict[str, Any] = {
             "steps": state.step,
             "final_loss": last_loss,
@@ -269,18 +281,17 @@ class Trainer:
             "precision": cfg.precision.dtype,
             "global_batch_size": res.global_batch_size,
             "samples_seen": state.samples_seen,
-            "wall_s": wall,
-            "train_s": train_time,
-            **self._throughput(state.step, train_time),
+            **times,
+            **self._throughput(steps_here, times["train_s"]),
             "dptrain_version": __version__,
             "torch_version": torch.__version__,
         }
+        if self.ckpt.resumed_from is not None:
+            summary["resumed_from"] = str(self.ckpt.resumed_from)
         if final_val is not None and self.tokens_per_sample:
             summary["final_val_bpb"] = final_val / math.log(2)
         if self.scaler.is_enabled():
             summary["skipped_steps"] = state.skipped_steps
-        if preempted:
-            summary["preempted"] = True
         return summary
 
     def _throughput(self, steps: int, seconds: float) -> dict[str, float]:

@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc-per-node", help="workers per node (default: every GPU, else 2 on the CPU)")
     run.add_argument("--out", help="run directory (default: runs/<recipe>-<timestamp>)")
     run.add_argument("--max-restarts", type=int, help="elastic restarts of the worker group (torchrun)")
+    run.add_argument("--resume", default="auto", metavar="auto|none|PATH",
+                     help="auto (default): continue from the newest valid checkpoint in the run directory, if any; "
+                          "none: start from scratch; PATH: a step folder, run directory or checkpoint directory")
+    run.add_argument("--trust-checkpoint", action="store_true",
+                     help="allow --resume PATH to load a checkpoint that has no valid manifest (still weights-only)")
     run.set_defaults(func=cmd_run)
 
     launch = sub.add_parser("launch", help="run your own script under torchrun with dptrain's defaults",
@@ -66,11 +71,16 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
+
+    from dptrain.checkpoint.cli import add_ckpt_parser
+
+    add_ckpt_parser(sub)
     return p
 
 
-def _load(items: list[str], *, extra: list[str]) -> Config:
-    """CONFIG is the first item without '=' (if any); the rest are overrides."""
+def _load(items: list[str], *, extra: list[str], run_dir: str | None = None) -> Config:
+    """CONFIG is the first item without '=' (if any); the rest are overrides. Without CONFIG, an
+    existing `run_dir`'s config.yaml is the base (continuing that run)."""
     path = None
     overrides = []
     for i, item in enumerate(items):
@@ -80,6 +90,8 @@ def _load(items: list[str], *, extra: list[str]) -> Config:
             raise ConfigError(f"{item!r} is not an override of the form section.field=value (only one CONFIG file may be given)")
         else:
             overrides.append(item)
+    if path is None and run_dir is not None and (Path(run_dir) / "config.yaml").is_file():
+        path = str(Path(run_dir) / "config.yaml")
     cfg = load_config(path, [*overrides, *extra])
     if cfg.launch.nproc_per_node == "auto" and cfg.parallel.strategy in ("single", "dp"):
         # one-process strategies: `auto` means one worker (dp drives every GPU from it)
@@ -101,11 +113,15 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     from dptrain import launch
     from dptrain.build import build_datasets, import_object
+    from dptrain.checkpoint.cli import prepare_resume
 
-    cfg = _load(args.items, extra=_flag_overrides(args))
+    cfg = _load(args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None)
     nproc = local_world_size(cfg.launch)
-    res = resolve(cfg, world_size=nproc * cfg.launch.nnodes)  # refuses bad batch arithmetic before any process starts
     run_dir = Path(default_out_dir(cfg))
+    # An existing run: same model, same global batch; accumulation follows a new world size.
+    cfg = prepare_resume(cfg, run_dir=run_dir, resume=args.resume, trust=args.trust_checkpoint,
+                         world_size=nproc * cfg.launch.nnodes)
+    res = resolve(cfg, world_size=nproc * cfg.launch.nnodes)  # refuses bad batch arithmetic before any process starts
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=str(run_dir)),
                               launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc))
     # Build the data once here: it warms caches (the corpus) before ranks race for them, and a
@@ -121,12 +137,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    ckpt_args = ["--resume", args.resume] + (["--trust-checkpoint"] if args.trust_checkpoint else [])
     if res.world_size == 1:
-        from dptrain.trainer import Trainer
+        from dptrain.worker import main as worker_main
 
-        Trainer(cfg, out_dir=run_dir).fit()
-        return 0
-    argv = launch.torchrun_args(cfg.launch, nproc_per_node=nproc, module="dptrain.worker", module_args=[str(run_dir)])
+        return worker_main([str(run_dir), *ckpt_args])
+    argv = launch.torchrun_args(cfg.launch, nproc_per_node=nproc, module="dptrain.worker",
+                                module_args=[str(run_dir), *ckpt_args])
     print(launch.describe_rendezvous(cfg.launch), flush=True)
     return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0)
 

@@ -164,6 +164,18 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Checkpoint directory (default: `checkpoints/` inside the run directory); one `step_NNNNNN/` folder per save."""
+    every_steps: int = 0
+    """Save every N optimizer steps (0: only at the end of the run and on preemption)."""
+    keep_last: int | None = 3
+    """Keep only the newest N committed checkpoints (older committed ones are deleted); null keeps all."""
+    async_save: bool = False
+    """Write checkpoint files in a background thread while training continues; committed only once complete."""
+
+
+@dataclass(frozen=True)
 class DiagnosticsConfig:
     hang_timeout_s: float | None = None
     """Seconds without progress before the watchdog writes every rank's stack, names the suspect rank(s) and ends the job (0: off; default: min(300, parallel.timeout_s / 2)). Must be below parallel.timeout_s."""
@@ -199,6 +211,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
 
 
@@ -382,6 +395,7 @@ def validate(cfg: Config) -> None:
         "optim.warmup_steps": cfg.optim.warmup_steps,
         "data.num_workers": cfg.data.num_workers,
         "launch.max_restarts": cfg.launch.max_restarts,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
     }
     for name, v in nonneg.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -398,6 +412,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.cpu_offload=true needs parallel.strategy=fsdp (got {cfg.parallel.strategy!r})"
         )
+    if cfg.checkpoint.keep_last is not None and (
+        not isinstance(cfg.checkpoint.keep_last, int) or isinstance(cfg.checkpoint.keep_last, bool) or cfg.checkpoint.keep_last < 1
+    ):
+        raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last!r} is not valid; use a positive integer or null to keep all")
     if cfg.parallel.bucket_cap_mb <= 0:
         raise ConfigError(f"parallel.bucket_cap_mb={cfg.parallel.bucket_cap_mb!r} is not valid; it must be > 0")
     validate_diagnostics(cfg.diagnostics, pg_timeout_s=cfg.parallel.timeout_s)

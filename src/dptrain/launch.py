@@ -42,8 +42,11 @@ def describe_rendezvous(cfg: LaunchConfig) -> str:
 def run_torchrun(argv: list[str], *, restarts: bool) -> int:
     """Run torchrun in this process; return 0 on success, 1 when a worker failed (torchrun has
     already printed which rank failed and its error)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from dptrain.checkpoint.preempt import EXIT_PREEMPTED
 
     if restarts:
         os.environ.update(RESTART_ENV)
@@ -54,7 +57,13 @@ def run_torchrun(argv: list[str], *, restarts: bool) -> int:
     args = get_args_parser().parse_args(argv)
     try:
         run(args)
+    except SignalException as e:  # torchrun itself got SIGTERM/SIGINT: workers were signalled and saved
+        print(f"dptrain: stopped by signal {e.sigval.name}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except ChildFailedError as e:
+        if {f.exitcode for f in e.failures.values()} == {EXIT_PREEMPTED}:
+            print("dptrain: preempted (SIGTERM): the last finished step is checkpointed", file=sys.stderr)
+            return EXIT_PREEMPTED
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
         print(f"dptrain: worker(s) failed: {failures}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ from torch import nn
 
 from dptrain import __version__
 from dptrain.build import build_datasets, build_loss_fn, build_model, import_object, to_device
+from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
 from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.diagnostics import Diagnostics, apply_collective_checks
@@ -48,17 +49,49 @@ class TrainState:
 
     step: int = 0
     samples_seen: int = 0
+    skipped_steps: int = 0
+
+
+class LogWindow:
+    """This rank's loss sum and step count since the last log line (checkpointed per rank, so a
+    resumed run logs the same numbers as an uninterrupted one)."""
+
+    def __init__(self) -> None:
+        self.loss_sum = torch.zeros(())
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        if self.loss_sum.device != loss.device:
+            self.loss_sum = self.loss_sum.to(loss.device)
+        self.loss_sum += loss
+        self.steps += 1
+
+    def reset(self) -> None:
+        self.loss_sum = torch.zeros((), device=self.loss_sum.device)
+        self.steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_sum": self.loss_sum.detach().cpu().clone(), "steps": self.steps}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loss_sum = sd["loss_sum"].to(self.loss_sum.device)
+        self.steps = int(sd["steps"])
 
 
 class Trainer:
     """Config in, run directory out."""
 
-    def __init__(self, cfg: Config, *, out_dir: str | Path | None = None, env: DistEnv | None = None) -> None:
+    def __init__(
+        self, cfg: Config, *, out_dir: str | Path | None = None, env: DistEnv | None = None,
+        resume: str = "auto", trust_checkpoint: bool = False,
+    ) -> None:
         self.cfg = cfg
         self.env = env or DistEnv.from_env()
         self.res: Resolved = resolve(cfg, world_size=self.env.world_size)
         self.run_dir = Path(out_dir or default_out_dir(cfg))
         self.state = TrainState()
+        self.log_window = LogWindow()
+        self.ckpt = CheckpointManager(cfg=cfg, run_dir=self.run_dir, env=self.env, resume=resume, trust=trust_checkpoint)
         # Watchdog, pre-flight, non-finite policy, stragglers, drift, memory: idle until start().
         self.diag = Diagnostics(cfg.diagnostics, env=self.env, run_dir=self.run_dir,
                                 pg_timeout_s=cfg.parallel.timeout_s, say=self._say)
@@ -89,12 +122,11 @@ class Trainer:
             shuffle=cfg.data.shuffle,
             start_step=self.state.step,
         )
-        loader = build_dataloader(
+        self.loader = build_dataloader(
             self.train_ds, sampler=self.sampler, num_workers=cfg.data.num_workers,
             pin_memory=cfg.data.pin_memory and self.device.type == "cuda", collate_fn=self.collate,
             seed=cfg.train.seed,
         )
-        self.batches: Iterator[Any] = iter(loader)
         self.tokens_per_sample = getattr(self.train_ds, "seq_len", None)
 
     # ---------------------------------------------------------------- the step
@@ -157,10 +189,14 @@ class Trainer:
             self._open_outputs()
             try:
                 self._setup()
+                self.ckpt.maybe_resume(self)  # model, optimizer, schedule, scaler, RNG, data position
+                self.batches: Iterator[Any] = iter(self.loader)  # starts at the (resumed) global step
                 self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled())
                 summary = self._loop()
-                self.diag.phase("save")
-                self._save_final()
+                if not summary.get("preempted"):
+                    self.diag.phase("save")
+                    self._save_final()
+                    self.ckpt.save_final(self)
             finally:
                 self.diag.close()
             if self.env.is_main:
@@ -221,42 +257,57 @@ class Trainer:
 
     def _loop(self) -> dict[str, Any]:
         cfg, res, state = self.cfg, self.res, self.state
-        initial_val = self._eval_and_log()
-        loss_acc = torch.zeros((), device=self.device)
-        window_steps, window_start, t0 = 0, time.perf_counter(), time.perf_counter()
+        # A resumed run evaluated at its start already (the record is kept in metrics.jsonl).
+        initial_val = self._eval_and_log() if state.step == 0 else self.ckpt.initial_val_loss
+        window = self.log_window
+        window_start, t0, first_step = time.perf_counter(), time.perf_counter(), state.step
         train_time = 0.0
         last_loss = None
-        skipped = 0
+        preempted = False
         while state.step < cfg.train.max_steps:
             scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-            loss_acc += self.train_step()
+            window.add(self.train_step())
             state.step += 1
             self.diag.on_step_end(state.step)
             state.samples_seen += res.global_batch_size
-            window_steps += 1
             if scale_before is not None and self.scaler.get_scale() < scale_before:
-                skipped += 1  # fp16 overflow: the scaler skipped optimizer.step() and lowered the scale
+                state.skipped_steps += 1  # fp16 overflow: the scaler skipped optimizer.step() and lowered the scale
             if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
                 # The only host-device sync of the loop, once per log interval.
-                last_loss = collectives.all_reduce_mean([loss_acc.item() / window_steps], device=self.device)[0]
+                last_loss = collectives.all_reduce_mean([window.loss_sum.item() / window.steps], device=self.device)[0]
                 elapsed = time.perf_counter() - window_start
                 train_time += elapsed
-                record = self._throughput(window_steps, elapsed)
+                record = self._throughput(window.steps, elapsed)
                 record.update(step=state.step, loss=last_loss, lr=self.scheduler.get_last_lr()[0],
                               grad_norm=float(self.grad_norm), samples_seen=state.samples_seen)
                 if self.scaler.is_enabled():
-                    record.update(loss_scale=self.scaler.get_scale(), skipped_steps=skipped)
+                    record.update(loss_scale=self.scaler.get_scale(), skipped_steps=state.skipped_steps)
                 self._log(record)
-                loss_acc.zero_()
-                window_steps = 0
+                window.reset()
                 if not math.isfinite(last_loss):
                     self.console.message(f"warning: loss is {last_loss} at step {state.step}")
                 window_start = time.perf_counter()
             if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0 and state.step < cfg.train.max_steps:
                 self._eval_and_log()
                 window_start = time.perf_counter()  # evaluation time is not training throughput
-        final_val = self._eval_and_log()
-        wall = time.perf_counter() - t0
+            self.diag.phase("checkpoint")
+            if self.ckpt.maybe_save(self):  # saves when due; True after a SIGTERM (saved, stop now)
+                preempted = True
+                break
+        final_val = None if preempted else self._eval_and_log()
+        times = {"wall_s": time.perf_counter() - t0, "train_s": train_time}
+        summary = self._summary(last_loss=last_loss, initial_val=initial_val, final_val=final_val, times=times,
+                                steps_here=state.step - first_step)
+        if preempted:
+            summary["preempted"] = True
+        return summary
+
+    def _summary(
+        self, *, last_loss: float | None, initial_val: float | None, final_val: float | None,
+        times: dict[str, float], steps_here: int,
+    ) -> dict[str, Any]:
+        """summary.json; throughput counts the steps trained in this process (a resumed run's own)."""
+        cfg, res, state = self.cfg, self.res, self.state
         summary: dict[str, Any] = {
             "steps": state.step,
             "final_loss": last_loss,
@@ -267,17 +318,18 @@ class Trainer:
             "precision": cfg.precision.dtype,
             "global_batch_size": res.global_batch_size,
             "samples_seen": state.samples_seen,
-            "wall_s": wall,
-            "train_s": train_time,
-            **self._throughput(state.step, train_time),
+            **times,
+            **self._throughput(steps_here, times["train_s"]),
             "dptrain_version": __version__,
             "torch_version": torch.__version__,
             **self.diag.summary(),
         }
+        if self.ckpt.resumed_from is not None:
+            summary["resumed_from"] = str(self.ckpt.resumed_from)
         if final_val is not None and self.tokens_per_sample:
             summary["final_val_bpb"] = final_val / math.log(2)
         if self.scaler.is_enabled():
-            summary["skipped_steps"] = skipped
+            summary["skipped_steps"] = state.skipped_steps
         return summary
 
     def _throughput(self, steps: int, seconds: float) -> dict[str, float]:

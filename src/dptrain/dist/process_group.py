@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import time
 from collections.abc import Iterator
 
 import torch
@@ -40,8 +41,18 @@ def init_process_group(env: DistEnv, *, backend: str, device: torch.device, time
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
 
 
+# How long teardown yields the GIL before the process group goes (see destroy_process_group).
+_SETTLE_S = 0.05
+
+
 def destroy_process_group() -> None:
+    """Leave the process group. First sleep briefly with the GIL released: a gloo worker thread may
+    still be freeing the last finished collective, which needs the GIL when the work holds tensors
+    Python has seen (DDP's gradient buckets). If the caller then frees the last reference to the
+    group (e.g. a DDP model going out of scope), ProcessGroupGloo's destructor joins that thread
+    while holding the GIL, and both wait forever (observed on a loaded 2-core machine)."""
     if dist.is_initialized():
+        time.sleep(_SETTLE_S)
         dist.destroy_process_group()
 
 

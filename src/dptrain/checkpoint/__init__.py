@@ -1,0 +1,12 @@
+"""Checkpoints that never lie: commit-marked, manifest-hashed, full or DCP-sharded; exact resume.
+
+Modules, one job each: `manifest` (commit protocol, verification), `storage` (full vs DCP
+tensors), `safe_dcp` (restricted DCP reading), `rng` (per-rank RNG state), `resume` (which
+checkpoint to load; metrics continuity), `preempt` (SIGTERM), `attempts` (elastic restart
+reports), `manager` (the CheckpointManager the trainer calls), `cli` (`dptrain ckpt`).
+"""
+
+from dptrain.checkpoint.manifest import CheckpointError, CheckpointInfo, list_checkpoints, verify
+from dptrain.checkpoint.preempt import EXIT_PREEMPTED
+
+__all__ = ["CheckpointError", "CheckpointInfo", "EXIT_PREEMPTED", "list_checkpoints", "verify"]

@@ -1,0 +1,176 @@
+"""`dptrain ckpt ls|verify|export`, and the pre-flight checks `dptrain run` does before resuming."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from dptrain.checkpoint import manifest as mf
+from dptrain.config import Config, ConfigError, resolve, to_dict
+
+
+def _root_of(target: Path) -> Path:
+    """The folder holding step folders for a run directory, a checkpoint directory or a step folder."""
+    if mf.step_of(target) is not None:
+        return target.parent
+    if (target / "config.yaml").is_file():
+        from dptrain.checkpoint.manager import checkpoint_root
+        from dptrain.overrides import load_config
+
+        return checkpoint_root(load_config(target / "config.yaml").checkpoint, target)
+    return target
+
+
+def _step_folders(target: Path) -> list[Path]:
+    return [target] if mf.step_of(target) is not None else mf.step_dirs(_root_of(target))
+
+
+# ---------------------------------------------------------------------- run pre-flight
+def _diff(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [f"{prefix}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def _newest_meta(cfg: Config, *, run_dir: Path, resume: str, trust: bool) -> dict[str, Any] | None:
+    from dptrain.checkpoint.manager import checkpoint_root
+    from dptrain.checkpoint.resume import choose_checkpoint
+
+    if resume != "auto":
+        choice = choose_checkpoint(resume, root=run_dir, trust=trust)
+        if choice.error:
+            raise ConfigError(choice.error)
+        return choice.meta
+    # auto: the workers verify the hashes; here only the newest committed manifest is read.
+    for info in reversed(mf.list_checkpoints(checkpoint_root(cfg.checkpoint, run_dir), check_hashes=False)):
+        if info.valid:
+            return info.meta
+    return None
+
+
+def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, world_size: int) -> Config:
+    """Check that `cfg` can continue the run in `run_dir` (same model, same global batch) and
+    re-derive gradient accumulation for a new world size. Raises ConfigError (exit 2)."""
+    if resume == "none":
+        from dptrain.checkpoint.manager import checkpoint_root
+
+        root = checkpoint_root(cfg.checkpoint, run_dir)
+        if mf.step_dirs(root):
+            raise ConfigError(
+                f"--resume none, but {root} holds checkpoints of an earlier run (a later --resume auto or an elastic "
+                "restart would pick them up); use a new --out, or move that directory away"
+            )
+        return cfg
+    old_cfg = run_dir / "config.yaml"
+    if old_cfg.is_file():
+        from dptrain.overrides import load_config
+
+        changed = _diff(to_dict(load_config(old_cfg).model), to_dict(cfg.model), "model")
+        if changed:
+            raise ConfigError(
+                f"{run_dir} holds a run of another model ({'; '.join(changed)}); a resumed run must keep the model "
+                "config. Use a new --out, or --resume none to start over in this directory"
+            )
+    meta = _newest_meta(cfg, run_dir=run_dir, resume=resume, trust=trust)
+    if not meta:
+        return cfg
+    g = int(meta["global_batch_size"])
+    if cfg.train.global_batch_size not in (None, g):
+        raise ConfigError(
+            f"the checkpoint was trained with train.global_batch_size={g}, this run asks for "
+            f"{cfg.train.global_batch_size}; keep it at {g} (the data order and the optimizer depend on it)"
+        )
+    try:
+        if resolve(cfg, world_size=world_size).global_batch_size == g:
+            return cfg
+    except ConfigError:
+        pass
+    train = dataclasses.replace(cfg.train, global_batch_size=g, grad_accum_steps=None)
+    new = dataclasses.replace(cfg, train=train)
+    try:
+        res = resolve(new, world_size=world_size)
+    except ConfigError as e:
+        raise ConfigError(f"cannot keep the checkpoint's global batch of {g} at world size {world_size}: {e}") from None
+    print(f"dptrain: resuming at world size {world_size} (checkpoint: {meta['world_size']}): global batch {g} = "
+          f"micro {res.micro_batch_size} x accum {res.grad_accum_steps} x dp {res.dp_world_size}", file=sys.stderr)
+    return new
+
+
+# ---------------------------------------------------------------------- dptrain ckpt
+def add_ckpt_parser(sub: Any) -> None:
+    """Register `dptrain ckpt` on the main parser's subcommands."""
+    ckpt = sub.add_parser("ckpt", help="list, verify and export checkpoints")
+    acts = ckpt.add_subparsers(metavar="ACTION")
+    ls = acts.add_parser("ls", help="list a run's checkpoints with their state (committed, uncommitted, corrupt)")
+    ls.add_argument("target", metavar="RUN_DIR_OR_CKPT")
+    ls.set_defaults(func=cmd_ls)
+    ver = acts.add_parser("verify", help="check every file against the manifest; exit 1 if any is not valid")
+    ver.add_argument("target", metavar="RUN_DIR_OR_CKPT")
+    ver.set_defaults(func=cmd_verify)
+    exp = acts.add_parser("export", help="write the consolidated model.safetensors of a checkpoint (any strategy)")
+    exp.add_argument("target", metavar="RUN_DIR_OR_CKPT", help="a step folder, or a run dir (its newest valid checkpoint)")
+    exp.add_argument("--out", default="model.safetensors")
+    exp.add_argument("--trust-checkpoint", action="store_true", help="export a step folder without a valid manifest")
+    exp.set_defaults(func=cmd_export)
+
+
+def _size(path: Path) -> str:
+    n = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    folders = _step_folders(Path(args.target))
+    if not folders:
+        print(f"no checkpoints under {args.target}")
+        return 0
+    print(f"{'step':>8}  {'state':<11}  {'size':>10}  {'world':>5}  {'strategy':<8}  path / reason")
+    for d in folders:
+        info = mf.inspect_dir(d)
+        meta = info.meta
+        print(f"{info.step:>8}  {info.state:<11}  {_size(d):>10}  {meta.get('world_size', '-'):>5}  "
+              f"{meta.get('strategy', '-'):<8}  {d}" + (f"\n{'':>10}{info.reason}" if info.reason else ""))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    folders = _step_folders(Path(args.target))
+    if not folders:
+        print(f"dptrain: error: no checkpoints under {args.target}", file=sys.stderr)
+        return 1
+    bad = 0
+    for d in folders:
+        info = mf.inspect_dir(d)
+        if info.valid:
+            print(f"OK       {d} ({len(mf.read_manifest(d)['files'])} files match the manifest)")
+        else:
+            bad += 1
+            print(f"{info.state.upper():<8} {d}: {info.reason}")
+    return 1 if bad else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from dptrain.checkpoint import storage
+    from dptrain.checkpoint.resume import choose_checkpoint
+
+    target = Path(args.target)
+    choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint)
+    if choice.error or choice.path is None:
+        print(f"dptrain: error: {choice.error or f'no valid checkpoint under {target}'}", file=sys.stderr)
+        return 1
+    for line in choice.messages:
+        print(line, file=sys.stderr)
+    try:
+        state = storage.load_full_model_state(Path(choice.path), fmt=choice.meta["format"])
+    except mf.CheckpointError as e:
+        print(f"dptrain: error: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(out))
+    print(f"exported {len(state)} tensors of {choice.path} (step {choice.meta['step']}) to {out}")
+    return 0

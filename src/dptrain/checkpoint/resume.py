@@ -1,0 +1,98 @@
+"""Which checkpoint a run resumes from, and making the run's metrics read as one run.
+
+`--resume auto` (default) takes the newest committed checkpoint whose files match its
+manifest, skipping (and naming, with the reason) every newer folder that is uncommitted or
+corrupt. `--resume PATH` takes a step folder, or the newest valid one under a run directory
+or checkpoint directory; a step folder that fails verification is refused unless
+`--trust-checkpoint` is given. `--resume none` starts from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dptrain.checkpoint import manifest as mf
+
+
+@dataclass
+class ResumeChoice:
+    """The decision (made on rank 0, broadcast): a step folder or None, what to tell the user,
+    or an error that stops the run."""
+
+    path: str | None = None
+    messages: list[str] = field(default_factory=list)
+    error: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _newest_valid(root: Path) -> ResumeChoice:
+    choice = ResumeChoice()
+    for d in reversed(mf.step_dirs(root)):
+        info = mf.inspect_dir(d)
+        if info.valid:
+            choice.path, choice.meta = str(d), info.meta
+            return choice
+        choice.messages.append(f"dptrain: skipping checkpoint {d}: {info.state}: {info.reason}")
+    if choice.messages:
+        choice.messages.append(f"dptrain: no valid checkpoint under {root}; starting from step 0")
+    return choice
+
+
+def _explicit(path: Path, *, trust: bool) -> ResumeChoice:
+    info = mf.inspect_dir(path)
+    if info.valid:
+        return ResumeChoice(path=str(path), meta=info.meta)
+    if not trust:
+        return ResumeChoice(error=(
+            f"refusing to resume from {path}: {info.state}: {info.reason}. Pass --trust-checkpoint to load it "
+            "without a valid manifest (files are still read with torch.load(weights_only=True))"
+        ))
+    try:
+        meta = json.loads((path / mf.MANIFEST).read_text())["meta"]
+    except (OSError, ValueError, KeyError):
+        return ResumeChoice(error=f"cannot resume from {path}: {info.reason}, and without a readable manifest "
+                                  "the step and data position are unknown")
+    return ResumeChoice(path=str(path), meta=meta,
+                        messages=[f"dptrain: warning: loading UNVERIFIED checkpoint {path} (--trust-checkpoint): {info.reason}"])
+
+
+def choose_checkpoint(mode: str, *, root: Path, trust: bool = False) -> ResumeChoice:
+    """Apply `--resume MODE` (auto, none, or a path) with checkpoints under `root`."""
+    if mode == "none":
+        return ResumeChoice()
+    if mode == "auto":
+        return _newest_valid(root)
+    path = Path(mode)
+    if not path.exists():
+        return ResumeChoice(error=f"--resume {mode}: no such file or directory")
+    if mf.step_of(path) is not None or (path / mf.MANIFEST).exists() or (path / mf.MARKER).exists():
+        return _explicit(path, trust=trust)
+    for sub in (path / "checkpoints", path):
+        if mf.step_dirs(sub):
+            return _newest_valid(sub)
+    return ResumeChoice(error=f"--resume {mode}: holds no step_NNNNNN checkpoint folders")
+
+
+def truncate_metrics(path: Path, *, step: int) -> float | None:
+    """Drop the records after `step` (and a torn last line) from metrics.jsonl, so that the
+    resumed run appends to a file that reads as one run; return the initial validation loss."""
+    if not path.is_file():
+        return None
+    kept, initial = [], None
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("step", 0) <= step:
+            kept.append(line)
+            if initial is None and rec.get("step") == 0 and "val_loss" in rec:
+                initial = rec["val_loss"]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return initial

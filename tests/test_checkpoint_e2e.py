@@ -1,0 +1,185 @@
+"""End-to-end: `dptrain run` under torchrun, workers killed with real signals, resumed by the CLI.
+
+A reference run goes uninterrupted; the others are killed (SIGKILL to a worker, SIGTERM to the job)
+and must end with the same per-step losses (float.hex) and the same final weights (SHA-256).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from dptrain.checkpoint import manifest as mf
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = [
+    "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
+    "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
+    "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every_steps=1", "train.eval_every_steps=0",
+    "train.loss=slow_loss:slow_loss", "train.max_steps=30", "log.progress=false", "checkpoint.every_steps=5",
+]
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def dptrain(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dptrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=ROOT)
+
+
+def start(out: Path, *overrides: str, flags: tuple[str, ...] = ()) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dptrain", "run", *TOY, *overrides, "--nproc-per-node", "2",
+                             "--out", str(out), *flags],
+                            env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def logged_steps(out: Path) -> list[int]:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["step"] for line in lines if '"loss"' in line and line.endswith("}")]
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while max(logged_steps(out), default=0) < step:
+        assert proc.poll() is None, f"run ended before step {step}: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"step {step} not reached in {timeout}s"
+        time.sleep(0.005)
+
+
+def worker(proc: subprocess.Popen, rank: int) -> psutil.Process:
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "dptrain.worker" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no worker process of rank {rank}")
+
+
+def wait_training_again(proc: subprocess.Popen, out: Path, *, attempt: int, timeout: float = 60) -> None:
+    """Until every rank of restart `attempt` has finished a step."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the worker group did not train again"
+        try:
+            recs = [json.loads(p.read_text()) for p in (out / "attempts").glob("rank*.json")]
+        except ValueError:
+            recs = []
+        if len(recs) == 2 and all(r["attempt"] == attempt and r["step"] is not None for r in recs):
+            return
+        time.sleep(0.005)
+
+
+def losses(out: Path) -> list[tuple[int, str]]:
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], float.hex(r["loss"])) for r in recs if "loss" in r]
+
+
+def weights(out: Path) -> bytes:
+    return (out / "final" / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt-e2e") / "ref"
+    proc = start(out)
+    assert proc.wait(timeout=120) == 0, proc.communicate()[0][-3000:]
+    assert [s for s, _ in losses(out)] == list(range(1, 31))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_sigkill_a_worker_elastic_restart_resumes_bit_identical(reference, tmp_path):
+    out = tmp_path / "run"
+    proc = start(out, flags=("--max-restarts", "1"))
+    wait_for_step(proc, out, 12)
+    victim = worker(proc, 1)
+    killed_at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    wait_training_again(proc, out, attempt=1)
+    recovery_s = time.monotonic() - killed_at
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output[-3000:]
+    report = json.loads((out / "attempts.jsonl").read_text())
+    died = [f for f in report["failures"] if f["rank"] == 1]
+    assert died and died[0]["step"] >= 12 and "without a Python error" in died[0]["cause"]
+    assert "restart 1: attempt 0 failed" in output and "resumed from" in output
+    assert losses(out) == losses(reference)
+    assert weights(out) == weights(reference)
+    print(f"\nSIGKILL of rank 1 at step >= 12: training again after {recovery_s:.2f}s")
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_saves_the_current_step_exits_143_and_resumes_exactly(reference, tmp_path):
+    out = tmp_path / "run"
+    proc = start(out, "checkpoint.every_steps=0")  # only the preemption checkpoint
+    wait_for_step(proc, out, 10)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 143, output[-3000:]
+    saved = [mf.step_of(p) for p in mf.step_dirs(out / "checkpoints")]
+    assert saved == [max(logged_steps(out))], "the preemption checkpoint must hold the last finished step"
+    assert mf.inspect_dir(mf.step_dirs(out / "checkpoints")[0]).valid
+    r = dptrain("run", "--out", str(out))  # the run directory's own config.yaml; resume auto
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"at step {saved[0]}" in r.stderr
+    assert losses(out) == losses(reference)
+    assert weights(out) == weights(reference)
+
+
+@pytest.mark.timeout(150)
+def test_restart_budget_is_honoured_exactly(tmp_path):
+    out = tmp_path / "run"
+    proc = start(out, "train.max_steps=200", flags=("--max-restarts", "1"))
+    wait_for_step(proc, out, 8)
+    worker(proc, 1).send_signal(signal.SIGKILL)
+    wait_training_again(proc, out, attempt=1)
+    worker(proc, 0).send_signal(signal.SIGKILL)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, output[-3000:]
+    assert "worker(s) failed" in output
+    assert len((out / "attempts.jsonl").read_text().splitlines()) == 1  # one restart, no second
+    attempts = {json.loads(p.read_text())["attempt"] for p in (out / "attempts").glob("rank*.json")}
+    assert attempts == {1}
+    assert max(logged_steps(out)) < 200
+
+
+@pytest.mark.timeout(150)
+def test_ckpt_commands_and_refusals_before_any_worker_starts(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    newest = mf.step_dirs(run / "checkpoints")[-1]
+    r = dptrain("ckpt", "export", str(run), "--out", str(tmp_path / "m.safetensors"))
+    assert r.returncode == 0, r.stderr
+    exported, final = load_file(tmp_path / "m.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert exported.keys() == final.keys() and all((exported[k] == final[k]).all() for k in final)
+    expected = mf.sha256_file(newest / "model.pt")
+    data = bytearray((newest / "model.pt").read_bytes())
+    data[-100] ^= 0xFF
+    (newest / "model.pt").write_bytes(bytes(data))
+    t0 = time.monotonic()
+    r = dptrain("run", "train.max_steps=40", "--out", str(run), "--resume", str(newest))
+    assert r.returncode == 2 and time.monotonic() - t0 < 30
+    assert "model.pt" in r.stderr and expected in r.stderr and mf.sha256_file(newest / "model.pt") in r.stderr
+    r = dptrain("ckpt", "verify", str(run))
+    assert r.returncode == 1 and "CORRUPT" in r.stdout and "model.pt" in r.stdout
+    r = dptrain("ckpt", "ls", str(run))
+    assert r.returncode == 0 and "corrupt" in r.stdout and "committed" in r.stdout
+    r = dptrain("run", "model.kwargs.hidden=64", "--out", str(run))
+    assert r.returncode == 2 and "model.kwargs" in r.stderr and "another model" in r.stderr

@@ -78,21 +78,25 @@ def choose_checkpoint(mode: str, *, root: Path, trust: bool = False) -> ResumeCh
 
 
 def truncate_metrics(path: Path, *, step: int) -> float | None:
-    """Drop the records after `step` (and a torn last line) from metrics.jsonl, so that the
-    resumed run appends to a file that reads as one run; return the initial validation loss."""
+    """Cut metrics.jsonl after the last record of `step` (dropping later records and a torn last
+    line), in place, so that the resumed run appends to a file that reads as one run and a sink
+    already open on it keeps writing to the same file; return the initial validation loss."""
     if not path.is_file():
         return None
-    kept, initial = [], None
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("step", 0) <= step:
-            kept.append(line)
+    keep_bytes, initial = 0, None
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                break  # a torn line can only be the last one
+            if not raw.endswith(b"\n") or rec.get("step", 0) > step:
+                break  # records are appended in step order: the rest is after the checkpoint
+            keep_bytes += len(raw)
             if initial is None and rec.get("step") == 0 and "val_loss" in rec:
                 initial = rec["val_loss"]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    with open(path, "r+b") as f:
+        f.truncate(keep_bytes)
+        f.flush()
+        os.fsync(f.fileno())
     return initial

@@ -18,8 +18,10 @@ it) cannot run its watchdog thread either: it sends no stack, and is named for t
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -137,6 +139,10 @@ class Watchdog:
 
     def start(self) -> None:
         self._last_progress = time.monotonic()
+        # Publish once from this thread: a rank that freezes (holding the GIL) before its watchdog
+        # thread first runs is still known by host and pid, so the report can name and end it.
+        self.store.set(f"hb/{self.rank}", json.dumps(self.heartbeat()))
+        self._published = self._progress
         self._thread = threading.Thread(target=self._run, name="dptrain-watchdog", daemon=True)
         self._thread.start()
 
@@ -184,11 +190,22 @@ class Watchdog:
             (self.run_dir / "hang_report.txt").write_text(report)
             print(report, file=sys.stderr, flush=True)
             self.store.set(_DONE, str(self.rank))
+            self._kill_frozen(beats)
         else:
             while time.monotonic() < deadline and not self.store.check([_DONE]):
                 time.sleep(self.interval_s / 2)
         sys.stdout.flush()
         self._on_exit(EXIT_HANG)
+
+    def _kill_frozen(self, beats: dict[int, dict[str, Any] | None]) -> None:
+        """SIGKILL ranks on this host that never answered the alarm: they are frozen holding the GIL,
+        so neither their watchdog nor a Python SIGTERM handler (preemption) can end them, and the
+        launcher would otherwise wait out its shutdown timeout before killing them."""
+        for r, b in beats.items():
+            if b is not None and not b.get("answered", True) and b.get("host") == self.host and b.get("pid"):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(b["pid"]), signal.SIGKILL)
+                    print(f"dptrain watchdog: killed frozen rank {r} (pid {b['pid']})", file=sys.stderr, flush=True)
 
     def _collect(self, deadline: float) -> dict[int, dict[str, Any] | None]:
         """Every rank's stack record, waiting until `deadline` for late ones (then their last heartbeat)."""

@@ -1,234 +1,28 @@
-"""The configuration tree: frozen dataclasses, one docstring per field, validated before launch.
+"""Validation and derived values: what a Config means for a given world size.
 
-A run is described by a `Config` whose sections are plain frozen dataclasses. Loading
-(YAML, DeepSpeed JSON, `section.field=value` overrides) lives in `overrides.py`; this
-module only defines the fields and the arithmetic that derives the values a user may
-leave out (batch sizes, the scaled learning rate, the world size).
+Everything here runs before any process group starts, so bad input fails in the launcher with
+exit code 2 and a message naming the value and what would be valid.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message names the value and what would be valid."""
-
-
-STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "fsdp")
-DTYPES = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("sgd", "adamw", "adam")
-LR_SCALINGS = ("none", "linear", "sqrt")
-SCHEDULES = ("cosine", "constant", "linear")
-NONFINITE_POLICIES = ("skip", "error", "off")
-
-
-def _llama_defaults() -> dict[str, Any]:
-    return {"dim": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 128}
-
-
-def _corpus_defaults() -> dict[str, Any]:
-    return {"seq_len": 128}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    factory: str = "dptrain.models.llama:build_llama"
-    """Import path `pkg.mod:fn` of a function returning an `nn.Module` (called with `kwargs`)."""
-    kwargs: dict[str, Any] = field(default_factory=_llama_defaults)
-    """Keyword arguments passed to the model factory."""
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    factory: str = "dptrain.data.corpus:build_stdlib_lm"
-    """Import path of a function returning a map-style Dataset, or a (train, val) pair."""
-    kwargs: dict[str, Any] = field(default_factory=_corpus_defaults)
-    """Keyword arguments passed to the data factory."""
-    collate: str | None = None
-    """Optional import path of a collate function (default: torch's default_collate)."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank (0 loads in the training process)."""
-    pin_memory: bool = True
-    """Pin host memory for faster host-to-GPU copies (ignored without CUDA)."""
-    shuffle: bool = True
-    """Shuffle the global sample order; it is reshuffled every epoch from `train.seed`."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    max_steps: int = 500
-    """Number of optimizer steps to train."""
-    global_batch_size: int | None = 32
-    """Samples per optimizer step over all ranks = micro_batch_size * grad_accum_steps * dp world size."""
-    micro_batch_size: int | None = 8
-    """Samples per forward/backward on one rank."""
-    grad_accum_steps: int | None = None
-    """Micro-steps per optimizer step; left out, it is derived from the other two."""
-    seed: int = 1234
-    """Seed for model initialisation and the data order (the same on every rank)."""
-    log_every_steps: int = 10
-    """Log metrics (and read the loss off the device) every N steps."""
-    eval_every_steps: int = 100
-    """Evaluate on the validation split every N steps (0: only at the start and the end)."""
-    eval_batches: int = 8
-    """Micro-batches per rank in one evaluation."""
-    loss: str | None = None
-    """Import path `pkg.mod:fn(model, batch) -> loss`; by default the model's forward returns the loss."""
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    name: str = "adamw"
-    """Optimizer: sgd, adamw or adam."""
-    lr: float = 3e-3
-    """Learning rate at `base_batch_size` (scaled by `lr_scaling` to the global batch)."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay (AdamW) or L2 (SGD); not applied to biases and norm weights."""
-    momentum: float = 0.0
-    """SGD momentum."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """Adam betas."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    lr_scaling: str = "none"
-    """How the lr follows the global batch: none, linear (lr * G / base) or sqrt (lr * sqrt(G / base))."""
-    base_batch_size: int | None = None
-    """The global batch size `lr` was tuned for (default: the global batch, i.e. no scaling)."""
-    warmup_steps: int = 20
-    """Linear warmup steps from 0 to the peak learning rate."""
-    schedule: str = "cosine"
-    """After warmup: cosine (to min_lr_ratio * lr), linear (likewise) or constant."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak for the cosine and linear schedules."""
-    grad_clip: float | None = 1.0
-    """Clip the global gradient norm (over all shards) to this value; null disables clipping."""
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    strategy: str = "ddp"
-    """single, dp (legacy nn.DataParallel, GPUs only), ddp, zero1, zero2 or fsdp."""
-    bucket_cap_mb: float = 25.0
-    """DDP gradient bucket size in MiB."""
-    sync_each_micro_step: bool = False
-    """Reduce gradients on every micro-step instead of only the last (lower memory under FSDP, more traffic)."""
-    cpu_offload: bool = False
-    """fsdp only: keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
-    device: str = "auto"
-    """cpu, cuda or auto (cuda when available)."""
-    backend: str = "auto"
-    """Process-group backend: nccl, gloo or auto (nccl on cuda, gloo on cpu)."""
-    timeout_s: float = 600.0
-    """Collective and init timeout in seconds."""
-
-
-@dataclass(frozen=True)
-class PrecisionConfig:
-    dtype: str = "fp32"
-    """fp32, bf16 (autocast) or fp16 (autocast with dynamic loss scaling)."""
-    init_scale: float = 2.0**16
-    """fp16: initial loss scale."""
-    growth_interval: int = 2000
-    """fp16: steps without overflow before the loss scale doubles."""
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    nproc_per_node: int | str = "auto"
-    """Worker processes per node: a number, or auto (every local GPU, else 2 on the CPU)."""
-    nnodes: int = 1
-    """Number of nodes."""
-    node_rank: int = 0
-    """This node's rank (multi-node static rendezvous)."""
-    rdzv_endpoint: str | None = None
-    """host:port of the rendezvous for multi-node runs (default: standalone on this node)."""
-    rdzv_id: str = "dptrain"
-    """Job id shared by all nodes of one run."""
-    max_restarts: int = 0
-    """Elastic restarts torchrun grants the worker group."""
-
-
-@dataclass(frozen=True)
-class LogConfig:
-    out_dir: str | None = None
-    """Run directory (default: runs/<recipe>-<timestamp>)."""
-    progress: bool = True
-    """Show the live progress line on rank 0."""
-    name: str = "default"
-    """Recipe name used in the default run directory."""
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    dir: str | None = None
-    """Checkpoint directory (default: `checkpoints/` inside the run directory); one `step_NNNNNN/` folder per save."""
-    every_steps: int = 0
-    """Save every N optimizer steps (0: only at the end of the run and on preemption)."""
-    keep_last: int | None = 3
-    """Keep only the newest N committed checkpoints (older committed ones are deleted); null keeps all."""
-    async_save: bool = False
-    """Write checkpoint files in a background thread while training continues; committed only once complete."""
-
-
-@dataclass(frozen=True)
-class DiagnosticsConfig:
-    hang_timeout_s: float | None = None
-    """Seconds without progress before the watchdog writes every rank's stack, names the suspect rank(s) and ends the job (0: off; default: min(300, parallel.timeout_s / 2)). Must be below parallel.timeout_s."""
-    check_collectives: bool = False
-    """Check that every rank calls the same collective with the same shapes (TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for debugging; not with ddp/zero1, whose constructor crashes under it)."""
-    preflight: bool = True
-    """At start, check that all ranks agree on world size, config and model (parameter names, shapes, dtypes)."""
-    straggler_every_steps: int = 50
-    """Compare ranks' step-time split (data, compute, waiting for others) every N steps (0: off; adds one tiny barrier per step)."""
-    straggler_margin: float = 0.25
-    """A rank whose data + compute time exceeds the median of the other ranks by this fraction is named a straggler."""
-    drift_every_steps: int = 100
-    """Compare a checksum of every parameter across data-parallel replicas every N steps (0: off; skipped under zero2/fsdp)."""
-    nonfinite: str = "off"
-    """Non-finite loss or gradient norm: skip (all ranks skip the step), error (stop naming step and rank) or off (no per-step check)."""
-    max_consecutive_skips: int = 5
-    """nonfinite=skip: stop with an error after this many consecutive skipped steps."""
-    memory_every_steps: int = 50
-    """Sample host RSS (and CUDA allocated/reserved/peak) on every rank every N steps (0: off)."""
-    memory_window: int = 10
-    """Samples in the linear fit that detects steady memory growth."""
-    memory_leak_mb: float = 256.0
-    """Report a leak when the fitted growth over the window exceeds this many MiB (and the fit is steady, R^2 >= 0.9)."""
-
-
-@dataclass(frozen=True)
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a config dataclass (for `config show` and the README)."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    docs: dict[str, str] = {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
-    return docs
-
+from dptrain.config.fields import (
+    DTYPES,
+    LR_SCALINGS,
+    NONFINITE_POLICIES,
+    OPTIMIZERS,
+    SCHEDULES,
+    STRATEGIES,
+    Config,
+    ConfigError,
+    DiagnosticsConfig,
+    LaunchConfig,
+    OptimConfig,
+    TrainConfig,
+)
 
 # ---------------------------------------------------------------------------------------
 # Derived values
@@ -455,26 +249,3 @@ def validate_diagnostics(d: DiagnosticsConfig, *, pg_timeout_s: float) -> None:
 def hang_timeout(d: DiagnosticsConfig, *, pg_timeout_s: float) -> float:
     """The watchdog's timeout: as set, or min(300 s, half the process-group timeout); 0 means off."""
     return d.hang_timeout_s if d.hang_timeout_s is not None else min(300.0, pg_timeout_s / 2)
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """A plain nested dict (tuples as lists) suitable for YAML/JSON."""
-    d = dataclasses.asdict(cfg)
-
-    def fix(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: fix(v) for k, v in x.items()}
-        if isinstance(x, tuple | list):
-            return [fix(v) for v in x]
-        return x
-
-    return fix(d)
-
-
-def default_out_dir(cfg: Config) -> str:
-    """runs/<recipe>-<timestamp> unless log.out_dir is set."""
-    import time
-
-    if cfg.log.out_dir:
-        return cfg.log.out_dir
-    return os.path.join("runs", f"{cfg.log.name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -1,0 +1,43 @@
+"""The config tree (`fields`) and what it resolves to at a given world size (`resolve`)."""
+
+from dptrain.config.fields import (
+    DTYPES,
+    LR_SCALINGS,
+    NONFINITE_POLICIES,
+    OPTIMIZERS,
+    SCHEDULES,
+    STRATEGIES,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    DiagnosticsConfig,
+    LaunchConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+    default_out_dir,
+    field_docs,
+    to_dict,
+)
+from dptrain.config.resolve import (
+    Resolved,
+    hang_timeout,
+    local_world_size,
+    resolve,
+    resolve_batch,
+    scaled_lr,
+    validate,
+    validate_diagnostics,
+)
+
+__all__ = [
+    "DTYPES", "LR_SCALINGS", "NONFINITE_POLICIES", "OPTIMIZERS", "SCHEDULES", "STRATEGIES",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DiagnosticsConfig", "LaunchConfig",
+    "LogConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "Resolved",
+    "TrainConfig", "default_out_dir", "field_docs", "hang_timeout", "local_world_size", "resolve",
+    "resolve_batch", "scaled_lr", "to_dict", "validate", "validate_diagnostics",
+]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -49,9 +50,9 @@ def build(variant: list[str], model: str, steps: int):
     cfg = load_config(None, [*MODELS[model], f"train.micro_batch_size={MICRO[model]}", "train.grad_accum_steps=1",
                              f"train.global_batch_size={MICRO[model] * world}", "log.progress=false",
                              "optim.warmup_steps=0", f"train.max_steps={steps}", *OFF, *variant])
-    trainer = Trainer(cfg, out_dir="/tmp/dptrain-diag-overhead")
+    trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-diag-overhead-"))
     trainer.device = torch.device("cpu")
-    trainer._setup()
+    trainer.setup()
     trainer.diag.start(trainer.model, step=0, device=trainer.device)
     return trainer
 

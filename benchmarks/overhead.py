@@ -18,6 +18,7 @@ import hashlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -62,10 +63,10 @@ def worker(a: argparse.Namespace) -> None:
         "optim.warmup_steps=0", "optim.schedule=constant", "optim.grad_clip=1.0", "log.progress=false",
         f"train.max_steps={a.steps}", "parallel.strategy=ddp",
     ])
-    trainer = Trainer(cfg, out_dir="/tmp/dptrain-overhead")
+    trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-overhead-"))
     trainer.device = torch.device("cpu")
     with process_group(trainer.env, backend="gloo", device=trainer.device, timeout_s=300):
-        trainer._setup()
+        trainer.setup()
         rank = dist.get_rank()
         # The raw loop: the same initial weights, the same micro-batches, plain PyTorch.
         raw = DDP(build_model(cfg.model, seed=cfg.train.seed), bucket_cap_mb=25, gradient_as_bucket_view=True)

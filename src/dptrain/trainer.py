@@ -97,7 +97,14 @@ class Trainer:
                                 pg_timeout_s=cfg.parallel.timeout_s, say=self._say)
 
     # ---------------------------------------------------------------- building
-    def _setup(self) -> None:
+    def setup(self) -> None:
+        """Build model, optimizer and data, then resume if a checkpoint says so. Call it inside the
+        process group (`fit` does); afterwards `train_step()` can be called directly (benchmarks)."""
+        self._build()
+        self.ckpt.maybe_resume(self)  # model, optimizer, schedule, scaler, RNG, data position
+        self.batches: Iterator[Any] = iter(self.loader)  # starts at the (resumed) global step
+
+    def _build(self) -> None:
         cfg, res = self.cfg, self.res
         model = build_model(cfg.model, seed=cfg.train.seed)
         # Before any wrapper's own collectives: all ranks agree on world size, config and model.
@@ -188,9 +195,7 @@ class Trainer:
         with process_group(self.env, backend=self.res.backend, device=self.device, timeout_s=self.cfg.parallel.timeout_s):
             self._open_outputs()
             try:
-                self._setup()
-                self.ckpt.maybe_resume(self)  # model, optimizer, schedule, scaler, RNG, data position
-                self.batches: Iterator[Any] = iter(self.loader)  # starts at the (resumed) global step
+                self.setup()
                 self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled())
                 summary = self._loop()
                 if not summary.get("preempted"):

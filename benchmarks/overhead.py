@@ -3,7 +3,7 @@
     python benchmarks/overhead.py [--steps 80] [--nproc 2] [--accum 2] [--dim 128]
 
 Starts itself under torchrun. On every rank it builds the same LLaMA-style model twice (same
-seed): one trained by `dptrain.Trainer.train_step` (DDP strategy), one by the loop the field's
+seed): one trained by `dptrain.Trainer.train_step` (DDP strategy, default diagnostics on), one by the loop the field's
 guides teach (DDP, `no_sync` on all but the last micro-step, loss / accum, backward, clip,
 step, zero_grad). Steps alternate between the two so both see the same machine noise. Prints
 the median step time of each, their ratio and the median ratio of back-to-back step pairs
@@ -67,6 +67,15 @@ def worker(a: argparse.Namespace) -> None:
     trainer.device = torch.device("cpu")
     with process_group(trainer.env, backend="gloo", device=trainer.device, timeout_s=300):
         trainer.setup()
+        # dptrain as users get it: the default diagnostics armed (watchdog, straggler split, drift
+        # and memory checks at their default intervals).
+        trainer.diag.start(trainer.model, step=0, device=trainer.device)
+
+        def dptrain_step() -> torch.Tensor:
+            loss = trainer.train_step()
+            trainer.state.step += 1
+            trainer.diag.on_step_end(trainer.state.step)
+            return loss
         rank = dist.get_rank()
         # The raw loop: the same initial weights, the same micro-batches, plain PyTorch.
         raw = DDP(build_model(cfg.model, seed=cfg.train.seed), bucket_cap_mb=25, gradient_as_bucket_view=True)
@@ -95,7 +104,7 @@ def worker(a: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {"dptrain": [], "raw": []}
         same_losses = True
         for step in range(a.steps):
-            order = [("dptrain", trainer.train_step), ("raw", raw_step)]
+            order = [("dptrain", dptrain_step), ("raw", raw_step)]
             if step % 2:
                 order.reverse()  # alternate who goes first
             losses = {}
@@ -105,6 +114,7 @@ def worker(a: argparse.Namespace) -> None:
                 losses[name] = fn()
                 times[name].append(time.perf_counter() - t)
             same_losses &= bool(torch.equal(losses["dptrain"], losses["raw"]))
+        trainer.diag.close()
         same = _sha(trainer.module) == _sha(raw.module)
         if rank == 0:
             med = {k: statistics.median(v[a.warmup:]) for k, v in times.items()}

@@ -169,31 +169,25 @@ def validate(cfg: Config) -> None:
     _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
     _choice(cfg.parallel.device, ("auto", "cpu", "cuda"), "parallel.device")
     _choice(cfg.parallel.backend, ("auto", "gloo", "nccl"), "parallel.backend")
-    for name, v in (("model.factory", cfg.model.factory), ("data.factory", cfg.data.factory)):
-        if not isinstance(v, str) or ":" not in v:
+    for name, v, required in (("model.factory", cfg.model.factory, True), ("data.factory", cfg.data.factory, True),
+                              ("train.loss", cfg.train.loss, False), ("data.collate", cfg.data.collate, False)):
+        if (required or v is not None) and (not isinstance(v, str) or ":" not in v):
             raise ConfigError(f"{name}={v!r} is not an import path; write it as 'package.module:function'")
-    for name, v in (("train.loss", cfg.train.loss), ("data.collate", cfg.data.collate)):
-        if v is not None and (not isinstance(v, str) or ":" not in v):
-            raise ConfigError(f"{name}={v!r} is not an import path; write it as 'package.module:function'")
-    positive = {
-        "train.max_steps": cfg.train.max_steps,
-        "train.log_every_steps": cfg.train.log_every_steps,
-        "train.eval_batches": cfg.train.eval_batches,
-        "launch.nnodes": cfg.launch.nnodes,
+    lower_bounds = {  # name: (value, smallest valid value)
+        "train.max_steps": (cfg.train.max_steps, 1),
+        "train.log_every_steps": (cfg.train.log_every_steps, 1),
+        "train.eval_batches": (cfg.train.eval_batches, 1),
+        "launch.nnodes": (cfg.launch.nnodes, 1),
+        "train.eval_every_steps": (cfg.train.eval_every_steps, 0),
+        "optim.warmup_steps": (cfg.optim.warmup_steps, 0),
+        "data.num_workers": (cfg.data.num_workers, 0),
+        "launch.max_restarts": (cfg.launch.max_restarts, 0),
+        "checkpoint.every_steps": (cfg.checkpoint.every_steps, 0),
     }
-    for name, v in positive.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{name}={v!r} is not valid; it must be a positive integer")
-    nonneg = {
-        "train.eval_every_steps": cfg.train.eval_every_steps,
-        "optim.warmup_steps": cfg.optim.warmup_steps,
-        "data.num_workers": cfg.data.num_workers,
-        "launch.max_restarts": cfg.launch.max_restarts,
-        "checkpoint.every_steps": cfg.checkpoint.every_steps,
-    }
-    for name, v in nonneg.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ConfigError(f"{name}={v!r} is not valid; it must be an integer >= 0")
+    for name, (v, low) in lower_bounds.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            rule = "a positive integer" if low == 1 else "an integer >= 0"
+            raise ConfigError(f"{name}={v!r} is not valid; it must be {rule}")
     if not (isinstance(cfg.optim.lr, int | float) and cfg.optim.lr > 0):
         raise ConfigError(f"optim.lr={cfg.optim.lr!r} is not valid; it must be a number > 0")
     if cfg.optim.grad_clip is not None and not cfg.optim.grad_clip > 0:

@@ -129,3 +129,16 @@ def test_readme_config_reference_matches_the_code():
     assert readme[start:readme.index("<!-- config-reference:end -->")] == config_reference(), (
         "README config reference is stale: regenerate it with `dptrain config docs`"
     )
+
+
+@pytest.mark.timeout(30)
+def test_launch_fills_in_only_the_torchrun_defaults_the_user_left_out():
+    from dptrain.launch import user_script_args
+
+    assert user_script_args(["train.py", "--lr", "1"], default_nproc=2) == [
+        "--nproc-per-node", "2", "--standalone", "train.py", "--lr", "1"]
+    # options that take a value are told apart from the script by torchrun's own parser
+    assert user_script_args(["--max-restarts", "1", "--nproc-per-node", "3", "train.py"], default_nproc=2) == [
+        "--standalone", "--max-restarts", "1", "--nproc-per-node", "3", "train.py"]
+    given = ["--nnodes", "2", "--rdzv-endpoint", "h:29500", "train.py"]
+    assert user_script_args(given, default_nproc=4) == ["--nproc-per-node", "4", *given]

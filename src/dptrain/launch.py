@@ -5,6 +5,7 @@ dptrain never spawns workers itself: `run_torchrun` hands an argv to PyTorch's e
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -84,14 +85,14 @@ def user_script_args(argv: list[str], *, default_nproc: int) -> list[str]:
     return extra + out
 
 
-_VALUE_OPTS = {
-    "--nnodes", "--nproc-per-node", "--nproc_per_node", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint",
-    "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf", "--max-restarts", "--max_restarts",
-    "--monitor-interval", "--monitor_interval", "--start-method", "--start_method", "--role", "--log-dir",
-    "--log_dir", "-r", "--redirects", "-t", "--tee", "--local-ranks-filter", "--local_ranks_filter", "--node-rank",
-    "--node_rank", "--master-addr", "--master_addr", "--master-port", "--master_port", "--local-addr", "--local_addr",
-}
-
-
 def _takes_value(opt: str) -> bool:
-    return opt in _VALUE_OPTS
+    """Whether torchrun's option `opt` consumes the next argument."""
+    return opt in _value_options()
+
+
+@functools.cache
+def _value_options() -> frozenset[str]:
+    """torchrun's options that take a value, read off torchrun's own parser (no copy to keep in step)."""
+    from torch.distributed.run import get_args_parser
+
+    return frozenset(o for a in get_args_parser()._actions if a.nargs != 0 for o in a.option_strings)

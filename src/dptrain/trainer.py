@@ -255,7 +255,7 @@ class Trainer:
     def _eval_and_log(self) -> float | None:
         val = self.evaluate()
         if val is not None:
-            bpb = val / math.log(2) if getattr(self.val_ds, "bytes_per_token", 1) == 1 and self.tokens_per_sample else None
+            bpb = self._bits_per_byte(val)
             self._log({"step": self.state.step, "val_loss": val, **({"val_bpb": bpb} if bpb else {})})
             self.console.message(f"step {self.state.step}: val loss {val:.4f}" + (f"  ({bpb:.3f} bits/byte)" if bpb else ""))
         return val
@@ -331,11 +331,17 @@ class Trainer:
         }
         if self.ckpt.resumed_from is not None:
             summary["resumed_from"] = str(self.ckpt.resumed_from)
-        if final_val is not None and self.tokens_per_sample:
-            summary["final_val_bpb"] = final_val / math.log(2)
+        if final_val is not None and (bpb := self._bits_per_byte(final_val)) is not None:
+            summary["final_val_bpb"] = bpb
         if self.scaler.is_enabled():
             summary["skipped_steps"] = state.skipped_steps
         return summary
+
+    def _bits_per_byte(self, loss: float) -> float | None:
+        """Bits per byte for byte-level token data (TokenChunks), else None."""
+        if not self.tokens_per_sample or getattr(self.val_ds, "bytes_per_token", 1) != 1:
+            return None
+        return loss / math.log(2)
 
     def _throughput(self, steps: int, seconds: float) -> dict[str, float]:
         samples = steps * self.res.global_batch_size / max(seconds, 1e-9)

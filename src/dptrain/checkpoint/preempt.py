@@ -14,7 +14,8 @@ import threading
 from types import FrameType
 
 import torch
-import torch.distributed as dist
+
+from dptrain.dist.collectives import all_reduce_max
 
 EXIT_PREEMPTED = 143
 
@@ -35,12 +36,8 @@ class PreemptionFlag:
     def should_stop(self, *, busy: bool = False) -> tuple[bool, bool]:
         """(any rank received SIGTERM, any rank is `busy`), the same on every rank; one small
         all-reduce. `busy` carries the background checkpoint writer's state. Collective."""
-        flags = [self.received, busy]
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return flags[0], flags[1]
-        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t[0].item()), bool(t[1].item())
+        stop, any_busy = all_reduce_max([float(self.received), float(busy)], device=self.device)
+        return bool(stop), bool(any_busy)
 
     def restore(self) -> None:
         """Put the previous SIGTERM handler back."""

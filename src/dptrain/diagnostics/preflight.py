@@ -12,8 +12,9 @@ import hashlib
 import json
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
+
+from dptrain.dist.collectives import all_gather_object
 
 # Config keys that legitimately differ between nodes (each node runs its own `dptrain run` with
 # its launch.node_rank, and may pick its own timestamped run directory): not compared.
@@ -90,12 +91,8 @@ def _compare_models(ref: list[tuple], other: list[tuple], *, rank: int) -> str |
 def run_preflight(*, world_size: int, config: dict[str, Any], model: nn.Module) -> None:
     """Gather every rank's facts and raise `PreflightError` on every rank when they disagree."""
     facts = local_facts(world_size=world_size, config=config, model=model)
-    joined = dist.get_world_size() if dist.is_initialized() else 1
-    gathered: list[Any] = [None] * joined
-    if joined > 1:
-        dist.all_gather_object(gathered, facts)
-    else:
-        gathered = [facts]
+    gathered = all_gather_object(facts)
+    joined = len(gathered)
     message = compare_facts(gathered, joined=joined)
     if message:
         raise PreflightError(f"pre-flight check failed: {message}")

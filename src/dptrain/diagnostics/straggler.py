@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dptrain.dist.collectives import all_gather_object
+
 MIN_EXCESS_S = 1e-3
 SAMPLE_STEPS = 10
 """Steps timed (and probed) at the end of every `straggler_every_steps` window."""
@@ -114,8 +116,4 @@ def describe(s: dict[str, Any], *, first: int, last: int) -> str:
 
 def gather_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's row, on every rank."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [row]
-    rows: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
-    return rows
+    return all_gather_object(row)

@@ -23,20 +23,29 @@ def barrier() -> None:
 
 def all_reduce_mean(values: list[float], *, device: torch.device) -> list[float]:
     """Mean of each value over ranks, in one collective."""
-    if world_size() == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return (t / world_size()).tolist()
+    return [v / world_size() for v in _all_reduce(values, op=dist.ReduceOp.SUM, device=device)]
 
 
-def all_reduce_sum(values: list[float], *, device: torch.device) -> list[float]:
-    """Sum of each value over ranks, in one collective."""
+def all_reduce_max(values: list[float], *, device: torch.device) -> list[float]:
+    """Maximum of each value over ranks, in one collective (flags: any rank set it)."""
+    return _all_reduce(values, op=dist.ReduceOp.MAX, device=device)
+
+
+def _all_reduce(values: list[float], *, op: Any, device: torch.device) -> list[float]:
     if world_size() == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
     return t.tolist()
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_object(obj: Any, *, src: int = 0) -> Any:

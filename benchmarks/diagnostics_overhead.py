@@ -43,7 +43,7 @@ MICRO = {"toy": 16, "llama": 8}
 
 
 def build(variant: list[str], model: str, steps: int):
-    from dptrain.overrides import load_config
+    from dptrain.config.load import load_config
     from dptrain.trainer import Trainer
 
     world = int(os.environ["WORLD_SIZE"])

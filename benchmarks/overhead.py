@@ -51,8 +51,8 @@ def worker(a: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     from dptrain.build import build_model
-    from dptrain.dist.process_group import process_group
-    from dptrain.overrides import load_config
+    from dptrain.config.load import load_config
+    from dptrain.distributed.process_group import process_group
     from dptrain.trainer import Trainer
 
     world = int(os.environ["WORLD_SIZE"])

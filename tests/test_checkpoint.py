@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.overrides import load_config
+from dptrain.config.load import load_config
 from dptrain.trainer import Trainer
 from mp import RankError, run_ranks
 

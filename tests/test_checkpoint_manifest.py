@@ -192,7 +192,7 @@ def test_restart_report_names_the_dead_rank_and_its_step(tmp_path):
 
 
 def _run_dir_with_checkpoint(tmp_path: Path, overrides: list[str]) -> Path:
-    from dptrain.overrides import dump_yaml, load_config
+    from dptrain.config.load import dump_yaml, load_config
 
     run = tmp_path / "run"
     run.mkdir()
@@ -208,7 +208,7 @@ def _run_dir_with_checkpoint(tmp_path: Path, overrides: list[str]) -> Path:
 def test_resume_keeps_the_global_batch_and_re_derives_accumulation(tmp_path):
     from dptrain.checkpoint.cli import prepare_resume
     from dptrain.config import ConfigError, resolve
-    from dptrain.overrides import load_config
+    from dptrain.config.load import load_config
 
     base = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.grad_accum_steps=2"]
     run = _run_dir_with_checkpoint(tmp_path, base)

@@ -45,7 +45,7 @@ def test_run_two_processes_writes_the_run_directory(tmp_path):
     assert {"final_loss", "wall_s"} <= summary.keys()
     # the consolidated weights carry the plain module's names
     from dptrain.build import build_model
-    from dptrain.overrides import load_config
+    from dptrain.config.load import load_config
 
     cfg = load_config(out / "config.yaml")
     names = set(build_model(cfg.model, seed=0).state_dict())

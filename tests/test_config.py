@@ -1,4 +1,4 @@
-"""Tests for dptrain.config and dptrain.overrides: batch arithmetic, resolve, lr scaling,
+"""Tests for dptrain.config and dptrain.config.load: batch arithmetic, resolve, lr scaling,
 validation, overrides, YAML recipes, DeepSpeed JSON, the YAML round trip and field docs."""
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from dptrain.config import (
     to_dict,
     validate,
 )
-from dptrain.overrides import (
+from dptrain.config.deepspeed import from_deepspeed
+from dptrain.config.load import (
     build_config,
     dump_yaml,
-    from_deepspeed,
     load_config,
     parse_override,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dptrain.config import Config, ConfigError, hang_timeout, validate
-from dptrain.overrides import load_config
+from dptrain.config.load import load_config
 
 
 @pytest.mark.timeout(30)

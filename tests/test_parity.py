@@ -22,10 +22,10 @@ from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, default_collate
 
+from dptrain.config.load import load_config
 from dptrain.data import GlobalBatchSampler
 from dptrain.models.llama import build_llama
 from dptrain.models.toy import build_mlp, build_regression_data
-from dptrain.overrides import load_config
 from dptrain.trainer import Trainer
 from mp import run_ranks
 

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from dptrain.config import ParallelConfig
-from dptrain.dist.env import DistEnv
-from dptrain.dist.process_group import destroy_process_group, init_process_group
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.process_group import destroy_process_group, init_process_group
 from dptrain.models.toy import build_mlp, build_regression_data
 from dptrain.parallel import apply_strategy, clip_grad_norm_, is_sharded, sync_gradients, unwrap
 from mp import run_ranks

@@ -29,9 +29,9 @@ from torch.utils.data import DataLoader
 
 from dptrain.config import ConfigError, ParallelConfig, TrainConfig, resolve_batch
 from dptrain.data import GlobalBatchSampler, build_dataloader
-from dptrain.dist import collectives
-from dptrain.dist.env import DistEnv
-from dptrain.dist.process_group import bind_device, destroy_process_group, init_process_group
+from dptrain.distributed import collectives
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.process_group import bind_device, destroy_process_group, init_process_group
 from dptrain.parallel import apply_strategy
 
 

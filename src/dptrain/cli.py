@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from dptrain.config import Config, ConfigError, default_out_dir, local_world_size, resolve
-from dptrain.overrides import dump_yaml, load_config
+from dptrain.config.load import dump_yaml, load_config
 
 EXIT_BAD_INPUT = 2
 

@@ -24,14 +24,14 @@ from dptrain import __version__
 from dptrain.build import build_datasets, build_loss_fn, build_model, import_object, to_device
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
+from dptrain.config.load import dump_yaml
 from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.diagnostics import Diagnostics, apply_collective_checks
-from dptrain.dist import collectives
-from dptrain.dist.env import DistEnv
-from dptrain.dist.process_group import bind_device, process_group
+from dptrain.distributed import collectives
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.process_group import bind_device, process_group
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
 from dptrain.optim import build_optimizer, build_scheduler
-from dptrain.overrides import dump_yaml
 from dptrain.parallel import (
     apply_strategy,
     clip_grad_norm_,

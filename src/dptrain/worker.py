@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 
 from dptrain.checkpoint import EXIT_PREEMPTED
-from dptrain.overrides import load_config
+from dptrain.config.load import load_config
 from dptrain.trainer import Trainer
 
 

@@ -18,7 +18,7 @@ def _root_of(target: Path) -> Path:
         return target.parent
     if (target / "config.yaml").is_file():
         from dptrain.checkpoint.manager import checkpoint_root
-        from dptrain.overrides import load_config
+        from dptrain.config.load import load_config
 
         return checkpoint_root(load_config(target / "config.yaml").checkpoint, target)
     return target
@@ -65,7 +65,7 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
         return cfg
     old_cfg = run_dir / "config.yaml"
     if old_cfg.is_file():
-        from dptrain.overrides import load_config
+        from dptrain.config.load import load_config
 
         changed = _diff(to_dict(load_config(old_cfg).model), to_dict(cfg.model), "model")
         if changed:

@@ -37,8 +37,8 @@ from dptrain.checkpoint.preempt import PreemptionFlag
 from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, truncate_metrics
 from dptrain.checkpoint.rng import get_rng_state, set_rng_state
 from dptrain.config import CheckpointConfig, Config, to_dict
-from dptrain.dist import collectives
-from dptrain.dist.env import DistEnv
+from dptrain.distributed import collectives
+from dptrain.distributed.env import DistEnv
 
 
 def config_hash(section: Any) -> str:

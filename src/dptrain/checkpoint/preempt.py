@@ -15,7 +15,7 @@ from types import FrameType
 
 import torch
 
-from dptrain.dist.collectives import all_reduce_max
+from dptrain.distributed.collectives import all_reduce_max
 
 EXIT_PREEMPTED = 143
 

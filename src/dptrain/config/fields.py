@@ -1,7 +1,8 @@
 """The configuration tree: frozen dataclasses with one docstring per field.
 
 A run is described by a `Config` whose sections are plain frozen dataclasses. Loading
-(YAML, DeepSpeed JSON, `section.field=value` overrides) lives in `overrides.py`; the
+(YAML, DeepSpeed JSON, `section.field=value` overrides) lives in `config/load.py` and
+`config/deepspeed.py`; the
 validation and the values derived for a world size (batch sizes, scaled learning rate)
 live in `config/resolve.py`.
 """

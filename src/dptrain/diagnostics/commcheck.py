@@ -20,8 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from dptrain.dist.env import DistEnv
-from dptrain.dist.process_group import bind_device, process_group
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.process_group import bind_device, process_group
 
 SIZES = [4 * 2**10 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB
 P2P_BYTES = 4 * 2**20

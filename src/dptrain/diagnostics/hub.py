@@ -28,7 +28,7 @@ from dptrain.diagnostics.nonfinite import NonFiniteGuard
 from dptrain.diagnostics.preflight import run_preflight
 from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, find_stragglers, gather_rows
 from dptrain.diagnostics.watchdog import Watchdog
-from dptrain.dist.env import DistEnv
+from dptrain.distributed.env import DistEnv
 from dptrain.parallel import is_sharded, unwrap
 
 STORE_PREFIX = "dptrain/diag/"

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from dptrain.dist.collectives import all_gather_object
+from dptrain.distributed.collectives import all_gather_object
 
 # Config keys that legitimately differ between nodes (each node runs its own `dptrain run` with
 # its launch.node_rank, and may pick its own timestamped run directory): not compared.

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dptrain.dist.collectives import all_gather_object
+from dptrain.distributed.collectives import all_gather_object
 
 MIN_EXCESS_S = 1e-3
 SAMPLE_STEPS = 10

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from dptrain.dist.env import DistEnv
+from dptrain.distributed.env import DistEnv
 
 
 def bind_device(env: DistEnv, device: str) -> torch.device:

@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/diagnostics_overhead.py [--model toy|llama]
 
-Every variant gets its own Trainer on the same process group; variants take turns in rounds
+Every variant gets its own Trainer on the same process group and runs `dptrain run`'s whole step
+(`end_step(train_step())`: logging, the preemption agreement, ...); variants take turns in rounds
 of `--steps` steps (default 1: round-robin, so slow drift of the machine affects all alike) and
 rank 0 prints the median step time of each and its difference from `off` (every diagnostic
 disabled) and from a second `off` (the noise). The drift check and the memory sample run every
@@ -51,10 +52,14 @@ def build(variant: list[str], model: str, steps: int):
                              f"train.global_batch_size={MICRO[model] * world}", "log.progress=false",
                              "optim.warmup_steps=0", f"train.max_steps={steps}", *OFF, *variant])
     trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-diag-overhead-"))
-    trainer.device = torch.device("cpu")
-    trainer.setup()
-    trainer.diag.start(trainer.model, step=0, device=trainer.device)
+    trainer.setup()  # outputs, model, data, diagnostics armed: as `dptrain run`
     return trainer
+
+
+def step(trainer) -> None:
+    """One step of `dptrain run`: the optimizer step and the whole step boundary."""
+    if trainer.end_step(trainer.train_step()):
+        raise RuntimeError("preempted during the benchmark")
 
 
 def micro_benchmarks(watchdog) -> dict[str, str]:
@@ -92,22 +97,18 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for tr in trainers.values():  # warm-up
         for _ in range(3):
-            tr.train_step()
-            tr.state.step += 1
-            tr.diag.on_step_end(tr.state.step)
+            step(tr)
     for _ in range(a.rounds):
         for name, tr in trainers.items():
             dist.barrier()
             for _ in range(a.steps):
                 t0 = time.perf_counter()
-                tr.train_step()
-                tr.state.step += 1
-                tr.diag.on_step_end(tr.state.step)
+                step(tr)
                 times[name].append(time.perf_counter() - t0)
     watchdog = trainers["watchdog"].diag.watchdog
     micro_costs = micro_benchmarks(watchdog)
     for tr in trainers.values():
-        tr.diag.close()
+        tr.close()
     if dist.get_rank() == 0:
         base = statistics.median(times["off"])
         print(f"model {a.model}, world size {dist.get_world_size()}, {a.steps * a.rounds} steps per variant")

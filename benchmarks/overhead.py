@@ -3,8 +3,9 @@
     python benchmarks/overhead.py [--steps 80] [--nproc 2] [--accum 2] [--dim 128]
 
 Starts itself under torchrun. On every rank it builds the same LLaMA-style model twice (same
-seed): one trained by `dptrain.Trainer.train_step` (DDP strategy, default diagnostics on), one by the loop the field's
-guides teach (DDP, `no_sync` on all but the last micro-step, loss / accum, backward, clip,
+seed): one trained by dptrain's whole per-step path, `trainer.end_step(trainer.train_step())` (DDP
+strategy, default diagnostics on, logging every 10 steps, the preemption agreement: exactly what
+`dptrain run` does per step), one by the loop the field's guides teach (DDP, `no_sync` on all but the last micro-step, loss / accum, backward, clip,
 step, zero_grad). Steps alternate between the two so both see the same machine noise. Prints
 the median step time of each, their ratio and the median ratio of back-to-back step pairs
 (target <= 1.02), and whether the final weights are
@@ -64,17 +65,15 @@ def worker(a: argparse.Namespace) -> None:
         f"train.max_steps={a.steps}", "parallel.strategy=ddp",
     ])
     trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-overhead-"))
-    trainer.device = torch.device("cpu")
     with process_group(trainer.env, backend="gloo", device=trainer.device, timeout_s=300):
+        # dptrain as users get it: outputs open, the default diagnostics armed (watchdog, straggler
+        # split, drift and memory checks at their default intervals), the preemption handler installed.
         trainer.setup()
-        # dptrain as users get it: the default diagnostics armed (watchdog, straggler split, drift
-        # and memory checks at their default intervals).
-        trainer.diag.start(trainer.model, step=0, device=trainer.device)
 
         def dptrain_step() -> torch.Tensor:
             loss = trainer.train_step()
-            trainer.state.step += 1
-            trainer.diag.on_step_end(trainer.state.step)
+            if trainer.end_step(loss):  # the same step boundary as `dptrain run`
+                raise RuntimeError("preempted during the benchmark")
             return loss
         rank = dist.get_rank()
         # The raw loop: the same initial weights, the same micro-batches, plain PyTorch.
@@ -114,7 +113,7 @@ def worker(a: argparse.Namespace) -> None:
                 losses[name] = fn()
                 times[name].append(time.perf_counter() - t)
             same_losses &= bool(torch.equal(losses["dptrain"], losses["raw"]))
-        trainer.diag.close()
+        trainer.close()
         same = _sha(trainer.module) == _sha(raw.module)
         if rank == 0:
             med = {k: statistics.median(v[a.warmup:]) for k, v in times.items()}

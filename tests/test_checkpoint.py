@@ -54,18 +54,18 @@ def fit_capturing(rank: int, out: Path, overrides: list[str], what: str) -> dict
 
     from dptrain.checkpoint.manager import CheckpointManager
 
-    def capture(trainer) -> None:
+    def capture(state) -> None:  # the CheckpointState the Trainer hands to the manager
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        msd, osd = get_state_dict(trainer.model, trainer.optimizer, options=opts)
+        msd, osd = get_state_dict(state.model_parts[0].module, state.optimizers[0].optimizer, options=opts)
         if rank == 0:
-            torch.save({"model": msd, "optim": osd}, out / f"{what}_{trainer.state.step}.pt")
+            torch.save({"model": msd, "optim": osd}, out / f"{what}_{state.train.step}.pt")
 
     name = "save" if what == "saved" else "maybe_resume"
     real = getattr(CheckpointManager, name)
 
-    def wrapped(self, trainer, **kwargs):
-        result = real(self, trainer, **kwargs)
-        capture(trainer)
+    def wrapped(self, state, **kwargs):
+        result = real(self, state, **kwargs)
+        capture(state)
         return result
 
     setattr(CheckpointManager, name, wrapped)

@@ -2,8 +2,13 @@
 
 The optimisation step (`train_step`) is deliberately short and explicit: micro-steps that skip
 the gradient reduction until the last one, loss divided by the number of micro-steps, scaled
-backward, unscale, clip, step, update, zero_grad. Everything else (building, logging,
-evaluation, saving) sits around it.
+backward, unscale, clip, step, update, zero_grad. Everything that happens after it is ONE
+function, `end_step`: counters, fp16 skip accounting, logging, diagnostics, evaluation, the
+preemption agreement and saving. `fit`'s loop and every benchmark call `end_step(train_step())`,
+so a benchmark times exactly what `dptrain run` does per step. Apart from the logging interval
+(and evaluation, drift/memory/straggler checks and saves at their own intervals), a step makes no
+host-device sync: the loss window and the fp16 skip count stay on the device, and the preemption
+flag is agreed without blocking (checkpoint/preempt.py).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,7 @@ from torch import nn
 from dptrain import __version__
 from dptrain.build import build_datasets, build_loss_fn, build_model, import_object, to_device
 from dptrain.checkpoint.manager import CheckpointManager
+from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, OptimizerState
 from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
 from dptrain.config.load import dump_yaml
 from dptrain.data import GlobalBatchSampler, build_dataloader
@@ -45,11 +51,32 @@ from dptrain.precision import autocast, build_grad_scaler
 
 @dataclass
 class TrainState:
-    """Progress of a run; the step is global (the same on every rank and at every world size)."""
+    """Progress of a run; the step is global (the same on every rank and at every world size).
+    fp16 steps the scaler skipped are counted on the device (`count_skip`) and read only when the
+    state is (`sync`, `state_dict`): at a log line or a save, never per step."""
 
     step: int = 0
     samples_seen: int = 0
     skipped_steps: int = 0
+    _unread_skips: torch.Tensor | None = field(default=None, repr=False)
+
+    def count_skip(self, skipped: torch.Tensor) -> None:
+        """Add a 0/1 device tensor without reading it."""
+        self._unread_skips = skipped.long() if self._unread_skips is None else self._unread_skips + skipped
+
+    def sync(self) -> None:
+        """Fold the device-side count into `skipped_steps` (a host-device sync)."""
+        if self._unread_skips is not None:
+            self.skipped_steps += int(self._unread_skips.item())
+            self._unread_skips = None
+
+    def state_dict(self) -> dict[str, int]:
+        self.sync()
+        return {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.step, self.samples_seen = int(sd["step"]), int(sd["samples_seen"])
+        self.skipped_steps, self._unread_skips = int(sd.get("skipped_steps", 0)), None
 
 
 class LogWindow:
@@ -89,6 +116,7 @@ class Trainer:
         self.env = env or DistEnv.from_env()
         self.res: Resolved = resolve(cfg, world_size=self.env.world_size)
         self.run_dir = Path(out_dir or default_out_dir(cfg))
+        self.device = bind_device(self.env, self.res.device)  # before anything that allocates
         self.state = TrainState()
         self.log_window = LogWindow()
         self.ckpt = CheckpointManager(cfg=cfg, run_dir=self.run_dir, env=self.env, resume=resume, trust=trust_checkpoint)
@@ -98,11 +126,36 @@ class Trainer:
 
     # ---------------------------------------------------------------- building
     def setup(self) -> None:
-        """Build model, optimizer and data, then resume if a checkpoint says so. Call it inside the
-        process group (`fit` does); afterwards `train_step()` can be called directly (benchmarks)."""
+        """Open the outputs, build model, optimizer and data, resume if a checkpoint says so, arm the
+        diagnostics. Call it inside the process group (`fit` does); afterwards
+        `end_step(train_step())` is one step of `dptrain run` (benchmarks call exactly that)."""
+        self._open_outputs()
         self._build()
-        self.ckpt.maybe_resume(self)  # model, optimizer, schedule, scaler, RNG, data position
+        self.checkpoint_state = self._checkpoint_state()
+        self.ckpt.maybe_resume(self.checkpoint_state)  # model, optimizer, schedule, scaler, RNG, data position
         self.batches: Iterator[Any] = iter(self.loader)  # starts at the (resumed) global step
+        self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled())
+        # fp16: the scale before the next step, on the device (see _count_fp16_skip)
+        self._scale_prev = (torch.full((), self.scaler.get_scale(), device=self.device)
+                            if self.scaler.is_enabled() else None)
+        self.last_loss: float | None = None
+        self.train_time = 0.0
+        self._window_start = time.perf_counter()
+
+    def _checkpoint_state(self) -> CheckpointState:
+        """What a checkpoint saves, as named Stateful objects (the manager never sees the Trainer)."""
+        full = not is_sharded(self.model)
+        return CheckpointState(
+            model_parts=[ModelState(self.model, full=full)],
+            optimizers=[OptimizerState(self.model, self.optimizer, full=full)],
+            schedule=self.scheduler,
+            scaler=self.scaler if self.scaler.is_enabled() else None,
+            data=DataPosition(self.sampler, self.state),
+            train=self.state,
+            full=full,
+            per_rank={"log_window": self.log_window},
+            meta={"global_batch_size": self.res.global_batch_size, "grad_accum_steps": self.res.grad_accum_steps},
+        )
 
     def _build(self) -> None:
         cfg, res = self.cfg, self.res
@@ -190,20 +243,19 @@ class Trainer:
     # ---------------------------------------------------------------- the run
     def fit(self) -> dict[str, Any]:
         """Train `train.max_steps` steps; write metrics, final weights and the summary; return the summary."""
-        self.device = bind_device(self.env, self.res.device)
         apply_collective_checks(self.cfg.diagnostics)  # must precede the process group
         with process_group(self.env, backend=self.res.backend, device=self.device, timeout_s=self.cfg.parallel.timeout_s):
-            self._open_outputs()
+            finished = False
             try:
                 self.setup()
-                self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled())
                 summary = self._loop()
                 if not summary.get("preempted"):
                     self.diag.phase("save")
                     self._save_final()
-                    self.ckpt.save_final(self)
+                    self.ckpt.save_final(self.checkpoint_state)
+                finished = True
             finally:
-                self.diag.close()
+                self.close(wait=finished)
             if self.env.is_main:
                 (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
                 self.console.close()
@@ -214,6 +266,12 @@ class Trainer:
             # destroy_process_group can deadlock gloo's teardown against a finishing barrier.
             self.model = unwrap(self.model)
         return summary
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the diagnostics and the checkpoint manager's background work (collective with
+        `wait`; a failing run abandons it instead). `fit` calls it; so do the benchmarks."""
+        self.ckpt.close(wait=wait)
+        self.diag.close()
 
     def _open_outputs(self) -> None:
         self.jsonl: JsonlSink | None = None
@@ -261,51 +319,74 @@ class Trainer:
         return val
 
     def _loop(self) -> dict[str, Any]:
-        cfg, res, state = self.cfg, self.res, self.state
+        state = self.state
         # A resumed run evaluated at its start already (the record is kept in metrics.jsonl).
         initial_val = self._eval_and_log() if state.step == 0 else self.ckpt.initial_val_loss
-        window = self.log_window
-        window_start, t0, first_step = time.perf_counter(), time.perf_counter(), state.step
-        train_time = 0.0
-        last_loss = None
+        t0, first_step = time.perf_counter(), state.step
+        self._window_start = t0
         preempted = False
-        while state.step < cfg.train.max_steps:
-            scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-            window.add(self.train_step())
-            state.step += 1
-            self.diag.on_step_end(state.step)
-            state.samples_seen += res.global_batch_size
-            if scale_before is not None and self.scaler.get_scale() < scale_before:
-                state.skipped_steps += 1  # fp16 overflow: the scaler skipped optimizer.step() and lowered the scale
-            if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
-                # The only host-device sync of the loop, once per log interval.
-                last_loss = collectives.all_reduce_mean([window.loss_sum.item() / window.steps], device=self.device)[0]
-                elapsed = time.perf_counter() - window_start
-                train_time += elapsed
-                record = self._throughput(window.steps, elapsed)
-                record.update(step=state.step, loss=last_loss, lr=self.scheduler.get_last_lr()[0],
-                              grad_norm=float(self.grad_norm), samples_seen=state.samples_seen)
-                if self.scaler.is_enabled():
-                    record.update(loss_scale=self.scaler.get_scale(), skipped_steps=state.skipped_steps)
-                self._log(record)
-                window.reset()
-                if not math.isfinite(last_loss):
-                    self.console.message(f"warning: loss is {last_loss} at step {state.step}")
-                window_start = time.perf_counter()
-            if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0 and state.step < cfg.train.max_steps:
-                self._eval_and_log()
-                window_start = time.perf_counter()  # evaluation time is not training throughput
-            self.diag.phase("checkpoint")
-            if self.ckpt.maybe_save(self):  # saves when due; True after a SIGTERM (saved, stop now)
+        while state.step < self.cfg.train.max_steps:
+            if self.end_step(self.train_step()):  # True after a SIGTERM: the step is saved, stop now
                 preempted = True
                 break
         final_val = None if preempted else self._eval_and_log()
-        times = {"wall_s": time.perf_counter() - t0, "train_s": train_time}
-        summary = self._summary(last_loss=last_loss, initial_val=initial_val, final_val=final_val, times=times,
+        times = {"wall_s": time.perf_counter() - t0, "train_s": self.train_time}
+        summary = self._summary(last_loss=self.last_loss, initial_val=initial_val, final_val=final_val, times=times,
                                 steps_here=state.step - first_step)
         if preempted:
             summary["preempted"] = True
         return summary
+
+    # ---------------------------------------------------------------- the step boundary
+    def end_step(self, loss: torch.Tensor) -> bool:
+        """Everything after `train_step` (whose local mean loss is `loss`), once per step, the same in
+        `dptrain run` and in the benchmarks: counters, fp16 skip accounting, logging, diagnostics,
+        evaluation when due, the preemption agreement and saving. True: preempted, the step is
+        saved on every rank, stop now. No host-device sync except at a log step (and the periodic
+        checks, evaluation and saves at their own intervals)."""
+        cfg, state = self.cfg, self.state
+        self.log_window.add(loss)
+        state.step += 1
+        state.samples_seen += self.res.global_batch_size
+        if self._scale_prev is not None:
+            self._count_fp16_skip()
+        self.diag.on_step_end(state.step)
+        if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
+            self._log_step()
+        every = cfg.train.eval_every_steps
+        if every and state.step % every == 0 and state.step < cfg.train.max_steps:
+            self._eval_and_log()
+            self._window_start = time.perf_counter()  # evaluation time is not training throughput
+        self.diag.phase("checkpoint", collective="all_reduce (preemption flags, started one step earlier)")
+        return self.ckpt.maybe_save(self.checkpoint_state, step=state.step)
+
+    def _count_fp16_skip(self) -> None:
+        """The scaler skipped this step's optimizer.step() iff it lowered the scale (fp16 overflow).
+        Compared on the device: `get_scale()` would be a host-device sync every step."""
+        scale = self.scaler._scale  # the device tensor behind get_scale(); set by the first scale()
+        if scale is None or self._scale_prev is None:
+            return
+        self.state.count_skip(scale < self._scale_prev)
+        self._scale_prev = scale.clone()  # update() changes the scale in place
+
+    def _log_step(self) -> None:
+        """A log line: the one host-device sync of the interval (loss mean over ranks)."""
+        window, state = self.log_window, self.state
+        self.last_loss = last_loss = collectives.all_reduce_mean([window.loss_sum.item() / window.steps],
+                                                                 device=self.device)[0]
+        elapsed = time.perf_counter() - self._window_start
+        self.train_time += elapsed
+        record = self._throughput(window.steps, elapsed)
+        record.update(step=state.step, loss=last_loss, lr=self.scheduler.get_last_lr()[0],
+                      grad_norm=float(self.grad_norm), samples_seen=state.samples_seen)
+        if self.scaler.is_enabled():
+            state.sync()
+            record.update(loss_scale=self.scaler.get_scale(), skipped_steps=state.skipped_steps)
+        self._log(record)
+        window.reset()
+        if not math.isfinite(last_loss):
+            self.console.message(f"warning: loss is {last_loss} at step {state.step}")
+        self._window_start = time.perf_counter()
 
     def _summary(
         self, *, last_loss: float | None, initial_val: float | None, final_val: float | None,
@@ -334,6 +415,7 @@ class Trainer:
         if final_val is not None and (bpb := self._bits_per_byte(final_val)) is not None:
             summary["final_val_bpb"] = bpb
         if self.scaler.is_enabled():
+            state.sync()
             summary["skipped_steps"] = state.skipped_steps
         return summary
 

@@ -76,6 +76,12 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
     meta = _newest_meta(cfg, run_dir=run_dir, resume=resume, trust=trust)
     if not meta:
         return cfg
+    from dptrain.checkpoint.manager import check_format_version
+
+    try:
+        check_format_version(run_dir if resume == "auto" else Path(resume), meta)
+    except mf.CheckpointError as e:
+        raise ConfigError(str(e)) from None
     g = int(meta["global_batch_size"])
     if cfg.train.global_batch_size not in (None, g):
         raise ConfigError(

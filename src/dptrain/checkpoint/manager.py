@@ -1,19 +1,24 @@
 """CheckpointManager: when to save, what a checkpoint holds, and how a run resumes.
 
-The trainer calls three things: `maybe_resume(trainer)` after building, `maybe_save(trainer)`
-after every step (it also handles preemption), `save_final(trainer)` at the end. The trainer
-object is read for `model`, `optimizer`, `scheduler`, `scaler`, `sampler`, `state`
-(TrainState) and `log_window` (the per-rank loss accumulator and step count of the current
-logging window, so that a resumed run logs exactly what an uninterrupted one does).
+The manager works on a `CheckpointState` (checkpoint/state.py): named Stateful objects for the
+model parts, optimizers, LR schedule, grad scaler, data position, train state and per-rank
+state. It never sees the Trainer. The caller uses four things: `maybe_resume(state)` after
+building, `maybe_save(state, step=...)` at every step boundary (it also runs the preemption
+agreement), `save_final(state)` at the end, and `close()`.
 
 A checkpoint folder `step_NNNNNN/` holds:
 
 - `model.pt` + `optim.pt` (full format) or `dcp/` (sharded format), see `storage.py`;
-- `train.pt` (rank 0): LR scheduler and grad scaler state;
-- `rank_RRRRR.pt` (every rank): that rank's RNG states and logging window;
-- `manifest.json`: size and SHA-256 of every file above, and `meta` (JSON): step, samples
-  seen, data position, world size, strategy, format, config hashes, torch/dptrain versions;
+- `train.pt` (rank 0): LR schedule and grad scaler state;
+- `rank_RRRRR.pt` (every rank): that rank's RNG states and its `per_rank` entries (the logging window);
+- `manifest.json`: size and SHA-256 of every file above, and `meta` (JSON): format version, step,
+  samples seen, data position, world size, strategy, format, config hashes, torch/dptrain versions;
 - `COMMITTED`, written last.
+
+`meta.format_version` says how the files are laid out (`FORMAT_VERSION`; a manifest without one
+was written before it existed: version 1). This dptrain reads `READABLE_VERSIONS` and refuses
+any other, naming it. Version 2 keys the full format's `optim.pt` by parameter name (DCP's
+layout) instead of by parameter index; everything else is as in version 1.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ from dptrain.checkpoint import storage
 from dptrain.checkpoint.attempts import ProgressFile, report_restart
 from dptrain.checkpoint.preempt import PreemptionFlag
 from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, truncate_metrics
-from dptrain.checkpoint.rng import get_rng_state, set_rng_state
+from dptrain.checkpoint.state import CheckpointState, RngState
 from dptrain.config import CheckpointConfig, Config, to_dict
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
+
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 def config_hash(section: Any) -> str:
@@ -51,8 +59,21 @@ def checkpoint_root(cfg: CheckpointConfig, run_dir: Path) -> Path:
     return Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
 
 
+def check_format_version(path: Path, meta: dict[str, Any]) -> int:
+    """The checkpoint's format version (1 when the manifest has none); CheckpointError naming it
+    when this dptrain cannot read it."""
+    version = meta.get("format_version", 1)
+    if version not in READABLE_VERSIONS:
+        raise mf.CheckpointError(
+            f"{path}: checkpoint format version {version!r}, but this dptrain ({__version__}) reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; resume it with the dptrain that wrote it "
+            f"(dptrain_version {meta.get('dptrain_version', 'unknown')}), or start afresh with --resume none"
+        )
+    return int(version)
+
+
 class CheckpointManager:
-    """Saves and restores a Trainer's complete state; see the module docstring."""
+    """Saves and restores a run's complete state (a CheckpointState); see the module docstring."""
 
     def __init__(self, *, cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto", trust: bool = False) -> None:
         self.cfg = cfg.checkpoint
@@ -76,10 +97,16 @@ class CheckpointManager:
         if self.env.is_main:
             print(message, file=sys.stderr, flush=True)
 
+    def _flag(self) -> PreemptionFlag:
+        if self.preemption is None:  # made at the same point on every rank: it creates a process group
+            self.preemption = PreemptionFlag()
+        return self.preemption
+
     # ------------------------------------------------------------------ resume
-    def maybe_resume(self, trainer: Any) -> bool:
-        """Restore the newest usable checkpoint (per `resume`) into `trainer`; True if one was loaded."""
-        self.preemption = PreemptionFlag(device=trainer.device)
+    def maybe_resume(self, state: CheckpointState) -> bool:
+        """Restore the newest usable checkpoint (per `resume`) into `state`; True if one was loaded.
+        Also installs the SIGTERM handler and its agreement (collective: call on every rank)."""
+        self._flag()
         choice = ResumeChoice()
         if self.env.is_main:
             if self.env.restart_count > 0:
@@ -98,12 +125,12 @@ class CheckpointManager:
             if self.env.is_main:  # starting over in this directory: its metrics start over too
                 truncate_metrics(self.run_dir / "metrics.jsonl", step=-1)
             return False
-        self._load(trainer, Path(choice.path), choice.meta)
+        step = self._load(state, Path(choice.path), choice.meta)
         self.resumed_from = Path(choice.path)
-        self.last_saved_step = trainer.state.step
+        self.last_saved_step = step
         if self.env.is_main:
-            self.initial_val_loss = truncate_metrics(self.run_dir / "metrics.jsonl", step=trainer.state.step)
-        self._say(f"dptrain: resumed from {choice.path} at step {trainer.state.step}")
+            self.initial_val_loss = truncate_metrics(self.run_dir / "metrics.jsonl", step=step)
+        self._say(f"dptrain: resumed from {choice.path} at step {step}")
         return True
 
     def _choose(self, choice: ResumeChoice) -> ResumeChoice:
@@ -116,67 +143,80 @@ class CheckpointManager:
         if self.progress is not None:
             self.progress.error(message)
 
-    def _load(self, trainer: Any, path: Path, meta: dict[str, Any]) -> None:
+    def _load(self, state: CheckpointState, path: Path, meta: dict[str, Any]) -> int:
+        """Load `path` into `state`; the step it holds."""
+        check_format_version(path, meta)
         want = config_hash(self.root_cfg.model)
         if meta.get("model_config_hash") not in (None, want):
             raise mf.CheckpointError(
                 f"{path}: written for another model config (model section hash {meta['model_config_hash'][:12]}, "
                 f"this run {want[:12]}); resume with the run's own model settings"
             )
-        storage.load_model_optim(path, fmt=meta["format"], model=trainer.model, optimizer=trainer.optimizer)
+        storage.load_model_optim(path, fmt=meta["format"], state=state)
         train = storage.load_torch(path / "train.pt")
-        trainer.scheduler.load_state_dict(train["scheduler"])
-        if train["scaler"]:
-            trainer.scaler.load_state_dict(train["scaler"])
-        trainer.state.step = int(meta["step"])
-        trainer.state.samples_seen = int(meta["samples_seen"])
-        trainer.state.skipped_steps = int(meta.get("skipped_steps", 0))
-        trainer.sampler.load_state_dict(meta["sampler"])
+        state.schedule.load_state_dict(train["scheduler"])
+        if train["scaler"] and state.scaler is not None:
+            state.scaler.load_state_dict(train["scaler"])
+        state.train.load_state_dict({"step": int(meta["step"]), "samples_seen": int(meta["samples_seen"]),
+                                     "skipped_steps": int(meta.get("skipped_steps", 0))})
+        state.data.load_state_dict(meta["sampler"])
         own = path / f"rank_{self.env.rank:05d}.pt"
-        if own.is_file() and meta["world_size"] == self.env.world_size:
+        if own.is_file():
             rank_state = storage.load_torch(own)
-            set_rng_state(rank_state["rng"])
-            trainer.log_window.load_state_dict(rank_state["log_window"])
-        elif own.is_file():
-            set_rng_state(storage.load_torch(own)["rng"])  # new world size: the window restarts
-            trainer.log_window.reset()
+            RngState().load_state_dict(rank_state["rng"])
+            if meta["world_size"] == self.env.world_size:  # at a new world size the rest starts afresh
+                for name, obj in state.per_rank.items():
+                    obj.load_state_dict(rank_state[name])
+        return int(meta["step"])
 
     # ------------------------------------------------------------------ save
-    def maybe_save(self, trainer: Any) -> bool:
-        """After a step: commit a finished background save, save when due or when preempted.
-        Returns True when the run must stop now (the checkpoint is committed on every rank by then)."""
-        step = trainer.state.step
+    def maybe_save(self, state: CheckpointState, *, step: int) -> bool:
+        """At the boundary of step `step`: the preemption agreement, committing a finished background
+        save, saving when due or when preempted. Collective. Returns True when the run must stop now
+        (the checkpoint is committed on every rank by then)."""
         if self.progress is not None:
             self.progress.step(step)
-        busy = self._pending is not None and not self._pending[1].done()
-        stop, any_busy = self.preemption.should_stop(busy=busy) if self.preemption else (False, busy)
+        flag = self._flag()
+        stop, any_busy = flag.collect()  # started at the previous boundary (see preempt.py)
         if self._pending is not None and not any_busy:
             self._finish_pending()  # every rank's files are on disk: hash, manifest, marker
         due = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
         if (due or stop) and self.last_saved_step != step:
-            self.save(trainer, background=self.cfg.async_save and not stop)
+            self.save(state, background=self.cfg.async_save and not stop)
         if stop:
-            self._finish_pending()
+            self.close()
             self._say(f"dptrain: preempted (SIGTERM): saved step {step}; resume with the same command")
-        return stop
+            return True
+        flag.start(busy=self._pending is not None and not self._pending[1].done())
+        return False
 
-    def save_final(self, trainer: Any) -> None:
+    def save_final(self, state: CheckpointState) -> None:
         """The end-of-run checkpoint (skipped when this step was just saved); waits for any
         background save, so nothing is left half-written when the process exits."""
-        if self.last_saved_step != trainer.state.step:
-            self.save(trainer, background=False)
-        self._finish_pending()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        if self.preemption:
-            self.preemption.restore()
+        if self.preemption is not None:
+            self.preemption.close()  # the last boundary's agreement: finish it before anything else
+        step = int(state.train.state_dict()["step"])
+        if self.last_saved_step != step:
+            self.save(state, background=False)
+        self.close()
 
-    def save(self, trainer: Any, *, background: bool = False) -> Path:
+    def close(self, *, wait: bool = True) -> None:
+        """Finish (`wait`, collective) or abandon (a failing run) background work; restore SIGTERM."""
+        if wait:
+            self._finish_pending()
+        if self._executor is not None:
+            self._executor.shutdown(wait=wait)
+            self._executor = None
+        if self.preemption is not None:
+            self.preemption.close(wait=wait)
+
+    def save(self, state: CheckpointState, *, background: bool = False) -> Path:
         """Write the checkpoint of the current step, then hash and commit it. Collective. With
         `background`, only the snapshot is taken now; the commit follows at the first step
         boundary after every rank has finished writing (see `maybe_save`)."""
         self._finish_pending()  # one save in flight at a time
-        step, rank = trainer.state.step, self.env.rank
+        meta = self._meta(state)
+        step, rank = meta["step"], self.env.rank
         path = self.root / mf.step_dir_name(step)
         t0 = time.perf_counter()
         if self.env.is_main:
@@ -190,17 +230,18 @@ class CheckpointManager:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptrain-ckpt")
                 self._async_group = torch.distributed.new_group(backend="gloo")  # the checkpoint's own collectives
-            written = storage.async_save_model_optim(path, model=trainer.model, optimizer=trainer.optimizer, rank=rank,
-                                                     process_group=self._async_group, executor=self._executor)
+            written = storage.async_save_model_optim(path, state=state, rank=rank, process_group=self._async_group,
+                                                     executor=self._executor)
         else:
-            storage.save_model_optim(path, model=trainer.model, optimizer=trainer.optimizer, rank=rank)
+            storage.save_model_optim(path, state=state, rank=rank)
             written = Future()
             written.set_result(None)
         if rank == 0:
-            scaler = trainer.scaler.state_dict() if trainer.scaler.is_enabled() else None
-            storage.save_torch(path / "train.pt", {"scheduler": trainer.scheduler.state_dict(), "scaler": scaler})
-        storage.save_torch(path / f"rank_{rank:05d}.pt", {"rng": get_rng_state(), "log_window": trainer.log_window.state_dict()})
-        self._pending = (path, written, self._meta(trainer), t0)
+            scaler = state.scaler.state_dict() if state.scaler is not None else None
+            storage.save_torch(path / "train.pt", {"scheduler": state.schedule.state_dict(), "scaler": scaler or None})
+        own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
+        storage.save_torch(path / f"rank_{rank:05d}.pt", own)
+        self._pending = (path, written, meta, t0)
         self.last_saved_step = step
         if not background:
             self._finish_pending()
@@ -244,18 +285,18 @@ class CheckpointManager:
             part.unlink()
         return entries
 
-    def _meta(self, trainer: Any) -> dict[str, Any]:
-        res = trainer.res
+    def _meta(self, state: CheckpointState) -> dict[str, Any]:
+        train = state.train.state_dict()
         return {
-            "step": trainer.state.step,
-            "samples_seen": trainer.state.samples_seen,
-            "skipped_steps": trainer.state.skipped_steps,
-            "sampler": trainer.sampler.state_dict(step=trainer.state.step),
+            "format_version": FORMAT_VERSION,
+            "step": int(train["step"]),
+            "samples_seen": int(train["samples_seen"]),
+            "skipped_steps": int(train.get("skipped_steps", 0)),
+            "sampler": state.data.state_dict(),
             "world_size": self.env.world_size,
             "strategy": self.root_cfg.parallel.strategy,
-            "format": storage.state_format(trainer.model),
-            "global_batch_size": res.global_batch_size,
-            "grad_accum_steps": res.grad_accum_steps,
+            "format": storage.format_of(state),
+            **state.meta,
             "config_hash": config_hash(self.root_cfg),
             "model_config_hash": config_hash(self.root_cfg.model),
             "torch_version": torch.__version__,

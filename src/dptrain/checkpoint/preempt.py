@@ -1,10 +1,28 @@
-"""Preemption: SIGTERM sets a flag; at the next step boundary every rank agrees and saves.
+"""Preemption: SIGTERM sets a flag; every rank agrees, one step later, to stop and save.
 
 A scheduler (Slurm, Kubernetes, a spot reclaim) sends SIGTERM and kills a while later. The
-handler only sets a flag (nothing unsafe runs inside a signal handler); the trainer calls
-`should_stop` after every step, which all-reduces the flag (MAX) so that a signal seen by any
-one rank stops all of them at the same step. The job then saves and exits with
-`EXIT_PREEMPTED` (143 = 128 + SIGTERM, the code a shell reports for a SIGTERM'd process).
+handler only sets a flag (nothing unsafe runs inside a signal handler). The job then saves and
+exits with `EXIT_PREEMPTED` (143 = 128 + SIGTERM, the code a shell reports for a SIGTERM'd process).
+
+The agreement never blocks a step. At every step boundary each rank
+
+1. collects the result of the all-reduce (MAX) it started at the previous boundary, and
+2. starts a new one (`async_op=True`) of its flags as they are now: [SIGTERM received, a
+   background checkpoint write still running on this rank].
+
+The flags travel as a 2-element CPU tensor over a gloo process group of their own, created once,
+on every rank, when the flag is made (at setup). On CPU, reading the result is a memory read; on
+a GPU run the training tensors never take part, so there is no host-device sync, and the
+dedicated group keeps these reductions from interleaving with the gradient collectives of DDP or
+FSDP on the default group. By the time a step has been computed, the small reduction started one
+step earlier has long finished, so `collect` does not wait in practice.
+
+Every rank starts and collects exactly one reduction per step, so the k-th reduction is read at
+the same step on every rank: a SIGTERM that reaches any rank during step N is agreed at the end
+of step N+1 on all of them, and all save that step and stop. The "busy" flag rides on the same
+reduction: a background save is committed only once every rank reported its write finished
+(see CheckpointManager.maybe_save). At world size 1 the same protocol runs without a process
+group (the flags are handed from one boundary to the next), so a run behaves alike at any size.
 """
 
 from __future__ import annotations
@@ -12,35 +30,62 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from dptrain.distributed.collectives import all_reduce_max
+from dptrain.distributed import collectives
 
 EXIT_PREEMPTED = 143
 
 
 class PreemptionFlag:
-    """Installs a SIGTERM handler (main thread only) and tells, collectively, whether to stop."""
+    """Installs a SIGTERM handler (main thread only) and agrees, one step later, whether to stop.
+    Construct it at the same point on every rank (it creates a process group when world size > 1)."""
 
-    def __init__(self, *, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.received = False
-        self._previous = None
+        self._previous: Any = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._group = dist.new_group(backend="gloo") if collectives.world_size() > 1 else None
+        self._buf = torch.zeros(2)
+        self._work: Any = None
+        self._direct = (False, False)  # world size 1: the flags of the last `start`
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = True
 
-    def should_stop(self, *, busy: bool = False) -> tuple[bool, bool]:
-        """(any rank received SIGTERM, any rank is `busy`), the same on every rank; one small
-        all-reduce. `busy` carries the background checkpoint writer's state. Collective."""
-        stop, any_busy = all_reduce_max([float(self.received), float(busy)], device=self.device)
-        return bool(stop), bool(any_busy)
+    def collect(self) -> tuple[bool, bool]:
+        """(any rank received SIGTERM, any rank was busy), as of the last `start`; (False, False)
+        before the first. The same on every rank. Waits only if that reduction is still running."""
+        if self._group is None:
+            agreed, self._direct = self._direct, (False, False)
+            return agreed
+        if self._work is None:
+            return False, False
+        self._work.wait()
+        self._work = None
+        flags = self._buf.numpy()  # a CPU tensor: no device involved
+        return bool(flags[0] > 0), bool(flags[1] > 0)
 
-    def restore(self) -> None:
-        """Put the previous SIGTERM handler back."""
+    def start(self, *, busy: bool) -> None:
+        """Start agreeing on this rank's flags now; `collect` reads the result. Collective."""
+        if self._group is None:
+            self._direct = (self.received, busy)
+            return
+        if self._work is not None:
+            raise RuntimeError("PreemptionFlag.start called twice without collect: the ranks' reductions would pair up wrongly")
+        self._buf = torch.tensor([float(self.received), float(busy)])
+        self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+
+    def close(self, *, wait: bool = True) -> None:
+        """Finish the reduction in flight (`wait`, on every rank: it is collective) and put the
+        previous SIGTERM handler back. Without `wait` (a failing run) the reduction is abandoned."""
+        if self._work is not None and wait:
+            self._work.wait()
+        self._work = None
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None

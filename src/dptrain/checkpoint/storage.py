@@ -2,12 +2,15 @@
 
 Two formats, chosen by the model, never by the strategy name:
 
-- `full` (plain module, DDP, ZeRO-1): rank 0 writes `model.pt` (the plain module's state dict)
-  and `optim.pt` (the optimizer's; ZeRO-1 first consolidates its shards on rank 0). Any world
+- `full` (plain module, DDP, ZeRO-1): rank 0 writes `model.pt` (the model parts' full state
+  dicts, plain module names) and `optim.pt` (the optimizer's, keyed by parameter name; ZeRO-1
+  first consolidates its shards on rank 0; `optim_1.pt`... for further optimizers). Any world
   size loads them: DDP replicas load the same file, ZeRO-1 re-partitions the full state.
+  Format version 1 keyed `optim.pt` by parameter index (torch's own layout); it still loads.
 - `dcp` (FSDP2: zero2/fsdp): every rank writes its shards under `dcp/` with
-  `torch.distributed.checkpoint`, from `get_state_dict` (names of the plain module); loading
-  reshards to the current world size and `set_state_dict` puts the values in place.
+  `torch.distributed.checkpoint`, keys `model` and `optim` (`optim_1`, ...), from the parts'
+  state dicts (DCP's `get_*_state_dict`, names of the plain module); loading reshards to the
+  current world size and the parts' `load_state_dict` (`set_*_state_dict`) puts the values in place.
 
 Every file is read with `torch.load(weights_only=True)` (DCP through `safe_dcp`).
 """
@@ -23,9 +26,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.checkpoint.stateful import Stateful
 
 from dptrain.checkpoint.manifest import CheckpointError
+from dptrain.checkpoint.state import CheckpointState
 from dptrain.parallel import is_sharded, unwrap
 
 FULL = "full"
@@ -36,6 +40,11 @@ DCP_DIR = "dcp"
 def state_format(model: nn.Module) -> str:
     """`dcp` for a sharded (FSDP2) model, `full` otherwise."""
     return SHARDED if is_sharded(unwrap(model)) else FULL
+
+
+def format_of(state: CheckpointState) -> str:
+    """The on-disk format of `state`: `full` or `dcp`."""
+    return FULL if state.full else SHARDED
 
 
 def save_torch(path: Path, obj: Any) -> None:
@@ -54,76 +63,108 @@ def load_torch(path: Path) -> Any:
         raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {e}") from None
 
 
-def save_model_optim(ckpt_dir: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
-    """Write model and optimizer state in the model's format. Collective: call on every rank."""
-    if state_format(model) == SHARDED:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+def optim_name(i: int) -> str:
+    """The key (DCP) or file stem (full) of optimizer `i`: `optim`, `optim_1`, ..."""
+    return "optim" if i == 0 else f"optim_{i}"
 
-        msd, osd = get_state_dict(model, optimizer)
-        dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(ckpt_dir / DCP_DIR, sync_files=True))
+
+def _model_dict(parts: list[Stateful]) -> dict[str, Any]:
+    """The model parts' state dicts as one (pipeline stages hold disjoint names)."""
+    if len(parts) == 1:
+        return parts[0].state_dict()
+    merged: dict[str, Any] = {}
+    for i, part in enumerate(parts):
+        sd = part.state_dict()
+        clash = sorted(set(sd) & set(merged))
+        if clash:
+            raise CheckpointError(f"model part {i} repeats names of an earlier part: {clash[:3]}")
+        merged.update(sd)
+    return merged
+
+
+def _load_model_dict(parts: list[Stateful], merged: dict[str, Any]) -> None:
+    if len(parts) == 1:
+        parts[0].load_state_dict(merged)
         return
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard to rank 0
+    for part in parts:
+        part.load_state_dict({k: merged[k] for k in part.state_dict()})
+
+
+def _dcp_state(state: CheckpointState) -> dict[str, Any]:
+    out = {"model": _model_dict(state.model_parts)}
+    out.update({optim_name(i): o.state_dict() for i, o in enumerate(state.optimizers)})
+    return out
+
+
+def save_model_optim(ckpt_dir: Path, *, state: CheckpointState, rank: int) -> None:
+    """Write model and optimizer state in the state's format. Collective: call on every rank."""
+    if not state.full:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_dcp_state(state), storage_writer=dcp.FileSystemWriter(ckpt_dir / DCP_DIR, sync_files=True))
+        return
+    model_sd = _model_dict(state.model_parts)  # collective where a part is sharded or ZeRO-1 consolidates
+    optim_sds = [o.state_dict() for o in state.optimizers]
     if rank == 0:
-        save_torch(ckpt_dir / "model.pt", {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()})
-        save_torch(ckpt_dir / "optim.pt", optimizer.state_dict())
+        save_torch(ckpt_dir / "model.pt", model_sd)
+        for i, sd in enumerate(optim_sds):
+            save_torch(ckpt_dir / f"{optim_name(i)}.pt", sd)
 
 
 def async_save_model_optim(
-    ckpt_dir: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, process_group: Any,
-    executor: ThreadPoolExecutor,
+    ckpt_dir: Path, *, state: CheckpointState, rank: int, process_group: Any, executor: ThreadPoolExecutor,
 ) -> Future:
     """Like `save_model_optim`, but only the snapshot is taken now (collective); the files are written
     in the background. The Future is done when this rank's files are on disk (fsynced).
 
     DCP: `dcp.async_save` stages the shards to CPU memory, then writes them in its own thread,
     coordinating over `process_group` (a dedicated gloo group, so the training's collectives never
-    interleave with the checkpoint's). Full: rank 0 clones model and optimizer state, a thread writes."""
-    if state_format(model) == SHARDED:
+    interleave with the checkpoint's). Full: rank 0 copies model and optimizer state, a thread writes."""
+    if not state.full:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        msd, osd = get_state_dict(model, optimizer)
         writer = dcp.FileSystemWriter(ckpt_dir / DCP_DIR, sync_files=True)
-        return dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer, process_group=process_group)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.consolidate_state_dict(to=0)
+        return dcp.async_save(_dcp_state(state), storage_writer=writer, process_group=process_group)
+    model_sd = _model_dict(state.model_parts)
+    optim_sds = [o.state_dict() for o in state.optimizers]
     done: Future = Future()
     if rank != 0:
         done.set_result(None)
         return done
-    model_sd = {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
-    optim_sd = copy.deepcopy(optimizer.state_dict())  # the live state keeps changing while we write
+    model_sd = {k: v.detach().clone() for k, v in model_sd.items()}  # the live tensors keep changing
+    optim_sds = copy.deepcopy(optim_sds)
 
     def write() -> None:
         save_torch(ckpt_dir / "model.pt", model_sd)
-        save_torch(ckpt_dir / "optim.pt", optim_sd)
+        for i, sd in enumerate(optim_sds):
+            save_torch(ckpt_dir / f"{optim_name(i)}.pt", sd)
 
     return executor.submit(write)
 
 
-def load_model_optim(ckpt_dir: Path, *, fmt: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load model and optimizer state written by `save_model_optim` (possibly at another world size)."""
-    here = state_format(model)
+def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> None:
+    """Load model and optimizer state written by `save_model_optim` (possibly at another world size;
+    a format-version-1 `optim.pt`, keyed by parameter index, is read too)."""
+    here = FULL if state.full else SHARDED
     if fmt != here:
         raise CheckpointError(
             f"{ckpt_dir}: written in the {fmt!r} format but this strategy reads {here!r}; resume with a strategy "
             f"of the same kind (full: single/ddp/zero1; dcp: zero2/fsdp), or export the weights with `dptrain ckpt export`"
         )
-    if fmt == SHARDED:
+    if not state.full:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        sd = _dcp_state(state)  # the current (sharded) tensors: DCP reads into them, resharding
+        dcp.load(sd, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
+        _load_model_dict(state.model_parts, sd["model"])
+        for i, o in enumerate(state.optimizers):
+            o.load_state_dict(sd[optim_name(i)])
         return
-    unwrap(model).load_state_dict(load_torch(ckpt_dir / "model.pt"))
-    optimizer.load_state_dict(load_torch(ckpt_dir / "optim.pt"))
+    _load_model_dict(state.model_parts, load_torch(ckpt_dir / "model.pt"))
+    for i, o in enumerate(state.optimizers):
+        o.load_state_dict(load_torch(ckpt_dir / f"{optim_name(i)}.pt"))
 
 
 def load_full_model_state(ckpt_dir: Path, *, fmt: str) -> dict[str, torch.Tensor]:

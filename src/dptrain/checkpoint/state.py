@@ -57,7 +57,9 @@ class ModelState:
         return get_model_state_dict(self.module, options=_options(self.full))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.module, state_dict, options=StateDictOptions(full_state_dict=self.full))
+        # Whole tensors go into an unsharded module as they are: DCP's full_state_dict loading path
+        # (meant for distributing into shards) is not needed for the `full` format's models.
+        set_model_state_dict(self.module, state_dict)
 
 
 def param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -111,7 +113,7 @@ class OptimizerState:
         if isinstance(self.optimizer, ZeroRedundancyOptimizer):
             self.optimizer.load_state_dict(names_to_index(state_dict, names))  # ZeRO re-partitions the full state
             return
-        set_optimizer_state_dict(self.module, self.optimizer, state_dict, options=StateDictOptions(full_state_dict=self.full))
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict)
 
 
 class RngState:

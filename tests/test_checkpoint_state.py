@@ -1,0 +1,203 @@
+"""The checkpoint manager without a Trainer, checkpoint format versions, and the step boundary:
+the preemption agreement across real processes and the absence of per-step host-device syncs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import fit, losses, weights_sha
+from torch import nn
+
+from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint.manager import FORMAT_VERSION, CheckpointManager
+from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, OptimizerState
+from dptrain.config import ConfigError
+from dptrain.config.load import load_config
+from dptrain.data import GlobalBatchSampler
+from dptrain.distributed.env import DistEnv
+from mp import run_ranks
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "ckpt_v1"
+SRC = str(Path(__file__).resolve().parents[1] / "src" / "dptrain")
+
+
+# ---------------------------------------------------------------------- no Trainer at all
+class Progress:
+    """A train state of the caller's own: the manager only calls state_dict/load_state_dict."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.samples_seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.step, self.samples_seen = sd["step"], sd["samples_seen"]
+
+
+X = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+Y = X.sum(dim=1, keepdim=True).sin()
+
+
+def plain_run(run_dir: Path, *, until: int, every: int = 3) -> tuple[list[str], list[torch.Tensor], CheckpointManager]:
+    """A hand-written loop: plain model, SGD with momentum, LR schedule, the dptrain sampler."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    sampler = GlobalBatchSampler(dataset_len=64, global_batch_size=8, micro_batch_size=8, grad_accum_steps=1,
+                                 dp_rank=0, dp_world_size=1, seed=3)
+    progress = Progress()
+    state = CheckpointState(model_parts=[ModelState(model, full=True)], optimizers=[OptimizerState(model, opt, full=True)],
+                            schedule=sched, scaler=None, data=DataPosition(sampler, progress), train=progress, full=True)
+    cfg = load_config(None, [f"checkpoint.every_steps={every}", "checkpoint.keep_last=null"])
+    mgr = CheckpointManager(cfg=cfg, run_dir=run_dir, env=DistEnv.from_env({}))
+    mgr.maybe_resume(state)
+    batches, out = iter(sampler), []
+    while progress.step < until:
+        idx = next(batches)
+        noise = 0.01 * torch.randn(len(idx), 1)  # the RNG state is part of the checkpoint too
+        loss = ((model(X[idx]) - Y[idx] - noise) ** 2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        progress.step += 1
+        progress.samples_seen += len(idx)
+        out.append(float.hex(loss.item()))
+        assert not mgr.maybe_save(state, step=progress.step)
+    mgr.save_final(state)
+    return out, [p.detach().clone() for p in model.parameters()], mgr
+
+
+@pytest.mark.timeout(60)
+def test_manager_saves_and_resumes_hand_built_stateful_objects_exactly(tmp_path):
+    ref_losses, ref_params, _ = plain_run(tmp_path / "ref", until=6)
+    first, _, mgr = plain_run(tmp_path / "run", until=3)
+    assert mgr.resumed_from is None and first == ref_losses[:3]
+    rest, params, mgr = plain_run(tmp_path / "run", until=6)
+    assert mgr.resumed_from is not None and mgr.resumed_from.name == "step_000003"
+    assert rest == ref_losses[3:]  # bit for bit: model, momentum, schedule, data position and RNG restored
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    meta = mf.verify(tmp_path / "run" / "checkpoints" / "step_000006")
+    assert meta["format_version"] == FORMAT_VERSION and meta["format"] == "full" and meta["sampler"]["step"] == 6
+    optim = torch.load(tmp_path / "run" / "checkpoints" / "step_000006" / "optim.pt", weights_only=True)
+    assert sorted(optim["state"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]  # keyed by name (version 2)
+
+
+# ---------------------------------------------------------------------- format versions
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("fixture", "strategy"), [("single", "single"), ("single", "zero1"), ("fsdp", "fsdp")])
+def test_a_checkpoint_written_before_format_versions_resumes_exactly(tmp_path, fixture, strategy):
+    """tests/fixtures/ckpt_v1: step 3 of a 6-step run written by dptrain at commit 5186cb6, with that
+    run's own losses and final weights (see generate.py there). Today's code must continue it exactly."""
+    run = tmp_path / "old"
+    shutil.copytree(FIXTURES / fixture, run)
+    expected = json.loads((run / "expected.json").read_text())
+    meta = mf.verify(run / "checkpoints" / "step_000003")
+    assert "format_version" not in meta  # version 1: written before the field existed
+    run_ranks(fit, 1, run, ["train.max_steps=6", "checkpoint.every_steps=3", f"parallel.strategy={strategy}"])
+    assert losses(run) == [tuple(x) for x in expected["losses"][3:]]  # steps 4-6, bit for bit
+    assert weights_sha(run) == expected["final_weights_sha256"]
+    assert mf.verify(run / "checkpoints" / "step_000006")["format_version"] == FORMAT_VERSION
+
+
+@pytest.mark.timeout(60)
+def test_an_unknown_format_version_is_refused_naming_it(tmp_path):
+    from dptrain.checkpoint.cli import prepare_resume
+
+    run = tmp_path / "run"
+    plain_run(run, until=3)
+    ckpt = run / "checkpoints" / "step_000003"
+    body = json.loads((ckpt / "manifest.json").read_text())
+    body["meta"]["format_version"] = 99
+    mf.commit(ckpt, manifest_sha256=mf.write_manifest(ckpt, files=body["files"], meta=body["meta"]))
+    assert mf.inspect_dir(ckpt).valid  # intact: refused for its version only
+    with pytest.raises(mf.CheckpointError, match=r"step_000003: checkpoint format version 99, but this dptrain .* reads versions 1, 2"):
+        plain_run(run, until=6)
+    with pytest.raises(ConfigError, match="checkpoint format version 99"):  # `dptrain run`: exit 2 before launch
+        prepare_resume(load_config(None, []), run_dir=run, resume=str(ckpt), trust=False, world_size=1)
+
+
+# ---------------------------------------------------------------------- the step boundary
+_calls = [0]
+
+
+def sigterm_on_rank1(model, batch):
+    """The model's loss; rank 1 sends itself SIGTERM during the first micro-step of step 3."""
+    _calls[0] += 1
+    if os.environ["RANK"] == "1" and _calls[0] == 2 * 2 + 1:  # 2 micro-steps per step at world size 2
+        os.kill(os.getpid(), signal.SIGTERM)
+    return model(batch)
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_committed_checkpoint(tmp_path, capfd):
+    run = tmp_path / "run"
+    over = ["train.max_steps=30", "checkpoint.every_steps=0", "train.loss=test_checkpoint_state:sigterm_on_rank1"]
+    summaries = run_ranks(fit, 2, run, over)
+    # Received during step 3 on rank 1 only; agreed (without blocking) at the next boundary: both stop at 4.
+    assert [s.get("preempted") for s in summaries] == [True, True]
+    assert [s["steps"] for s in summaries] == [4, 4]
+    assert [i.step for i in mf.list_checkpoints(run / "checkpoints")] == [4]
+    assert mf.inspect_dir(run / "checkpoints" / "step_000004").valid
+    assert "preempted (SIGTERM): saved step 4" in capfd.readouterr().err
+    assert [s for s, _ in losses(run)] == [1, 2, 3, 4]
+
+
+def fit_counting_syncs(rank: int, out: Path, overrides: list[str], log_every: int) -> dict[str, list[str]]:
+    """fit(), recording every .item(), .tolist() and GradScaler.get_scale() that dptrain's own code
+    calls inside train_step/end_step, split by whether the step is a logging step."""
+    from dptrain.trainer import Trainer
+
+    where: list[str | None] = [None]
+    seen: dict[str, list[str]] = {"log": [], "other": []}
+
+    def counted(real, name):
+        def call(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            caller = frame.f_code.co_filename
+            # dptrain's code only (torch's GradScaler.step reads its found-inf flag itself); the
+            # sampler's .tolist() turns a CPU index permutation into a list: no device involved
+            if where[0] is not None and caller.startswith(SRC) and not caller.endswith("sampler.py"):
+                seen[where[0]].append(f"{name} at {caller}:{frame.f_lineno}")
+            return real(self, *args, **kwargs)
+        return call
+
+    torch.Tensor.item = counted(torch.Tensor.item, "item")
+    torch.Tensor.tolist = counted(torch.Tensor.tolist, "tolist")
+    torch.amp.GradScaler.get_scale = counted(torch.amp.GradScaler.get_scale, "get_scale")
+
+    def tagged(real):
+        def method(self, *args):
+            step = self.state.step + 1  # the step being trained (end_step counts it)
+            where[0] = "log" if step % log_every == 0 or step == self.cfg.train.max_steps else "other"
+            try:
+                return real(self, *args)
+            finally:
+                where[0] = None
+        return method
+
+    real_train, real_end = Trainer.train_step, Trainer.end_step
+    Trainer.train_step, Trainer.end_step = tagged(real_train), tagged(real_end)
+    fit(rank, out, overrides)
+    return seen
+
+
+@pytest.mark.timeout(90)
+def test_no_host_device_sync_on_the_step_path_except_at_logging_steps(tmp_path):
+    over = ["train.max_steps=10", "train.log_every_steps=5", "precision.dtype=fp16"]
+    seen = run_ranks(fit_counting_syncs, 2, tmp_path / "run", over, 5)
+    for rank_seen in seen:
+        assert rank_seen["other"] == []  # steps 1-4 and 6-9: no .item(), .tolist() or get_scale()
+        assert any("item" in s for s in rank_seen["log"])  # the counter sees the log steps' reads
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["skipped_steps"] >= 0

@@ -18,7 +18,6 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,62 +46,9 @@ from dptrain.parallel import (
     unwrap,
 )
 from dptrain.precision import autocast, build_grad_scaler
+from dptrain.train_state import LogWindow, TrainState
 
-
-@dataclass
-class TrainState:
-    """Progress of a run; the step is global (the same on every rank and at every world size).
-    fp16 steps the scaler skipped are counted on the device (`count_skip`) and read only when the
-    state is (`sync`, `state_dict`): at a log line or a save, never per step."""
-
-    step: int = 0
-    samples_seen: int = 0
-    skipped_steps: int = 0
-    _unread_skips: torch.Tensor | None = field(default=None, repr=False)
-
-    def count_skip(self, skipped: torch.Tensor) -> None:
-        """Add a 0/1 device tensor without reading it."""
-        self._unread_skips = skipped.long() if self._unread_skips is None else self._unread_skips + skipped
-
-    def sync(self) -> None:
-        """Fold the device-side count into `skipped_steps` (a host-device sync)."""
-        if self._unread_skips is not None:
-            self.skipped_steps += int(self._unread_skips.item())
-            self._unread_skips = None
-
-    def state_dict(self) -> dict[str, int]:
-        self.sync()
-        return {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.step, self.samples_seen = int(sd["step"]), int(sd["samples_seen"])
-        self.skipped_steps, self._unread_skips = int(sd.get("skipped_steps", 0)), None
-
-
-class LogWindow:
-    """This rank's loss sum and step count since the last log line (checkpointed per rank, so a
-    resumed run logs the same numbers as an uninterrupted one)."""
-
-    def __init__(self) -> None:
-        self.loss_sum = torch.zeros(())
-        self.steps = 0
-
-    def add(self, loss: torch.Tensor) -> None:
-        if self.loss_sum.device != loss.device:
-            self.loss_sum = self.loss_sum.to(loss.device)
-        self.loss_sum += loss
-        self.steps += 1
-
-    def reset(self) -> None:
-        self.loss_sum = torch.zeros((), device=self.loss_sum.device)
-        self.steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"loss_sum": self.loss_sum.detach().cpu().clone(), "steps": self.steps}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.loss_sum = sd["loss_sum"].to(self.loss_sum.device)
-        self.steps = int(sd["steps"])
+__all__ = ["LogWindow", "TrainState", "Trainer"]
 
 
 class Trainer:

@@ -1,9 +1,10 @@
 """Checkpoints that never lie: commit-marked, manifest-hashed, full or DCP-sharded; exact resume.
 
-Modules, one job each: `manifest` (commit protocol, verification), `storage` (full vs DCP
-tensors), `safe_dcp` (restricted DCP reading), `rng` (per-rank RNG state), `resume` (which
-checkpoint to load; metrics continuity), `preempt` (SIGTERM), `attempts` (elastic restart
-reports), `manager` (the CheckpointManager the trainer calls), `cli` (`dptrain ckpt`).
+Modules, one job each: `state` (what a checkpoint holds, as named Stateful objects), `manifest`
+(commit protocol, verification), `storage` (full vs DCP tensors), `safe_dcp` (restricted DCP
+reading), `rng` (per-rank RNG state), `resume` (which checkpoint to load; metrics continuity),
+`preempt` (SIGTERM, agreed without blocking), `attempts` (elastic restart reports), `manager`
+(the CheckpointManager, on a CheckpointState), `cli` (`dptrain ckpt`).
 """
 
 from dptrain.checkpoint.manifest import CheckpointError, CheckpointInfo, list_checkpoints, verify

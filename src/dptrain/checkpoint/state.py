@@ -22,7 +22,6 @@ A parallelisation plan that owns state-dict get/set can stand in for `ModelState
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dptrain.checkpoint.rng import get_rng_state, set_rng_state
+from dptrain.distributed import collectives
 from dptrain.parallel import unwrap
 
 
@@ -101,7 +101,7 @@ class OptimizerState:
         opt = self.optimizer
         if isinstance(opt, ZeroRedundancyOptimizer):
             opt.consolidate_state_dict(to=0)  # collective: every rank sends its shard to rank 0
-            if torch.distributed.get_rank() != 0:
+            if collectives.rank() != 0:
                 return {}
             return index_to_names(opt.state_dict(), param_names(self.module, opt))
         return get_optimizer_state_dict(self.module, opt, options=_options(self.full))
@@ -162,7 +162,3 @@ class CheckpointState:
         if "rng" in self.per_rank:
             raise ValueError("per_rank name 'rng' is reserved: the manager saves every rank's RNG states itself")
 
-
-def snapshot(sd: Any) -> Any:
-    """A copy of a state dict that later training steps cannot change (for background writes)."""
-    return copy.deepcopy(sd)

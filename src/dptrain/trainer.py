@@ -211,6 +211,7 @@ class Trainer:
             # Drop the DDP wrapper while its process group still exists: a reducer freed after
             # destroy_process_group can deadlock gloo's teardown against a finishing barrier.
             self.model = unwrap(self.model)
+            self.checkpoint_state = self._checkpoint_state()  # its model parts held the wrapper too
         return summary
 
     def close(self, *, wait: bool = True) -> None:

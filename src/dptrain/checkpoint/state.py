@@ -85,10 +85,11 @@ def index_to_names(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 
 def names_to_index(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """The inverse of `index_to_names`."""
+    """The inverse of `index_to_names`. DCP lists a shared (tied) parameter under each of its names;
+    `names` has the first only, so the other names are dropped."""
     index = {n: i for i, n in enumerate(names)}
-    return {"state": {index[n]: s for n, s in sd["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in sd["param_groups"]]}
+    return {"state": {index[n]: s for n, s in sd["state"].items() if n in index},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"] if n in index]} for g in sd["param_groups"]]}
 
 
 class OptimizerState:

@@ -29,6 +29,11 @@ from dptrain.config.fields import (
 # ---------------------------------------------------------------------------------------
 
 
+class BatchSizeError(ConfigError):
+    """The batch sizes do not fit together at this data-parallel world size (each value is valid on its
+    own): resuming at another world size re-derives gradient accumulation instead."""
+
+
 def _choice(value: str, valid: tuple[str, ...], name: str) -> None:
     if value not in valid:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
@@ -68,20 +73,20 @@ def resolve_batch(train: TrainConfig, *, dp_world_size: int) -> tuple[int, int, 
     elif m is None:
         assert a is not None
         if g % (a * w):
-            raise ConfigError(
+            raise BatchSizeError(
                 f"train.global_batch_size={g} is not divisible by grad_accum_steps * dp world size = {a} * {w}; "
                 f"{_alternatives(g, w)}"
             )
         m = g // (a * w)
     elif a is None:
         if g % (m * w):
-            raise ConfigError(
+            raise BatchSizeError(
                 f"train.global_batch_size={g} is not divisible by micro_batch_size * dp world size = {m} * {w}; "
                 f"{_alternatives(g, w)}"
             )
         a = g // (m * w)
     if g != m * a * w:
-        raise ConfigError(
+        raise BatchSizeError(
             f"batch sizes disagree: global_batch_size != micro_batch_size * grad_accum_steps * dp_world_size "
             f"({g} != {m} * {a} * {w}); {_alternatives(g, w)}"
         )

@@ -294,7 +294,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 train_time += elapsed
                 record = self._throughput(window.steps, elapsed)
-                record.update(step=state.step, loss=last_loss, lr=self.scheduler.get_last_lr()[0],
+                record.update(step=state.step, loss=last_loss, lr=float(self.scheduler.get_last_lr()[0]),
                               grad_norm=float(self.grad_norm), samples_seen=state.samples_seen)
                 if self.scaler.is_enabled():
                     record.update(loss_scale=self.scaler.get_scale(), skipped_steps=state.skipped_steps)

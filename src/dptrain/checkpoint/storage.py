@@ -19,7 +19,7 @@ import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -86,7 +86,9 @@ def async_save_model_optim(
 
         msd, osd = get_state_dict(model, optimizer)
         writer = dcp.FileSystemWriter(ckpt_dir / DCP_DIR, sync_files=True)
-        return dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer, process_group=process_group)
+        # AsyncSaveResponse is returned only with an async_stager's staging future, which is not asked for.
+        return cast(Future, dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer,
+                                           process_group=process_group))
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.consolidate_state_dict(to=0)
     done: Future = Future()
@@ -118,7 +120,7 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, model: nn.Module, optimizer: t
         from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
         msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
+        state: dict[str, Any] = {"model": msd, "optim": osd}
         dcp.load(state, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return

@@ -189,10 +189,10 @@ def validate(cfg: Config) -> None:
         "launch.max_restarts": (cfg.launch.max_restarts, 0),
         "checkpoint.every_steps": (cfg.checkpoint.every_steps, 0),
     }
-    for name, (v, low) in lower_bounds.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+    for name, (bound, low) in lower_bounds.items():
+        if not isinstance(bound, int) or isinstance(bound, bool) or bound < low:
             rule = "a positive integer" if low == 1 else "an integer >= 0"
-            raise ConfigError(f"{name}={v!r} is not valid; it must be {rule}")
+            raise ConfigError(f"{name}={bound!r} is not valid; it must be {rule}")
     if not (isinstance(cfg.optim.lr, int | float) and cfg.optim.lr > 0):
         raise ConfigError(f"optim.lr={cfg.optim.lr!r} is not valid; it must be a number > 0")
     if cfg.optim.grad_clip is not None and not cfg.optim.grad_clip > 0:

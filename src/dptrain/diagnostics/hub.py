@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from torch import nn
@@ -69,7 +69,7 @@ class Diagnostics:
         self.timer: StepTimer | None = None
         self.replica: nn.Module | None = None  # the module whose replicas the drift check compares
         self.memory: MemoryMonitor | None = None
-        self._sink = None
+        self._sink: TextIO | None = None
         self._sink_lock = threading.Lock()
 
     # ------------------------------------------------------------------ start / stop

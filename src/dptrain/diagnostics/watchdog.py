@@ -238,8 +238,7 @@ def _describe(b: dict[str, Any]) -> str:
 def hang_report(beats: dict[int, dict[str, Any] | None], *, timeout_s: float, reporter: int, run_dir: Path) -> str:
     """The text of `hang_report.txt`: suspects, a table of every rank's position, suspects' stacks."""
     suspects, why = find_suspects(beats)
-    named = ", ".join(f"rank {r}" + (f" ({beats[r]['host']}, pid {beats[r]['pid']})" if beats[r] else "")
-                      for r in suspects)
+    named = ", ".join(f"rank {r}" + (f" ({b['host']}, pid {b['pid']})" if (b := beats[r]) else "") for r in suspects)
     lines = [
         "dptrain hang report",
         f"no progress for {timeout_s:g}s (diagnostics.hang_timeout_s); detected by rank {reporter} at "

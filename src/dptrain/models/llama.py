@@ -85,6 +85,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
+        assert cfg.n_kv_heads is not None  # set by LlamaConfig.__post_init__
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -127,6 +128,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim)
+        assert cfg.ffn_hidden is not None  # set by LlamaConfig.__post_init__
         self.mlp = FeedForward(cfg.dim, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -213,7 +215,7 @@ class LlamaLM(nn.Module):
             idx, targets = input_ids, labels
         elif isinstance(batch, Mapping):  # model(batch) with a mapping batch, as in one's own loop
             idx, targets = batch["input_ids"], batch["labels"]
-        elif isinstance(batch, tuple | list):
+        elif isinstance(batch, Sequence):
             idx, targets = batch
         else:
             idx, targets = batch[:, :-1], batch[:, 1:]

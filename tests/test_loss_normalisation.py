@@ -189,7 +189,7 @@ def test_forward_loss_calls_mapping_batches_with_keywords():
     torch.testing.assert_close(forward_loss(model, batch, num_items_in_batch=n), loss * 2 / 4)
     assert model.seen["num_items_in_batch"] is n
     # Anything that is not a mapping is one positional argument, as before.
-    assert float(forward_loss(MeanModel(), torch.tensor([1.0, 3.0]))) == 2.0
+    assert float(forward_loss(MeanModel(), torch.tensor([1.0, 3.0])).detach()) == 2.0
 
 
 def test_which_rule_applies():
@@ -229,3 +229,9 @@ def test_to_device_walks_mappings_sequences_and_named_tuples():
     assert out["a"].is_meta and out["b"][0].is_meta and out["b"][1][0].is_meta and out["b"][1][1] == "keep"
     assert isinstance(out["c"], Pair) and out["c"].x.is_meta and out["c"].y == 3
     assert isinstance(out["b"][1], tuple)
+
+
+def test_a_compiled_module_is_judged_by_its_own_forward():
+    """torch.compile's wrapper forwards *args, **kwargs: the rule must follow the module inside."""
+    compiled = torch.compile(MeanModel())  # wrapping only; nothing is compiled until called
+    assert not takes_num_items(forward_loss, compiled)

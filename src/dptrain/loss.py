@@ -68,6 +68,7 @@ def takes_num_items(loss_fn: LossFn, model: nn.Module) -> bool:
     if isinstance(model, nn.DataParallel):
         return False
     plain = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    plain = getattr(plain, "_orig_mod", plain)  # torch.compile's wrapper forwards *args, **kwargs
     declared = getattr(plain, "accepts_loss_kwargs", None)
     if declared is not None:
         return bool(declared)

@@ -222,5 +222,7 @@ class Diagnostics:
             if self._sink is not None:
                 self._sink.write(json.dumps(record) + "\n")
                 return
-        with contextlib.suppress(OSError), open(self.run_dir / "diagnostics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")  # one append of one line: safe beside rank 0's writes
+        with contextlib.suppress(OSError):  # a rank on another host may not share the run directory
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / "diagnostics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")  # one append of one line: safe beside rank 0's writes

@@ -235,3 +235,20 @@ def test_a_compiled_module_is_judged_by_its_own_forward():
     """torch.compile's wrapper forwards *args, **kwargs: the rule must follow the module inside."""
     compiled = torch.compile(MeanModel())  # wrapping only; nothing is compiled until called
     assert not takes_num_items(forward_loss, compiled)
+
+
+def test_builtin_models_take_keyword_batches_and_num_items():
+    from dptrain.models.toy import build_mlp
+
+    torch.manual_seed(0)
+    lm = build_llama(**LLAMA_KWARGS)
+    batch = default_collate([padded_tokens(**TOKENS_KWARGS)[i] for i in range(4)])
+    mean = lm(**batch)
+    n_valid = int(count_targets(batch))
+    torch.testing.assert_close(lm(**batch, num_items_in_batch=torch.tensor(7.0)), mean * n_valid / 7)
+    torch.testing.assert_close(lm(batch), mean)  # a mapping passed positionally, as in one's own loop
+    mlp = build_mlp(in_dim=3, hidden=4, out_dim=2, depth=1)
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    torch.testing.assert_close(mlp(x=x, y=y), mlp((x, y)))
+    with pytest.raises(TypeError, match="needs a batch"):
+        lm(input_ids=batch["input_ids"])

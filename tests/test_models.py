@@ -102,13 +102,13 @@ def test_dict_batch_with_ignored_labels():
     m = tiny()
     seq = tokens(2, 17)
     inputs, labels = seq[:, :-1], seq[:, 1:].clone()
-    torch.testing.assert_close(m({"input_ids": inputs, "labels": labels}), m(seq))
+    torch.testing.assert_close(m(input_ids=inputs, labels=labels), m(seq))
     torch.testing.assert_close(m((inputs, labels)), m(seq))
     # Ignoring positions must equal the mean CE over the kept positions only.
     labels[:, :8] = -100
     logits = m.logits(inputs)
     ref = torch.nn.functional.cross_entropy(logits[:, 8:].reshape(-1, 256), seq[:, 9:].reshape(-1))
-    torch.testing.assert_close(m({"input_ids": inputs, "labels": labels}), ref)
+    torch.testing.assert_close(m(input_ids=inputs, labels=labels), ref)
 
 
 def test_gqa():

@@ -28,12 +28,13 @@ _EXPORTS = {
     "sync_gradients": "dptrain.parallel",
     "unwrap": "dptrain.parallel",
     "Trainer": "dptrain.trainer",
+    "to_device": "dptrain.build",
 }
 
 __all__ = [
     "__version__", "Config", "ConfigError", "Runtime", "Trainer", "clip_grad_norm_", "full_state_dict",
     "grad_accum_steps", "init_distributed", "load_config", "micro_steps", "prepare_dataloader",
-    "prepare_model", "sync_gradients", "unwrap",
+    "prepare_model", "sync_gradients", "to_device", "unwrap",
 ]
 
 
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         prepare_dataloader,
         prepare_model,
     )
+    from dptrain.build import to_device
     from dptrain.config import Config, ConfigError
     from dptrain.config.load import load_config
     from dptrain.parallel import clip_grad_norm_, full_state_dict, sync_gradients, unwrap

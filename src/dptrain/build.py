@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 
 from dptrain.config import ConfigError, DataConfig, ModelConfig
 from dptrain.data.loader import split_train_val
+from dptrain.loss import LossFn, forward_loss
 
 
 def import_object(spec: str) -> Any:
@@ -56,32 +57,24 @@ def build_datasets(cfg: DataConfig) -> tuple[Any, Any | None]:
     return split_train_val(out)
 
 
-def build_loss_fn(spec: str | None) -> Callable[[nn.Module, Any], torch.Tensor]:
-    """`fn(model, batch) -> scalar loss`: the configured one, or the model's own forward."""
+def build_loss_fn(spec: str | None) -> LossFn:
+    """`fn(model, batch) -> scalar loss`: the configured one, or `dptrain.loss.forward_loss` (the
+    model's own forward). How each micro-step's loss is normalised: `dptrain.loss`."""
     if spec is not None:
         return import_object(spec)
     return forward_loss
 
 
-def forward_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The model's forward returns the loss, or an object with `.loss` (Hugging Face models).
-    nn.DataParallel gathers one loss per GPU: their mean is the batch mean for equal splits."""
-    out = model(batch)
-    loss = getattr(out, "loss", out)
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"the model's forward returned {type(out).__name__}, not a loss tensor; "
-            "return the loss, an object with .loss, or set train.loss=pkg.mod:fn"
-        )
-    return loss.mean() if loss.ndim else loss
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move tensors in nested tuples/lists/dicts to `device` (non-blocking from pinned memory)."""
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """`batch` with every tensor moved to `device`, through nested mappings (dicts, Hugging Face's
+    `BatchEncoding`: returned as dicts), lists, tuples and named tuples; other values as they are.
+    Copies from pinned memory are non-blocking."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(to_device(v, device) for v in batch))
     if isinstance(batch, list | tuple):
         return type(batch)(to_device(v, device) for v in batch)
     return batch

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 import yaml
@@ -41,12 +43,14 @@ def generate_bytes(
     ctx = _max_seq_len(model)
     idx = torch.tensor([list(data)], dtype=torch.long, device=device)
     out: list[int] = []
+    # nn.Module's stub types any attribute as Tensor | Module; `logits` is a method of LM models.
+    logits_of = cast(Callable[[torch.Tensor], torch.Tensor], model.logits)
     was_training = model.training
     model.eval()
     try:
         for _ in range(max_new_tokens):
             cond = idx if ctx is None else idx[:, -ctx:]
-            logits = model.logits(cond)[0, -1].float()
+            logits = logits_of(cond)[0, -1].float()
             logits = logits[:256]  # only byte ids can be decoded
             if temperature <= 0:
                 nxt = int(logits.argmax())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +29,8 @@ def build_optimizer(
     """SGD/Adam/AdamW over `model`'s parameters. shard_state=True (ZeRO-1) partitions the optimizer
     state over ranks with ZeroRedundancyOptimizer; each rank updates its slice and broadcasts it."""
     groups = param_groups(model, weight_decay=cfg.weight_decay)
+    cls: type[torch.optim.Optimizer]
+    kw: dict[str, Any]
     if cfg.name == "sgd":
         cls, kw = torch.optim.SGD, {"lr": lr, "momentum": cfg.momentum}
     elif cfg.name == "adam":

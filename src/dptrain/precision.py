@@ -9,6 +9,7 @@ because DDP's gradients are already identical on every rank after the all-reduce
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ def autocast(cfg: PrecisionConfig, device: torch.device) -> contextlib.AbstractC
 def build_grad_scaler(cfg: PrecisionConfig, device: torch.device, *, sharded: bool) -> torch.amp.GradScaler:
     """A GradScaler that is enabled only for fp16 (disabled, scale/unscale/step pass straight through)."""
     enabled = cfg.dtype == "fp16"
-    kw = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval, "enabled": enabled}
+    kw: dict[str, Any] = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval, "enabled": enabled}
     if sharded and enabled:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

@@ -1,14 +1,15 @@
 """The training loop. `Trainer(cfg).fit()` is what `dptrain run` executes on every rank.
 
-The optimisation step (`train_step`) is deliberately short and explicit: micro-steps that skip
-the gradient reduction until the last one, loss divided by the number of micro-steps, scaled
-backward, unscale, clip, step, update, zero_grad. Everything that happens after it is ONE
-function, `end_step`: counters, fp16 skip accounting, logging, diagnostics, evaluation, the
-preemption agreement and saving. `fit`'s loop and every benchmark call `end_step(train_step())`,
-so a benchmark times exactly what `dptrain run` does per step. Apart from the logging interval
-(and evaluation, drift/memory/straggler checks and saves at their own intervals), a step makes no
-host-device sync: the loss window and the fp16 skip count stay on the device, and the preemption
-flag is agreed without blocking (checkpoint/preempt.py).
+The optimisation step (`train_step`) is deliberately short and explicit: the step's micro-batches,
+micro-steps that skip the gradient reduction until the last one, each loss normalised so the step's
+gradient is the global batch's (by the number of micro-steps, or by the global batch's valid-token
+count for token-level losses: see dptrain/loss.py), scaled backward, unscale, clip, step, update,
+zero_grad. Everything that happens after it is ONE function, `end_step`: counters, fp16 skip
+accounting, logging, diagnostics, evaluation, the preemption agreement and saving. `fit`'s loop and
+every benchmark call `end_step(train_step())`, so a benchmark times exactly what `dptrain run` does
+per step. Apart from the logging interval (and evaluation, drift/memory/straggler checks and saves
+at their own intervals), a step makes no host-device sync: the loss window and the fp16 skip count
+stay on the device, and the preemption flag is agreed without blocking (checkpoint/preempt.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dptrain.diagnostics import Diagnostics, apply_collective_checks
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.process_group import bind_device, process_group
+from dptrain.loss import items_per_rank, takes_num_items
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
 from dptrain.optim import build_optimizer, build_scheduler
 from dptrain.parallel import (
@@ -115,6 +117,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
         self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=is_sharded(self.model))
         self.loss_fn = build_loss_fn(cfg.train.loss)
+        self.token_loss = takes_num_items(self.loss_fn, self.model)  # token or sample rule: dptrain/loss.py
         self.collate = import_object(cfg.data.collate) if cfg.data.collate else None
         self.train_ds, self.val_ds = build_datasets(cfg.data)
         self.sampler = GlobalBatchSampler(
@@ -137,19 +140,27 @@ class Trainer:
 
     # ---------------------------------------------------------------- the step
     def train_step(self) -> torch.Tensor:
-        """One optimizer step over `grad_accum_steps` micro-batches; returns the (local) mean loss."""
+        """One optimizer step over `grad_accum_steps` micro-batches. Returns this rank's share of the
+        global batch's loss: its mean over the data-parallel ranks is the global batch's loss."""
         accum = self.res.grad_accum_steps
-        step_loss = torch.zeros((), device=self.device)
         diag = self.diag  # heartbeats and step-time split; see diagnostics/hub.py
-        for micro in range(accum):
-            diag.phase("data")
-            batch = to_device(next(self.batches), self.device)
+        diag.phase("data")
+        micro_batches = [to_device(next(self.batches), self.device) for _ in range(accum)]
+        # Token rule (dptrain/loss.py): the global batch's valid-target count, before any backward;
+        # one all-reduce on the device. The data-parallel group is the world today (group=None).
+        n_items = items_per_rank(micro_batches, device=self.device, dp_world_size=self.res.dp_world_size,
+                                 group=None) if self.token_loss else None
+        step_loss = torch.zeros((), device=self.device)
+        for micro, batch in enumerate(micro_batches):
             # Reduce gradients only after the last micro-step (unless asked to every time).
             sync = micro == accum - 1 or self.cfg.parallel.sync_each_micro_step
             with sync_gradients(self.model, sync):
                 diag.phase("forward")
                 with autocast(self.cfg.precision, self.device):
-                    loss = self.loss_fn(self.model, batch) / accum  # mean over the whole global batch
+                    if n_items is None:  # sample rule: the mean of equal micro-batch means
+                        loss = self.loss_fn(self.model, batch) / accum
+                    else:  # token rule: this micro-batch's summed token losses / n_items
+                        loss = self.loss_fn(self.model, batch, num_items_in_batch=n_items)
                 diag.phase("backward", sync=sync)  # sync: DDP/FSDP reduce gradients in this backward
                 self.scaler.scale(loss).backward()
             step_loss += loss.detach()
@@ -324,7 +335,7 @@ class Trainer:
         elapsed = time.perf_counter() - self._window_start
         self.train_time += elapsed
         record = self._throughput(window.steps, elapsed)
-        record.update(step=state.step, loss=last_loss, lr=self.scheduler.get_last_lr()[0],
+        record.update(step=state.step, loss=last_loss, lr=float(self.scheduler.get_last_lr()[0]),
                       grad_norm=float(self.grad_norm), samples_seen=state.samples_seen)
         if self.scaler.is_enabled():
             state.sync()

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.config import Config, ConfigError, resolve, to_dict
+from dptrain.config import BatchSizeError, Config, ConfigError, resolve, to_dict
 
 
 def _root_of(target: Path) -> Path:
@@ -91,14 +91,14 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
     try:
         if resolve(cfg, world_size=world_size).global_batch_size == g:
             return cfg
-    except ConfigError:
-        pass
+    except BatchSizeError:
+        pass  # the batch does not fit this world size: accumulation is re-derived below (any other error is real)
     train = dataclasses.replace(cfg.train, global_batch_size=g, grad_accum_steps=None)
     new = dataclasses.replace(cfg, train=train)
     try:
         res = resolve(new, world_size=world_size)
-    except ConfigError as e:
-        raise ConfigError(f"cannot keep the checkpoint's global batch of {g} at world size {world_size}: {e}") from None
+    except BatchSizeError as e:
+        raise BatchSizeError(f"cannot keep the checkpoint's global batch of {g} at world size {world_size}: {e}") from None
     print(f"dptrain: resuming at world size {world_size} (checkpoint: {meta['world_size']}): global batch {g} = "
           f"micro {res.micro_batch_size} x accum {res.grad_accum_steps} x dp {res.dp_world_size}", file=sys.stderr)
     return new

@@ -7,7 +7,7 @@ a tensor and rebuilt on load.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -15,7 +15,8 @@ import torch
 
 def get_rng_state() -> dict[str, Any]:
     """Python, numpy, torch CPU and (when initialised) CUDA generator states of this process."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy's stub types the result as dict | tuple; the default (legacy=True) is the tuple.
+    name, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),

@@ -22,7 +22,7 @@ import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -124,7 +124,8 @@ def async_save_model_optim(
         import torch.distributed.checkpoint as dcp
 
         writer = dcp.FileSystemWriter(ckpt_dir / DCP_DIR, sync_files=True)
-        return dcp.async_save(_dcp_state(state), storage_writer=writer, process_group=process_group)
+        # AsyncSaveResponse is returned only with an async_stager's staging future, which is not asked for.
+        return cast(Future, dcp.async_save(_dcp_state(state), storage_writer=writer, process_group=process_group))
     model_sd = _model_dict(state.model_parts)
     optim_sds = [o.state_dict() for o in state.optimizers]
     done: Future = Future()

@@ -24,6 +24,7 @@ from dptrain.config.fields import (
     to_dict,
 )
 from dptrain.config.resolve import (
+    BatchSizeError,
     Resolved,
     hang_timeout,
     local_world_size,
@@ -35,7 +36,7 @@ from dptrain.config.resolve import (
 )
 
 __all__ = [
-    "DTYPES", "LR_SCALINGS", "NONFINITE_POLICIES", "OPTIMIZERS", "SCHEDULES", "STRATEGIES",
+    "BatchSizeError", "DTYPES", "LR_SCALINGS", "NONFINITE_POLICIES", "OPTIMIZERS", "SCHEDULES", "STRATEGIES",
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DiagnosticsConfig", "LaunchConfig",
     "LogConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "Resolved",
     "TrainConfig", "default_out_dir", "field_docs", "hang_timeout", "local_world_size", "resolve",

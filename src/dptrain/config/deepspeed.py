@@ -60,13 +60,13 @@ def from_deepspeed(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
     if "scheduler" in ds:
         sch = ds.pop("scheduler") or {}
-        kind = sch.get("type")
+        sched_kind = sch.get("type")
         params = _no_auto(sch.get("params"))
-        if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        if sched_kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
             raise ConfigError(
-                f"DeepSpeed scheduler.type={kind!r} is not supported; use WarmupLR, WarmupDecayLR or WarmupCosineLR"
+                f"DeepSpeed scheduler.type={sched_kind!r} is not supported; use WarmupLR, WarmupDecayLR or WarmupCosineLR"
             )
-        put("optim.schedule", {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}[kind])
+        put("optim.schedule", {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}[sched_kind])
         if "warmup_num_steps" in params:
             put("optim.warmup_steps", params.pop("warmup_num_steps"))
         if "total_num_steps" in params:

@@ -112,7 +112,7 @@ class OptimConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     strategy: str = "ddp"
-    """single, dp (legacy nn.DataParallel, GPUs only), ddp, zero1, zero2 or fsdp."""
+    """single, dp (legacy nn.DataParallel, GPUs only; written, not yet run on a GPU), ddp, zero1, zero2 or fsdp."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     sync_each_micro_step: bool = False
@@ -122,7 +122,7 @@ class ParallelConfig:
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
     backend: str = "auto"
-    """Process-group backend: nccl, gloo or auto (nccl on cuda, gloo on cpu)."""
+    """Process-group backend: nccl, gloo or auto (nccl on cuda, gloo on cpu). The nccl path is written, not yet run on a GPU."""
     timeout_s: float = 600.0
     """Collective and init timeout in seconds."""
 
@@ -184,7 +184,7 @@ class DiagnosticsConfig:
     preflight: bool = True
     """At start, check that all ranks agree on world size, config and model (parameter names, shapes, dtypes)."""
     straggler_every_steps: int = 50
-    """Compare ranks' step-time split (data, compute, waiting for others) every N steps (0: off; adds one tiny barrier per step)."""
+    """Compare ranks' step-time split (data, compute, waiting for others) every N steps (0: off). Only the last 10 steps of each N-step window are timed, each with one barrier before its synchronising backward."""
     straggler_margin: float = 0.25
     """A rank whose data + compute time exceeds the median of the other ranks by this fraction is named a straggler."""
     drift_every_steps: int = 100

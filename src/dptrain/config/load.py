@@ -107,7 +107,7 @@ def _build(cls: type, data: dict[str, Any], *, prefix: str) -> Any:
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             if value is None:  # `train:` with nothing under it
                 value = {}
             if not isinstance(value, dict):
@@ -124,7 +124,8 @@ def _merge_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     out = dict(kwargs)
     for f in dataclasses.fields(cls):
         if f.name == "kwargs" and "kwargs" in out and "factory" not in out:
-            out["kwargs"] = {**f.default_factory(), **(out["kwargs"] or {})}  # type: ignore[misc]
+            default = f.default_factory() if callable(f.default_factory) else {}
+            out["kwargs"] = {**default, **(out["kwargs"] or {})}
         elif f.name == "kwargs" and "factory" in out and "kwargs" not in out:
             out["kwargs"] = {}
     return out

@@ -29,6 +29,11 @@ from dptrain.config.fields import (
 # ---------------------------------------------------------------------------------------
 
 
+class BatchSizeError(ConfigError):
+    """The batch sizes do not fit together at this data-parallel world size (each value is valid on its
+    own): resuming at another world size re-derives gradient accumulation instead."""
+
+
 def _choice(value: str, valid: tuple[str, ...], name: str) -> None:
     if value not in valid:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
@@ -68,20 +73,20 @@ def resolve_batch(train: TrainConfig, *, dp_world_size: int) -> tuple[int, int, 
     elif m is None:
         assert a is not None
         if g % (a * w):
-            raise ConfigError(
+            raise BatchSizeError(
                 f"train.global_batch_size={g} is not divisible by grad_accum_steps * dp world size = {a} * {w}; "
                 f"{_alternatives(g, w)}"
             )
         m = g // (a * w)
     elif a is None:
         if g % (m * w):
-            raise ConfigError(
+            raise BatchSizeError(
                 f"train.global_batch_size={g} is not divisible by micro_batch_size * dp world size = {m} * {w}; "
                 f"{_alternatives(g, w)}"
             )
         a = g // (m * w)
     if g != m * a * w:
-        raise ConfigError(
+        raise BatchSizeError(
             f"batch sizes disagree: global_batch_size != micro_batch_size * grad_accum_steps * dp_world_size "
             f"({g} != {m} * {a} * {w}); {_alternatives(g, w)}"
         )
@@ -184,10 +189,10 @@ def validate(cfg: Config) -> None:
         "launch.max_restarts": (cfg.launch.max_restarts, 0),
         "checkpoint.every_steps": (cfg.checkpoint.every_steps, 0),
     }
-    for name, (v, low) in lower_bounds.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+    for name, (bound, low) in lower_bounds.items():
+        if not isinstance(bound, int) or isinstance(bound, bool) or bound < low:
             rule = "a positive integer" if low == 1 else "an integer >= 0"
-            raise ConfigError(f"{name}={v!r} is not valid; it must be {rule}")
+            raise ConfigError(f"{name}={bound!r} is not valid; it must be {rule}")
     if not (isinstance(cfg.optim.lr, int | float) and cfg.optim.lr > 0):
         raise ConfigError(f"optim.lr={cfg.optim.lr!r} is not valid; it must be a number > 0")
     if cfg.optim.grad_clip is not None and not cfg.optim.grad_clip > 0:

@@ -100,7 +100,7 @@ def format_results(rows: list[dict[str, float]], bw: dict[tuple[int, int], float
     lines = [f"all-reduce, {n} ranks, {backend} (busbw = algbw * 2(n-1)/n, as nccl-tests defines it):",
              f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in rows:
-        lines.append(f"{_size(r['bytes']):>10} {r['seconds'] * 1e6:>10.1f} {r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}")
+        lines.append(f"{_size(int(r['bytes'])):>10} {r['seconds'] * 1e6:>10.1f} {r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}")
     lines.append(f"latency (4 KiB all-reduce): {rows[0]['seconds'] * 1e6:.0f} us; "
                  f"peak bus bandwidth: {max(r['busbw_gbps'] for r in rows):.3f} GB/s")
     lines.append(f"point-to-point links ({_size(P2P_BYTES)} ping-pong):")
@@ -112,8 +112,8 @@ def format_results(rows: list[dict[str, float]], bw: dict[tuple[int, int], float
         for a, b in slow:
             lines.append(f"  ! slow link: rank {a} ({hosts[a]}) <-> rank {b} ({hosts[b]}): {bw[(a, b)]:.3f} GB/s, "
                          f"below {SLOW_FRACTION:.0%} of the median {median:.3f} GB/s")
-        for r in ranks:
-            lines.append(f"  ! slow rank: rank {r} ({hosts[r]}) is in every slow link: check its NIC, cable or placement")
+        for rank in ranks:
+            lines.append(f"  ! slow rank: rank {rank} ({hosts[rank]}) is in every slow link: check its NIC, cable or placement")
     else:
         lines.append("  no slow link" + (" (one pair: nothing to compare)" if len(bw) < 2 else ""))
     return "\n".join(lines)

@@ -126,7 +126,7 @@ def default_route_interface() -> str | None:
 def host_interface(host: str, addrs: dict) -> tuple[str | None, str | None]:
     """(address, interface) that `host` resolves to on this machine, as gloo picks it."""
     try:
-        ip = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+        ip = str(socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0])
     except (OSError, IndexError):
         return None, None
     iface = next((name for name, entries in addrs.items() if any(a.address == ip for a in entries)), None)

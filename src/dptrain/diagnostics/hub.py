@@ -10,13 +10,16 @@ console.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from torch import nn
@@ -66,7 +69,8 @@ class Diagnostics:
         self.timer: StepTimer | None = None
         self.replica: nn.Module | None = None  # the module whose replicas the drift check compares
         self.memory: MemoryMonitor | None = None
-        self._sink = None
+        self._sink: TextIO | None = None
+        self._sink_lock = threading.Lock()
 
     # ------------------------------------------------------------------ start / stop
     def preflight(self, model: nn.Module, *, config: dict[str, Any]) -> None:
@@ -95,16 +99,18 @@ class Diagnostics:
             self._sink = open(self.run_dir / "diagnostics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
         if self.hang_timeout_s > 0:
             self.watchdog = Watchdog(timeout_s=self.hang_timeout_s, store=_default_store(), rank=self.env.rank,
-                                     world_size=self.env.world_size, run_dir=self.run_dir)
+                                     world_size=self.env.world_size, run_dir=self.run_dir,
+                                     on_death=self._watchdog_died)
             self.watchdog.start()
 
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
-        if self._sink is not None:
-            self._sink.close()
-            self._sink = None
+        with self._sink_lock:
+            if self._sink is not None:
+                self._sink.close()
+                self._sink = None
 
     # ------------------------------------------------------------------ the step
     def phase(self, name: str, *, sync: bool = False, collective: str | None = None) -> None:
@@ -195,7 +201,28 @@ class Diagnostics:
     # ------------------------------------------------------------------ reporting
     def report(self, kind: str, record: dict[str, Any], message: str | None = None) -> None:
         """A finding: one line in diagnostics.jsonl and, with a message, one on the console (rank 0)."""
-        if self._sink is not None:
-            self._sink.write(json.dumps({"kind": kind, **record}) + "\n")
+        with self._sink_lock:  # the watchdog thread reports too (watchdog_died)
+            if self._sink is not None:
+                self._sink.write(json.dumps({"kind": kind, **record}) + "\n")
         if message and self.env.is_main:
             self._say(message)
+
+    def _watchdog_died(self, error: BaseException) -> None:
+        """Called from the watchdog thread when its loop failed: this rank has no hang detection any
+        more. Said on this rank's console (every rank, not only rank 0) and recorded in
+        diagnostics.jsonl (by rank 0's sink, or appended by this rank to its run dir's file)."""
+        env = self.env
+        record = {"kind": "watchdog_died", "rank": env.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                  "step": self.step, "error": f"{type(error).__name__}: {error}",
+                  "traceback": "".join(traceback.format_exception(error)).rstrip()}
+        self._say(f"dptrain: warning: rank {env.rank}: the hang watchdog died ({record['error']}); the run goes on "
+                  f"WITHOUT hang detection on this rank: a hang now lasts until the process-group timeout "
+                  f"(parallel.timeout_s) and names no rank. Recorded in {self.run_dir / 'diagnostics.jsonl'}")
+        with self._sink_lock:
+            if self._sink is not None:
+                self._sink.write(json.dumps(record) + "\n")
+                return
+        with contextlib.suppress(OSError):  # a rank on another host may not share the run directory
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / "diagnostics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")  # one append of one line: safe beside rank 0's writes

@@ -99,7 +99,9 @@ class Watchdog:
     """A daemon thread per rank that detects a hang and ends the job with a report.
 
     `store` is a torch.distributed Store shared by all ranks (only non-blocking calls are used:
-    set, add, check, get after check). `on_exit` replaces `os._exit` in tests.
+    set, add, check, get after check). `on_exit` replaces `os._exit` in tests. `on_death(error)` is
+    called from the watchdog thread if its loop fails (the store went away, a bug): from then on this
+    rank has no hang detection, and the caller should say so loudly (the hub does).
     """
 
     def __init__(
@@ -112,12 +114,14 @@ class Watchdog:
         run_dir: Path,
         interval_s: float | None = None,
         on_exit: Callable[[int], None] = os._exit,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.store, self.rank, self.world_size = store, rank, world_size
         self.run_dir = Path(run_dir)
         self.interval_s = interval_s or min(1.0, max(0.05, timeout_s / 10))
         self._on_exit = on_exit
+        self._on_death = on_death or self._print_death
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._step, self._phase, self._collective, self._seq = 0, "setup", "", 0
@@ -169,9 +173,13 @@ class Watchdog:
                     self._on_hang(reporter=False)
                 elif time.monotonic() - self._last_progress > self.timeout_s:
                     self._on_hang(reporter=self.store.add(_FLAG, 1) == 1)
-        except Exception as e:  # noqa: BLE001 - the store went away: the job is ending anyway
-            if not self._stop.is_set():
-                print(f"dptrain watchdog: rank {self.rank}: stopped ({type(e).__name__}: {e})", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - any failure ends hang detection on this rank: report it
+            if not self._stop.is_set():  # after stop(): the job is ending, the store may be gone
+                self._on_death(e)
+
+    def _print_death(self, error: BaseException) -> None:
+        print(f"dptrain watchdog: rank {self.rank}: died ({type(error).__name__}: {error}); "
+              "no hang detection on this rank from now on", file=sys.stderr, flush=True)
 
     def _on_hang(self, *, reporter: bool) -> None:
         where, in_collective = main_thread_position()
@@ -230,8 +238,7 @@ def _describe(b: dict[str, Any]) -> str:
 def hang_report(beats: dict[int, dict[str, Any] | None], *, timeout_s: float, reporter: int, run_dir: Path) -> str:
     """The text of `hang_report.txt`: suspects, a table of every rank's position, suspects' stacks."""
     suspects, why = find_suspects(beats)
-    named = ", ".join(f"rank {r}" + (f" ({beats[r]['host']}, pid {beats[r]['pid']})" if beats[r] else "")
-                      for r in suspects)
+    named = ", ".join(f"rank {r}" + (f" ({b['host']}, pid {b['pid']})" if (b := beats[r]) else "") for r in suspects)
     lines = [
         "dptrain hang report",
         f"no progress for {timeout_s:g}s (diagnostics.hang_timeout_s); detected by rank {reporter} at "

@@ -55,3 +55,11 @@ def broadcast_object(obj: Any, *, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def all_reduce_sum_(tensor: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+    """Sum `tensor` over the ranks of `group` (None: the world) in place, on its own device: no
+    host-device sync. Returns it."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor

@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ def init_process_group(env: DistEnv, *, backend: str, device: torch.device, time
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     if env.launched:
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     else:

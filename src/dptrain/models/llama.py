@@ -8,6 +8,7 @@ is what the FSDP and tensor-parallel strategies rely on, so keep the names stabl
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
+        assert cfg.n_kv_heads is not None  # set by LlamaConfig.__post_init__
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -126,6 +128,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim)
+        assert cfg.ffn_hidden is not None  # set by LlamaConfig.__post_init__
         self.mlp = FeedForward(cfg.dim, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,7 +137,7 @@ class TransformerBlock(nn.Module):
 
 
 class LlamaLM(nn.Module):
-    """Byte-level LLaMA-style causal LM whose ``forward(batch)`` returns the mean CE loss."""
+    """Byte-level LLaMA-style causal LM whose ``forward(batch)`` returns the CE loss (see ``forward``)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -191,24 +194,37 @@ class LlamaLM(nn.Module):
             x = layer(x, cos, sin)
         return self.head(self.norm(x))
 
-    def forward(self, batch) -> torch.Tensor:
-        """Mean cross-entropy loss of ``batch``.
+    def forward(
+        self, batch: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None, *,
+        input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """Cross-entropy loss of a batch: the mean over its valid targets, or, given
+        ``num_items_in_batch`` (dptrain's token rule, Hugging Face's loss kwarg), their sum divided
+        by it.
 
-        ``batch`` is a LongTensor ``[B, T+1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``), a
-        dict with ``input_ids`` and aligned ``labels`` (``-100`` = ignored), or a
-        ``(input_ids, labels)`` pair.
+        The batch is a LongTensor ``[B, T+1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``), an
+        ``(input_ids, labels)`` pair, a mapping with those keys, or keyword arguments ``input_ids=`` and ``labels=`` (a
+        mapping batch under the default loss, ``model(**batch)``). ``labels`` are aligned with the
+        predictions: ``labels[:, t]`` is the target after ``input_ids[:, :t+1]``; ``-100`` is
+        ignored (padding, prompts), so every label that is not ``-100`` is scored.
         """
-        if isinstance(batch, dict):
+        if batch is None:
+            if input_ids is None or labels is None:
+                raise TypeError("LlamaLM.forward needs a batch, or both input_ids= and labels=")
+            idx, targets = input_ids, labels
+        elif isinstance(batch, Mapping):  # model(batch) with a mapping batch, as in one's own loop
             idx, targets = batch["input_ids"], batch["labels"]
-        elif isinstance(batch, tuple | list):
+        elif isinstance(batch, Sequence):
             idx, targets = batch
         else:
             idx, targets = batch[:, :-1], batch[:, 1:]
         logits = self.logits(idx)
         # float32 CE even under bf16 autocast: log-softmax over the vocab is precision-sensitive.
-        return F.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
-        )
+        flat_logits, flat_targets = logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1)
+        if num_items_in_batch is None:
+            return F.cross_entropy(flat_logits, flat_targets, ignore_index=-100)
+        return F.cross_entropy(flat_logits, flat_targets, ignore_index=-100, reduction="sum") / num_items_in_batch
 
     def num_params(self, *, exclude_embedding: bool = False) -> int:
         """Number of (unique) parameters; optionally without the input embedding table.

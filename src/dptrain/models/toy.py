@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,9 +38,16 @@ class ToyMLP(nn.Module):
             x = layer(x)
         return self.head(x)
 
-    def forward(self, batch) -> torch.Tensor:
-        """MSE loss of an ``(x, y)`` tuple/list or a ``{"x", "y"}`` dict."""
-        x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
+    def forward(
+        self, batch: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None, *,
+        x: torch.Tensor | None = None, y: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """MSE loss of an ``(x, y)`` tuple/list, a ``{"x", "y"}`` mapping, or ``x=``, ``y=`` keyword
+        arguments (a mapping batch under the default loss: ``model(**batch)``)."""
+        if batch is not None:
+            x, y = (batch["x"], batch["y"]) if isinstance(batch, Mapping) else batch
+        if x is None or y is None:
+            raise TypeError("ToyMLP.forward needs a batch, or both x= and y=")
         # float32 loss even under autocast, matching the LM's loss convention.
         return F.mse_loss(self.predict(x).float(), y.float())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -91,7 +92,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if max_norm is None:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.get_total_norm([g for p in params if (g := p.grad) is not None])
     else:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if isinstance(norm, DTensor):
@@ -106,5 +107,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     module = unwrap(model)
     if is_sharded(module):
-        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # Typed as DCP's general values; a module's state dict holds only tensors.
+        return cast(dict[str, torch.Tensor],
+                    get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     return {k: v.detach().cpu() for k, v in module.state_dict().items()}

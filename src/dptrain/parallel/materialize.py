@@ -1,0 +1,184 @@
+"""Meta-device init: build the model with no storage, shard or wrap it, then give every rank
+exactly the weights that eager construction under `torch.manual_seed(seed)` produces.
+
+Why a replay. Eager construction draws from the global CPU RNG in construction order, and a
+DTensor's random ops do not reproduce a single-device stream. So `materialize` replays the
+draws on the CPU, one module at a time in `model.named_modules()` order, on full-size scratch
+tensors holding only that module's own parameters and buffers (peak extra memory: the largest
+module, not the model). It then copies each result into the rank's local piece: the whole
+tensor when replicated, the rank's chunk when it is a sharded DTensor. Every rank replays the
+same stream, so no collective is needed.
+
+The init contract (what a model needs for meta init). For each module, in order:
+
+1. `module.reset_parameters()`, when the module defines it. PyTorch's layers (Linear,
+   Embedding, LayerNorm, Conv, ...) call it in their constructors.
+2. `model.init_submodule(name, module)`, when the ROOT model defines it. This is the model's
+   own initialisation of that module's own tensors (not its children's). Its eager
+   constructor must end by calling it for every `named_modules()` entry in that order
+   (`LlamaLM.init_weights` does).
+
+Eager construction runs every hook 1 (in the constructors) before any hook 2, so the replay
+keeps two RNG cursors. Hook 2's cursor starts where all of hook 1's draws end; a first walk
+over hook 1, whose values are thrown away, finds that point. Afterwards the global RNG is left
+where eager construction leaves it.
+
+The model must also satisfy these rules:
+
+- between them, the two hooks write every parameter and buffer of the module that owns it,
+  and nothing else;
+- the constructor draws from the RNG only through these hooks, in this order;
+- non-persistent buffers (rotary tables) are recomputed by a hook.
+
+`check_init_contract` tests what can be checked on the meta model: every tensor is written,
+and no hook writes another module's tensors. `dptrain.build.build_model_meta` also checks that
+construction on meta left every tensor on meta and left the CPU RNG untouched. A factory that
+fails any of these checks, or cannot be built on meta at all, is built eagerly as before, and
+the reason is returned. The built-in models are tested bit-for-bit against eager construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = ["check_init_contract", "make_materializer", "materialize", "replay_init"]
+
+Hook = Callable[[], None]
+
+
+def _hooks(model: nn.Module, name: str, module: nn.Module) -> tuple[Hook | None, Hook | None]:
+    """(reset_parameters, the root's init_submodule) for one module; None where not defined."""
+    reset = getattr(module, "reset_parameters", None)
+    init = getattr(model, "init_submodule", None)
+    return (reset if callable(reset) else None,
+            (lambda: init(name, module)) if callable(init) else None)
+
+
+def _own(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's own (non-recursive) parameters and buffers, by attribute name."""
+    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+
+
+@contextlib.contextmanager
+def _scratch(module: nn.Module, device: torch.device | str) -> Iterator[dict[str, torch.Tensor]]:
+    """Swap the module's own tensors for uninitialised full-size tensors on `device`; yield a dict
+    that, on exit of the body, holds the tensors the module then holds (a hook may reassign a
+    buffer); put the originals back on exit."""
+    originals = dict(_own(module))
+    for name, t in originals.items():
+        empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+        setattr(module, name, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty)
+    after: dict[str, torch.Tensor] = {}
+    try:
+        yield after
+        after.update((name, getattr(module, name)) for name in originals)
+    finally:
+        for name, t in originals.items():
+            setattr(module, name, t)
+
+
+def _write(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full-size `full` into `dst`: all of it, or this rank's chunk of a DTensor."""
+    if isinstance(dst, DTensor):
+        # src_data_rank=None: every rank cuts its own chunk from its own copy; no collective.
+        full = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
+        dst = dst.to_local()
+    if full.shape != dst.shape:
+        raise RuntimeError(f"meta init: an init hook produced shape {tuple(full.shape)} for a tensor of shape "
+                           f"{tuple(dst.shape)}")
+    dst.copy_(full)
+
+
+def _run(hook: Hook | None, state: torch.Tensor) -> torch.Tensor:
+    """Run `hook` with the global CPU RNG at `state`; return the RNG state after it."""
+    if hook is None:
+        return state
+    torch.set_rng_state(state)
+    hook()
+    return torch.get_rng_state()
+
+
+@torch.no_grad()
+def replay_init(model: nn.Module, *, seed: int) -> None:
+    """Fill every parameter and buffer of `model` (already materialized with `to_empty`) with the
+    values eager construction under `torch.manual_seed(seed)` gives them (see the module docstring)."""
+    modules = list(model.named_modules())
+    has_init = callable(getattr(model, "init_submodule", None))
+    torch.manual_seed(seed)
+    cursor1 = cursor2 = torch.get_rng_state()
+    if has_init:
+        for name, module in modules:  # find where hook 2's draws start; the values are discarded
+            reset, _ = _hooks(model, name, module)
+            with _scratch(module, "cpu"):
+                cursor2 = _run(reset, cursor2)
+    for name, module in modules:
+        reset, init = _hooks(model, name, module)
+        targets = dict(_own(module))
+        with _scratch(module, "cpu") as produced:
+            cursor1 = _run(reset, cursor1)
+            cursor2 = _run(init, cursor2)
+        for attr, full in produced.items():
+            _write(targets[attr], full)
+    torch.set_rng_state(cursor2 if has_init else cursor1)  # where eager construction leaves it
+
+
+def materialize(module: nn.Module, *, device: torch.device | str, seed: int) -> None:
+    """Allocate `module`'s meta parameters and buffers on `device` (`to_empty`; for FSDP with CPU
+    offload pass the CPU: the shards live there) and initialise them as eager construction would."""
+    aliases = _aliases(module)
+    module.to_empty(device=device)
+    # to_empty gives each module its own new Parameter (meta -> a real device cannot swap data in
+    # place), which unties shared weights (tied embeddings); tie them again.
+    for owner, attr, source, source_attr in aliases:
+        setattr(owner, attr, getattr(source, source_attr))
+    replay_init(module, seed=seed)
+
+
+def _aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, attribute, first module, its attribute) for every tensor registered more than once."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    out = []
+    for module in model.modules():
+        for attr, t in _own(module):
+            if id(t) in first:
+                out.append((module, attr, *first[id(t)]))
+            else:
+                first[id(t)] = (module, attr)
+    return out
+
+
+def make_materializer(*, device: torch.device | str, seed: int) -> Callable[[nn.Module], None]:
+    """The hook `parallelize(..., materialize=...)` calls once the model is sharded (FSDP) or
+    before it is wrapped (DDP)."""
+    def hook(module: nn.Module) -> None:
+        materialize(module, device=device, seed=seed)
+    return hook
+
+
+@torch.no_grad()
+def check_init_contract(model: nn.Module) -> str | None:
+    """None if the init hooks of `model` (on meta) write every parameter and buffer of the module
+    that owns it and nothing else; otherwise the first violation, in words."""
+    modules = list(model.named_modules())
+    every = {id(t): t for _, m in modules for _, t in _own(m)}
+    for name, module in modules:
+        where = f"module {name or '<root>'!r} ({type(module).__name__})"
+        before = {k: t._version for k, t in every.items()}
+        with _scratch(module, "meta") as produced:
+            scratch = {attr: (t, t._version) for attr, t in _own(module)}
+            for hook in _hooks(model, name, module):
+                if hook is not None:
+                    hook()
+        touched = [k for k, t in every.items() if t._version != before[k]]
+        if touched:
+            return f"an init hook of {where} writes tensors of other modules"
+        for attr, (t, version) in scratch.items():
+            if produced[attr] is t and t._version == version:
+                return (f"{where}: {attr!r} is not set by reset_parameters() or the model's "
+                        "init_submodule(); its eager value cannot be replayed")
+    return None

@@ -50,6 +50,7 @@ def build_model_meta(cfg: ModelConfig, *, seed: int) -> tuple[nn.Module, str | N
     before = torch.get_rng_state()
     torch.manual_seed(seed)
     seeded = torch.get_rng_state()
+    reason: str | None
     try:
         with torch.device("meta"):
             model = _call_factory(cfg)

@@ -222,6 +222,26 @@ class ReachesIntoChildren(nn.Module):
             nn.init.zeros_(self.fc.weight)
 
 
+class AppliesInit(nn.Module):
+    """nanoGPT's pattern: the constructor re-initialises every Linear through `self.apply(fn)`,
+    which the replay would not see; the write counts give it away."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            nn.init.zeros_(m.bias)
+
+
+def build_applies_init() -> AppliesInit:
+    return AppliesInit()
+
+
 def build_scaled() -> Scaled:
     return Scaled()
 
@@ -243,6 +263,7 @@ def build_reaches_into_children() -> ReachesIntoChildren:
     ("build_pretrained", "'w' was created on cpu"),
     ("build_no_hook", "'w' is not set by reset_parameters()"),
     ("build_reaches_into_children", "writes tensors of other modules"),
+    ("build_applies_init", "construction wrote 'weight' 2 time(s) but its init hooks write it 1 time(s)"),
 ])
 def test_unsupported_factory_falls_back_with_reason(factory: str, why: str) -> None:
     cfg = ModelConfig(factory=f"test_meta_init:{factory}", kwargs={})

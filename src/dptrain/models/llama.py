@@ -68,7 +68,8 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()  # as PyTorch's layers do: meta init replays it
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -30,8 +30,10 @@ The model must also satisfy these rules:
 - the constructor draws from the RNG only through these hooks, in this order;
 - non-persistent buffers (rotary tables) are recomputed by a hook.
 
-`check_init_contract` tests what can be checked on the meta model: every tensor is written,
-and no hook writes another module's tensors. `dptrain.build.build_model_meta` also checks that
+`check_init_contract` tests what can be checked on the meta model: every tensor is written;
+no hook writes another module's tensors; and the hooks write each tensor as many times as
+construction did, which catches a constructor that initialises weights some other way
+(nanoGPT's `self.apply(self._init_weights)`). `dptrain.build.build_model_meta` also checks that
 construction on meta left every tensor on meta and left the CPU RNG untouched. A factory that
 fails any of these checks, or cannot be built on meta at all, is built eagerly as before, and
 the reason is returned. The built-in models are tested bit-for-bit against eager construction.
@@ -114,8 +116,9 @@ def replay_init(model: nn.Module, *, seed: int) -> None:
     if has_init:
         for name, module in modules:  # find where hook 2's draws start; the values are discarded
             reset, _ = _hooks(model, name, module)
-            with _scratch(module, "cpu"):
-                cursor2 = _run(reset, cursor2)
+            if reset is not None:
+                with _scratch(module, "cpu"):
+                    cursor2 = _run(reset, cursor2)
     for name, module in modules:
         reset, init = _hooks(model, name, module)
         targets = dict(_own(module))
@@ -162,23 +165,47 @@ def make_materializer(*, device: torch.device | str, seed: int) -> Callable[[nn.
 
 @torch.no_grad()
 def check_init_contract(model: nn.Module) -> str | None:
-    """None if the init hooks of `model` (on meta) write every parameter and buffer of the module
-    that owns it and nothing else; otherwise the first violation, in words."""
+    """None if the init hooks of `model`, freshly built on meta, write every parameter and buffer
+    of the module that owns it, nothing else, and as often as construction wrote it; otherwise the
+    first violation, in words. The last part compares version counters (one bump per in-place
+    write, also on meta). It catches a constructor that initialises weights some other way, as
+    nanoGPT's `self.apply(self._init_weights)` does. A tensor shared by several modules (tied
+    weights) is exempt from that count."""
     modules = list(model.named_modules())
+    owners: dict[int, int] = {}
+    for _, m in modules:
+        for _, t in _own(m):
+            owners[id(t)] = owners.get(id(t), 0) + 1
     every = {id(t): t for _, m in modules for _, t in _own(m)}
+    built = {k: t._version for k, t in every.items()}  # in-place writes during construction
     for name, module in modules:
-        where = f"module {name or '<root>'!r} ({type(module).__name__})"
-        before = {k: t._version for k, t in every.items()}
-        with _scratch(module, "meta") as produced:
-            scratch = {attr: (t, t._version) for attr, t in _own(module)}
-            for hook in _hooks(model, name, module):
-                if hook is not None:
-                    hook()
-        touched = [k for k, t in every.items() if t._version != before[k]]
-        if touched:
-            return f"an init hook of {where} writes tensors of other modules"
-        for attr, (t, version) in scratch.items():
-            if produced[attr] is t and t._version == version:
-                return (f"{where}: {attr!r} is not set by reset_parameters() or the model's "
-                        "init_submodule(); its eager value cannot be replayed")
+        problem = _check_module(model, name, module, every=every, built=built, owners=owners)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _check_module(model: nn.Module, name: str, module: nn.Module, *, every: dict[int, torch.Tensor],
+                  built: dict[int, int], owners: dict[int, int]) -> str | None:
+    where = f"module {name or '<root>'!r} ({type(module).__name__})"
+    before = {k: t._version for k, t in every.items()}
+    originals = dict(_own(module))
+    with _scratch(module, "meta") as produced:
+        scratch = dict(_own(module))
+        for hook in _hooks(model, name, module):
+            if hook is not None:
+                hook()
+    if any(t._version != before[k] for k, t in every.items()):
+        return f"an init hook of {where} writes tensors of other modules"
+    for attr, t in scratch.items():
+        if produced[attr] is not t:  # the hook assigned a new tensor (a recomputed buffer)
+            continue
+        if t._version == 0:
+            return (f"{where}: {attr!r} is not set by reset_parameters() or the model's "
+                    "init_submodule(); its eager value cannot be replayed")
+        key = id(originals[attr])
+        if owners[key] == 1 and t._version != built[key]:
+            return (f"{where}: construction wrote {attr!r} {built[key]} time(s) but its init hooks write it "
+                    f"{t._version} time(s): it is initialised some other way (define the model's "
+                    "init_submodule(name, module) for it)")
     return None

@@ -42,13 +42,14 @@ the reason is returned. The built-in models are tested bit-for-bit against eager
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-__all__ = ["check_init_contract", "make_materializer", "materialize", "replay_init"]
+__all__ = ["check_init_contract", "local_chunk", "make_materializer", "materialize", "replay_init"]
 
 Hook = Callable[[], None]
 
@@ -87,13 +88,29 @@ def _scratch(module: nn.Module, device: torch.device | str) -> Iterator[dict[str
 def _write(dst: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the full-size `full` into `dst`: all of it, or this rank's chunk of a DTensor."""
     if isinstance(dst, DTensor):
-        # src_data_rank=None: every rank cuts its own chunk from its own copy; no collective.
-        full = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
+        full = local_chunk(full, dst.device_mesh, dst.placements)
         dst = dst.to_local()
     if full.shape != dst.shape:
         raise RuntimeError(f"meta init: an init hook produced shape {tuple(full.shape)} for a tensor of shape "
                            f"{tuple(dst.shape)}")
     dst.copy_(full)
+
+
+def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """This rank's piece of `full` under `placements`, as `distribute_tensor` cuts it, without a
+    collective. For plain Shard/Replicate placements it is a view: no copy of the module's
+    tensor (the copy would double the replay's transient memory). Any other placement goes
+    through `distribute_tensor(..., src_data_rank=None)`, which moves `full` to the mesh's
+    device and copies it."""
+    if not all(type(p) in (Shard, Replicate) for p in placements):
+        return distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+    for mesh_dim, p in enumerate(placements):  # DTensor shards left to right over the mesh dims
+        if isinstance(p, Shard):
+            pieces = torch.chunk(full, mesh.size(mesh_dim), dim=p.dim)
+            rank = mesh.get_local_rank(mesh_dim)
+            # torch.chunk returns fewer pieces than ranks for a short dim: the rest get empty ones
+            full = pieces[rank] if rank < len(pieces) else full.narrow(p.dim, 0, 0)
+    return full
 
 
 def _run(hook: Hook | None, state: torch.Tensor) -> torch.Tensor:

@@ -209,6 +209,34 @@ def test_meta_build_holds_no_storage_and_leaves_rng() -> None:
     assert check_init_contract(model) is None
 
 
+class TorchLayers(nn.Module):
+    """Only PyTorch's own layers (their constructors call reset_parameters): no hook to write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, padding_idx=0)
+        self.conv = nn.Conv1d(6, 6, 3)
+        self.bn = nn.BatchNorm1d(6)
+        self.ln = nn.LayerNorm(6)
+        self.gru = nn.GRU(6, 5)
+        self.out = nn.Bilinear(5, 5, 2)
+
+
+def build_torch_layers() -> TorchLayers:
+    return TorchLayers()
+
+
+def test_model_of_torch_layers_needs_no_hooks() -> None:
+    cfg = ModelConfig(factory="test_meta_init:build_torch_layers", kwargs={})
+    eager = build_model(cfg, seed=SEED)
+    rng = torch.get_rng_state()
+    model, reason = build_model_meta(cfg, seed=SEED)
+    assert reason is None
+    materialize(model, device=CPU, seed=SEED)
+    assert mismatches(eager.state_dict(), model.state_dict()) == []
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
 class Scaled(nn.Module):
     """A parameter whose value depends on a random number read on the host: cannot run on meta."""
 

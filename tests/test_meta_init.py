@@ -200,6 +200,25 @@ def test_wrong_seed_is_caught() -> None:
         assert set(bad) == set(random), key
 
 
+def test_activation_checkpoint_wrappers_applied_before_materialize() -> None:
+    """`parallelize` applies activation checkpointing before FSDP, so materialize sees the wrappers.
+    They forward unknown attributes (reset_parameters too) to the wrapped module; the replay must
+    not run a wrapped Linear's reset twice."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for key, cfg in MODELS.items():
+        expected = build_model(cfg, seed=SEED).state_dict()
+        model, reason = build_model_meta(cfg, seed=SEED)
+        assert reason is None
+        for i, block in enumerate(model.layers):
+            if key == "mlp":
+                block.fc = checkpoint_wrapper(block.fc)  # a wrapped module that has reset_parameters
+            else:
+                model.layers[i] = checkpoint_wrapper(block)
+        materialize(model, device=CPU, seed=SEED)
+        assert mismatches(expected, model.state_dict()) == [], key
+
+
 def test_meta_build_holds_no_storage_and_leaves_rng() -> None:
     before = torch.get_rng_state()
     model, reason = build_model_meta(MODELS["llama"], seed=SEED)

@@ -42,6 +42,7 @@ the reason is returned. The built-in models are tested bit-for-bit against eager
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -54,12 +55,17 @@ __all__ = ["check_init_contract", "local_chunk", "make_materializer", "materiali
 Hook = Callable[[], None]
 
 
+def _method(obj: nn.Module, name: str) -> Callable[..., None] | None:
+    """`obj.<name>`, bound, when `obj`'s class defines it. Looked up on the class: a wrapper that
+    forwards unknown attributes to the module inside (activation checkpointing's) does not count."""
+    fn = getattr(type(obj), name, None)
+    return functools.partial(fn, obj) if callable(fn) else None
+
+
 def _hooks(model: nn.Module, name: str, module: nn.Module) -> tuple[Hook | None, Hook | None]:
     """(reset_parameters, the root's init_submodule) for one module; None where not defined."""
-    reset = getattr(module, "reset_parameters", None)
-    init = getattr(model, "init_submodule", None)
-    return (reset if callable(reset) else None,
-            (lambda: init(name, module)) if callable(init) else None)
+    init = _method(model, "init_submodule")
+    return _method(module, "reset_parameters"), (functools.partial(init, name, module) if init else None)
 
 
 def _own(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -127,7 +133,7 @@ def replay_init(model: nn.Module, *, seed: int) -> None:
     """Fill every parameter and buffer of `model` (already materialized with `to_empty`) with the
     values eager construction under `torch.manual_seed(seed)` gives them (see the module docstring)."""
     modules = list(model.named_modules())
-    has_init = callable(getattr(model, "init_submodule", None))
+    has_init = _method(model, "init_submodule") is not None
     torch.manual_seed(seed)
     cursor1 = cursor2 = torch.get_rng_state()
     if has_init:

@@ -319,6 +319,13 @@ def build_applies_init() -> AppliesInit:
     return AppliesInit()
 
 
+def build_mlp_bf16() -> nn.Module:
+    """Initialised in float32, then cast: replaying the init in bfloat16 would draw differently."""
+    from dptrain.models.toy import build_mlp
+
+    return build_mlp().to(torch.bfloat16)
+
+
 def build_scaled() -> Scaled:
     return Scaled()
 
@@ -340,6 +347,7 @@ def build_reaches_into_children() -> ReachesIntoChildren:
     ("build_pretrained", "'w' was created on cpu"),
     ("build_no_hook", "'w' is not set by reset_parameters()"),
     ("build_reaches_into_children", "writes tensors of other modules"),
+    ("build_mlp_bf16", "'layers.0.fc.weight' was converted from torch.float32 to torch.bfloat16"),
     ("build_applies_init", "construction wrote 'weight' 2 time(s) but its init hooks write it 1 time(s)"),
 ])
 def test_unsupported_factory_falls_back_with_reason(factory: str, why: str) -> None:

@@ -44,20 +44,28 @@ def build_model_meta(cfg: ModelConfig, *, seed: int) -> tuple[nn.Module, str | N
     initialise after sharding, bit-identical to `build_model(cfg, seed=seed)`. Returns
     `(model, None)`; or, when the factory cannot be built on meta or breaks the init contract
     (see `dptrain.parallel.materialize`), `(build_model(cfg, seed=seed), reason)`: an eager model
-    as today, and a line for the console saying why. The global RNG is left as it was found."""
-    from dptrain.parallel.materialize import check_init_contract  # loads DTensor: only when used
+    as today, and a line for the console saying why. A meta build leaves the global RNG as it
+    found it (`materialize` moves it to where eager construction leaves it); the fallback leaves
+    it where `build_model` does."""
+    # imported here: it loads DTensor, which importing dptrain.build should not
+    from dptrain.parallel.materialize import (
+        check_init_contract,
+        converted_after_registration,
+        track_registrations,
+    )
 
     before = torch.get_rng_state()
     torch.manual_seed(seed)
     seeded = torch.get_rng_state()
     reason: str | None
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), track_registrations() as registered:
             model = _call_factory(cfg)
     except Exception as e:  # noqa: BLE001 - any failure on meta means: build it as today
         reason = f"it raised {type(e).__name__}: {e}"
     else:
-        reason = _meta_problem(model, seeded=seeded) or check_init_contract(model)
+        reason = (_meta_problem(model, seeded=seeded) or converted_after_registration(model, registered)
+                  or check_init_contract(model))
     torch.set_rng_state(before)
     if reason is None:
         return model, None

@@ -34,7 +34,9 @@ The model must also satisfy these rules:
 no hook writes another module's tensors; and the hooks write each tensor as many times as
 construction did, which catches a constructor that initialises weights some other way
 (nanoGPT's `self.apply(self._init_weights)`). `dptrain.build.build_model_meta` also checks that
-construction on meta left every tensor on meta and left the CPU RNG untouched. A factory that
+construction on meta left every tensor on meta, in the dtype it was registered with
+(`converted_after_registration`: no `model.to(dtype)` in the factory), and left the CPU RNG
+untouched. A factory that
 fails any of these checks, or cannot be built on meta at all, is built eagerly as before, and
 the reason is returned. The built-in models are tested bit-for-bit against eager construction.
 """
@@ -49,8 +51,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
-__all__ = ["check_init_contract", "local_chunk", "make_materializer", "materialize", "replay_init"]
+__all__ = [
+    "check_init_contract", "converted_after_registration", "local_chunk", "make_materializer", "materialize",
+    "replay_init", "track_registrations",
+]
 
 Hook = Callable[[], None]
 
@@ -184,6 +193,38 @@ def make_materializer(*, device: torch.device | str, seed: int) -> Callable[[nn.
     def hook(module: nn.Module) -> None:
         materialize(module, device=device, seed=seed)
     return hook
+
+
+@contextlib.contextmanager
+def track_registrations() -> Iterator[dict[int, tuple[torch.Tensor, torch.dtype]]]:
+    """Record every parameter and buffer registered on any module while the body runs, with
+    its dtype at that moment (PyTorch's global registration hooks, removed on exit). The tensors
+    are held, so their ids stay unique. Used around a meta build: see `converted_after_registration`."""
+    seen: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
+
+    def record(module: nn.Module, name: str, t: torch.Tensor | None) -> None:
+        if t is not None:
+            seen[id(t)] = (t, t.dtype)
+
+    handles = [register_module_parameter_registration_hook(record), register_module_buffer_registration_hook(record)]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def converted_after_registration(model: nn.Module, seen: dict[int, tuple[torch.Tensor, torch.dtype]]) -> str | None:
+    """Why a tensor of `model` is not as it was registered (`model.to(dtype)` or `.half()` in
+    the factory), or None. The replay would initialise such a tensor in its final dtype, but
+    eager construction initialised it first and converted it afterwards."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) not in seen:
+            return f"{name!r} was replaced after construction (e.g. by model.to(...) in the factory)"
+        if seen[id(t)][1] != t.dtype:
+            return (f"{name!r} was converted from {seen[id(t)][1]} to {t.dtype} after it was initialised "
+                    "(e.g. model.to(dtype) in the factory)")
+    return None
 
 
 @torch.no_grad()

@@ -156,6 +156,49 @@ def test_meta_init_bit_identical(strategy: str, world: int, cpu_offload: bool) -
                 assert r["local_bytes"] == r["full_bytes"], where
 
 
+def _hsdp_rank_fn(rank: int) -> dict:
+    """fully_shard over a 2x2 (replicate x shard) mesh, as parallelize will lay out HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dptrain.parallel.fsdp import shard_units
+
+    init_process_group(DistEnv.from_env(), backend="gloo", device=CPU, timeout_s=60)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        out = {}
+        for key, cfg in MODELS.items():
+            eager_model = build_model(cfg, seed=SEED)
+            eager_sd = {k: v.clone() for k, v in eager_model.state_dict().items()}
+            expected = {**eager_sd, **{k: v.clone() for k, v in eager_model.named_buffers()}}
+            model, reason = build_model_meta(cfg, seed=SEED)
+            for m in (model, eager_model):
+                for unit in shard_units(m):
+                    fully_shard(unit, mesh=mesh)
+                fully_shard(m, mesh=mesh)
+            materialize(model, device=CPU, seed=SEED)
+            full = full_state_dict(model)
+            out[key] = {"reason": reason, "local": local_mismatches(model, expected),
+                        "full": mismatches(eager_sd, full) if rank == 0 else [],
+                        "placements": str(next(model.parameters()).placements),
+                        "loss": (model(sample_batch(key)).item().hex(), eager_model(sample_batch(key)).item().hex())}
+            del model, eager_model
+            gc.collect()
+        return out
+    finally:
+        destroy_process_group()
+
+
+def test_meta_init_hsdp_2x2_mesh() -> None:
+    for rank, per_model in enumerate(run_ranks(_hsdp_rank_fn, 4, timeout=240)):
+        for key, r in per_model.items():
+            where = f"rank {rank} {key}"
+            assert r["reason"] is None, where
+            assert r["placements"] == "(Replicate(), Shard(dim=0))", where
+            assert r["local"] == [] and r["full"] == [], where
+            assert r["loss"][0] == r["loss"][1], where
+
+
 def _chunk_rank_fn(rank: int) -> list[tuple[str, bool]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard

@@ -28,3 +28,13 @@ def test_diagnostics_overhead_benchmark_runs():
                         "benchmarks/diagnostics_overhead.py", "--rounds", "2"], cwd=ROOT, capture_output=True,
                        text=True, timeout=170, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_meta_init_memory_benchmark_runs_and_weights_match():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, "benchmarks/meta_init_memory.py", "--vocab", "64", "--dim", "32",
+                        "--layers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=230, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("peak RSS") == 4
+    assert "weights identical (SHA-256 of the gathered state dict): True" in r.stdout

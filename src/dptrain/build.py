@@ -36,8 +36,57 @@ def import_object(spec: str) -> Any:
 def build_model(cfg: ModelConfig, *, seed: int) -> nn.Module:
     """Call the model factory under `seed`, so every rank starts from identical weights
     (FSDP2 does not broadcast parameters; DDP does, but then the seed costs nothing)."""
-    factory = import_object(cfg.factory)
     torch.manual_seed(seed)
+    return _call_factory(cfg)
+
+
+def build_model_meta(cfg: ModelConfig, *, seed: int) -> tuple[nn.Module, str | None]:
+    """Build the model on the meta device (no storage) for `dptrain.parallel.materialize` to
+    initialise after sharding, bit-identical to `build_model(cfg, seed=seed)`. Returns
+    `(model, None)`; or, when the factory cannot be built on meta or breaks the init contract
+    (see `dptrain.parallel.materialize`), `(build_model(cfg, seed=seed), reason)`: an eager model
+    as today, and a line for the console saying why. A meta build leaves the global RNG as it
+    found it (`materialize` moves it to where eager construction leaves it); the fallback leaves
+    it where `build_model` does."""
+    # imported here: it loads DTensor, which importing dptrain.build should not
+    from dptrain.parallel.materialize import (
+        check_init_contract,
+        converted_after_registration,
+        track_registrations,
+    )
+
+    before = torch.get_rng_state()
+    torch.manual_seed(seed)
+    seeded = torch.get_rng_state()
+    reason: str | None
+    try:
+        with torch.device("meta"), track_registrations() as registered:
+            model = _call_factory(cfg)
+    except Exception as e:  # noqa: BLE001 - any failure on meta means: build it as today
+        reason = f"it raised {type(e).__name__}: {e}"
+    else:
+        reason = (_meta_problem(model, seeded=seeded) or converted_after_registration(model, registered)
+                  or check_init_contract(model))
+    torch.set_rng_state(before)
+    if reason is None:
+        return model, None
+    model = build_model(cfg, seed=seed)  # a ConfigError here is the factory's own problem
+    return model, (f"model.factory {cfg.factory!r} cannot be initialised on the meta device ({reason}); "
+                   "built it eagerly on every rank instead")
+
+
+def _meta_problem(model: nn.Module, *, seeded: torch.Tensor) -> str | None:
+    """Why a model just built under `torch.device("meta")` cannot be replayed exactly, or None."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not t.is_meta:
+            return f"{name!r} was created on {t.device}, not on meta"
+    if not torch.equal(torch.get_rng_state(), seeded):
+        return "its construction drew from the CPU random generator outside the init hooks"
+    return None
+
+
+def _call_factory(cfg: ModelConfig) -> nn.Module:
+    factory = import_object(cfg.factory)
     try:
         model = factory(**cfg.kwargs)
     except TypeError as e:

@@ -69,7 +69,8 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()  # as PyTorch's layers do: meta init replays it
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -156,17 +157,26 @@ class LlamaLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re-)initialise all weights and rope tables; call after ``to_empty()`` from meta init."""
-        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        """(Re-)initialise all weights and the rope tables: ``init_submodule`` for every module in
+        ``named_modules()`` order (the constructor's last step)."""
         for name, mod in self.named_modules():
-            if isinstance(mod, nn.Linear | nn.Embedding):
-                # Output projections feed the residual stream once per block; scaling keeps
-                # the stream's variance independent of depth (GPT-2 / LLaMA practice).
-                std = out_std if name.endswith(("attn.wo", "mlp.w2")) else 0.02
-                nn.init.normal_(mod.weight, mean=0.0, std=std)
-            elif isinstance(mod, RMSNorm):
-                mod.reset_parameters()
-        self._refresh_rope(self.rope_cos.device)
+            self.init_submodule(name, mod)
+
+    @torch.no_grad()
+    def init_submodule(self, name: str, mod: nn.Module) -> None:
+        """Initialise ``mod``'s own parameters and buffers (not its children's); ``name`` is its
+        path in this model. Meta-device init (``dptrain.parallel.materialize``) replays this
+        module by module, so it must touch nothing else."""
+        if mod is self:
+            self._refresh_rope(self.rope_cos.device)
+        elif isinstance(mod, nn.Linear | nn.Embedding):
+            # Output projections feed the residual stream once per block; scaling keeps
+            # the stream's variance independent of depth (GPT-2 / LLaMA practice).
+            out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+            std = out_std if name.endswith(("attn.wo", "mlp.w2")) else 0.02
+            nn.init.normal_(mod.weight, mean=0.0, std=std)
+        elif isinstance(mod, RMSNorm):
+            mod.reset_parameters()
 
     def _refresh_rope(self, device: torch.device) -> None:
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)

@@ -22,7 +22,10 @@ class MLPBlock(nn.Module):
 
 
 class ToyMLP(nn.Module):
-    """MLP regressor whose ``forward(batch)`` returns the MSE loss of ``batch``."""
+    """MLP regressor whose ``forward(batch)`` returns the MSE loss of ``batch``.
+
+    Built from ``nn.Linear`` only, whose constructors call ``reset_parameters()``: meta-device
+    init replays exactly that, so the model needs no init hook of its own."""
 
     def __init__(self, in_dim: int, hidden: int, out_dim: int, depth: int) -> None:
         super().__init__()

@@ -2,7 +2,8 @@
 
 `fsdp` (ZeRO-3) frees the gathered parameters after forward; `zero2` keeps them until
 backward (`reshard_after_forward=False`): gradients and optimizer state stay sharded,
-parameters are gathered once per step. `cpu_offload` keeps the shards on the host.
+parameters are gathered once per step. `cpu_offload` keeps the shards on the host. A model on
+the meta device is sharded there; `dptrain.parallel.materialize` then allocates and fills the shards.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def apply_fsdp(
     if cpu_offload:
         # pinned host memory only helps (and only exists) with an accelerator to copy to
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    else:
+    elif not any(p.is_meta for p in model.parameters()):  # a meta model is materialized after sharding
         model = model.to(device)
     for unit in shard_units(model):
         fully_shard(unit, **kwargs)

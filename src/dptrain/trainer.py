@@ -8,6 +8,7 @@ evaluation, saving) sits around it.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -31,15 +32,9 @@ from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.process_group import bind_device, process_group
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
-from dptrain.optim import build_optimizer, build_scheduler
-from dptrain.parallel import (
-    apply_strategy,
-    clip_grad_norm_,
-    full_state_dict,
-    is_sharded,
-    sync_gradients,
-    unwrap,
-)
+from dptrain.distributed.mesh import ParallelMesh
+from dptrain.optim import build_scheduler
+from dptrain.parallel import ParallelModel, parallelize, unwrap
 from dptrain.precision import autocast, build_grad_scaler
 
 
@@ -109,12 +104,13 @@ class Trainer:
         model = build_model(cfg.model, seed=cfg.train.seed)
         # Before any wrapper's own collectives: all ranks agree on world size, config and model.
         self.diag.preflight(model, config=to_dict(cfg))
-        self.model: nn.Module = apply_strategy(model, cfg=cfg.parallel, device=self.device)
-        self.optimizer = build_optimizer(
-            self.model, cfg=cfg.optim, lr=res.lr, shard_state=cfg.parallel.strategy == "zero1"
-        )
+        # One mesh per run: every group and data-parallel rank below comes from it.
+        self.mesh = ParallelMesh.build(res.dims, device_type=self.device.type)
+        self.plan: ParallelModel = parallelize(model, cfg=cfg.parallel, mesh=self.mesh, device=self.device)
+        self.model: nn.Module = self.plan.module  # what to call
+        self.optimizer = self.plan.build_optimizer(cfg=cfg.optim, lr=res.lr)  # sharded under zero1
         self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
-        self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=is_sharded(self.model))
+        self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=self.plan.sharded)
         self.loss_fn = build_loss_fn(cfg.train.loss)
         self.collate = import_object(cfg.data.collate) if cfg.data.collate else None
         self.train_ds, self.val_ds = build_datasets(cfg.data)
@@ -123,8 +119,8 @@ class Trainer:
             global_batch_size=res.global_batch_size,
             micro_batch_size=res.micro_batch_size,
             grad_accum_steps=res.grad_accum_steps,
-            dp_rank=self.env.rank,
-            dp_world_size=res.dp_world_size,
+            dp_rank=self.mesh.dp_rank,
+            dp_world_size=self.mesh.dp_size,
             seed=cfg.train.seed,
             shuffle=cfg.data.shuffle,
             start_step=self.state.step,
@@ -147,7 +143,7 @@ class Trainer:
             batch = to_device(next(self.batches), self.device)
             # Reduce gradients only after the last micro-step (unless asked to every time).
             sync = micro == accum - 1 or self.cfg.parallel.sync_each_micro_step
-            with sync_gradients(self.model, sync):
+            with self.plan.sync_gradients(sync):
                 diag.phase("forward")
                 with autocast(self.cfg.precision, self.device):
                     loss = self.loss_fn(self.model, batch) / accum  # mean over the whole global batch
@@ -156,7 +152,7 @@ class Trainer:
             step_loss += loss.detach()
         diag.phase("optimizer")
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        self.grad_norm = clip_grad_norm_(self.model, self.cfg.optim.grad_clip)
+        self.grad_norm = self.plan.clip_grad_norm_(self.cfg.optim.grad_clip)  # global norm, every dimension
         if not diag.skip_step(step_loss, self.grad_norm):  # nonfinite=skip: all ranks skip the same step
             self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
         self.scaler.update()
@@ -167,7 +163,7 @@ class Trainer:
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean validation loss over the same fixed samples every time, split evenly over ranks."""
+        """Mean validation loss over the same fixed samples every time, split evenly over data-parallel ranks."""
         if self.val_ds is None:
             return None
         mb, world = self.res.micro_batch_size, self.res.dp_world_size
@@ -176,7 +172,7 @@ class Trainer:
             return None
         self.model.eval()
         per_rank = n_batches * mb
-        first = self.env.rank * per_rank
+        first = self.mesh.dp_rank * per_rank
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for b in range(n_batches):
             self.diag.phase("eval")
@@ -185,7 +181,7 @@ class Trainer:
             with autocast(self.cfg.precision, self.device):
                 total += self.loss_fn(self.model, to_device(batch, self.device)).double()
         self.model.train()
-        return collectives.all_reduce_mean([total.item() / n_batches], device=self.device)[0]
+        return collectives.all_reduce_mean([total.item() / n_batches], device=self.device, group=self.mesh.dp_group)[0]
 
     # ---------------------------------------------------------------- the run
     def fit(self) -> dict[str, Any]:
@@ -196,7 +192,8 @@ class Trainer:
             self._open_outputs()
             try:
                 self.setup()
-                self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled())
+                self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled(),
+                                mesh=self.mesh)
                 summary = self._loop()
                 if not summary.get("preempted"):
                     self.diag.phase("save")
@@ -210,9 +207,12 @@ class Trainer:
                 if self.cfg.log.progress:
                     print_summary(summary, run_dir=self.run_dir)
             collectives.barrier()
-            # Drop the DDP wrapper while its process group still exists: a reducer freed after
-            # destroy_process_group can deadlock gloo's teardown against a finishing barrier.
-            self.model = unwrap(self.model)
+            # Drop the DDP wrapper and the mesh while their process groups still exist: a reducer or
+            # a process group freed after destroy_process_group can deadlock gloo's teardown (here,
+            # or in a process forked from this one); collect what they leave in reference cycles now.
+            self.model = self.plan.release()
+            self.mesh.release()
+            gc.collect()
         return summary
 
     def _open_outputs(self) -> None:
@@ -229,6 +229,7 @@ class Trainer:
         self.console.message(
             f"dptrain {__version__}: strategy={self.cfg.parallel.strategy} world_size={res.world_size} "
             f"device={self.device.type} backend={res.backend} precision={self.cfg.precision.dtype}\n"
+            f"layout: {res.dims.describe()}\n"
             f"batch: global {res.global_batch_size} = micro {res.micro_batch_size} x accum "
             f"{res.grad_accum_steps} x dp {res.dp_world_size}; {res.lr_rule}\n"
             f"run dir: {self.run_dir}"
@@ -279,7 +280,8 @@ class Trainer:
                 state.skipped_steps += 1  # fp16 overflow: the scaler skipped optimizer.step() and lowered the scale
             if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
                 # The only host-device sync of the loop, once per log interval.
-                last_loss = collectives.all_reduce_mean([window.loss_sum.item() / window.steps], device=self.device)[0]
+                last_loss = collectives.all_reduce_mean([window.loss_sum.item() / window.steps], device=self.device,
+                                                        group=self.mesh.dp_group)[0]
                 elapsed = time.perf_counter() - window_start
                 train_time += elapsed
                 record = self._throughput(window.steps, elapsed)
@@ -354,7 +356,7 @@ class Trainer:
         """Consolidated weights under the plain module's names, whatever the strategy."""
         from safetensors.torch import save_file
 
-        state = full_state_dict(self.model)  # collective under FSDP: every rank calls it
+        state = self.plan.full_state_dict()  # collective under FSDP: every rank calls it
         if self.env.is_main:
             out = self.run_dir / "final"
             out.mkdir(parents=True, exist_ok=True)

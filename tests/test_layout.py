@@ -150,6 +150,7 @@ class Inner(nn.Module):
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
         return torch.tanh(self.lin(x))
 
 
@@ -220,13 +221,15 @@ def test_activation_checkpointing_wraps_the_outermost_blocks_only():
 def test_activation_checkpointing_gives_the_same_gradients(mode):
     torch.manual_seed(0)
     x, y = torch.randn(8, 4), torch.randn(8)
-    grads = {}
+    grads, calls = {}, {}
     for m in ("none", mode):
         torch.manual_seed(1)
         model = Nested()
         apply_activation_checkpointing(model, mode=m)
         model((x, y)).backward()
         grads[m] = {n: p.grad for n, p in model.named_parameters()}
+        calls[m] = model.blocks[0].inner[0].calls
+    assert calls == {"none": 1, mode: 2}, "the checkpointed block must run its forward again in backward"
     for n, g in grads["none"].items():
         assert torch.equal(grads[mode][n], g), n
 

@@ -1,0 +1,237 @@
+"""The device mesh and `parallelize` on real gloo ranks (forked, tests/mp.py).
+
+- ranks and groups come from the mesh: the data-parallel rank of a rank that differs only in its
+  tp coordinate is the same (so is its batch); the replica group is the dp_replicate dimension,
+  one per model-parallel coordinate;
+- FSDP shards a block that nests its own ModuleList (children first) and trains like one process;
+- `materialize` runs after fully_shard under FSDP2 and before DDP's constructor broadcast;
+- zero1 through `dptrain.parallelize` shards the optimizer; `prepare_model` refuses it with the way out.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from dptrain.config import ConfigError, ParallelConfig
+from dptrain.data import GlobalBatchSampler
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.mesh import ParallelDims, ParallelMesh
+from dptrain.distributed.process_group import destroy_process_group, init_process_group
+from mp import run_ranks
+
+CPU = torch.device("cpu")
+
+
+def _in_group(fn):
+    """Run fn() inside this rank's process group; free what fn made before the group goes."""
+    init_process_group(DistEnv.from_env(), backend="gloo", device=CPU, timeout_s=60)
+    try:
+        return fn()
+    finally:
+        gc.collect()
+        destroy_process_group()
+
+
+# ------------------------------------------------------------------ ranks and groups
+def _mesh_facts(rank: int, layout: dict[str, int]) -> dict:
+    import torch.distributed as dist
+
+    def body() -> dict:
+        mesh = ParallelMesh.build(ParallelDims.resolve(**layout, world_size=dist.get_world_size()), device_type="cpu")
+        sampler = GlobalBatchSampler(dataset_len=64, global_batch_size=8, micro_batch_size=8 // mesh.dp_size,
+                                     grad_accum_steps=1, dp_rank=mesh.dp_rank, dp_world_size=mesh.dp_size, seed=0,
+                                     shuffle=True)
+        replica = mesh.replica_group
+        facts = {"dp_rank": mesh.dp_rank, "dp_size": mesh.dp_size, "coord": mesh.coordinate(),
+                 "dp_group": sorted(dist.get_process_group_ranks(mesh.dp_group)),
+                 "replicas": None if replica is None else sorted(dist.get_process_group_ranks(replica)),
+                 "fsdp_mesh_ndim": mesh.fsdp_mesh.ndim, "batch": sampler.micro_batches(0)}
+        mesh.release()
+        return facts
+
+    return _in_group(body)
+
+
+@pytest.mark.timeout(90)
+def test_two_ranks_data_parallel_or_tensor_parallel():
+    shard = run_ranks(_mesh_facts, 2, {"dp_shard": 2}, timeout=60)
+    assert [f["dp_rank"] for f in shard] == [0, 1] and shard[0]["dp_size"] == 2
+    assert [f["replicas"] for f in shard] == [None, None]  # one shard group: nothing to compare
+    assert shard[0]["batch"] != shard[1]["batch"]
+    tp = run_ranks(_mesh_facts, 2, {"tp": 2}, timeout=60)
+    # The mesh carries tp; both ranks are data-parallel rank 0 of 1 and get the same batch.
+    assert [f["dp_rank"] for f in tp] == [0, 0] and tp[0]["dp_size"] == 1
+    assert [f["coord"]["tp"] for f in tp] == [0, 1]
+    assert tp[0]["batch"] == tp[1]["batch"]
+    assert [f["dp_group"] for f in tp] == [[0], [1]]
+
+
+@pytest.mark.timeout(120)
+def test_four_ranks_replicas_per_model_parallel_coordinate():
+    dp_tp = run_ranks(_mesh_facts, 4, {"dp_replicate": 2, "tp": 2}, timeout=90)
+    assert [f["dp_rank"] for f in dp_tp] == [0, 0, 1, 1]
+    assert [f["replicas"] for f in dp_tp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert dp_tp[0]["batch"] == dp_tp[1]["batch"] != dp_tp[2]["batch"]
+    hsdp = run_ranks(_mesh_facts, 4, {"dp_replicate": 2, "dp_shard": 2}, timeout=90)
+    assert [f["dp_rank"] for f in hsdp] == [0, 1, 2, 3]
+    assert [f["dp_group"] for f in hsdp] == [[0, 1, 2, 3]] * 4
+    assert [f["replicas"] for f in hsdp] == [[0, 2], [1, 3], [0, 2], [1, 3]]  # same shard, other replica
+    assert {f["fsdp_mesh_ndim"] for f in hsdp} == {2}
+
+
+# ------------------------------------------------------------------ bottom-up FSDP units
+def _nested_step(rank: int, strategy: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from test_layout import Nested
+
+    from dptrain.parallel import full_state_dict, parallelize
+
+    def body() -> dict:
+        torch.manual_seed(0)
+        model = Nested()
+        cfg = ParallelConfig(strategy=strategy)
+        mesh = ParallelMesh.build(ParallelDims.resolve(dp_shard=2, world_size=2), device_type="cpu")
+        plan = parallelize(model, cfg=cfg, mesh=mesh, device=CPU)
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        opt = plan.optimizer(torch.optim.SGD, lr=0.5)
+        x, y = _nested_data()
+        half = slice(rank * 4, rank * 4 + 4)
+        plan.module((x[half], y[half])).backward()
+        opt.step()
+        state = full_state_dict(plan)
+        del plan, opt, model
+        mesh.release()
+        return {"units": len(units), "state": state, "world": dist.get_world_size()}
+
+    return _in_group(body)
+
+
+def _nested_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(8, 4, generator=g), torch.randn(8, generator=g)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_a_block_nesting_a_module_list_is_sharded_and_trains_like_one_process(strategy):
+    from test_layout import Nested
+
+    results = run_ranks(_nested_step, 2, strategy, timeout=60)
+    assert results[0]["units"] == 2 * 2 + 2 + 1  # inner members, blocks, root
+    torch.manual_seed(0)
+    ref = Nested()
+    x, y = _nested_data()
+    ref((x, y)).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(results[0]["state"][k], v, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the materialize hook
+def _materialize_order(rank: int, strategy: str) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from dptrain.models.toy import build_mlp
+    from dptrain.parallel import parallelize, unwrap
+
+    seen: dict = {}
+
+    def materialize(module: nn.Module) -> None:
+        """Allocate (to_empty) and fill every local tensor with this rank's number: a deterministic init."""
+        seen["was_meta"] = all(p.is_meta for p in module.parameters())
+        seen["was_sharded"] = isinstance(module, FSDPModule)
+        module.to_empty(device=CPU)
+        with torch.no_grad():
+            for p in module.parameters():
+                (p.to_local() if isinstance(p, DTensor) else p).fill_(float(rank + 1))
+
+    def body() -> dict:
+        with torch.device("meta"):
+            model = build_mlp(in_dim=4, hidden=8, out_dim=2, depth=2)
+        import torch.distributed as dist
+
+        dims = ParallelDims.resolve(**({"dp_shard": -1} if strategy == "fsdp" else {"dp_replicate": -1}),
+                                    world_size=dist.get_world_size())
+        mesh = ParallelMesh.build(dims, device_type="cpu")
+        plan = parallelize(model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=CPU, materialize=materialize)
+        local = [(p.to_local() if isinstance(p, DTensor) else p) for p in unwrap(plan).parameters()]
+        seen["values"] = sorted({float(v) for t in local for v in t.reshape(-1).tolist()})
+        seen["on_cpu"] = all(t.device == CPU for t in local)
+        plan.release()
+        del plan
+        mesh.release()
+        return seen
+
+    return _in_group(body)
+
+
+@pytest.mark.timeout(90)
+def test_materialize_runs_before_ddp_broadcasts_and_after_fsdp_shards():
+    ddp = run_ranks(_materialize_order, 2, "ddp", timeout=60)
+    for r in ddp:
+        assert r["was_meta"] and not r["was_sharded"] and r["on_cpu"]
+        assert r["values"] == [1.0]  # DDP broadcast rank 0's values over rank 1's: materialized before DDP
+    fsdp = run_ranks(_materialize_order, 2, "fsdp", timeout=60)
+    for rank, r in enumerate(fsdp):
+        assert r["was_meta"] and r["was_sharded"] and r["on_cpu"]
+        assert r["values"] == [float(rank + 1)]  # each rank filled its own shards: materialized after sharding
+    single = run_ranks(_materialize_order, 1, "single", timeout=60)
+    assert single[0]["was_meta"] and single[0]["values"] == [1.0]
+
+
+def test_meta_parameters_without_materialize_are_refused():
+    from dptrain.parallel.single import apply_single
+
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="meta device: pass materialize="):
+        apply_single(model, device=CPU)
+
+
+# ------------------------------------------------------------------ zero1 through the API
+def _zero1_step(rank: int) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import dptrain
+    from dptrain.models.toy import build_mlp
+
+    def body() -> dict:
+        torch.manual_seed(0)
+        plan = dptrain.parallelize(build_mlp(in_dim=4, hidden=8, out_dim=2, depth=2), strategy="zero1", device=CPU)
+        opt = plan.optimizer(torch.optim.SGD, lr=0.5)
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+        with dptrain.sync_gradients(plan, True):
+            plan.module((x, torch.zeros(4, 2))).backward()
+        norm = dptrain.clip_grad_norm_(plan, None)
+        opt.step()
+        out = {"zero": isinstance(opt, ZeroRedundancyOptimizer), "norm": float(norm),
+               "state": dptrain.full_state_dict(plan)}
+        plan.release()
+        del plan, opt
+        return out
+
+    return _in_group(body)
+
+
+@pytest.mark.timeout(90)
+def test_zero1_through_parallelize_shards_the_optimizer_and_keeps_replicas_equal():
+    results = run_ranks(_zero1_step, 2, timeout=60)
+    assert all(r["zero"] for r in results)
+    assert results[0]["norm"] == results[1]["norm"]
+    for k, v in results[0]["state"].items():
+        assert torch.equal(v, results[1]["state"][k]), k
+
+
+def test_prepare_model_refuses_zero1_naming_the_api_that_does_it():
+    import dptrain
+
+    with pytest.raises(ConfigError, match=r"cannot shard the optimizer.*dptrain.parallelize\(model, strategy='zero1'\)"):
+        dptrain.prepare_model(nn.Linear(2, 2), strategy="zero1")
+    with pytest.raises(ConfigError, match="parallel.strategy='zero9' is not valid"):
+        dptrain.prepare_model(nn.Linear(2, 2), strategy="zero9")

@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_parity as tp  # noqa: E402
 import torch  # noqa: E402
 
-
 # label -> extra overrides of the rungs beyond the plain strategy
 EXTRA = {"": (), "hsdp 2x2": tp.HSDP, "ac full": ("parallel.activation_checkpointing=full",),
          "ac selective": ("parallel.activation_checkpointing=selective",)}

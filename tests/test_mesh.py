@@ -86,8 +86,8 @@ def test_four_ranks_replicas_per_model_parallel_coordinate():
 # ------------------------------------------------------------------ bottom-up FSDP units
 def _nested_step(rank: int, strategy: str) -> dict:
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
     from test_layout import Nested
+    from torch.distributed.fsdp import FSDPModule
 
     from dptrain.parallel import full_state_dict, parallelize
 

@@ -30,9 +30,9 @@ from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.diagnostics import Diagnostics, apply_collective_checks
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
+from dptrain.distributed.mesh import ParallelMesh
 from dptrain.distributed.process_group import bind_device, process_group
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
-from dptrain.distributed.mesh import ParallelMesh
 from dptrain.optim import build_scheduler
 from dptrain.parallel import ParallelModel, parallelize, unwrap
 from dptrain.precision import autocast, build_grad_scaler

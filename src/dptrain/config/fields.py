@@ -204,7 +204,7 @@ class DiagnosticsConfig:
     straggler_margin: float = 0.25
     """A rank whose data + compute time exceeds the median of the other ranks by this fraction is named a straggler."""
     drift_every_steps: int = 100
-    """Compare a checksum of every parameter across data-parallel replicas every N steps (0: off; skipped under zero2/fsdp)."""
+    """Compare a checksum of every parameter across data-parallel replicas (the dp_replicate dimension) every N steps (0: off; nothing to compare under zero2/fsdp without dp_replicate > 1)."""
     nonfinite: str = "off"
     """Non-finite loss or gradient norm: skip (all ranks skip the step), error (stop naming step and rank) or off (no per-step check)."""
     max_consecutive_skips: int = 5

@@ -71,7 +71,9 @@ def strategy_mode(cfg: ParallelConfig) -> DataParallelMode:
 
 def resolve_layout(cfg: ParallelConfig, *, world_size: int) -> tuple[ParallelDims, DataParallelMode]:
     """(mesh degrees, mode) for `cfg` at `world_size`. Raises ConfigError before anything launches."""
-    from dptrain.distributed.mesh import ParallelDims  # mesh.py imports the config package: not at import time
+    from dptrain.distributed.mesh import (
+        ParallelDims,  # mesh.py imports the config package: not at import time
+    )
 
     mode = strategy_mode(cfg)
     degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp, "pp": cfg.pp}

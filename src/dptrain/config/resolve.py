@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from dptrain.config.fields import (
     ACTIVATION_CHECKPOINTING,
     DTYPES,
-    MP_DTYPES,
     LR_SCALINGS,
+    MP_DTYPES,
     NONFINITE_POLICIES,
     OPTIMIZERS,
     SCHEDULES,

@@ -186,7 +186,7 @@ class ParallelMesh:
 
     def coordinate(self) -> dict[str, int]:
         """This rank's coordinate along every named dimension."""
-        coord: list[int] | None = self.mesh.get_coordinate()
+        coord = self.mesh.get_coordinate()
         assert coord is not None  # every rank is in the mesh: it spans the world
         return dict(zip(DIM_NAMES, coord, strict=True))
 

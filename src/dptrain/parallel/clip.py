@@ -28,7 +28,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if max_norm is None:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     else:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if isinstance(norm, DTensor):
@@ -43,5 +43,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     module = unwrap(model)
     if is_sharded(module):
-        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
     return {k: v.detach().cpu() for k, v in module.state_dict().items()}

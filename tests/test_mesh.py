@@ -235,3 +235,35 @@ def test_prepare_model_refuses_zero1_naming_the_api_that_does_it():
         dptrain.prepare_model(nn.Linear(2, 2), strategy="zero1")
     with pytest.raises(ConfigError, match="parallel.strategy='zero9' is not valid"):
         dptrain.prepare_model(nn.Linear(2, 2), strategy="zero9")
+
+
+# ------------------------------------------------------------------ FSDP2 mixed precision policy
+def _mp_dtypes(rank: int, param_dtype: str | None) -> dict:
+    from dptrain.models.toy import build_mlp
+    from dptrain.parallel import parallelize, unwrap
+
+    def body() -> dict:
+        torch.manual_seed(0)
+        model = build_mlp(in_dim=4, hidden=8, out_dim=2, depth=2)
+        seen: list[torch.dtype] = []
+        model.layers[0].fc.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+        mesh = ParallelMesh.build(ParallelDims.resolve(dp_shard=2, world_size=2), device_type="cpu")
+        cfg = ParallelConfig(strategy="fsdp", fsdp_param_dtype=param_dtype, fsdp_reduce_dtype="fp32" if param_dtype else None)
+        plan = parallelize(model, cfg=cfg, mesh=mesh, device=CPU)
+        plan.module((torch.randn(4, 4), torch.zeros(4, 2))).backward()
+        out = {"compute": seen[0], "params": {p.dtype for p in unwrap(plan).parameters()},
+               "grads": {p.grad.dtype for p in unwrap(plan).parameters()}}
+        del plan, model
+        mesh.release()
+        return out
+
+    return _in_group(body)
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_mixed_precision_policy_gathers_in_the_param_dtype():
+    bf16 = run_ranks(_mp_dtypes, 2, "bf16", timeout=60)
+    for r in bf16:  # computes in bf16; the sharded parameters and their gradients stay fp32
+        assert r["compute"] == torch.bfloat16 and r["params"] == {torch.float32} and r["grads"] == {torch.float32}
+    default = run_ranks(_mp_dtypes, 2, None, timeout=60)
+    assert default[0]["compute"] == torch.float32  # no policy: today's behaviour

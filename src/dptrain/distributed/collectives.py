@@ -51,10 +51,10 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, *, src: int = 0) -> Any:
-    """rank src's object on every rank."""
-    if world_size() == 1:
+def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
+    """Global rank src's object on every rank of `group` (default: every rank)."""
+    if world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]

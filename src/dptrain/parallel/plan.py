@@ -88,23 +88,39 @@ class ParallelModel:
     # ---------------------------------------------------------------- state
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """(model, optimizer) state under the plain module's names through DCP's `get_state_dict`:
-        sharded (DTensor) values under FSDP2, full ones otherwise. Collective under FSDP2."""
+        sharded (DTensor) values under FSDP2, full ones otherwise. Collective under FSDP2 and zero1.
+        zero1's optimizer state (which DCP does not handle) is consolidated and given to every rank in
+        ZeroRedundancyOptimizer's own format, which its `load_state_dict` re-partitions."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if optimizer is None:
-            return get_model_state_dict(self.module), {}
-        return get_state_dict(self.module, optimizer)
+            return get_model_state_dict(self.plain), {}
+        if self.mode.shard_optimizer:
+            from dptrain.distributed.collectives import broadcast_object
+
+            optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # collective
+            own = optimizer.state_dict() if self.mesh.dp_rank == 0 else None
+            return get_model_state_dict(self.plain), broadcast_object(own, src=self._dp_root(), group=self.mesh.dp_group)
+        return get_state_dict(self.plain, optimizer)
 
     def load_state_dict(self, model_state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None,
                         optim_state: dict[str, Any] | None = None) -> None:
         """Put values from `state_dict` (possibly saved at another world size and resharded by DCP)
-        back through DCP's `set_state_dict`."""
+        back through DCP's `set_state_dict` (zero1's optimizer: its own `load_state_dict`)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        if optimizer is None:
-            set_model_state_dict(self.module, model_state)
+        if optimizer is None or self.mode.shard_optimizer:
+            set_model_state_dict(self.plain, model_state)
+            if optimizer is not None:
+                optimizer.load_state_dict(optim_state or {})
         else:
-            set_state_dict(self.module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state or {})
+            set_state_dict(self.plain, optimizer, model_state_dict=model_state, optim_state_dict=optim_state or {})
+
+    def _dp_root(self) -> int:
+        """Global rank of data-parallel rank 0 of this rank's data-parallel group."""
+        import torch.distributed as dist
+
+        return dist.get_process_group_ranks(self.mesh.dp_group)[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated model state on CPU under the plain module's names (for export).

@@ -205,6 +205,9 @@ def _zero1_step(rank: int) -> dict:
     def body() -> dict:
         torch.manual_seed(0)
         plan = dptrain.parallelize(build_mlp(in_dim=4, hidden=8, out_dim=2, depth=2), strategy="zero1", device=CPU)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        plan.register_comm_hook(None, default_hooks.fp16_compress_hook)  # the DDP communication-hook slot
         opt = plan.optimizer(torch.optim.SGD, lr=0.5)
         x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
         with dptrain.sync_gradients(plan, True):
@@ -312,3 +315,38 @@ def test_plan_state_dict_round_trip_replays_the_same_step(strategy):
     for r in results:
         for k, v in r["after_two"].items():
             assert torch.equal(r["again"][k], v), k
+
+
+# ------------------------------------------------------------------ small abilities of the plan
+def _no_unit_warning(rank: int) -> list[str]:
+    import warnings
+
+    from test_layout import Flat
+
+    from dptrain.parallel.fsdp import apply_fsdp
+
+    def body() -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = apply_fsdp(Flat(), device=CPU)
+        del model
+        return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "FSDP:" in str(w.message)]
+
+    return _in_group(body)
+
+
+@pytest.mark.timeout(60)
+def test_fsdp_warns_when_a_model_has_no_block_to_shard():
+    (messages,) = run_ranks(_no_unit_warning, 1, timeout=45)
+    assert len(messages) == 1
+    assert "Flat has no nn.ModuleList and no _no_split_modules" in messages[0] and "sharded as one unit" in messages[0]
+
+
+def test_comm_hooks_are_refused_outside_ddp():
+    from dptrain.config.layout import STRATEGY_MODES
+    from dptrain.parallel import ParallelModel
+
+    model = nn.Linear(2, 2)
+    plan = ParallelModel(model, plain=model, mode=STRATEGY_MODES["fsdp"], mesh=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="communication hooks apply to DDP"):
+        plan.register_comm_hook(None, lambda state, bucket: None)

@@ -40,7 +40,8 @@ LLAMA_KWARGS = {"dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 16}
 TOKENS_KWARGS = {"n": 64, "seq_len": 17, "vocab_size": 256, "seed": 0}
 
 MULTI = ("ddp", "zero1", "zero2", "fsdp")
-GLOBAL_BATCH = {1: 8, 2: 8, 3: 12}  # divisible by world_size * accum for accum in (1, 2)
+GLOBAL_BATCH = {1: 8, 2: 8, 3: 12, 4: 8}  # divisible by world_size * accum for accum in (1, 2)
+HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2")  # 4 ranks: 2 replicas x 2 shards
 
 
 # ------------------------------------------------------------------ a custom data factory
@@ -168,10 +169,15 @@ def assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def ladder_case(strategy: str, accum: int, world_size: int, out_dir: Path, model: str = "mlp") -> float:
-    """Train one rung and return its max abs weight difference from the reference (asserts parity)."""
+def ladder_case(
+    strategy: str, accum: int, world_size: int, out_dir: Path, model: str = "mlp", extra: tuple[str, ...] = (),
+    timeout: float = 40,
+) -> float:
+    """Train one rung and return its max abs weight difference from the reference (asserts parity).
+    `extra`: more overrides (a layout, activation checkpointing)."""
     g = GLOBAL_BATCH[world_size]
-    got, records = train(overrides(strategy=strategy, world_size=world_size, accum=accum, model=model), world_size, out_dir)
+    items = overrides(strategy=strategy, world_size=world_size, accum=accum, model=model) + list(extra)
+    got, records = train(items, world_size, out_dir, timeout=timeout)
     want, norms = reference(model, global_batch=g)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
     assert_weights_close(got, want)
@@ -200,6 +206,28 @@ def test_strategy_matches_reference(strategy, accum, world_size, tmp_path):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_llama_matches_reference(strategy, tmp_path):
     ladder_case(strategy, 2, 2, tmp_path, model="llama")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("accum", [1, 2])
+def test_hsdp_matches_reference(accum, tmp_path):
+    """fsdp on a 2 x 2 (dp_replicate, dp_shard) mesh: shards reduce-scattered within a pair, all-reduced
+    across the two replicas; the drift check compares each shard with its other replica every step."""
+    ladder_case("fsdp", accum, 4, tmp_path, extra=(*HSDP, "diagnostics.drift_every_steps=1"), timeout=120)
+    checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
+    drift = [c for c in checks if c["kind"] == "drift"]
+    assert len(drift) == STEPS and all(c["ok"] for c in drift)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "strategy,mode,world_size,model",
+    [("single", "full", 1, "mlp"), ("ddp", "selective", 2, "mlp"), ("fsdp", "full", 2, "mlp"),
+     ("zero2", "selective", 2, "mlp"), ("fsdp", "selective", 2, "llama")],
+)
+def test_activation_checkpointing_matches_reference(strategy, mode, world_size, model, tmp_path):
+    """Recomputing activations in backward replays the same ops: the same weights as without it."""
+    ladder_case(strategy, 2, world_size, tmp_path, model=model, extra=(f"parallel.activation_checkpointing={mode}",))
 
 
 @pytest.mark.timeout(60)

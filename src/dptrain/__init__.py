@@ -18,6 +18,7 @@ _EXPORTS = {
     "grad_accum_steps": "dptrain.api",
     "init_distributed": "dptrain.api",
     "micro_steps": "dptrain.api",
+    "parallelize": "dptrain.api",
     "prepare_dataloader": "dptrain.api",
     "prepare_model": "dptrain.api",
     "Config": "dptrain.config",
@@ -25,6 +26,7 @@ _EXPORTS = {
     "load_config": "dptrain.config.load",
     "clip_grad_norm_": "dptrain.parallel",
     "full_state_dict": "dptrain.parallel",
+    "ParallelModel": "dptrain.parallel",
     "sync_gradients": "dptrain.parallel",
     "unwrap": "dptrain.parallel",
     "Trainer": "dptrain.trainer",
@@ -32,9 +34,9 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "__version__", "Config", "ConfigError", "Runtime", "Trainer", "clip_grad_norm_", "full_state_dict",
-    "grad_accum_steps", "init_distributed", "load_config", "micro_steps", "prepare_dataloader",
-    "prepare_model", "sync_gradients", "to_device", "unwrap",
+    "__version__", "Config", "ConfigError", "ParallelModel", "Runtime", "Trainer", "clip_grad_norm_",
+    "full_state_dict", "grad_accum_steps", "init_distributed", "load_config", "micro_steps", "parallelize",
+    "prepare_dataloader", "prepare_model", "sync_gradients", "to_device", "unwrap",
 ]
 
 
@@ -57,11 +59,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         grad_accum_steps,
         init_distributed,
         micro_steps,
+        parallelize,
         prepare_dataloader,
         prepare_model,
     )
     from dptrain.build import to_device
     from dptrain.config import Config, ConfigError
     from dptrain.config.load import load_config
-    from dptrain.parallel import clip_grad_norm_, full_state_dict, sync_gradients, unwrap
+    from dptrain.parallel import ParallelModel, clip_grad_norm_, full_state_dict, sync_gradients, unwrap
     from dptrain.trainer import Trainer

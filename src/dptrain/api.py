@@ -13,13 +13,19 @@
             optimizer.step()
             optimizer.zero_grad()
 
+`prepare_model` returns only the module, so it serves the strategies whose optimizer is a plain
+one (single, dp, ddp, zero2, fsdp). `dptrain.parallelize(model, strategy=...)` returns the whole
+`ParallelModel` (any strategy, HSDP layouts, activation checkpointing): call `.module`, build the
+optimizer with `.optimizer(torch.optim.AdamW, lr=...)` (sharded under zero1), and pass the plan
+itself to `sync_gradients` / `clip_grad_norm_` / `prepare_dataloader(parallel=...)`.
+
 The loop, `loss.backward()` and `optimizer.step()` stay yours; nothing here skips a step.
 """
 
 from __future__ import annotations
 
 import atexit
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +33,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dptrain.config import ConfigError, ParallelConfig, TrainConfig, resolve_batch
+from dptrain.config import Config, ConfigError, ParallelConfig, TrainConfig, resolve_batch, validate
+from dptrain.config.layout import strategy_mode
 from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.process_group import bind_device, destroy_process_group, init_process_group
-from dptrain.parallel import apply_strategy
+from dptrain.parallel import ParallelModel
 
 
 @dataclass(frozen=True)
@@ -69,25 +76,64 @@ def init_distributed(*, device: str = "auto", backend: str = "auto", timeout_s: 
     return Runtime(env=env, device=dev)
 
 
+def parallelize(
+    model: nn.Module, *, strategy: str = "ddp", device: torch.device | None = None, dp_replicate: int = 1,
+    dp_shard: int = 1, activation_checkpointing: str = "none", bucket_cap_mb: float = 25.0, cpu_offload: bool = False,
+    fsdp_param_dtype: str | None = None, fsdp_reduce_dtype: str | None = None,
+    materialize: Callable[[nn.Module], None] | None = None,
+) -> ParallelModel:
+    """Parallelise a plain model over the current world (after `init_distributed`) exactly as the
+    Trainer does, and return the `ParallelModel`: `.module` to call, `.optimizer(cls, **kw)`,
+    `.sync_gradients(sync)`, `.clip_grad_norm_(max_norm)`, `.state_dict()`, `.full_state_dict()`.
+    The layout arguments mean what the `parallel.*` config fields of the same names mean."""
+    import torch.distributed as dist
+
+    from dptrain.config.layout import resolve_layout
+    from dptrain.distributed.mesh import ParallelMesh
+    from dptrain.parallel import parallelize as apply_plan
+
+    cfg = ParallelConfig(strategy=strategy, bucket_cap_mb=bucket_cap_mb, cpu_offload=cpu_offload,
+                         dp_replicate=dp_replicate, dp_shard=dp_shard, activation_checkpointing=activation_checkpointing,
+                         fsdp_param_dtype=fsdp_param_dtype, fsdp_reduce_dtype=fsdp_reduce_dtype)
+    validate(Config(parallel=cfg))
+    if not dist.is_initialized():
+        raise RuntimeError("dptrain.parallelize needs the process group: call dptrain.init_distributed() first "
+                           "(without torchrun it makes a world of one)")
+    dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
+    device = device or torch.device("cpu")
+    mesh = ParallelMesh.build(dims, device_type=device.type)
+    return apply_plan(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
+
+
 def prepare_model(
     model: nn.Module, *, strategy: str = "ddp", device: torch.device | None = None,
     bucket_cap_mb: float = 25.0, cpu_offload: bool = False,
 ) -> nn.Module:
-    """Apply a strategy (single, dp, ddp, zero1, zero2, fsdp) to a plain model and return the module to
-    call. For zero1, shard the optimizer with `torch.distributed.optim.ZeroRedundancyOptimizer`."""
-    cfg = ParallelConfig(strategy=strategy, bucket_cap_mb=bucket_cap_mb, cpu_offload=cpu_offload)
-    return apply_strategy(model, cfg=cfg, device=device or torch.device("cpu"))
+    """Apply a strategy (single, dp, ddp, zero2, fsdp) to a plain model and return the module to call.
+    zero1 is refused: its optimizer must be sharded too, which a module alone cannot carry; use
+    `dptrain.parallelize(model, strategy="zero1")` and its `.optimizer(...)`."""
+    mode = strategy_mode(ParallelConfig(strategy=strategy))
+    if mode.shard_optimizer:
+        raise ConfigError(
+            f"prepare_model(strategy={strategy!r}) cannot shard the optimizer: it returns only the module. Use "
+            f"plan = dptrain.parallelize(model, strategy={strategy!r}); optimizer = plan.optimizer(torch.optim.AdamW, "
+            "lr=...); call plan.module in the loop"
+        )
+    return parallelize(model, strategy=strategy, device=device, bucket_cap_mb=bucket_cap_mb,
+                       cpu_offload=cpu_offload).module
 
 
 def prepare_dataloader(
     dataset: Any, *, global_batch_size: int | None = None, micro_batch_size: int | None = None,
     grad_accum_steps: int | None = None, seed: int = 0, shuffle: bool = True, start_step: int = 0,
-    num_workers: int = 0, pin_memory: bool = False, collate_fn: Any = None,
+    num_workers: int = 0, pin_memory: bool = False, collate_fn: Any = None, parallel: ParallelModel | None = None,
 ) -> DataLoader:
     """A DataLoader yielding this rank's micro-batches in the world-size-invariant global order
     (reshuffled every epoch, no `set_epoch` needed). It never ends: stop after your max step.
-    Batch sizes follow global = micro * accum * world size; any one may be left out."""
-    world = collectives.world_size()
+    Batch sizes follow global = micro * accum * data-parallel size; any one may be left out. The
+    data-parallel rank and size come from `parallel`'s mesh when given, else every rank is one."""
+    world = parallel.mesh.dp_size if parallel is not None else collectives.world_size()
+    dp_rank = parallel.mesh.dp_rank if parallel is not None else collectives.rank()
     g, m, a = resolve_batch(
         TrainConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps),
         dp_world_size=world,
@@ -95,7 +141,7 @@ def prepare_dataloader(
     try:
         sampler = GlobalBatchSampler(
             dataset_len=len(dataset), global_batch_size=g, micro_batch_size=m, grad_accum_steps=a,
-            dp_rank=collectives.rank(), dp_world_size=world, seed=seed, shuffle=shuffle, start_step=start_step,
+            dp_rank=dp_rank, dp_world_size=world, seed=seed, shuffle=shuffle, start_step=start_step,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from dptrain.config import Config, ConfigError, default_out_dir, local_world_size, resolve
+from dptrain.config.layout import strategy_mode
 from dptrain.config.load import dump_yaml, load_config
 
 EXIT_BAD_INPUT = 2
@@ -93,7 +94,7 @@ def _load(items: list[str], *, extra: list[str], run_dir: str | None = None) -> 
     if path is None and run_dir is not None and (Path(run_dir) / "config.yaml").is_file():
         path = str(Path(run_dir) / "config.yaml")
     cfg = load_config(path, [*overrides, *extra])
-    if cfg.launch.nproc_per_node == "auto" and cfg.parallel.strategy in ("single", "dp"):
+    if cfg.launch.nproc_per_node == "auto" and strategy_mode(cfg.parallel).single_process:
         # one-process strategies: `auto` means one worker (dp drives every GPU from it)
         cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, nproc_per_node=1))
     return cfg

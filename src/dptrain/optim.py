@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from dptrain.config import OptimConfig
@@ -23,27 +22,29 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     return groups
 
 
+def optimizer_spec(cfg: OptimConfig, *, lr: float) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """(optimizer class, its keyword arguments) for `cfg`: SGD, Adam or AdamW."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD, {"lr": lr, "momentum": cfg.momentum}
+    if cfg.name == "adam":
+        return torch.optim.Adam, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps}
+    if cfg.name == "adamw":
+        return torch.optim.AdamW, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps}
+    raise ValueError(f"optim.name={cfg.name!r} is not valid; choose one of: sgd, adam, adamw")
+
+
 def build_optimizer(
-    model: nn.Module, *, cfg: OptimConfig, lr: float, shard_state: bool = False
+    model: nn.Module, *, cfg: OptimConfig, lr: float, shard_state: bool = False, process_group: Any = None,
 ) -> torch.optim.Optimizer:
     """SGD/Adam/AdamW over `model`'s parameters. shard_state=True (ZeRO-1) partitions the optimizer
-    state over ranks with ZeroRedundancyOptimizer; each rank updates its slice and broadcasts it."""
+    state over `process_group`'s ranks with ZeroRedundancyOptimizer (see parallel/zero.py). The
+    trainer builds it through its `ParallelModel`, which knows whether to shard."""
     groups = param_groups(model, weight_decay=cfg.weight_decay)
-    cls: type[torch.optim.Optimizer]
-    kw: dict[str, Any]
-    if cfg.name == "sgd":
-        cls, kw = torch.optim.SGD, {"lr": lr, "momentum": cfg.momentum}
-    elif cfg.name == "adam":
-        cls, kw = torch.optim.Adam, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps}
-    elif cfg.name == "adamw":
-        cls, kw = torch.optim.AdamW, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps}
-    else:
-        raise ValueError(f"optim.name={cfg.name!r} is not valid; choose one of: sgd, adam, adamw")
+    cls, kw = optimizer_spec(cfg, lr=lr)
     if shard_state:
-        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, **kw, weight_decay=groups[0]["weight_decay"])
-        for g in groups[1:]:
-            opt.add_param_group(g)
-        return opt
+        from dptrain.parallel.zero import zero_redundancy_optimizer
+
+        return zero_redundancy_optimizer(groups, optimizer_class=cls, process_group=process_group, **kw)
     return cls(groups, **kw)
 
 

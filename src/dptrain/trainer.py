@@ -14,6 +14,7 @@ stay on the device, and the preemption flag is agreed without blocking (checkpoi
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from dptrain import __version__
-from dptrain.build import build_datasets, build_loss_fn, build_model, import_object, to_device
+from dptrain.build import build_datasets, build_loss_fn, build_model_meta, import_object, to_device
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, OptimizerState
 from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
@@ -35,18 +36,13 @@ from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.diagnostics import Diagnostics, apply_collective_checks
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
+from dptrain.distributed.mesh import ParallelMesh
 from dptrain.distributed.process_group import bind_device, process_group
 from dptrain.loss import items_per_rank, takes_num_items
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
-from dptrain.optim import build_optimizer, build_scheduler
-from dptrain.parallel import (
-    apply_strategy,
-    clip_grad_norm_,
-    full_state_dict,
-    is_sharded,
-    sync_gradients,
-    unwrap,
-)
+from dptrain.optim import build_scheduler
+from dptrain.parallel import ParallelModel, parallelize, unwrap
+from dptrain.parallel.materialize import make_materializer
 from dptrain.precision import autocast, build_grad_scaler
 from dptrain.train_state import LogWindow, TrainState
 
@@ -82,7 +78,8 @@ class Trainer:
         self.checkpoint_state = self._checkpoint_state()
         self.ckpt.maybe_resume(self.checkpoint_state)  # model, optimizer, schedule, scaler, RNG, data position
         self.batches: Iterator[Any] = iter(self.loader)  # starts at the (resumed) global step
-        self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled())
+        self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled(),
+                        mesh=self.mesh)
         # fp16: the scale before the next step, on the device (see _count_fp16_skip)
         self._scale_prev = (torch.full((), self.scaler.get_scale(), device=self.device)
                             if self.scaler.is_enabled() else None)
@@ -92,7 +89,7 @@ class Trainer:
 
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint saves, as named Stateful objects (the manager never sees the Trainer)."""
-        full = not is_sharded(self.model)
+        full = not self.plan.sharded
         return CheckpointState(
             model_parts=[ModelState(self.model, full=full)],
             optimizers=[OptimizerState(self.model, self.optimizer, full=full)],
@@ -107,15 +104,23 @@ class Trainer:
 
     def _build(self) -> None:
         cfg, res = self.cfg, self.res
-        model = build_model(cfg.model, seed=cfg.train.seed)
+        # On the meta device (no storage); each rank allocates and fills only its part after sharding,
+        # bit-identical to the eager seeded build. A model that cannot be built so is built eagerly.
+        model, eager_reason = build_model_meta(cfg.model, seed=cfg.train.seed)
+        if eager_reason and self.env.is_main:
+            self._say(f"dptrain: {eager_reason}")
         # Before any wrapper's own collectives: all ranks agree on world size, config and model.
         self.diag.preflight(model, config=to_dict(cfg))
-        self.model: nn.Module = apply_strategy(model, cfg=cfg.parallel, device=self.device)
-        self.optimizer = build_optimizer(
-            self.model, cfg=cfg.optim, lr=res.lr, shard_state=cfg.parallel.strategy == "zero1"
-        )
+        # One mesh per run: every group and data-parallel rank below comes from it.
+        self.mesh = ParallelMesh.build(res.dims, device_type=self.device.type)
+        shards_on = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
+        materialize = None if eager_reason else make_materializer(device=shards_on, seed=cfg.train.seed)
+        self.plan: ParallelModel = parallelize(model, cfg=cfg.parallel, mesh=self.mesh, device=self.device,
+                                               materialize=materialize)
+        self.model: nn.Module = self.plan.module  # what to call
+        self.optimizer = self.plan.build_optimizer(cfg=cfg.optim, lr=res.lr)  # sharded under zero1
         self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
-        self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=is_sharded(self.model))
+        self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=self.plan.sharded)
         self.loss_fn = build_loss_fn(cfg.train.loss)
         self.token_loss = takes_num_items(self.loss_fn, self.model)  # token or sample rule: dptrain/loss.py
         self.collate = import_object(cfg.data.collate) if cfg.data.collate else None
@@ -125,8 +130,8 @@ class Trainer:
             global_batch_size=res.global_batch_size,
             micro_batch_size=res.micro_batch_size,
             grad_accum_steps=res.grad_accum_steps,
-            dp_rank=self.env.rank,
-            dp_world_size=res.dp_world_size,
+            dp_rank=self.mesh.dp_rank,
+            dp_world_size=self.mesh.dp_size,
             seed=cfg.train.seed,
             shuffle=cfg.data.shuffle,
             start_step=self.state.step,
@@ -147,14 +152,14 @@ class Trainer:
         diag.phase("data")
         micro_batches = [to_device(next(self.batches), self.device) for _ in range(accum)]
         # Token rule (dptrain/loss.py): the global batch's valid-target count, before any backward;
-        # one all-reduce on the device. The data-parallel group is the world today (group=None).
+        # one all-reduce over the data-parallel group, on the device.
         n_items = items_per_rank(micro_batches, device=self.device, dp_world_size=self.res.dp_world_size,
-                                 group=None) if self.token_loss else None
+                                 group=self.mesh.dp_group) if self.token_loss else None
         step_loss = torch.zeros((), device=self.device)
         for micro, batch in enumerate(micro_batches):
             # Reduce gradients only after the last micro-step (unless asked to every time).
             sync = micro == accum - 1 or self.cfg.parallel.sync_each_micro_step
-            with sync_gradients(self.model, sync):
+            with self.plan.sync_gradients(sync):
                 diag.phase("forward")
                 with autocast(self.cfg.precision, self.device):
                     if n_items is None:  # sample rule: the mean of equal micro-batch means
@@ -166,7 +171,7 @@ class Trainer:
             step_loss += loss.detach()
         diag.phase("optimizer")
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        self.grad_norm = clip_grad_norm_(self.model, self.cfg.optim.grad_clip)
+        self.grad_norm = self.plan.clip_grad_norm_(self.cfg.optim.grad_clip)  # global norm, every dimension
         if not diag.skip_step(step_loss, self.grad_norm):  # nonfinite=skip: all ranks skip the same step
             self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
         self.scaler.update()
@@ -177,7 +182,7 @@ class Trainer:
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean validation loss over the same fixed samples every time, split evenly over ranks."""
+        """Mean validation loss over the same fixed samples every time, split evenly over data-parallel ranks."""
         if self.val_ds is None:
             return None
         mb, world = self.res.micro_batch_size, self.res.dp_world_size
@@ -186,7 +191,7 @@ class Trainer:
             return None
         self.model.eval()
         per_rank = n_batches * mb
-        first = self.env.rank * per_rank
+        first = self.mesh.dp_rank * per_rank
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for b in range(n_batches):
             self.diag.phase("eval")
@@ -195,7 +200,7 @@ class Trainer:
             with autocast(self.cfg.precision, self.device):
                 total += self.loss_fn(self.model, to_device(batch, self.device)).double()
         self.model.train()
-        return collectives.all_reduce_mean([total.item() / n_batches], device=self.device)[0]
+        return collectives.all_reduce_mean([total.item() / n_batches], device=self.device, group=self.mesh.dp_group)[0]
 
     # ---------------------------------------------------------------- the run
     def fit(self) -> dict[str, Any]:
@@ -219,9 +224,12 @@ class Trainer:
                 if self.cfg.log.progress:
                     print_summary(summary, run_dir=self.run_dir)
             collectives.barrier()
-            # Drop the DDP wrapper while its process group still exists: a reducer freed after
-            # destroy_process_group can deadlock gloo's teardown against a finishing barrier.
-            self.model = unwrap(self.model)
+            # Drop the DDP wrapper and the mesh while their process groups still exist: a reducer or
+            # a process group freed after destroy_process_group can deadlock gloo's teardown (here,
+            # or in a process forked from this one); collect what they leave in reference cycles now.
+            self.model = self.plan.release()
+            self.mesh.release()
+            gc.collect()
             self.checkpoint_state = self._checkpoint_state()  # its model parts held the wrapper too
         return summary
 
@@ -245,6 +253,7 @@ class Trainer:
         self.console.message(
             f"dptrain {__version__}: strategy={self.cfg.parallel.strategy} world_size={res.world_size} "
             f"device={self.device.type} backend={res.backend} precision={self.cfg.precision.dtype}\n"
+            f"layout: {res.dims.describe()}\n"
             f"batch: global {res.global_batch_size} = micro {res.micro_batch_size} x accum "
             f"{res.grad_accum_steps} x dp {res.dp_world_size}; {res.lr_rule}\n"
             f"run dir: {self.run_dir}"
@@ -331,7 +340,7 @@ class Trainer:
         """A log line: the one host-device sync of the interval (loss mean over ranks)."""
         window, state = self.log_window, self.state
         self.last_loss = last_loss = collectives.all_reduce_mean([window.loss_sum.item() / window.steps],
-                                                                 device=self.device)[0]
+                                                                 device=self.device, group=self.mesh.dp_group)[0]
         elapsed = time.perf_counter() - self._window_start
         self.train_time += elapsed
         record = self._throughput(window.steps, elapsed)
@@ -394,7 +403,7 @@ class Trainer:
         """Consolidated weights under the plain module's names, whatever the strategy."""
         from safetensors.torch import save_file
 
-        state = full_state_dict(self.model)  # collective under FSDP: every rank calls it
+        state = self.plan.full_state_dict()  # collective under FSDP: every rank calls it
         if self.env.is_main:
             out = self.run_dir / "final"
             out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@ OPTIMIZERS = ("sgd", "adamw", "adam")
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("cosine", "constant", "linear")
 NONFINITE_POLICIES = ("skip", "error", "off")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+MP_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _llama_defaults() -> dict[str, Any]:
@@ -119,6 +121,20 @@ class ParallelConfig:
     """Reduce gradients on every micro-step instead of only the last (lower memory under FSDP, more traffic)."""
     cpu_offload: bool = False
     """fsdp only: keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP, or HSDP's replicate dimension); -1 infers it from the world size. With dp_replicate and dp_shard both 1, the strategy's own dimension takes the world: dp_replicate for ddp/zero1, dp_shard for zero2/fsdp."""
+    dp_shard: int = 1
+    """Ranks one FSDP2 shard group spans (zero2/fsdp only); dp_replicate > 1 and dp_shard > 1 together = HSDP (replicate across groups, shard within one); -1 infers it."""
+    tp: int = 1
+    """Tensor-parallel degree (not built yet: values > 1 are refused before launch); -1 infers it."""
+    pp: int = 1
+    """Pipeline-parallel degree (not built yet: values > 1 are refused before launch); -1 infers it. dp_replicate * dp_shard * tp * pp must equal the world size; at most one of the four may be -1."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward, per block (FSDP units): none, full (keep only each block's input) or selective (keep matmul outputs, recompute the rest: op-level SAC)."""
+    fsdp_param_dtype: str | None = None
+    """zero2/fsdp: dtype FSDP2 gathers parameters in for compute (fp32, bf16, fp16; MixedPrecisionPolicy.param_dtype); null keeps the parameters' own dtype."""
+    fsdp_reduce_dtype: str | None = None
+    """zero2/fsdp: dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); null: the gathered parameters' dtype."""
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
     backend: str = "auto"
@@ -188,7 +204,7 @@ class DiagnosticsConfig:
     straggler_margin: float = 0.25
     """A rank whose data + compute time exceeds the median of the other ranks by this fraction is named a straggler."""
     drift_every_steps: int = 100
-    """Compare a checksum of every parameter across data-parallel replicas every N steps (0: off; skipped under zero2/fsdp)."""
+    """Compare a checksum of every parameter across data-parallel replicas (the dp_replicate dimension) every N steps (0: off; nothing to compare under zero2/fsdp without dp_replicate > 1)."""
     nonfinite: str = "off"
     """Non-finite loss or gradient norm: skip (all ranks skip the step), error (stop naming step and rank) or off (no per-step check)."""
     max_consecutive_skips: int = 5

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dptrain.config.fields import (
+    ACTIVATION_CHECKPOINTING,
     DTYPES,
     LR_SCALINGS,
+    MP_DTYPES,
     NONFINITE_POLICIES,
     OPTIMIZERS,
     SCHEDULES,
-    STRATEGIES,
     Config,
     ConfigError,
     DiagnosticsConfig,
@@ -23,6 +25,10 @@ from dptrain.config.fields import (
     OptimConfig,
     TrainConfig,
 )
+from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
+
+if TYPE_CHECKING:
+    from dptrain.distributed.mesh import ParallelDims
 
 # ---------------------------------------------------------------------------------------
 # Derived values
@@ -128,6 +134,10 @@ class Resolved:
     lr_rule: str
     device: str
     backend: str
+    dims: ParallelDims
+    """The mesh degrees; dp_world_size = dims.dp_replicate * dims.dp_shard."""
+    mode: DataParallelMode
+    """How `parallel.strategy` applies data parallelism (wrapper, optimizer sharding, resharding)."""
 
 
 def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool | None = None) -> Resolved:
@@ -144,30 +154,26 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
         device = "cuda" if cuda_available else "cpu"
     if device == "cuda" and not cuda_available:
         raise ConfigError("parallel.device='cuda' but no CUDA device is available; use parallel.device=cpu or auto")
-    if cfg.parallel.strategy == "dp" and device != "cuda":
+    mode = strategy_mode(cfg.parallel)
+    if mode.wrapper == "dataparallel" and device != "cuda":
         raise ConfigError(
-            "parallel.strategy='dp' (nn.DataParallel) needs CUDA GPUs and none is available; "
+            f"parallel.strategy={cfg.parallel.strategy!r} (nn.DataParallel) needs CUDA GPUs and none is available; "
             "use parallel.strategy=ddp, which also runs on the CPU"
         )
-    if cfg.parallel.strategy in ("single", "dp") and world_size != 1:
-        raise ConfigError(
-            f"parallel.strategy={cfg.parallel.strategy!r} runs in one process but the world size is {world_size}; "
-            "use launch.nproc_per_node=1 (--nproc-per-node 1) or a multi-process strategy (ddp, zero1, zero2, fsdp)"
-        )
+    dims, mode = resolve_layout(cfg.parallel, world_size=world_size)
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
         raise ConfigError("parallel.backend='nccl' needs CUDA; use gloo (or auto) on the CPU")
-    dp = world_size  # pure data parallelism: every rank is a data-parallel replica
-    g, m, a = resolve_batch(cfg.train, dp_world_size=dp)
+    g, m, a = resolve_batch(cfg.train, dp_world_size=dims.dp_size)  # tp/pp ranks share their dp rank's batch
     lr, rule = scaled_lr(cfg.optim, global_batch_size=g)
-    return Resolved(world_size, dp, g, m, a, lr, rule, device, backend)
+    return Resolved(world_size, dims.dp_size, g, m, a, lr, rule, device, backend, dims, mode)
 
 
 def validate(cfg: Config) -> None:
     """Checks that need no world size: choices, ranges, import-path shape."""
-    _choice(cfg.parallel.strategy, STRATEGIES, "parallel.strategy")
+    strategy_mode(cfg.parallel)  # a known strategy name
     _choice(cfg.precision.dtype, DTYPES, "precision.dtype")
     _choice(cfg.optim.name, OPTIMIZERS, "optim.name")
     _choice(cfg.optim.lr_scaling, LR_SCALINGS, "optim.lr_scaling")
@@ -201,10 +207,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio!r} is not valid; it must be in [0, 1]")
     if cfg.optim.base_batch_size is not None and cfg.optim.base_batch_size < 1:
         raise ConfigError(f"optim.base_batch_size={cfg.optim.base_batch_size!r} is not valid; use a positive integer")
-    if cfg.parallel.cpu_offload and cfg.parallel.strategy != "fsdp":
-        raise ConfigError(
-            f"parallel.cpu_offload=true needs parallel.strategy=fsdp (got {cfg.parallel.strategy!r})"
-        )
+    validate_parallel(cfg)
     if cfg.checkpoint.keep_last is not None and (
         not isinstance(cfg.checkpoint.keep_last, int) or isinstance(cfg.checkpoint.keep_last, bool) or cfg.checkpoint.keep_last < 1
     ):
@@ -212,12 +215,29 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.bucket_cap_mb <= 0:
         raise ConfigError(f"parallel.bucket_cap_mb={cfg.parallel.bucket_cap_mb!r} is not valid; it must be > 0")
     validate_diagnostics(cfg.diagnostics, pg_timeout_s=cfg.parallel.timeout_s)
-    if cfg.diagnostics.check_collectives and cfg.parallel.strategy in ("ddp", "zero1"):
+    if cfg.diagnostics.check_collectives and strategy_mode(cfg.parallel).wrapper == "ddp":
         raise ConfigError(
             f"diagnostics.check_collectives=true cannot be used with parallel.strategy={cfg.parallel.strategy!r}: "
             "DDP's constructor crashes (segmentation fault) under TORCH_DISTRIBUTED_DEBUG=DETAIL in torch 2.13; "
             "debug collectives with parallel.strategy=fsdp, zero2 or single"
         )
+
+
+def validate_parallel(cfg: Config) -> None:
+    """The parallel section's choices that need no world size (the layout is checked in `resolve`)."""
+    p = cfg.parallel
+    mode = strategy_mode(p)
+    _choice(p.activation_checkpointing, ACTIVATION_CHECKPOINTING, "parallel.activation_checkpointing")
+    if p.cpu_offload and not (mode.wrapper == "fsdp" and mode.reshard_after_forward):
+        raise ConfigError(f"parallel.cpu_offload=true needs parallel.strategy=fsdp (got {p.strategy!r})")
+    for name in ("fsdp_param_dtype", "fsdp_reduce_dtype"):
+        value = getattr(p, name)
+        if value is None:
+            continue
+        _choice(value, MP_DTYPES, f"parallel.{name}")
+        if mode.wrapper != "fsdp":
+            raise ConfigError(f"parallel.{name}={value!r} applies to FSDP2 only; it needs parallel.strategy=zero2 "
+                              f"or fsdp (got {p.strategy!r})")
 
 
 def validate_diagnostics(d: DiagnosticsConfig, *, pg_timeout_s: float) -> None:

@@ -7,13 +7,18 @@ whatever the reduction order or device), and changing any single element always 
 sum. It is not a cryptographic hash: several changes could in principle cancel out.
 
 Cost per check: one read of every parameter on its own device (an int64 copy of one parameter
-at a time) and one `all_gather` of 8 bytes per parameter tensor. Sharded strategies (zero2,
-fsdp) hold a single copy of each shard, so there is nothing to compare and the check is off.
+at a time) and one `all_gather` of 8 bytes per parameter tensor.
+
+Who is compared: the ranks of the mesh's replica group (its dp_replicate dimension), one
+comparison per (dp_shard, tp, pp) coordinate. Under ddp/zero1 that is every data-parallel rank;
+under HSDP the replicas of each shard (each rank checksums its local shard); zero2/fsdp over a
+single shard group hold one copy of each shard, so there is nothing to compare and the check is off.
 """
 
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +35,8 @@ def param_checksums(module: nn.Module) -> tuple[list[str], torch.Tensor]:
     """(names, int64 tensor of one checksum per parameter) of `module`'s local parameters."""
     names, sums = [], []
     for name, p in module.named_parameters():
-        bits = p.detach().reshape(-1).view(_INT_OF_SIZE[p.element_size()])
+        local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard on this rank
+        bits = local.detach().reshape(-1).view(_INT_OF_SIZE[local.element_size()])
         names.append(name)
         sums.append(bits.sum(dtype=torch.int64))
     device = sums[0].device if sums else torch.device("cpu")
@@ -55,21 +61,24 @@ def find_drift(names: list[str], table: list[list[int]]) -> list[tuple[str, list
     return found
 
 
-def check_replicas(module: nn.Module, *, step: int) -> None:
-    """Gather every rank's checksums and raise ReplicaDriftError (the same on every rank) on a mismatch."""
+def check_replicas(module: nn.Module, *, step: int, group: Any = None) -> None:
+    """Gather the checksums of every rank of `group` (default: every rank) and raise
+    ReplicaDriftError (the same on every member) on a mismatch. Ranks are named globally."""
     names, local = param_checksums(module)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return
     gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local)
+    dist.all_gather(gathered, local, group=group)
     drift = find_drift(names, [t.tolist() for t in gathered])
     if drift:
+        global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
         name, ranks = drift[0]
         more = f" ({len(drift)} of {len(names)} parameters differ: " + ", ".join(n for n, _ in drift[:5]) + \
             (", ..." if len(drift) > 5 else "") + ")"
         raise ReplicaDriftError(
-            f"replica drift at step {step}: parameter {name!r} differs on rank(s) {', '.join(map(str, ranks))} "
-            f"from the other replicas{more}. Replicas must stay bit-identical under ddp/zero1; look for code that "
+            f"replica drift at step {step}: parameter {name!r} differs on rank(s) "
+            f"{', '.join(str(global_ranks[r]) for r in ranks)} from the other replicas (ranks "
+            f"{', '.join(map(str, global_ranks))}){more}. Replicas must stay bit-identical; look for code that "
             "changes weights on one rank only (rank-dependent updates, non-deterministic custom ops, a bad GPU)"
         )

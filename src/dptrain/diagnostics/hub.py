@@ -32,6 +32,7 @@ from dptrain.diagnostics.preflight import run_preflight
 from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, find_stragglers, gather_rows
 from dptrain.diagnostics.watchdog import Watchdog
 from dptrain.distributed.env import DistEnv
+from dptrain.distributed.mesh import ParallelMesh
 from dptrain.parallel import is_sharded, unwrap
 
 STORE_PREFIX = "dptrain/diag/"
@@ -68,6 +69,7 @@ class Diagnostics:
         self.nonfinite: NonFiniteGuard | None = None
         self.timer: StepTimer | None = None
         self.replica: nn.Module | None = None  # the module whose replicas the drift check compares
+        self.replica_group: Any = None  # ...over this group (None: every rank)
         self.memory: MemoryMonitor | None = None
         self._sink: TextIO | None = None
         self._sink_lock = threading.Lock()
@@ -79,9 +81,12 @@ class Diagnostics:
             self.phase("preflight", collective="all_gather_object (pre-flight)")
             run_preflight(world_size=self.env.world_size, config=config, model=model)
 
-    def start(self, model: nn.Module, *, step: int, device: torch.device, loss_scaling: bool = False) -> None:
+    def start(self, model: nn.Module, *, step: int, device: torch.device, loss_scaling: bool = False,
+              mesh: ParallelMesh | None = None) -> None:
         """Arm the checks for the strategy-wrapped `model`; `step` is the number of steps already done
-        (0, or a resumed step); `loss_scaling`: fp16's scaler handles infinite gradients itself."""
+        (0, or a resumed step); `loss_scaling`: fp16's scaler handles infinite gradients itself.
+        `mesh`: the run's device mesh; the drift check compares its replica group and the straggler
+        probe waits on its data-parallel group (without one: every rank, and no drift check when sharded)."""
         self.step, self.device = step + 1, device
         cfg, env = self.cfg, self.env
         if cfg.nonfinite != "off":
@@ -89,8 +94,12 @@ class Diagnostics:
                                             rank=env.rank, world_size=env.world_size, device=device,
                                             check_grad_norm=not loss_scaling, report=self.report)
         if cfg.straggler_every_steps and env.world_size > 1:
-            self.timer = StepTimer(device=device)
-        if cfg.drift_every_steps and env.world_size > 1 and not is_sharded(model):
+            self.timer = StepTimer(device=device, group=mesh.dp_group if mesh is not None else None)
+        if mesh is not None:
+            self.replica_group = mesh.replica_group  # None: no replicas (fsdp over one shard group)
+            if cfg.drift_every_steps and self.replica_group is not None:
+                self.replica = unwrap(model)
+        elif cfg.drift_every_steps and env.world_size > 1 and not is_sharded(model):
             self.replica = unwrap(model)  # zero2/fsdp: one copy of each shard, nothing to compare
         if cfg.memory_every_steps:
             self.memory = MemoryMonitor(device=device, window=cfg.memory_window, leak_mb=cfg.memory_leak_mb)
@@ -182,7 +191,7 @@ class Diagnostics:
         self.phase("diagnostics", collective="all_gather (replica checksums)")
         t0 = time.perf_counter()
         try:
-            check_replicas(self.replica, step=step)
+            check_replicas(self.replica, step=step, group=self.replica_group)
         except ReplicaDriftError as e:
             self.report("drift", {"step": step, "ok": False, "error": str(e)}, str(e))
             raise

@@ -6,7 +6,8 @@ How the split is measured (host clocks, per rank, summed over a window of steps)
 - compute: forward, backward and the optimizer step. DDP and FSDP reduce gradients inside the
   last backward, so a fast rank's backward also contains some waiting for a slow one that
   cannot be separated without hooks in the backend; hence the probe:
-- wait: a barrier just before the synchronising backward. Whatever a rank does before that
+- wait: a barrier just before the synchronising backward, over the data-parallel group (the ranks
+  that backward reduces gradients with; every rank under pure data parallelism). Whatever a rank does before that
   point (data, forward, earlier micro-steps) shows up as the others' waiting time there. On
   CUDA the device is synchronised before the barrier so that queued kernels count as compute.
 
@@ -40,8 +41,9 @@ _BUCKET_OF = {"data": "data", "forward": "compute", "backward": "compute", "opti
 class StepTimer:
     """Accumulates this rank's time per bucket between phase changes (a few clock reads per step)."""
 
-    def __init__(self, *, device: torch.device) -> None:
+    def __init__(self, *, device: torch.device, group: Any = None) -> None:
         self.device = device
+        self.group = group  # the probe's barrier: the ranks this step's gradient reduction waits for
         self.host = socket.gethostname()
         self.reset()
 
@@ -61,8 +63,8 @@ class StepTimer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.mark("wait")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.barrier(group=self.group)
         self.mark("backward")
 
     def resume(self) -> None:

@@ -8,12 +8,14 @@ import torch
 import torch.distributed as dist
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def world_size(group: Any = None) -> int:
+    """Ranks in `group` (default: every rank); 1 without a process group."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def rank(group: Any = None) -> int:
+    """This rank's index in `group` (default: the global rank); 0 without a process group."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
 def barrier() -> None:
@@ -21,21 +23,22 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_mean(values: list[float], *, device: torch.device) -> list[float]:
-    """Mean of each value over ranks, in one collective."""
-    return [v / world_size() for v in _all_reduce(values, op=dist.ReduceOp.SUM, device=device)]
+def all_reduce_mean(values: list[float], *, device: torch.device, group: Any = None) -> list[float]:
+    """Mean of each value over the ranks of `group` (default: every rank; the trainer passes the
+    data-parallel group), in one collective."""
+    return [v / world_size(group) for v in _all_reduce(values, op=dist.ReduceOp.SUM, device=device, group=group)]
 
 
-def all_reduce_max(values: list[float], *, device: torch.device) -> list[float]:
-    """Maximum of each value over ranks, in one collective (flags: any rank set it)."""
-    return _all_reduce(values, op=dist.ReduceOp.MAX, device=device)
+def all_reduce_max(values: list[float], *, device: torch.device, group: Any = None) -> list[float]:
+    """Maximum of each value over the ranks of `group`, in one collective (flags: any rank set it)."""
+    return _all_reduce(values, op=dist.ReduceOp.MAX, device=device, group=group)
 
 
-def _all_reduce(values: list[float], *, op: Any, device: torch.device) -> list[float]:
-    if world_size() == 1:
+def _all_reduce(values: list[float], *, op: Any, device: torch.device, group: Any = None) -> list[float]:
+    if world_size(group) == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return t.tolist()
 
 
@@ -48,12 +51,12 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, *, src: int = 0) -> Any:
-    """rank src's object on every rank."""
-    if world_size() == 1:
+def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
+    """Global rank src's object on every rank of `group` (default: every rank)."""
+    if world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

@@ -1,29 +1,35 @@
-"""Strategies: plain functions that apply one of PyTorch's parallel APIs to a plain model.
+"""Parallelisation: `parallelize(model, cfg=..., mesh=..., device=...)` returns a `ParallelModel`
+that owns everything which differs by wrapper (gradient-sync context, clipping, state dicts,
+optimizer sharding, communication hooks). One small file per technique: `ddp`, `fsdp`, `zero`,
+`activation_checkpointing`, `dp`, `single`; `plan` puts them together in a fixed order.
 
-`apply_strategy` picks the function by name; every other helper here works on whatever
-the strategy returned (dispatching on the wrapper type), so the training loop and users'
-own loops never branch on the strategy name.
+The free functions `sync_gradients`, `clip_grad_norm_`, `full_state_dict` and `unwrap` accept a
+`ParallelModel` (they delegate to it) or the module it returned (for own loops that keep only the
+module), so own loops never branch on the strategy.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dptrain.config import ParallelConfig
+from dptrain.parallel import clip
+from dptrain.parallel.clip import is_sharded
 from dptrain.parallel.ddp import apply_ddp
 from dptrain.parallel.dp import apply_dp
 from dptrain.parallel.fsdp import apply_fsdp
+from dptrain.parallel.plan import ParallelModel, parallelize
 from dptrain.parallel.single import apply_single
 
 __all__ = [
+    "ParallelModel",
+    "parallelize",
     "apply_strategy",
     "sync_gradients",
     "unwrap",
@@ -36,78 +42,54 @@ __all__ = [
     "apply_single",
 ]
 
+Parallelized = nn.Module | ParallelModel
+
 
 def apply_strategy(model: nn.Module, *, cfg: ParallelConfig, device: torch.device) -> nn.Module:
-    """Apply `cfg.strategy` to `model`. zero1 is DDP here; its optimizer is sharded by `build_optimizer`."""
-    name = cfg.strategy
-    if name == "single":
-        return apply_single(model, device=device)
-    if name == "dp":
-        return apply_dp(model, device=device)
-    if name in ("ddp", "zero1"):
-        return apply_ddp(model, device=device, bucket_cap_mb=cfg.bucket_cap_mb)
-    if name in ("zero2", "fsdp"):
-        return apply_fsdp(
-            model, device=device, reshard_after_forward=name == "fsdp", cpu_offload=cfg.cpu_offload
-        )
-    raise ValueError(f"unknown strategy {name!r}; choose one of: single, dp, ddp, zero1, zero2, fsdp")
+    """`parallelize` over a mesh of the current world, returning only the module to call.
+    Inside an initialised process group (a world of one is fine). For zero1 the optimizer must come
+    from the plan (`parallelize(...).build_optimizer`); this returns only DDP's module."""
+    import torch.distributed as dist
+
+    from dptrain.config.layout import resolve_layout
+    from dptrain.distributed.mesh import ParallelMesh
+
+    dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
+    mesh = ParallelMesh.build(dims, device_type=device.type)
+    return parallelize(model, cfg=cfg, mesh=mesh, device=device).module
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DDP/DataParallel wrapper (FSDP2 shards in place: the module itself)."""
-    return model.module if isinstance(model, DDP | nn.DataParallel) else model
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """True when parameters are sharded across ranks (FSDP2)."""
-    return isinstance(model, FSDPModule)
+def unwrap(model: Parallelized) -> nn.Module:
+    """The user's plain module (inside a DDP/DataParallel wrapper; FSDP2 shards in place)."""
+    return model.plain if isinstance(model, ParallelModel) else clip.unwrap(model)
 
 
 @contextlib.contextmanager
-def sync_gradients(model: nn.Module, sync: bool) -> Iterator[None]:
+def sync_gradients(model: Parallelized, sync: bool) -> Iterator[None]:
     """Wrap a micro-step's forward AND backward: with sync=False, gradients only accumulate locally
     (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`); with sync=True they are reduced."""
-    if sync:
-        if isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(True)
-        yield
+    if isinstance(model, ParallelModel):
+        with model.sync_gradients(sync):
+            yield
     elif isinstance(model, DDP):
-        with model.no_sync():
+        from dptrain.parallel.ddp import gradient_sync
+
+        with gradient_sync(model, sync):
             yield
     elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
-        try:
+        from dptrain.parallel.fsdp import gradient_sync as fsdp_sync
+
+        with fsdp_sync(model, sync):
             yield
-        finally:
-            model.set_requires_gradient_sync(True)
     else:
         yield
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float | None) -> torch.Tensor:
-    """Clip to the global norm over all ranks' shards and return that norm (a plain tensor).
-
-    With FSDP2 the gradients are sharded DTensors; their norm is reduced across ranks, so every
-    rank clips by the same factor. max_norm=None only measures the norm.
-    """
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm is None:
-        norm = torch.nn.utils.get_total_norm([g for p in params if (g := p.grad) is not None])
-    else:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm
+def clip_grad_norm_(model: Parallelized, max_norm: float | None) -> torch.Tensor:
+    """Clip to the global gradient norm over all ranks and shards; return it (a plain tensor)."""
+    return model.clip_grad_norm_(max_norm) if isinstance(model, ParallelModel) else clip.clip_grad_norm_(model, max_norm)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The consolidated, unsharded state dict of the user's module on CPU, under the plain module's
-    names. Collective under FSDP (call on every rank); the result is complete on rank 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    module = unwrap(model)
-    if is_sharded(module):
-        # Typed as DCP's general values; a module's state dict holds only tensors.
-        return cast(dict[str, torch.Tensor],
-                    get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
-    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+def full_state_dict(model: Parallelized) -> dict[str, torch.Tensor]:
+    """Consolidated weights under the plain module's names, on CPU. Collective under FSDP2."""
+    return model.full_state_dict() if isinstance(model, ParallelModel) else clip.full_state_dict(model)

@@ -1,18 +1,43 @@
-"""`ddp`: DistributedDataParallel, one replica per rank, gradients all-reduced in buckets."""
+"""`ddp` and `zero1`: DistributedDataParallel, one replica per data-parallel rank, gradients
+all-reduced in buckets over the data-parallel group."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def apply_ddp(model: nn.Module, *, device: torch.device, bucket_cap_mb: float = 25.0) -> nn.Module:
-    """Wrap `model` in DDP. Gradients become bucket views (one less copy per step)."""
+def apply_ddp(
+    model: nn.Module, *, device: torch.device, bucket_cap_mb: float = 25.0, process_group: Any = None,
+    materialize: Callable[[nn.Module], None] | None = None,
+) -> DDP:
+    """Wrap `model` in DDP over `process_group` (default: every rank). Gradients become bucket views
+    (one less copy per step). Meta parameters are materialised first: DDP broadcasts rank 0's
+    parameters at construction, so they must exist by then."""
+    if any(p.is_meta for p in model.parameters()):
+        if materialize is None:
+            raise ValueError("the model's parameters are on the meta device: pass materialize= to allocate and initialise them")
+        materialize(model)
     model = model.to(device)
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,
+        process_group=process_group,
     )
+
+
+@contextlib.contextmanager
+def gradient_sync(model: DDP, sync: bool) -> Iterator[None]:
+    """sync=False: `no_sync()`, gradients accumulate locally; sync=True: reduced in this backward."""
+    if sync:
+        yield
+    else:
+        with model.no_sync():
+            yield

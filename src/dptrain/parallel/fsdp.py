@@ -1,41 +1,109 @@
-"""`zero2` and `fsdp`: FSDP2 `fully_shard` on every repeated block, then on the root.
+"""`zero2` and `fsdp`: FSDP2 `fully_shard` on every block, deepest first, then on the root.
 
 `fsdp` (ZeRO-3) frees the gathered parameters after forward; `zero2` keeps them until
 backward (`reshard_after_forward=False`): gradients and optimizer state stay sharded,
-parameters are gathered once per step. `cpu_offload` keeps the shards on the host. A model on
-the meta device is sharded there; `dptrain.parallel.materialize` then allocates and fills the shards.
+parameters are gathered once per step. `cpu_offload` keeps the shards on the host. On a 2-D
+mesh (dp_replicate, dp_shard) FSDP2 shards within a dp_shard group and all-reduces across
+replicas: HSDP.
+
+The blocks ("units") are the classes named in the model's `_no_split_modules` (Hugging Face's
+convention) when it has one, else the members of every `nn.ModuleList`. Each is sharded before
+any module that contains it (FSDP2 requires children before parents); a model with no unit is
+sharded at the root only, with a warning, since then every parameter is gathered at once.
+
+A model on the meta device is sharded there; the `materialize` hook (`dptrain.parallel.materialize`)
+then allocates and fills only this rank's shards.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def block_units(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(depth, module) of every block below the root: `_no_split_modules` classes when the model
+    names any that it contains, else the members of every nn.ModuleList. Each module once."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found: dict[int, tuple[int, nn.Module]] = {}
+    if names:
+        for path, module in model.named_modules():
+            if path and type(module).__name__ in names:
+                found.setdefault(id(module), (path.count(".") + 1, module))
+    if not found:
+        for path, module in model.named_modules():
+            if isinstance(module, nn.ModuleList):
+                depth = path.count(".") + 2 if path else 1
+                for child in module:
+                    found.setdefault(id(child), (depth, child))
+    return list(found.values())
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: the members of every nn.ModuleList in the model."""
-    units: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            units.extend(module)
-    return units
+    """The blocks to shard one by one, deepest first (children before the blocks that hold them)."""
+    units = sorted(block_units(model), key=lambda du: -du[0])  # stable: registration order within a depth
+    return [m for _, m in units]
+
+
+def mixed_precision(param_dtype: str | None, reduce_dtype: str | None) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy from dtype names; None (the parameters' own dtype throughout) when neither is set."""
+    if param_dtype is None and reduce_dtype is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype] if param_dtype else None,
+                                reduce_dtype=DTYPES[reduce_dtype] if reduce_dtype else None)
 
 
 def apply_fsdp(
-    model: nn.Module, *, device: torch.device, reshard_after_forward: bool = True, cpu_offload: bool = False
+    model: nn.Module, *, device: torch.device, mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
+    cpu_offload: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Shard `model` over all ranks in place and return it (now also an FSDPModule)."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    """Shard `model` in place over `mesh` (default: every rank, 1-D) and return it (now an FSDPModule).
+    Parameters on the meta device are sharded first and then handed to `materialize`."""
+    import torch.distributed as dist
+
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and materialize is None:
+        raise ValueError("the model's parameters are on the meta device: pass materialize= to allocate and initialise them")
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
     if cpu_offload:
         # pinned host memory only helps (and only exists) with an accelerator to copy to
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    elif not any(p.is_meta for p in model.parameters()):  # a meta model is materialized after sharding
+    elif not on_meta:
         model = model.to(device)
-    for unit in shard_units(model):
+    units = shard_units(model)
+    if not units:
+        warnings.warn(
+            f"FSDP: {type(model).__name__} has no nn.ModuleList and no _no_split_modules naming its blocks, so it is "
+            "sharded as one unit at the root: every parameter is gathered at once and sharding saves no memory "
+            "during forward/backward. Put the repeated blocks in an nn.ModuleList, or set "
+            "`_no_split_modules = ['BlockClassName']` on the model", UserWarning, stacklevel=3,
+        )
+    for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    if on_meta:
+        assert materialize is not None
+        materialize(model)  # after sharding: each rank allocates only its shards
     return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: FSDPModule, sync: bool) -> Iterator[None]:
+    """sync=False: gradients accumulate unsharded and unreduced (set_requires_gradient_sync(False))."""
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

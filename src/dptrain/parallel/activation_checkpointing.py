@@ -1,0 +1,79 @@
+"""Activation checkpointing per block: store less in forward, recompute in backward.
+
+Applied with PyTorch's composable `checkpoint` (torch.distributed._composable), which hooks the
+block's forward without wrapping it: parameter names, state dicts and FSDP2 units stay the same.
+The blocks are the outermost units FSDP would shard (`fsdp.block_units`).
+
+- `full`: keep only each block's input; the whole block is recomputed in backward.
+- `selective`: op-level selective activation checkpointing (SAC): the outputs of matrix
+  multiplications and attention are kept, everything else in the block (activations,
+  norms, elementwise ops) is recomputed. Most of the memory of `full` is saved on the cheap ops,
+  at a fraction of its recompute cost (the matmuls are not run twice).
+
+Recomputation replays the same ops on the same inputs (and the same RNG state), so gradients are
+identical to training without checkpointing.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptrain.parallel.fsdp import block_units
+
+MODES = ("none", "full", "selective")
+
+
+def _saved_ops() -> set[Any]:
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_cudnn_attention")
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+def _policy(saved: set[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context() -> Any:
+    """The `context_fn` of op-level SAC: save matmul/attention outputs, recompute the rest."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(functools.partial(_policy, _saved_ops()))
+
+
+def outermost_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks not contained in another block, in registration order."""
+    units = block_units(model)
+    inner = {id(m) for _, unit in units for m in unit.modules() if m is not unit}
+    return [m for _, m in sorted(units, key=lambda du: du[0]) if id(m) not in inner]
+
+
+def apply_activation_checkpointing(model: nn.Module, *, mode: str) -> list[nn.Module]:
+    """Checkpoint every outermost block of `model` in place; returns the blocks (empty for none)."""
+    if mode not in MODES:
+        raise ValueError(f"activation_checkpointing={mode!r} is not valid; choose one of: {', '.join(MODES)}")
+    if mode == "none":
+        return []
+    from torch.distributed._composable import checkpoint
+
+    blocks = outermost_blocks(model)
+    if not blocks:
+        warnings.warn(
+            f"activation_checkpointing={mode}: {type(model).__name__} has no nn.ModuleList and no _no_split_modules "
+            "naming its blocks, so nothing is checkpointed; put the repeated blocks in an nn.ModuleList",
+            UserWarning, stacklevel=3,
+        )
+    for block in blocks:
+        if mode == "full":
+            checkpoint(block)
+        else:
+            checkpoint(block, context_fn=selective_context)
+    return blocks

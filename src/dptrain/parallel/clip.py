@@ -1,0 +1,48 @@
+"""Helpers that work on any parallelised module (plain, DDP, DataParallel, FSDP2): the user's module
+inside a wrapper, the global gradient norm, and the consolidated state dict."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP/DataParallel wrapper (FSDP2 shards in place: the module itself)."""
+    return model.module if isinstance(model, DDP | nn.DataParallel) else model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when parameters are sharded across ranks (FSDP2)."""
+    return isinstance(unwrap(model), FSDPModule)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Clip to the global norm over all ranks' shards and return that norm (a plain tensor).
+
+    With FSDP2 the gradients are sharded DTensors; their norm is reduced across the mesh, so every
+    rank clips by the same factor. max_norm=None only measures the norm.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm is None:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The consolidated, unsharded state dict of the user's module on CPU, under the plain module's
+    names. Collective under FSDP (call on every rank); the result is complete on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    module = unwrap(model)
+    if is_sharded(module):
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}

@@ -1,0 +1,177 @@
+"""`parallelize`: PyTorch's parallel APIs applied to a plain model in one fixed order, and the
+`ParallelModel` it returns, the only object that knows which wrapper is in use.
+
+Order (torchtitan's): 1. tensor parallelism (slot: tp > 1 is refused before launch until it is
+built), 2. activation checkpointing per block, 3. data parallelism: FSDP2 `fully_shard` on the
+dp_shard dimension (or the 2-D (dp_replicate, dp_shard) mesh: HSDP), or DDP on the data-parallel
+group, or nothing (single) / nn.DataParallel (dp); ZeRO-1 is DDP plus a sharded optimizer
+(`build_optimizer`). Which of these applies comes from the `DataParallelMode` of the strategy
+(config/layout.py), never from the strategy name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptrain.config import OptimConfig, ParallelConfig
+from dptrain.config.layout import DataParallelMode, strategy_mode
+from dptrain.distributed.mesh import ParallelMesh
+from dptrain.parallel import ddp, fsdp
+from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from dptrain.parallel.dp import apply_dp
+from dptrain.parallel.single import apply_single
+
+Materialize = Callable[[nn.Module], None]
+
+
+class ParallelModel:
+    """A parallelised model: `.module` is what to call; the methods are what differs by wrapper."""
+
+    def __init__(self, module: nn.Module, *, plain: nn.Module, mode: DataParallelMode, mesh: ParallelMesh) -> None:
+        self.module = module
+        self.plain = plain
+        self.mode = mode
+        self.mesh = mesh
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters are sharded across ranks (FSDP2: zero2, fsdp, HSDP)."""
+        return self.mode.wrapper == "fsdp"
+
+    # ---------------------------------------------------------------- the step
+    @contextlib.contextmanager
+    def sync_gradients(self, sync: bool) -> Iterator[None]:
+        """Wrap a micro-step's forward AND backward: sync=False only accumulates gradients locally
+        (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`); sync=True reduces them."""
+        if self.mode.wrapper == "ddp":
+            with ddp.gradient_sync(self.module, sync):  # type: ignore[arg-type]
+                yield
+        elif self.sharded:
+            with fsdp.gradient_sync(self.module, sync):  # type: ignore[arg-type]
+                yield
+        else:
+            yield
+
+    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
+        """Clip to the global gradient norm over every dimension and return it (a plain tensor).
+        DDP's gradients are already identical on every replica; FSDP2's are sharded DTensors whose
+        norm is reduced over the shard (and replicate) dimensions."""
+        from dptrain.parallel.clip import clip_grad_norm_
+
+        return clip_grad_norm_(self.module, max_norm)
+
+    # ---------------------------------------------------------------- optimizer
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None, **defaults: Any) -> torch.optim.Optimizer:
+        """`optimizer_class(params or the model's parameters, **defaults)`; under zero1 its state is
+        sharded over the data-parallel ranks (ZeroRedundancyOptimizer)."""
+        params = list(self.module.parameters()) if params is None else list(params)
+        if not self.mode.shard_optimizer:
+            return optimizer_class(params, **defaults)
+        from dptrain.parallel.zero import zero_redundancy_optimizer
+
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        return zero_redundancy_optimizer(groups, optimizer_class=optimizer_class, process_group=self.mesh.dp_group,
+                                         **defaults)
+
+    def build_optimizer(self, *, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+        """The configured optimizer (no decay on 1-D parameters), sharded under zero1."""
+        from dptrain.optim import optimizer_spec, param_groups
+
+        cls, defaults = optimizer_spec(cfg, lr=lr)
+        return self.optimizer(cls, param_groups(self.module, weight_decay=cfg.weight_decay), **defaults)
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(model, optimizer) state under the plain module's names through DCP's `get_state_dict`:
+        sharded (DTensor) values under FSDP2, full ones otherwise. Collective under FSDP2 and zero1.
+        zero1's optimizer state (which DCP does not handle) is consolidated and given to every rank in
+        ZeroRedundancyOptimizer's own format, which its `load_state_dict` re-partitions."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if optimizer is None:
+            return get_model_state_dict(self.plain), {}
+        if self.mode.shard_optimizer:
+            from dptrain.distributed.collectives import broadcast_object
+
+            optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # collective
+            own = optimizer.state_dict() if self.mesh.dp_rank == 0 else None
+            return get_model_state_dict(self.plain), broadcast_object(own, src=self._dp_root(), group=self.mesh.dp_group)
+        return get_state_dict(self.plain, optimizer)
+
+    def load_state_dict(self, model_state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None,
+                        optim_state: dict[str, Any] | None = None) -> None:
+        """Put values from `state_dict` (possibly saved at another world size and resharded by DCP)
+        back through DCP's `set_state_dict` (zero1's optimizer: its own `load_state_dict`)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if optimizer is None or self.mode.shard_optimizer:
+            set_model_state_dict(self.plain, model_state)
+            if optimizer is not None:
+                optimizer.load_state_dict(optim_state or {})
+        else:
+            set_state_dict(self.plain, optimizer, model_state_dict=model_state, optim_state_dict=optim_state or {})
+
+    def _dp_root(self) -> int:
+        """Global rank of data-parallel rank 0 of this rank's data-parallel group."""
+        import torch.distributed as dist
+
+        return dist.get_process_group_ranks(self.mesh.dp_group)[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated model state on CPU under the plain module's names (for export).
+        Collective under FSDP2 (call on every rank); complete on rank 0."""
+        from dptrain.parallel.clip import full_state_dict
+
+        return full_state_dict(self.module)
+
+    # ---------------------------------------------------------------- communication
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """Install a DDP communication hook (gradient compression and the like; see
+        torch.distributed.algorithms.ddp_comm_hooks). Only DDP (ddp, zero1) has one."""
+        if self.mode.wrapper != "ddp":
+            raise ValueError(f"communication hooks apply to DDP (strategies ddp, zero1); this model uses "
+                             f"{self.mode.wrapper!r}, whose reductions are not hookable")
+        self.module.register_comm_hook(state, hook)  # type: ignore[operator]
+
+    def release(self) -> nn.Module:
+        """Drop the wrapper (call while the process group still exists: a DDP reducer freed after
+        `destroy_process_group` can deadlock gloo's teardown); `.module` becomes the plain module."""
+        self.module = self.plain
+        return self.plain
+
+
+def parallelize(
+    model: nn.Module, *, cfg: ParallelConfig, mesh: ParallelMesh, device: torch.device,
+    materialize: Materialize | None = None, comm_hook: tuple[Any, Callable[..., Any]] | None = None,
+) -> ParallelModel:
+    """Apply tensor parallelism (slot), activation checkpointing, then FSDP2 or DDP to a plain
+    `model` for the layout of `mesh`. Parameters on the meta device are handed to `materialize`
+    (which allocates, e.g. `to_empty`, and initialises them) at the right point: after sharding
+    under FSDP2, before DDP (which broadcasts parameters at construction). `comm_hook`: a DDP
+    communication hook `(state, hook)`, registered right after construction."""
+    mode = strategy_mode(cfg)
+    if reasons := mesh.dims.unbuilt():  # 1. tensor parallelism: nothing to apply until it is built
+        raise NotImplementedError("; ".join(reasons))
+    apply_activation_checkpointing(model, mode=cfg.activation_checkpointing)  # 2.
+    if mode.wrapper == "fsdp":  # 3. data parallelism
+        module: nn.Module = fsdp.apply_fsdp(
+            model, device=device, mesh=mesh.fsdp_mesh, reshard_after_forward=mode.reshard_after_forward,
+            cpu_offload=cfg.cpu_offload, mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, cfg.fsdp_reduce_dtype),
+            materialize=materialize,
+        )
+    elif mode.wrapper == "ddp":
+        module = ddp.apply_ddp(model, device=device, bucket_cap_mb=cfg.bucket_cap_mb, process_group=mesh.dp_group,
+                               materialize=materialize)
+    elif mode.wrapper == "dataparallel":
+        module = apply_dp(apply_single(model, device=device, materialize=materialize), device=device)
+    else:
+        module = apply_single(model, device=device, materialize=materialize)
+    plan = ParallelModel(module, plain=model, mode=mode, mesh=mesh)
+    if comm_hook is not None:
+        plan.register_comm_hook(*comm_hook)
+    return plan

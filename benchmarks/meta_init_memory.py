@@ -51,12 +51,13 @@ def _status_mib(key: str) -> float:
 def worker(a: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
+    from dptrain.api import parallelize
     from dptrain.build import build_model, build_model_meta, import_object
     from dptrain.config import ModelConfig, ParallelConfig
     from dptrain.distributed.env import DistEnv
     from dptrain.distributed.process_group import destroy_process_group, init_process_group
     from dptrain.parallel import apply_strategy, full_state_dict
-    from dptrain.parallel.materialize import materialize
+    from dptrain.parallel.materialize import make_materializer
 
     cpu = torch.device("cpu")
     env = DistEnv.from_env()
@@ -75,12 +76,9 @@ def worker(a: argparse.Namespace) -> None:
     else:
         model, reason = build_model_meta(cfg, seed=0)
         assert reason is None, reason
-        if a.strategy in ("zero2", "fsdp"):
-            model = apply_strategy(model, cfg=pcfg, device=cpu)
-            materialize(model, device=cpu, seed=0)
-        else:
-            materialize(model, device=cpu, seed=0)
-            model = apply_strategy(model, cfg=pcfg, device=cpu)
+        # the trainer's path: parallelize calls the hook after sharding (FSDP) or before DDP
+        model = parallelize(model, strategy=a.strategy, device=cpu,
+                            materialize=make_materializer(device=cpu, seed=0)).module
     seconds = time.perf_counter() - t0
     peak, now = _status_mib("VmHWM") - base, _status_mib("VmRSS") - base
     params = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters()) / 2**20

@@ -10,12 +10,15 @@ import math
 from dataclasses import dataclass
 
 from dptrain.config.fields import (
+    DEFAULT_BATCH,
     DTYPES,
     LR_SCALINGS,
     NONFINITE_POLICIES,
     OPTIMIZERS,
+    SCHEDULE_CONVENTIONS,
     SCHEDULES,
     STRATEGIES,
+    WARMUP_TYPES,
     Config,
     ConfigError,
     DiagnosticsConfig,
@@ -52,11 +55,16 @@ def local_world_size(launch: LaunchConfig, *, cuda_count: int | None = None) -> 
 
 
 def resolve_batch(train: TrainConfig, *, dp_world_size: int) -> tuple[int, int, int]:
-    """Return (global, micro, accum) with global = micro * accum * dp_world_size, deriving what is missing.
+    """Return (global, micro, accum) with global = micro * accum * dp_world_size, deriving what is missing
+    by DeepSpeed's rules (`_set_batch_related_parameters`): global + micro -> accum; global + accum ->
+    micro; global only -> accum 1; micro (+ accum) -> global. None of the three given: the built-in
+    recipe DEFAULT_BATCH (global 32, micro 8).
 
     Raises ConfigError naming the equation and valid alternatives when the numbers disagree.
     """
     g, m, a, w = train.global_batch_size, train.micro_batch_size, train.grad_accum_steps, dp_world_size
+    if g is None and m is None and a is None:
+        g, m = DEFAULT_BATCH
     for name, v in (("train.global_batch_size", g), ("train.micro_batch_size", m), ("train.grad_accum_steps", a)):
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ConfigError(f"{name}={v!r} is not valid; it must be a positive integer (or left out to derive it)")
@@ -167,6 +175,10 @@ def validate(cfg: Config) -> None:
     _choice(cfg.optim.name, OPTIMIZERS, "optim.name")
     _choice(cfg.optim.lr_scaling, LR_SCALINGS, "optim.lr_scaling")
     _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
+    _choice(cfg.optim.warmup_type, WARMUP_TYPES, "optim.warmup_type")
+    _choice(cfg.optim.schedule_convention, SCHEDULE_CONVENTIONS, "optim.schedule_convention")
+    if not 0.0 <= cfg.optim.warmup_start_ratio <= 1.0:
+        raise ConfigError(f"optim.warmup_start_ratio={cfg.optim.warmup_start_ratio!r} is not valid; it must be in [0, 1]")
     _choice(cfg.parallel.device, ("auto", "cpu", "cuda"), "parallel.device")
     _choice(cfg.parallel.backend, ("auto", "gloo", "nccl"), "parallel.backend")
     for name, v, required in (("model.factory", cfg.model.factory, True), ("data.factory", cfg.data.factory, True),
@@ -196,9 +208,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio!r} is not valid; it must be in [0, 1]")
     if cfg.optim.base_batch_size is not None and cfg.optim.base_batch_size < 1:
         raise ConfigError(f"optim.base_batch_size={cfg.optim.base_batch_size!r} is not valid; use a positive integer")
-    if cfg.parallel.cpu_offload and cfg.parallel.strategy != "fsdp":
+    if cfg.parallel.cpu_offload and cfg.parallel.strategy not in ("fsdp", "zero2"):
         raise ConfigError(
-            f"parallel.cpu_offload=true needs parallel.strategy=fsdp (got {cfg.parallel.strategy!r})"
+            f"parallel.cpu_offload=true needs parallel.strategy=fsdp or zero2 (got {cfg.parallel.strategy!r})"
         )
     if cfg.checkpoint.keep_last is not None and (
         not isinstance(cfg.checkpoint.keep_last, int) or isinstance(cfg.checkpoint.keep_last, bool) or cfg.checkpoint.keep_last < 1

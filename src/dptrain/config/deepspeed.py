@@ -155,7 +155,8 @@ def _optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
         raise _bad("optimizer.params", params, "it must be a mapping (a JSON object)")
     params = {k: v for k, v in params.items() if v != "auto"}
     adam_w = params.pop("adam_w_mode", True)
-    params.pop("torch_adam", None)  # same math as FusedAdam: torch Adam/AdamW either way
+    if "torch_adam" in params:  # same math as FusedAdam: dptrain always runs torch's Adam/AdamW
+        m.ignored.append(f"optimizer.params.torch_adam={params.pop('torch_adam')!r} (dptrain always uses torch.optim)")
     if not isinstance(adam_w, bool):
         raise _bad("optimizer.params.adam_w_mode", adam_w, "use true or false")
     # DeepSpeed: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false; "AdamW" is always AdamW
@@ -257,6 +258,7 @@ def _min_max_lr(kind: str, take: Any, raw: dict[str, Any], m: DeepSpeedMapping) 
 
 
 def _precision(ds: dict[str, Any], m: DeepSpeedMapping) -> None:
+    ds_raw = {k: v for k, v in ds.items() if isinstance(v, dict)}
     blocks = {}
     for key, alias in (("fp16", None), ("bf16", "bfloat16")):
         for name in (key, alias):
@@ -272,7 +274,7 @@ def _precision(ds: dict[str, Any], m: DeepSpeedMapping) -> None:
     for key, (name, b) in blocks.items():
         extra = [k for k in b if k != "enabled"]
         if not on.get(key):
-            if extra:
+            if extra and (ds_raw.get(name) or {}).get("enabled") != "auto":  # "auto": the HF Trainer decides
                 m.ignored.append(f"{name}.{{{', '.join(extra)}}} ({name} is not enabled)")
             continue
         m.put(f"{name}.enabled", "precision.dtype", key)
@@ -297,11 +299,10 @@ def _fp16_scaler(b: dict[str, Any], m: DeepSpeedMapping) -> None:
         m.put("fp16.loss_scale_window", "precision.growth_interval", _number("fp16.loss_scale_window", window, integer=True, positive=True))
     if b.pop("loss_scale", 0) != 0:
         m.ignored.append("fp16.loss_scale (static loss scale; dptrain uses dynamic scaling)")
-    for k, dflt, why in (("hysteresis", 2, "torch's GradScaler backs off on every overflow"),
-                         ("min_loss_scale", 1, "torch's GradScaler has no floor")):
-        if k in b and b.pop(k) != dflt:
-            m.ignored.append(f"fp16.{k} ({why})")
-        b.pop(k, None)
+    for k, why in (("hysteresis", "torch's GradScaler halves the scale on every overflow"),
+                   ("min_loss_scale", "torch's GradScaler has no floor")):
+        if k in b:
+            m.ignored.append(f"fp16.{k}={b.pop(k)!r} ({why})")
     m.ignored += [f"fp16.{k}" for k in b]
 
 

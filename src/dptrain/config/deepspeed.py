@@ -148,6 +148,7 @@ def _optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
     low = kind.lower()
     if low in _REFUSED_OPTIM:
         raise ConfigError(f"DeepSpeed optimizer.type={kind!r} is not supported; {_REFUSED_OPTIM[low]}")
+    low = "adam" if low == "deepspeed_adam" else low  # old name of DeepSpeedCPUAdam (adamw_mode=True)
     if low not in ("sgd", "adam", "adamw"):
         raise _bad("optimizer.type", opt.get("type"), "use one of: SGD, Adam, AdamW")
     params = opt.get("params") or {}
@@ -320,6 +321,11 @@ def _zero(zero: Any, m: DeepSpeedMapping) -> None:
         raise _bad("zero_optimization.stage", stage, "use 0, 1, 2 or 3")
     m.put("zero_optimization.stage", "parallel.strategy", _ZERO_STAGE[stage])
     offload = []
+    legacy = zero.pop("cpu_offload", False)  # DeepSpeed < 0.3.16: "cpu_offload": true == offload_optimizer to cpu
+    if legacy is True:
+        zero.setdefault("offload_optimizer", {"device": "cpu"})
+    elif legacy is not False:
+        raise _bad("zero_optimization.cpu_offload", legacy, "use true or false")
     for k in ("offload_optimizer", "offload_param"):
         sub = zero.pop(k, None) or {}
         if not isinstance(sub, dict):

@@ -54,7 +54,8 @@ def lr_lambda(
         return _deepspeed_ratio(step - 1, warmup_steps=warmup_steps, total_steps=max_steps, schedule=schedule,
                                 min_ratio=min_lr_ratio, warmup_type=warmup_type, start=warmup_start_ratio)
     if warmup_steps and step < warmup_steps:
-        frac = math.log(step + 1) / math.log(warmup_steps + 1) if warmup_type == "log" else (step + 1) / warmup_steps
+        # both curves reach the peak at step warmup_steps - 1
+        frac = math.log(step + 2) / math.log(warmup_steps + 1) if warmup_type == "log" else (step + 1) / warmup_steps
         return warmup_start_ratio + (1.0 - warmup_start_ratio) * frac
     if schedule == "constant":
         return 1.0

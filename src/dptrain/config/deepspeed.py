@@ -151,7 +151,8 @@ def _optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
     low = "adam" if low == "deepspeed_adam" else low  # old name of DeepSpeedCPUAdam (adamw_mode=True)
     if low not in ("sgd", "adam", "adamw"):
         raise _bad("optimizer.type", opt.get("type"), "use one of: SGD, Adam, AdamW")
-    params = opt.get("params") or {}
+    params = opt.get("params", {})
+    params = {} if params is None else params
     if not isinstance(params, dict):
         raise _bad("optimizer.params", params, "it must be a mapping (a JSON object)")
     params = {k: v for k, v in params.items() if v != "auto"}
@@ -194,7 +195,8 @@ def _scheduler(sch: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
     if kind not in _SCHEDULES:
         raise _bad("scheduler.type", kind, "use WarmupLR, WarmupDecayLR or WarmupCosineLR "
                    "(for OneCycle or LRRangeTest use optim.schedule=cosine|linear|constant with optim.warmup_steps)")
-    raw = sch.get("params") or {}
+    raw = sch.get("params", {})
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise _bad("scheduler.params", raw, "it must be a mapping (a JSON object)")
     params = {k: v for k, v in raw.items() if v != "auto"}

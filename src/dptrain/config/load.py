@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any

@@ -70,7 +70,8 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | str]] = [
                  "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 15},
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 50000000, "overlap_comm": True, "cpu_offload": True},
     }, {"strategy": "zero2", "offload": True, "batch": (4, 2, 1), "optim": ("adamw", 1e-3, 3e-7, (0.8, 0.999)),
-        "sched": ("constant", "deepspeed", "log", 1000), "dtype": "fp16", "growth": 500}),
+        "sched": ("constant", "deepspeed", "log", 1000), "dtype": "fp16", "growth": 500, "clip": 1.0,
+        "init_scale": 2.0**15}),
     ("microsoft/DeepSpeedExamples cifar/ds_config_lamb.json", {
         "train_batch_size": 1024, "train_micro_batch_size_per_gpu": 16,
         "optimizer": {"type": "Lamb", "params": {"lr": 5e-3, "weight_decay": 0.01, "max_coeff": 0.3}},
@@ -86,7 +87,7 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | str]] = [
                                                  "bias_correction": False}},
         "fp16": {"enabled": True},
     }, {"strategy": "ddp", "batch": (24, 6, 2), "optim": ("adamw", 3e-5, 0.0, (0.9, 0.999)),
-        "sched": ("constant", "dptrain", "linear", 0), "dtype": "fp16", "growth": 1000}),
+        "sched": ("constant", "dptrain", "linear", 0), "dtype": "fp16", "growth": 1000, "clip": None}),
     ("microsoft/DeepSpeedExamples BingBertSquad/onebit_deepspeed_bsz24_config.json", {
         "train_batch_size": 96, "train_micro_batch_size_per_gpu": 3,
         "optimizer": {"type": "OnebitAdam", "params": {"lr": 3e-5, "freeze_step": 400}}, "fp16": {"enabled": True},
@@ -208,6 +209,7 @@ def _check(cfg: Any, expected: dict[str, Any]) -> None:
         "optim": (o.name, o.lr, o.weight_decay, o.betas), "lr": o.lr,
         "sched": (o.schedule, o.schedule_convention, o.warmup_type, o.warmup_steps), "dtype": cfg.precision.dtype,
         "growth": cfg.precision.growth_interval, "init_scale": cfg.precision.init_scale, "bucket_cap_mb": p.bucket_cap_mb,
+        "clip": o.grad_clip,
     }
     assert {k: got[k] for k in expected} == expected
 

@@ -61,6 +61,8 @@ def test_missing_keys_take_deepspeeds_defaults_and_are_listed() -> None:
     assert (o.name, o.weight_decay, o.betas, o.eps, o.schedule, o.warmup_steps) == (
         "adamw", 0.0, (0.9, 0.999), 1e-8, "constant", 0)
     assert cfg.precision.growth_interval == 1000 and cfg.precision.init_scale == 2.0**16
+    assert cfg.optim.grad_clip is None  # DeepSpeed's gradient_clipping default is 0 (off)
+    assert any("no batch size given" in n for n in m.notes)
     listed = {k for k, _, _ in m.defaults}
     assert {"optimizer.params.weight_decay", "optimizer.params.betas", "scheduler",
             "fp16.loss_scale_window", "fp16.initial_scale_power"} <= listed

@@ -96,6 +96,8 @@ def translate_deepspeed(ds: dict[str, Any]) -> DeepSpeedMapping:
     m = DeepSpeedMapping()
     ds = dict(ds)
     _batch(ds, m)
+    if "gradient_clipping" not in ds:  # DeepSpeed's default is 0: no clipping
+        m.default("gradient_clipping", "optim.grad_clip", None)
     for ds_key, target in (("gradient_clipping", "optim.grad_clip"), ("seed", "train.seed"),
                            ("steps_per_print", "train.log_every_steps")):
         v = ds.pop(ds_key, "auto")
@@ -128,6 +130,10 @@ def from_deepspeed(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 def _batch(ds: dict[str, Any], m: DeepSpeedMapping) -> None:
     """Batch keys as given; the rest is derived at resolve time by DeepSpeed's rules (resolve_batch)."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    if not any(k in ds for k in keys):
+        m.notes.append("no batch size given (DeepSpeed needs train_batch_size or train_micro_batch_size_per_gpu); "
+                       "dptrain uses global 32, micro 8 unless train.* overrides say otherwise")
     given = {}
     for ds_key, target in (("train_batch_size", "train.global_batch_size"),
                            ("train_micro_batch_size_per_gpu", "train.micro_batch_size"),

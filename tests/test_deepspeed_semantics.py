@@ -119,6 +119,7 @@ def test_lenient_enabled_flags_are_read_with_a_note(flag, on) -> None:
         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}}, r"warmup_type='cos' is not valid; use log or linear"),
         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1.5}}}, r"warmup_num_steps=1.5 is not valid"),
         ({"gradient_clipping": "1.0"}, r"gradient_clipping='1.0' is not valid; it must be a number"),
+        ({"dptrain": {"train": 5}}, r"dptrain=\{'train': 5\} is not valid; it must map section names to mappings"),
     ],
 )
 def test_type_errors_name_key_value_and_choices(ds, pattern) -> None:

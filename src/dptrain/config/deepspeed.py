@@ -114,8 +114,10 @@ def translate_deepspeed(ds: dict[str, Any]) -> DeepSpeedMapping:
         if key in ds:
             ds.pop(key)
             m.ignored.append(f"{key} ({why})")
-    native = ds.pop("dptrain", None)  # native sections may ride along inside a DeepSpeed file
-    for section, values in (native or {}).items():
+    native = ds.pop("dptrain", None) or {}  # native sections may ride along inside a DeepSpeed file
+    if not isinstance(native, dict) or not all(isinstance(v, dict | None) for v in native.values()):
+        raise _bad("dptrain", native, "it must map section names to mappings, e.g. {\"train\": {\"max_steps\": 100}}")
+    for section, values in native.items():
         for k, v in (values or {}).items():
             m.put(f"dptrain.{section}.{k}", f"{section}.{k}", v)
     m.ignored += list(ds)

@@ -106,7 +106,8 @@ def test_bad_input_errors_exit_2_and_name_the_value(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_config_show_prints_resolved_values():
-    r = dptrain("config", "show", "train.global_batch_size=64", "optim.lr_scaling=linear", "optim.base_batch_size=32",
+    r = dptrain("config", "show", "train.global_batch_size=64", "train.micro_batch_size=8", "optim.lr_scaling=linear",
+                "optim.base_batch_size=32",
                 "--nproc-per-node", "2")
     assert r.returncode == 0, r.stderr
     assert "grad_accum_steps: 4" in r.stdout  # 64 = 8 * 4 * 2

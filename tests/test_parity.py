@@ -251,7 +251,7 @@ OPTIONS = {
 @pytest.mark.parametrize(
     "strategy,option",
     [("ddp", "sync_each_micro_step"), ("fsdp", "sync_each_micro_step"), ("zero1", "momentum_weight_decay"),
-     ("fsdp", "momentum_weight_decay"), ("ddp", "tiny_ddp_buckets"), ("fsdp", "cpu_offload")],
+     ("fsdp", "momentum_weight_decay"), ("ddp", "tiny_ddp_buckets"), ("fsdp", "cpu_offload"), ("zero2", "cpu_offload")],
 )
 def test_option_matches_reference(strategy, option, tmp_path):
     """Options that change how (not what) is reduced or stepped keep parity; momentum and weight

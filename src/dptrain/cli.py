@@ -164,6 +164,12 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     cfg = _load(args.items, extra=_flag_overrides(args))
     res = resolve(cfg, world_size=local_world_size(cfg.launch) * cfg.launch.nnodes)
     print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")
+    if args.items and "=" not in args.items[0]:
+        from dptrain.config.deepspeed import mapping_for_file
+
+        mapping = mapping_for_file(args.items[0])
+        if mapping is not None:
+            print(mapping.report(), end="")
     return 0
 
 

@@ -48,10 +48,19 @@ def build_optimizer(
     return cls(groups, **kw)
 
 
-def lr_lambda(step: int, *, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at `step`: linear warmup, then cosine/linear decay or constant."""
+def lr_lambda(
+    step: int, *, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float,
+    warmup_type: str = "linear", warmup_start_ratio: float = 0.0, convention: str = "dptrain",
+) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): warmup, then cosine/linear decay
+    or constant. convention='deepspeed' reproduces DeepSpeed's lr_schedules.py (see `_deepspeed_ratio`)."""
+    if convention == "deepspeed":
+        return _deepspeed_ratio(step - 1, warmup_steps=warmup_steps, total_steps=max_steps, schedule=schedule,
+                                min_ratio=min_lr_ratio, warmup_type=warmup_type, start=warmup_start_ratio)
     if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
+        # both curves reach the peak at step warmup_steps - 1
+        frac = math.log(step + 2) / math.log(warmup_steps + 1) if warmup_type == "log" else (step + 1) / warmup_steps
+        return warmup_start_ratio + (1.0 - warmup_start_ratio) * frac
     if schedule == "constant":
         return 1.0
     span = max(1, max_steps - warmup_steps)
@@ -63,11 +72,34 @@ def lr_lambda(step: int, *, warmup_steps: int, max_steps: int, schedule: str, mi
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
+def _deepspeed_ratio(
+    it: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float, warmup_type: str, start: float
+) -> float:
+    """DeepSpeed's WarmupLR (constant), WarmupDecayLR (linear) and WarmupCosineLR (cosine) as a fraction of
+    the peak at scheduler iteration `it`. DeepSpeed steps its scheduler after each optimizer step, so
+    optimizer step s trains at iteration s - 1; before the first step (it < 0) the rate is warmup_min_lr
+    (WarmupLR, WarmupDecayLR) or 0 (WarmupCosineLR). Warmup lasts max(2, warmup_num_steps) iterations."""
+    if it < 0:
+        return 0.0 if schedule == "cosine" else start
+    w = max(2, warmup_steps)
+    if it < w:
+        gamma = math.log(it + 1) / math.log(w) if warmup_type == "log" else it / w
+        return start + (1.0 - start) * gamma
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":  # WarmupDecayLR: linear from the peak down to warmup_min_lr at total_num_steps
+        gamma = max(0.0, (total_steps - it) / max(1.0, total_steps - w))
+        return min_ratio + (1.0 - min_ratio) * gamma
+    shape = (1.0 + math.cos(math.pi * (it - w + 1) / max(1, total_steps - w))) / 2
+    return max(0.0, min_ratio + (1.0 - min_ratio) * shape)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, *, cfg: OptimConfig, max_steps: int) -> LambdaLR:
     def fn(step: int) -> float:
         return lr_lambda(
             step, warmup_steps=cfg.warmup_steps, max_steps=max_steps, schedule=cfg.schedule,
-            min_lr_ratio=cfg.min_lr_ratio,
+            min_lr_ratio=cfg.min_lr_ratio, warmup_type=cfg.warmup_type, warmup_start_ratio=cfg.warmup_start_ratio,
+            convention=cfg.schedule_convention,
         )
 
     return LambdaLR(optimizer, fn)

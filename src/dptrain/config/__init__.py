@@ -1,12 +1,15 @@
 """The config tree (`fields`) and what it resolves to at a given world size (`resolve`)."""
 
 from dptrain.config.fields import (
+    DEFAULT_BATCH,
     DTYPES,
     LR_SCALINGS,
     NONFINITE_POLICIES,
     OPTIMIZERS,
+    SCHEDULE_CONVENTIONS,
     SCHEDULES,
     STRATEGIES,
+    WARMUP_TYPES,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -36,7 +39,7 @@ from dptrain.config.resolve import (
 )
 
 __all__ = [
-    "BatchSizeError", "DTYPES", "LR_SCALINGS", "NONFINITE_POLICIES", "OPTIMIZERS", "SCHEDULES", "STRATEGIES",
+    "BatchSizeError", "DEFAULT_BATCH", "DTYPES", "LR_SCALINGS", "NONFINITE_POLICIES", "OPTIMIZERS", "SCHEDULES", "SCHEDULE_CONVENTIONS", "STRATEGIES", "WARMUP_TYPES",
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DiagnosticsConfig", "LaunchConfig",
     "LogConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "Resolved",
     "TrainConfig", "default_out_dir", "field_docs", "hang_timeout", "local_world_size", "resolve",

@@ -1,134 +1,383 @@
-"""DeepSpeed-style JSON: translate a DeepSpeed config dict into dptrain's nested config dict."""
+"""DeepSpeed-style JSON: translate a DeepSpeed config dict into dptrain's nested config dict.
+
+A DeepSpeed file means what it means in DeepSpeed: every key the file leaves out takes DeepSpeed's
+default (not dptrain's), and the translation is recorded key by key (`DeepSpeedMapping`) so that
+`dptrain config show` can list what each key became, the defaults applied and the keys ignored.
+"auto" values (Hugging Face Trainer style) keep dptrain's own value.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from dptrain.config.fields import ConfigError
 from dptrain.config.load import set_dotted
 
-
-def _no_auto(d: dict[str, Any] | None) -> dict[str, Any]:
-    """A copy of a DeepSpeed block without its "auto" values (HF Trainer style: keep dptrain's own value)."""
-    return {k: v for k, v in (d or {}).items() if v != "auto"}
-
-
 _ZERO_STAGE = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}
-_DS_OPTIM = {"sgd": "sgd", "adam": "adam", "adamw": "adamw"}
+_SCHEDULES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+_REFUSED_OPTIM = {
+    "onebitadam": "use \"Adam\" now; 1-bit gradient compression (parallel.grad_compression=onebit) is planned (issue 11)",
+    "zerooneadam": "use \"Adam\" now; 1-bit gradient compression (parallel.grad_compression=onebit) is planned (issue 11)",
+    "onebitlamb": "use \"AdamW\"; dptrain has no LAMB and no 1-bit compression yet (issue 11)",
+    "lamb": "use \"AdamW\" (dptrain has no LAMB); for large-batch training add optim.lr_scaling=sqrt",
+}
+_NOT_YET = {  # DeepSpeed keys for parallelism dptrain does not have yet (issue 10)
+    "pipeline": "pipeline parallelism is not available yet (issue 10); the model is trained data-parallel only",
+    "tensor_parallel": "tensor parallelism is not available yet (issue 10); the model is trained data-parallel only",
+}
+
+
+@dataclass
+class DeepSpeedMapping:
+    """What a DeepSpeed file became: (ds key, dptrain field, value) rows, DeepSpeed defaults applied,
+    keys ignored (with the reason), and notes worth a warning (lenient reads, semantic differences)."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    mapped: list[tuple[str, str, Any]] = field(default_factory=list)
+    defaults: list[tuple[str, str, Any]] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def put(self, ds_key: str, target: str, value: Any) -> None:
+        set_dotted(self.config, target, value)
+        self.mapped.append((ds_key, target, value))
+
+    def default(self, ds_key: str, target: str, value: Any) -> None:
+        set_dotted(self.config, target, value)
+        self.defaults.append((ds_key, target, value))
+
+    def report(self) -> str:
+        """The `config show` section: one line per key."""
+        lines = ["# DeepSpeed keys -> dptrain fields:"]
+        lines += [f"#   {k} -> {t} = {v!r}" for k, t, v in self.mapped]
+        lines += ["# DeepSpeed defaults applied (keys the file leaves out):"]
+        lines += [f"#   {k} (DeepSpeed default) -> {t} = {v!r}" for k, t, v in self.defaults] or ["#   (none)"]
+        lines += ["# ignored (not used by dptrain):"] + ([f"#   {u}" for u in self.ignored] or ["#   (none)"])
+        lines += [f"# note: {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def _bad(key: str, value: Any, valid: str) -> ConfigError:
+    return ConfigError(f"DeepSpeed {key}={value!r} is not valid; {valid}")
+
+
+def _block(ds: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """The mapping under `key` (None when absent), with "auto" values dropped; refuses a non-mapping."""
+    if key not in ds or ds[key] is None:
+        return None
+    v = ds[key]
+    if not isinstance(v, dict):
+        raise _bad(key, v, "it must be a mapping (a JSON object)")
+    return {k: x for k, x in v.items() if x != "auto"}
+
+
+def _number(key: str, v: Any, *, integer: bool = False, positive: bool = False) -> Any:
+    ok = isinstance(v, int) if integer else isinstance(v, int | float)
+    if not ok or isinstance(v, bool) or (positive and v <= 0):
+        kind = "an integer" if integer else "a number"
+        raise _bad(key, v, f"it must be {kind}{' > 0' if positive else ''} (or \"auto\")")
+    return v
+
+
+def _enabled(key: str, v: Any, m: DeepSpeedMapping) -> bool:
+    """DeepSpeed's `enabled` flag. Strings "true"/"false" and 0/1 are read (pydantic does) with a note."""
+    if isinstance(v, bool):
+        return v
+    lenient = {"true": True, "false": False, 1: True, 0: False}
+    if isinstance(v, str | int) and v in lenient:
+        m.notes.append(f"{key}={v!r} read as {lenient[v]} (write true or false)")
+        return lenient[v]
+    raise _bad(key, v, "use true or false")
+
+
+def translate_deepspeed(ds: dict[str, Any]) -> DeepSpeedMapping:
+    """Translate a DeepSpeed config dict into a DeepSpeedMapping (its `.config` is the dptrain dict)."""
+    m = DeepSpeedMapping()
+    ds = dict(ds)
+    _batch(ds, m)
+    if "gradient_clipping" not in ds:  # DeepSpeed's default is 0: no clipping
+        m.default("gradient_clipping", "optim.grad_clip", None)
+    for ds_key, target in (("gradient_clipping", "optim.grad_clip"), ("seed", "train.seed"),
+                           ("steps_per_print", "train.log_every_steps")):
+        v = ds.pop(ds_key, "auto")
+        if v != "auto":
+            v = _number(ds_key, v, integer=ds_key != "gradient_clipping")
+            m.put(ds_key, target, None if ds_key == "gradient_clipping" and v == 0 else v)
+    _optimizer(_block(ds, "optimizer"), m)
+    ds.pop("optimizer", None)
+    _scheduler(_block(ds, "scheduler"), m)
+    ds.pop("scheduler", None)
+    _precision(ds, m)
+    _zero(ds.pop("zero_optimization", None), m)
+    for key, why in _NOT_YET.items():
+        if key in ds:
+            ds.pop(key)
+            m.ignored.append(f"{key} ({why})")
+    native = ds.pop("dptrain", None) or {}  # native sections may ride along inside a DeepSpeed file
+    if not isinstance(native, dict) or not all(isinstance(v, dict | None) for v in native.values()):
+        raise _bad("dptrain", native, "it must map section names to mappings, e.g. {\"train\": {\"max_steps\": 100}}")
+    for section, values in native.items():
+        for k, v in (values or {}).items():
+            m.put(f"dptrain.{section}.{k}", f"{section}.{k}", v)
+    m.ignored += list(ds)
+    return m
 
 
 def from_deepspeed(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """Translate a DeepSpeed config dict; return (nested dptrain dict, dotted keys not understood)."""
-    out: dict[str, Any] = {}
-    unknown: list[str] = []
-    ds = dict(ds)
+    """Translate a DeepSpeed config dict; return (nested dptrain dict, keys not used)."""
+    m = translate_deepspeed(ds)
+    return m.config, m.ignored
 
-    def put(key: str, value: Any) -> None:
-        set_dotted(out, key, value)
 
-    simple = {
-        "train_batch_size": "train.global_batch_size",
-        "train_micro_batch_size_per_gpu": "train.micro_batch_size",
-        "gradient_accumulation_steps": "train.grad_accum_steps",
-        "gradient_clipping": "optim.grad_clip",
-        "seed": "train.seed",
-        "steps_per_print": "train.log_every_steps",
-    }
-    for k, target in simple.items():
-        if k in ds:
-            v = ds.pop(k)
-            if v == "auto":
-                continue
-            put(target, v)
-    if out.get("optim", {}).get("grad_clip") == 0:
-        out["optim"]["grad_clip"] = None
+def _batch(ds: dict[str, Any], m: DeepSpeedMapping) -> None:
+    """Batch keys as given; the rest is derived at resolve time by DeepSpeed's rules (resolve_batch)."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    if not any(k in ds for k in keys):
+        m.notes.append("no batch size given (DeepSpeed needs train_batch_size or train_micro_batch_size_per_gpu); "
+                       "dptrain uses global 32, micro 8 unless train.* overrides say otherwise")
+    given = {}
+    for ds_key, target in (("train_batch_size", "train.global_batch_size"),
+                           ("train_micro_batch_size_per_gpu", "train.micro_batch_size"),
+                           ("gradient_accumulation_steps", "train.grad_accum_steps")):
+        v = ds.pop(ds_key, "auto")
+        if v != "auto":
+            given[ds_key] = _number(ds_key, v, integer=True, positive=True)
+            m.put(ds_key, target, v)
+    if "gradient_accumulation_steps" in given and len(given) == 1:
+        m.notes.append("gradient_accumulation_steps alone: DeepSpeed needs train_batch_size or "
+                       "train_micro_batch_size_per_gpu as well; dptrain uses micro batch 1")
 
-    if "optimizer" in ds:
-        opt = ds.pop("optimizer") or {}
-        kind = str(opt.get("type", "")).lower()
-        if kind not in _DS_OPTIM:
-            raise ConfigError(f"DeepSpeed optimizer.type={opt.get('type')!r} is not supported; use one of: SGD, Adam, AdamW")
-        put("optim.name", _DS_OPTIM[kind])
-        params = _no_auto(opt.get("params"))
-        for pk, target in (("lr", "optim.lr"), ("weight_decay", "optim.weight_decay"), ("momentum", "optim.momentum"), ("eps", "optim.eps")):
-            if pk in params:
-                put(target, params.pop(pk))
-        if "betas" in params:
-            put("optim.betas", list(params.pop("betas")))
-        unknown += [f"optimizer.params.{k}" for k in params]
-        unknown += [f"optimizer.{k}" for k in opt if k not in ("type", "params")]
 
-    if "scheduler" in ds:
-        sch = ds.pop("scheduler") or {}
-        sched_kind = sch.get("type")
-        params = _no_auto(sch.get("params"))
-        if sched_kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-            raise ConfigError(
-                f"DeepSpeed scheduler.type={sched_kind!r} is not supported; use WarmupLR, WarmupDecayLR or WarmupCosineLR"
-            )
-        put("optim.schedule", {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}[sched_kind])
-        if "warmup_num_steps" in params:
-            put("optim.warmup_steps", params.pop("warmup_num_steps"))
-        if "total_num_steps" in params:
-            put("train.max_steps", params.pop("total_num_steps"))
-        if "warmup_max_lr" in params:
-            put("optim.lr", params.pop("warmup_max_lr"))
-        if "cos_min_ratio" in params:
-            put("optim.min_lr_ratio", params.pop("cos_min_ratio"))
-        # Defaults that match dptrain's behaviour (warm up linearly from zero) are not "unknown".
-        for k, same in (("warmup_min_lr", 0), ("warmup_type", "linear"), ("warmup_min_ratio", 0)):
-            if params.get(k, same) == same:
-                params.pop(k, None)
-        unknown += [f"scheduler.params.{k}" for k in params]
+def _optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
+    if opt is None:
+        return
+    kind = str(opt.get("type", ""))
+    low = kind.lower()
+    if low in _REFUSED_OPTIM:
+        raise ConfigError(f"DeepSpeed optimizer.type={kind!r} is not supported; {_REFUSED_OPTIM[low]}")
+    low = "adam" if low == "deepspeed_adam" else low  # old name of DeepSpeedCPUAdam (adamw_mode=True)
+    if low not in ("sgd", "adam", "adamw"):
+        raise _bad("optimizer.type", opt.get("type"), "use one of: SGD, Adam, AdamW")
+    params = opt.get("params", {})
+    params = {} if params is None else params
+    if not isinstance(params, dict):
+        raise _bad("optimizer.params", params, "it must be a mapping (a JSON object)")
+    params = {k: v for k, v in params.items() if v != "auto"}
+    adam_w = params.pop("adam_w_mode", True)
+    if "torch_adam" in params:  # same math as FusedAdam: dptrain always runs torch's Adam/AdamW
+        m.ignored.append(f"optimizer.params.torch_adam={params.pop('torch_adam')!r} (dptrain always uses torch.optim)")
+    if not isinstance(adam_w, bool):
+        raise _bad("optimizer.params.adam_w_mode", adam_w, "use true or false")
+    # DeepSpeed: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false; "AdamW" is always AdamW
+    name = "sgd" if low == "sgd" else ("adam" if low == "adam" and not adam_w else "adamw")
+    m.put("optimizer.type", "optim.name", name)
+    defaults: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.0}
+    if name == "sgd":
+        defaults["momentum"] = 0.0
+    else:
+        defaults.update(betas=[0.9, 0.999], eps=1e-8)
+    for pk, dflt in defaults.items():
+        key = f"optimizer.params.{pk}"
+        if pk in params:
+            v = params.pop(pk)
+            if pk == "betas":
+                if not (isinstance(v, list | tuple) and len(v) == 2):
+                    raise _bad(key, v, "it must be a list of two numbers, e.g. [0.9, 0.999]")
+                v = [_number(key, b) for b in v]
+            else:
+                _number(key, v, positive=pk == "lr")
+            m.put(key, f"optim.{pk}", v)
+        elif pk not in (opt.get("params") or {}):  # "auto" keeps dptrain's value
+            m.default(key, f"optim.{pk}", dflt)
+    m.ignored += [f"optimizer.params.{k}" for k in params]
+    m.ignored += [f"optimizer.{k}" for k in opt if k not in ("type", "params")]
 
-    fp16 = _no_auto(ds.pop("fp16", None))
-    bf16 = _no_auto(ds.pop("bf16", None))
-    if fp16.get("enabled") is True and bf16.get("enabled") is True:
+
+def _scheduler(sch: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
+    if sch is None:  # DeepSpeed without a scheduler block: the optimizer's lr, constant
+        m.default("scheduler", "optim.schedule", "constant")
+        m.default("scheduler", "optim.warmup_steps", 0)
+        return
+    kind = sch.get("type")
+    if kind not in _SCHEDULES:
+        raise _bad("scheduler.type", kind, "use WarmupLR, WarmupDecayLR or WarmupCosineLR "
+                   "(for OneCycle or LRRangeTest use optim.schedule=cosine|linear|constant with optim.warmup_steps)")
+    raw = sch.get("params", {})
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise _bad("scheduler.params", raw, "it must be a mapping (a JSON object)")
+    params = {k: v for k, v in raw.items() if v != "auto"}
+    m.put("scheduler.type", "optim.schedule", _SCHEDULES[kind])
+    m.put("scheduler.type", "optim.schedule_convention", "deepspeed")
+
+    def take(pk: str, dflt: Any) -> Any:
+        if pk in params:
+            return params.pop(pk)
+        return None if pk in raw else dflt  # None: "auto"
+
+    steps = take("warmup_num_steps", 1000)
+    if steps is not None:
+        (m.put if "warmup_num_steps" in raw else m.default)("scheduler.params.warmup_num_steps",
+                                                           "optim.warmup_steps", _number("scheduler.params.warmup_num_steps", steps, integer=True))
+    wtype = take("warmup_type", "log")
+    if wtype is not None:
+        if wtype not in ("log", "linear"):
+            raise _bad("scheduler.params.warmup_type", wtype, "use log or linear")
+        (m.put if "warmup_type" in raw else m.default)("scheduler.params.warmup_type", "optim.warmup_type", wtype)
+    total = take("total_num_steps", None)
+    if total is not None:
+        m.put("scheduler.params.total_num_steps", "train.max_steps", _number("scheduler.params.total_num_steps", total, integer=True, positive=True))
+    if kind == "WarmupCosineLR":
+        _cosine_ratios(take, raw, m)
+    else:
+        _min_max_lr(kind, take, raw, m)
+    m.ignored += [f"scheduler.params.{k}" for k in params]
+
+
+def _cosine_ratios(take: Any, raw: dict[str, Any], m: DeepSpeedMapping) -> None:
+    for pk, target, dflt in (("warmup_min_ratio", "optim.warmup_start_ratio", 0.0),
+                             ("cos_min_ratio", "optim.min_lr_ratio", 1e-4)):
+        v = take(pk, dflt)
+        if v is not None:
+            key = f"scheduler.params.{pk}"
+            (m.put if pk in raw else m.default)(key, target, _number(key, v))
+
+
+def _min_max_lr(kind: str, take: Any, raw: dict[str, Any], m: DeepSpeedMapping) -> None:
+    """WarmupLR/WarmupDecayLR: absolute warmup_min_lr/warmup_max_lr become the peak lr and ratios of it.
+    warmup_max_lr defaults to the optimizer's lr for WarmupLR and to 0.001 for WarmupDecayLR."""
+    max_lr = take("warmup_max_lr", None if kind == "WarmupLR" else 1e-3)
+    min_lr = take("warmup_min_lr", 0.0)
+    if max_lr is not None:
+        _number("scheduler.params.warmup_max_lr", max_lr, positive=True)
+        (m.put if "warmup_max_lr" in raw else m.default)("scheduler.params.warmup_max_lr", "optim.lr", max_lr)
+    if min_lr is None:
+        return
+    _number("scheduler.params.warmup_min_lr", min_lr)
+    peak = max_lr if max_lr is not None else m.config.get("optim", {}).get("lr")
+    if min_lr and peak is None:
+        m.ignored.append("scheduler.params.warmup_min_lr (the peak lr is \"auto\"; set optim.warmup_start_ratio)")
+        return
+    ratio = min_lr / peak if min_lr else 0.0
+    if not 0.0 <= ratio <= 1.0:
+        raise _bad("scheduler.params.warmup_min_lr", min_lr, f"it must lie between 0 and the peak lr {peak!r}")
+    put = m.put if "warmup_min_lr" in raw else m.default
+    put("scheduler.params.warmup_min_lr", "optim.warmup_start_ratio", ratio)
+    if kind == "WarmupDecayLR":  # decays to warmup_min_lr
+        put("scheduler.params.warmup_min_lr", "optim.min_lr_ratio", ratio)
+
+
+def _precision(ds: dict[str, Any], m: DeepSpeedMapping) -> None:
+    ds_raw = {k: v for k, v in ds.items() if isinstance(v, dict)}
+    blocks = {}
+    for key, alias in (("fp16", None), ("bf16", "bfloat16")):
+        for name in (key, alias):
+            if name and name in ds:
+                b = _block(ds, name)
+                ds.pop(name)
+                if key in blocks and b is not None:
+                    raise ConfigError(f"DeepSpeed config has both {key} and {name}; keep one")
+                blocks[key] = (name, b or {})
+    on = {k: _enabled(f"{name}.enabled", b["enabled"], m) for k, (name, b) in blocks.items() if "enabled" in b}
+    if on.get("fp16") and on.get("bf16"):
         raise ConfigError("DeepSpeed config enables both fp16 and bf16; enable at most one")
-    if fp16.get("enabled") is True:
-        put("precision.dtype", "fp16")
-        if "initial_scale_power" in fp16:
-            put("precision.init_scale", float(2 ** fp16["initial_scale_power"]))
-        if "loss_scale_window" in fp16:
-            put("precision.growth_interval", fp16["loss_scale_window"])
-        if fp16.get("loss_scale", 0) != 0:
-            unknown.append("fp16.loss_scale (static loss scale; dptrain uses dynamic scaling)")
-        unknown += [f"fp16.{k}" for k in fp16 if k not in ("enabled", "initial_scale_power", "loss_scale_window", "loss_scale")]
-    if bf16.get("enabled") is True:
-        put("precision.dtype", "bf16")
-        unknown += [f"bf16.{k}" for k in bf16 if k != "enabled"]
+    for key, (name, b) in blocks.items():
+        extra = [k for k in b if k != "enabled"]
+        if not on.get(key):
+            if extra and (ds_raw.get(name) or {}).get("enabled") != "auto":  # "auto": the HF Trainer decides
+                m.ignored.append(f"{name}.{{{', '.join(extra)}}} ({name} is not enabled)")
+            continue
+        m.put(f"{name}.enabled", "precision.dtype", key)
+        if key == "bf16":
+            m.ignored += [f"{name}.{k}" for k in extra]
+            continue
+        _fp16_scaler(b, m)
 
-    if "zero_optimization" in ds:
-        zero = _no_auto(ds.pop("zero_optimization"))
-        stage = zero.pop("stage", 0)
-        if stage not in _ZERO_STAGE:
-            raise ConfigError(f"DeepSpeed zero_optimization.stage={stage!r} is not valid; use 0, 1, 2 or 3")
-        put("parallel.strategy", _ZERO_STAGE[stage])
-        offload = [k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device", "none") != "none"]
-        nvme = [k for k in offload if zero[k].get("device") != "cpu"]
-        if nvme:
-            raise ConfigError(
-                f"DeepSpeed zero_optimization.{nvme[0]}.device={zero[nvme[0]].get('device')!r} is not supported; "
-                "dptrain offloads to the CPU only (device: cpu)"
+
+def _fp16_scaler(b: dict[str, Any], m: DeepSpeedMapping) -> None:
+    b = dict(b)
+    b.pop("enabled", None)
+    power = b.pop("initial_scale_power", None)
+    if power is None:
+        m.default("fp16.initial_scale_power", "precision.init_scale", 2.0**16)
+    else:
+        m.put("fp16.initial_scale_power", "precision.init_scale", float(2 ** _number("fp16.initial_scale_power", power, integer=True)))
+    window = b.pop("loss_scale_window", None)
+    if window is None:
+        m.default("fp16.loss_scale_window", "precision.growth_interval", 1000)
+    else:
+        m.put("fp16.loss_scale_window", "precision.growth_interval", _number("fp16.loss_scale_window", window, integer=True, positive=True))
+    if b.pop("loss_scale", 0) != 0:
+        m.ignored.append("fp16.loss_scale (static loss scale; dptrain uses dynamic scaling)")
+    for k, why in (("hysteresis", "torch's GradScaler halves the scale on every overflow"),
+                   ("min_loss_scale", "torch's GradScaler has no floor")):
+        if k in b:
+            m.ignored.append(f"fp16.{k}={b.pop(k)!r} ({why})")
+    m.ignored += [f"fp16.{k}" for k in b]
+
+
+def _zero(zero: Any, m: DeepSpeedMapping) -> None:
+    if zero is None or zero == "auto":
+        return
+    if isinstance(zero, bool):  # legacy form: true is stage 1, as DeepSpeed reads it
+        m.put("zero_optimization", "parallel.strategy", "zero1" if zero else "ddp")
+        return
+    if not isinstance(zero, dict):
+        raise _bad("zero_optimization", zero, "use a mapping such as {\"stage\": 2}, or true/false")
+    zero = {k: v for k, v in zero.items() if v != "auto"}
+    stage = zero.pop("stage", 0)
+    if stage not in _ZERO_STAGE or isinstance(stage, bool):
+        raise _bad("zero_optimization.stage", stage, "use 0, 1, 2 or 3")
+    m.put("zero_optimization.stage", "parallel.strategy", _ZERO_STAGE[stage])
+    offload = []
+    legacy = zero.pop("cpu_offload", False)  # DeepSpeed < 0.3.16: "cpu_offload": true == offload_optimizer to cpu
+    if legacy is True:
+        zero.setdefault("offload_optimizer", {"device": "cpu"})
+    elif legacy is not False:
+        raise _bad("zero_optimization.cpu_offload", legacy, "use true or false")
+    for k in ("offload_optimizer", "offload_param"):
+        sub = zero.pop(k, None) or {}
+        if not isinstance(sub, dict):
+            raise _bad(f"zero_optimization.{k}", sub, "it must be a mapping such as {\"device\": \"cpu\"}")
+        device = sub.get("device", "none")
+        if device not in ("none", "cpu", None):
+            raise _bad(f"zero_optimization.{k}.device", device,
+                       "dptrain offloads to the CPU only (device: cpu); NVMe offload has no PyTorch equivalent")
+        if device == "cpu":
+            offload.append(k)
+        m.ignored += [f"zero_optimization.{k}.{sk}" for sk in sub if sk != "device"]
+    if offload and stage in (0, 1):
+        raise ConfigError(
+            f"DeepSpeed {' and '.join(offload)} with zero_optimization.stage={stage} is not supported: dptrain offloads "
+            "through FSDP2's CPUOffloadPolicy, which shards; use stage 2 (zero2) or 3 (fsdp) with offload"
+        )
+    if offload:
+        m.put(f"zero_optimization.{offload[0]}.device", "parallel.cpu_offload", True)
+        if stage == 2:
+            m.notes.append(
+                "ZeRO-2 with CPU offload maps to zero2 + FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer "
+                "state are sharded on the CPU and the optimizer steps there, as in DeepSpeed; unlike DeepSpeed, the "
+                "GPU keeps no parameter copy between steps (they are gathered from the host each step)"
             )
-        for k in ("offload_optimizer", "offload_param"):
-            sub = zero.pop(k, None) or {}
-            unknown += [f"zero_optimization.{k}.{sk}" for sk in sub if sk != "device"]
-        if offload:
-            if stage != 3:
-                raise ConfigError(
-                    f"DeepSpeed {' and '.join(offload)} with zero_optimization.stage={stage} is not supported: "
-                    "dptrain offloads through FSDP2's CPUOffloadPolicy, which needs stage 3"
-                )
-            put("parallel.cpu_offload", True)
-        if "reduce_bucket_size" in zero and stage == 0:
-            put("parallel.bucket_cap_mb", zero.pop("reduce_bucket_size") * 4 / 2**20)
-        unknown += [f"zero_optimization.{k}" for k in zero]
+    if "reduce_bucket_size" in zero and stage == 0:
+        size = _number("zero_optimization.reduce_bucket_size", zero.pop("reduce_bucket_size"), positive=True)
+        m.put("zero_optimization.reduce_bucket_size", "parallel.bucket_cap_mb", size * 4 / 2**20)
+    m.ignored += [f"zero_optimization.{k}" for k in zero]
 
-    if "dptrain" in ds:  # native sections may ride along inside a DeepSpeed file
-        native = ds.pop("dptrain")
-        for section, values in (native or {}).items():
-            for k, v in (values or {}).items():
-                put(f"{section}.{k}", v)
-    unknown += list(ds)
-    return out, unknown
+
+def mapping_for_file(path: str) -> DeepSpeedMapping | None:
+    """The mapping record of a DeepSpeed-style JSON file, or None for any other config file."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from dptrain.config.fields import Config
+
+    p = Path(path)
+    if p.suffix != ".json" or not p.is_file():
+        return None
+    raw = json.loads(p.read_text())
+    if not isinstance(raw, dict) or set(raw) <= {f.name for f in dataclasses.fields(Config)}:
+        return None
+    return translate_deepspeed(raw)

@@ -27,6 +27,10 @@ SCHEDULES = ("cosine", "constant", "linear")
 NONFINITE_POLICIES = ("skip", "error", "off")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 MP_DTYPES = ("fp32", "bf16", "fp16")
+WARMUP_TYPES = ("linear", "log")
+SCHEDULE_CONVENTIONS = ("dptrain", "deepspeed")
+DEFAULT_BATCH = (32, 8)
+"""(global, micro) used when none of the three batch fields is given (the built-in recipe)."""
 
 
 def _llama_defaults() -> dict[str, Any]:
@@ -65,12 +69,12 @@ class DataConfig:
 class TrainConfig:
     max_steps: int = 500
     """Number of optimizer steps to train."""
-    global_batch_size: int | None = 32
-    """Samples per optimizer step over all ranks = micro_batch_size * grad_accum_steps * dp world size."""
-    micro_batch_size: int | None = 8
-    """Samples per forward/backward on one rank."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all ranks = micro_batch_size * grad_accum_steps * dp world size. Any batch field left out is derived from the others (DeepSpeed's rules: accum 1 when only one size is given); none given: global 32, micro 8."""
+    micro_batch_size: int | None = None
+    """Samples per forward/backward on one rank (derived when left out; see global_batch_size)."""
     grad_accum_steps: int | None = None
-    """Micro-steps per optimizer step; left out, it is derived from the other two."""
+    """Micro-steps per optimizer step (derived when left out; see global_batch_size)."""
     seed: int = 1234
     """Seed for model initialisation and the data order (the same on every rank)."""
     log_every_steps: int = 10
@@ -102,11 +106,17 @@ class OptimConfig:
     base_batch_size: int | None = None
     """The global batch size `lr` was tuned for (default: the global batch, i.e. no scaling)."""
     warmup_steps: int = 20
-    """Linear warmup steps from 0 to the peak learning rate."""
+    """Warmup steps from warmup_start_ratio * lr to the peak learning rate."""
+    warmup_type: str = "linear"
+    """Warmup curve: linear or log (DeepSpeed's default: log(step + 1) / log(warmup_steps))."""
+    warmup_start_ratio: float = 0.0
+    """Learning rate at the start of warmup as a fraction of the peak (DeepSpeed: warmup_min_lr / warmup_max_lr or warmup_min_ratio)."""
     schedule: str = "cosine"
     """After warmup: cosine (to min_lr_ratio * lr), linear (likewise) or constant."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak for the cosine and linear schedules."""
+    schedule_convention: str = "dptrain"
+    """dptrain: step s trains at the schedule's value for s, linear warmup reaches the peak at step warmup_steps - 1; deepspeed: DeepSpeed's WarmupLR/WarmupDecayLR/WarmupCosineLR formulas exactly (its scheduler steps after the optimizer, so step s trains at its iteration s - 1; warmup at least 2 steps)."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm (over all shards) to this value; null disables clipping."""
 
@@ -120,7 +130,7 @@ class ParallelConfig:
     sync_each_micro_step: bool = False
     """Reduce gradients on every micro-step instead of only the last (lower memory under FSDP, more traffic)."""
     cpu_offload: bool = False
-    """fsdp only: keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
+    """fsdp and zero2: keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
     dp_replicate: int = 1
     """Data-parallel replicas (DDP, or HSDP's replicate dimension); -1 infers it from the world size. With dp_replicate and dp_shard both 1, the strategy's own dimension takes the world: dp_replicate for ddp/zero1, dp_shard for zero2/fsdp."""
     dp_shard: int = 1

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 import typing
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,16 +49,20 @@ def load_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level, not {type(raw).__name__}")
     sections = {f.name for f in dataclasses.fields(Config)}
     if p.suffix == ".json" and not set(raw) <= sections:
-        from dptrain.config.deepspeed import from_deepspeed
+        from dptrain.config.deepspeed import translate_deepspeed
 
-        data, unknown = from_deepspeed(raw)
-        if unknown:
-            warnings.warn(
-                f"{p.name}: DeepSpeed keys dptrain does not use (ignored): {', '.join(sorted(unknown))}",
-                stacklevel=2,
-            )
-        return data
+        m = translate_deepspeed(raw)
+        for note in m.notes:
+            warn(f"{p.name}: {note}")
+        if m.ignored:
+            warn(f"{p.name}: DeepSpeed keys dptrain does not use (ignored): {', '.join(sorted(m.ignored))}")
+        return m.config
     return raw
+
+
+def warn(message: str) -> None:
+    """A clean `dptrain: warning: ...` line on stderr (no Python source line)."""
+    print(f"dptrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -12,12 +12,15 @@ from typing import TYPE_CHECKING
 
 from dptrain.config.fields import (
     ACTIVATION_CHECKPOINTING,
+    DEFAULT_BATCH,
     DTYPES,
     LR_SCALINGS,
     MP_DTYPES,
     NONFINITE_POLICIES,
     OPTIMIZERS,
+    SCHEDULE_CONVENTIONS,
     SCHEDULES,
+    WARMUP_TYPES,
     Config,
     ConfigError,
     DiagnosticsConfig,
@@ -63,11 +66,16 @@ def local_world_size(launch: LaunchConfig, *, cuda_count: int | None = None) -> 
 
 
 def resolve_batch(train: TrainConfig, *, dp_world_size: int) -> tuple[int, int, int]:
-    """Return (global, micro, accum) with global = micro * accum * dp_world_size, deriving what is missing.
+    """Return (global, micro, accum) with global = micro * accum * dp_world_size, deriving what is missing
+    by DeepSpeed's rules (`_set_batch_related_parameters`): global + micro -> accum; global + accum ->
+    micro; global only -> accum 1; micro (+ accum) -> global. None of the three given: the built-in
+    recipe DEFAULT_BATCH (global 32, micro 8).
 
     Raises ConfigError naming the equation and valid alternatives when the numbers disagree.
     """
     g, m, a, w = train.global_batch_size, train.micro_batch_size, train.grad_accum_steps, dp_world_size
+    if g is None and m is None and a is None:
+        g, m = DEFAULT_BATCH
     for name, v in (("train.global_batch_size", g), ("train.micro_batch_size", m), ("train.grad_accum_steps", a)):
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ConfigError(f"{name}={v!r} is not valid; it must be a positive integer (or left out to derive it)")
@@ -178,6 +186,10 @@ def validate(cfg: Config) -> None:
     _choice(cfg.optim.name, OPTIMIZERS, "optim.name")
     _choice(cfg.optim.lr_scaling, LR_SCALINGS, "optim.lr_scaling")
     _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
+    _choice(cfg.optim.warmup_type, WARMUP_TYPES, "optim.warmup_type")
+    _choice(cfg.optim.schedule_convention, SCHEDULE_CONVENTIONS, "optim.schedule_convention")
+    if not 0.0 <= cfg.optim.warmup_start_ratio <= 1.0:
+        raise ConfigError(f"optim.warmup_start_ratio={cfg.optim.warmup_start_ratio!r} is not valid; it must be in [0, 1]")
     _choice(cfg.parallel.device, ("auto", "cpu", "cuda"), "parallel.device")
     _choice(cfg.parallel.backend, ("auto", "gloo", "nccl"), "parallel.backend")
     for name, v, required in (("model.factory", cfg.model.factory, True), ("data.factory", cfg.data.factory, True),
@@ -228,8 +240,8 @@ def validate_parallel(cfg: Config) -> None:
     p = cfg.parallel
     mode = strategy_mode(p)
     _choice(p.activation_checkpointing, ACTIVATION_CHECKPOINTING, "parallel.activation_checkpointing")
-    if p.cpu_offload and not (mode.wrapper == "fsdp" and mode.reshard_after_forward):
-        raise ConfigError(f"parallel.cpu_offload=true needs parallel.strategy=fsdp (got {p.strategy!r})")
+    if p.cpu_offload and mode.wrapper != "fsdp":
+        raise ConfigError(f"parallel.cpu_offload=true needs parallel.strategy=fsdp or zero2 (got {p.strategy!r})")
     for name in ("fsdp_param_dtype", "fsdp_reduce_dtype"):
         value = getattr(p, name)
         if value is None:

@@ -1,0 +1,157 @@
+"""DeepSpeed JSON read as DeepSpeed reads it: batch derivation, defaults for missing keys, aliases,
+lenient flags with a warning, refusals with a reason, and the mapping record `config show` prints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dptrain.config import ConfigError, resolve
+from dptrain.config.deepspeed import from_deepspeed, translate_deepspeed
+from dptrain.config.load import build_config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _batch(ds: dict[str, Any], world: int) -> tuple[int, int, int]:
+    r = resolve(build_config(from_deepspeed(ds)[0]), world_size=world, cuda_available=False)
+    return r.global_batch_size, r.micro_batch_size, r.grad_accum_steps
+
+
+@pytest.mark.parametrize(
+    ("ds", "world", "expected"),
+    [
+        ({"train_micro_batch_size_per_gpu": 4}, 2, (8, 4, 1)),  # micro only: accum 1, global = micro * dp
+        ({"train_batch_size": 64}, 4, (64, 16, 1)),  # global only: accum 1, micro = global / dp
+        ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2, (64, 8, 4)),
+        ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 2, (64, 4, 8)),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+        ({"train_batch_size": 1024, "gradient_accumulation_steps": 8}, 2, (1024, 64, 8)),  # issue 7
+        ({"train_batch_size": 1024, "gradient_accumulation_steps": 8}, 16, (1024, 8, 8)),
+        ({"train_batch_size": 1024, "gradient_accumulation_steps": 8}, 64, (1024, 2, 8)),
+    ],
+)
+def test_batch_derived_by_deepspeeds_rules(ds, world, expected) -> None:
+    assert _batch(ds, world) == expected
+
+
+def test_batch_not_divisible_is_refused_with_alternatives() -> None:
+    with pytest.raises(ConfigError, match=r"1024 is not divisible by grad_accum_steps \* dp world size = 8 \* 256"):
+        _batch({"train_batch_size": 1024, "gradient_accumulation_steps": 8}, 256)
+
+
+def test_native_batch_fields_derive_too() -> None:
+    """README: leave any one out and it is derived; the built-in 32/8 applies only when none is given."""
+    r = resolve(load_config(None, ["train.micro_batch_size=1", "train.grad_accum_steps=1"]), world_size=2,
+                cuda_available=False)
+    assert (r.global_batch_size, r.micro_batch_size, r.grad_accum_steps) == (2, 1, 1)
+    r = resolve(load_config(None, []), world_size=2, cuda_available=False)
+    assert (r.global_batch_size, r.micro_batch_size, r.grad_accum_steps) == (32, 8, 2)
+
+
+def test_missing_keys_take_deepspeeds_defaults_and_are_listed() -> None:
+    m = translate_deepspeed({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "fp16": {"enabled": True}})
+    cfg = build_config(m.config)
+    o = cfg.optim
+    assert (o.name, o.weight_decay, o.betas, o.eps, o.schedule, o.warmup_steps) == (
+        "adamw", 0.0, (0.9, 0.999), 1e-8, "constant", 0)
+    assert cfg.precision.growth_interval == 1000 and cfg.precision.init_scale == 2.0**16
+    assert cfg.optim.grad_clip is None  # DeepSpeed's gradient_clipping default is 0 (off)
+    assert any("no batch size given" in n for n in m.notes)
+    listed = {k for k, _, _ in m.defaults}
+    assert {"optimizer.params.weight_decay", "optimizer.params.betas", "scheduler",
+            "fp16.loss_scale_window", "fp16.initial_scale_power"} <= listed
+    assert "optimizer.params.weight_decay (DeepSpeed default) -> optim.weight_decay = 0.0" in m.report()
+
+
+def test_adam_w_mode_false_is_coupled_adam() -> None:
+    d, _ = from_deepspeed({"optimizer": {"type": "Adam", "params": {"lr": 0.1, "adam_w_mode": False}}})
+    assert build_config(d).optim.name == "adam"
+    d, _ = from_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "adam_w_mode": False}}})
+    assert build_config(d).optim.name == "adamw"  # "AdamW" is always decoupled
+
+
+def test_bfloat16_alias_and_zero_optimization_bool() -> None:
+    d, unknown = from_deepspeed({"bfloat16": {"enabled": True}, "zero_optimization": True})
+    cfg = build_config(d)
+    assert cfg.precision.dtype == "bf16" and cfg.parallel.strategy == "zero1" and unknown == []
+    d, _ = from_deepspeed({"zero_optimization": False})
+    assert build_config(d).parallel.strategy == "ddp"
+    with pytest.raises(ConfigError, match="both bf16 and bfloat16"):
+        from_deepspeed({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
+
+
+def test_disabled_precision_block_with_settings_is_reported() -> None:
+    _, unknown = from_deepspeed({"fp16": {"enabled": False, "loss_scale_window": 100}})
+    assert any(u.startswith("fp16.{loss_scale_window} (fp16 is not enabled)") for u in unknown)
+    _, unknown = from_deepspeed({"fp16": {"enabled": "auto", "loss_scale_window": 100}})
+    assert unknown == []  # "auto": the Hugging Face Trainer decides, nothing is dropped silently
+
+
+@pytest.mark.parametrize(("flag", "on"), [("true", True), ("false", False), (1, True), (0, False)])
+def test_lenient_enabled_flags_are_read_with_a_note(flag, on) -> None:
+    m = translate_deepspeed({"fp16": {"enabled": flag}})
+    assert build_config(m.config).precision.dtype == ("fp16" if on else "fp32")
+    assert any(f"fp16.enabled={flag!r} read as {on}" in n for n in m.notes)
+
+
+@pytest.mark.parametrize(
+    ("ds", "pattern"),
+    [
+        ({"optimizer": "adam"}, r"optimizer='adam' is not valid; it must be a mapping"),
+        ({"scheduler": ["WarmupLR"]}, r"scheduler=\['WarmupLR'\] is not valid; it must be a mapping"),
+        ({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}, r"optimizer.params.lr='fast' is not valid; it must be a number > 0"),
+        ({"optimizer": {"type": "Adam", "params": []}}, r"optimizer.params=\[\] is not valid"),
+        ({"optimizer": {"type": "Adam", "params": {"betas": 0.9}}}, r"optimizer.params.betas=0.9 .*two numbers"),
+        ({"optimizer": {"type": "RMSprop"}}, r"optimizer.type='RMSprop' is not valid; use one of: SGD, Adam, AdamW"),
+        ({"train_batch_size": "64"}, r"train_batch_size='64' is not valid; it must be an integer > 0"),
+        ({"train_micro_batch_size_per_gpu": 0}, r"train_micro_batch_size_per_gpu=0 is not valid"),
+        ({"fp16": {"enabled": "yes"}}, r"fp16.enabled='yes' is not valid; use true or false"),
+        ({"fp16": True}, r"fp16=True is not valid; it must be a mapping"),
+        ({"zero_optimization": 2}, r"zero_optimization=2 is not valid; use a mapping"),
+        ({"zero_optimization": {"stage": "2"}}, r"zero_optimization.stage='2' is not valid; use 0, 1, 2 or 3"),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, r"stage=1 is not supported.*use stage 2"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}}, r"warmup_type='cos' is not valid; use log or linear"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1.5}}}, r"warmup_num_steps=1.5 is not valid"),
+        ({"gradient_clipping": "1.0"}, r"gradient_clipping='1.0' is not valid; it must be a number"),
+        ({"dptrain": {"train": 5}}, r"dptrain=\{'train': 5\} is not valid; it must map section names to mappings"),
+    ],
+)
+def test_type_errors_name_key_value_and_choices(ds, pattern) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        from_deepspeed(ds)
+
+
+def test_parallelism_keys_are_reported_not_used() -> None:
+    _, unknown = from_deepspeed({"pipeline": {"stages": 4}, "tensor_parallel": {"autotp_size": 2}})
+    assert [u.split(" ")[0] for u in unknown] == ["pipeline", "tensor_parallel"]
+    assert all("issue 10" in u for u in unknown)
+
+
+@pytest.mark.timeout(120)
+def test_cli_config_show_and_clean_errors(tmp_path: Path) -> None:
+    def show(*items: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dptrain", "config", "show", *items, "--nproc-per-node", "2"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+    r = show("train.micro_batch_size=1", "train.grad_accum_steps=1")
+    assert r.returncode == 0, r.stderr
+    assert "global_batch_size: 2" in r.stdout
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"train_batch_size": 16, "pipeline": {"stages": 4},
+                             "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}}))
+    r = show(str(p))
+    assert r.returncode == 0, r.stderr
+    assert "#   train_batch_size -> train.global_batch_size = 16" in r.stdout
+    assert "#   scheduler.params.warmup_type (DeepSpeed default) -> optim.warmup_type = 'log'" in r.stdout
+    assert "#   scheduler.params.warmup_max_lr (DeepSpeed default) -> optim.lr = 0.001" in r.stdout
+    assert r.stderr.startswith("dptrain: warning: ds.json: DeepSpeed keys dptrain does not use (ignored): pipeline")
+    p.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}))
+    r = show(str(p))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "optimizer.params.lr='fast'" in r.stderr and len(r.stderr.strip().splitlines()) == 1

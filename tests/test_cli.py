@@ -89,7 +89,7 @@ def test_inconsistent_batch_is_refused_before_any_process_starts(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)  # five CLI processes; each imports torch (slow on a loaded machine)
 def test_bad_input_errors_exit_2_and_name_the_value(tmp_path):
     r = dptrain("run", "train.max_step=5", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "train.max_step" in r.stderr and "max_steps" in r.stderr

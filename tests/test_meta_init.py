@@ -20,12 +20,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dptrain.api import parallelize
 from dptrain.build import build_model, build_model_meta
 from dptrain.config import ModelConfig, ParallelConfig
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.process_group import destroy_process_group, init_process_group
 from dptrain.parallel import apply_strategy, full_state_dict, unwrap
-from dptrain.parallel.materialize import check_init_contract, local_chunk, materialize
+from dptrain.parallel.materialize import check_init_contract, local_chunk, make_materializer, materialize
 from mp import run_ranks
 
 SEED = 1234
@@ -50,16 +51,14 @@ def sample_batch(key: str):
 
 
 def parallelize_meta(cfg: ModelConfig, pcfg: ParallelConfig) -> tuple[nn.Module, str | None]:
-    """Meta build -> today's apply_strategy with the materialize hook where `parallelize` will call it."""
+    """Meta build -> the trainer's path: `parallelize` calls the materialize hook after fully_shard
+    (zero2/fsdp) or before DDP wraps the model."""
     model, reason = build_model_meta(cfg, seed=SEED)
     if reason is not None:
         return apply_strategy(model, cfg=pcfg, device=CPU), reason
-    if pcfg.strategy in SHARD_FIRST:
-        model = apply_strategy(model, cfg=pcfg, device=CPU)  # fully_shard on meta
-        materialize(model, device=CPU, seed=SEED)  # with cpu_offload too: the shards live on the CPU
-        return model, None
-    materialize(model, device=CPU, seed=SEED)
-    return apply_strategy(model, cfg=pcfg, device=CPU), None
+    hook = make_materializer(device=CPU, seed=SEED)  # with cpu_offload too: the shards live on the CPU
+    plan = parallelize(model, strategy=pcfg.strategy, cpu_offload=pcfg.cpu_offload, device=CPU, materialize=hook)
+    return plan.module, None
 
 
 def mismatches(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:

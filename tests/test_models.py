@@ -84,6 +84,7 @@ def test_bf16_autocast_forward_backward():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
 
 
+@pytest.mark.timeout(240)  # a few hundred optimizer steps: slow on a loaded 2-core machine
 def test_overfits_one_batch():
     m = tiny()
     batch = tokens(2, 33)

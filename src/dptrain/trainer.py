@@ -8,7 +8,6 @@ evaluation, saving) sits around it.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -30,6 +29,7 @@ from dptrain.diagnostics import Diagnostics, apply_collective_checks
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.process_group import bind_device, process_group
+from dptrain.metrics import strict_json
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
 from dptrain.optim import build_optimizer, build_scheduler
 from dptrain.parallel import (
@@ -205,7 +205,7 @@ class Trainer:
             finally:
                 self.diag.close()
             if self.env.is_main:
-                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                (self.run_dir / "summary.json").write_text(strict_json.dumps(summary, indent=2) + "\n")
                 self.console.close()
                 if self.cfg.log.progress:
                     print_summary(summary, run_dir=self.run_dir)

@@ -6,7 +6,19 @@ checkpoint to load; metrics continuity), `preempt` (SIGTERM), `attempts` (elasti
 reports), `manager` (the CheckpointManager the trainer calls), `cli` (`dptrain ckpt`).
 """
 
+from typing import Any
+
 from dptrain.checkpoint.manifest import CheckpointError, CheckpointInfo, list_checkpoints, verify
-from dptrain.checkpoint.preempt import EXIT_PREEMPTED
+
+
+def __getattr__(name: str) -> Any:
+    # preempt imports torch (and its distributed stack): only on use, so `dptrain ckpt ls` and
+    # `dptrain --help`, which import this package, stay fast.
+    if name == "EXIT_PREEMPTED":
+        from dptrain.checkpoint.preempt import EXIT_PREEMPTED
+
+        return EXIT_PREEMPTED
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["CheckpointError", "CheckpointInfo", "EXIT_PREEMPTED", "list_checkpoints", "verify"]

@@ -10,7 +10,6 @@ console.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -29,6 +28,7 @@ from dptrain.diagnostics.preflight import run_preflight
 from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, find_stragglers, gather_rows
 from dptrain.diagnostics.watchdog import Watchdog
 from dptrain.distributed.env import DistEnv
+from dptrain.metrics import strict_json
 from dptrain.parallel import is_sharded, unwrap
 
 STORE_PREFIX = "dptrain/diag/"
@@ -196,6 +196,6 @@ class Diagnostics:
     def report(self, kind: str, record: dict[str, Any], message: str | None = None) -> None:
         """A finding: one line in diagnostics.jsonl and, with a message, one on the console (rank 0)."""
         if self._sink is not None:
-            self._sink.write(json.dumps({"kind": kind, **record}) + "\n")
+            self._sink.write(strict_json.dumps({"kind": kind, **record}) + "\n")
         if message and self.env.is_main:
             self._say(message)

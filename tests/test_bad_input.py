@@ -17,6 +17,7 @@ import pytest
 from dptrain.cli import main
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config, load_yaml, parse_override, resolve_scalar
+from dptrain.config.resolve import _torch_build_has_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
@@ -310,8 +311,11 @@ DIST_STACK = ("torch.distributed.run", "torch.distributed.elastic", "torch.distr
     (["ckpt", "ls", "RUN"], ("torch",), 0),
     (["run", "optim.lr=inf", "--out", "RUN/x"], ("torch",), 2),
     (["run", "launch.nnodes=1:2"], ("torch",), 2),
-    (["config", "show"], DIST_STACK, 0),
+    # a CPU build of torch cannot have CUDA, so `auto` device detection needs no torch at all
+    (["config", "show"], DIST_STACK if _torch_build_has_gpu() else ("torch",), 0),
     (["run", "train.global_batch_size=7", "--nproc-per-node", "2", "--out", "RUN/x"], DIST_STACK, 2),
+    (["run", "train.global_batch_size=7", "--nproc-per-node", "2", "parallel.device=cpu", "--out", "RUN/x"],
+     ("torch",), 2),
     (["run", *TOY, "model.kwargs.bogus=1", "--out", "RUN/x"], DIST_STACK, 2),
 ])
 def test_fast_commands_import_no_torch_or_no_distributed_stack(tmp_path, argv, heavy, rc):

@@ -35,13 +35,36 @@ def _choice(value: str, valid: tuple[str, ...], name: str) -> None:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
 
 
+def _torch_build_has_gpu() -> bool:
+    """False when the installed torch is a CPU-only build (its version.py says cuda = hip = None),
+    read without importing torch (seconds); True when it may have GPU support."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            text = (Path(folder) / "version.py").read_text()
+        except OSError:
+            continue
+        return not all(re.search(rf"^{name}\b.*=\s*None\s*$", text, re.M) for name in ("cuda", "hip"))
+    return True
+
+
+def cuda_device_count() -> int:
+    """torch.cuda.device_count() when CUDA is usable, else 0; a CPU build of torch is not imported."""
+    if not _torch_build_has_gpu():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def local_world_size(launch: LaunchConfig, *, cuda_count: int | None = None) -> int:
     """Worker processes per node, resolving `auto` to the local GPU count (2 on a CPU-only machine)."""
     if launch.nproc_per_node == "auto":
         if cuda_count is None:
-            import torch
-
-            cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            cuda_count = cuda_device_count()
         return cuda_count if cuda_count > 0 else 2
     try:
         n = int(launch.nproc_per_node)
@@ -130,9 +153,7 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     """Validate `cfg` and derive everything that depends on the world size. Raises ConfigError."""
     validate(cfg)
     if cuda_available is None:
-        import torch
-
-        cuda_available = torch.cuda.is_available()
+        cuda_available = cuda_device_count() > 0
     if world_size is None:
         world_size = local_world_size(cfg.launch, cuda_count=None if cuda_available else 0) * cfg.launch.nnodes
     device = cfg.parallel.device

@@ -117,6 +117,10 @@ def test_overrides_and_options_in_any_order(capsys, tmp_path):
     assert shown["launch"]["nproc_per_node"] == 1
     # `run CFG --out DIR override`: the override after the option is applied (and here refused by name)
     refused(capsys, ["run", str(cfg), "--out", str(tmp_path / "r"), "train.max_steps=0"], "train.max_steps=0")
+    assert main(["config", "show", "train.log_every_steps=3", "--nproc-per-node", "1", str(cfg),
+                 "parallel.strategy=single"]) == 0  # CONFIG after overrides and options
+    assert load_yaml(capsys.readouterr().out)["train"]["max_steps"] == 7
+    refused(capsys, ["config", "show", str(cfg), "train.log_every_steps=3", "other.yaml"], "'other.yaml'")
     # a real unknown option is still refused, by argparse, with exit 2
     refused(capsys, ["run", str(cfg), "--no-such-option"], "--no-such-option")
 

@@ -101,17 +101,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(items: list[str], *, extra: list[str], run_dir: str | None = None) -> Config:
-    """CONFIG is the first item without '=' (if any); the rest are overrides. Without CONFIG, an
+    """CONFIG is the one item without '=' (if any, in any position); the rest are overrides. Without CONFIG, an
     existing `run_dir`'s config.yaml is the base (continuing that run)."""
-    path = None
-    overrides = []
-    for i, item in enumerate(items):
-        if "=" not in item and i == 0:
-            path = item
-        elif "=" not in item:
-            raise ConfigError(f"{item!r} is not an override of the form section.field=value (only one CONFIG file may be given)")
-        else:
-            overrides.append(item)
+    files = [item for item in items if "=" not in item]
+    overrides = [item for item in items if "=" in item]
+    if len(files) > 1:
+        raise ConfigError(f"{files[1]!r} is not an override of the form section.field=value "
+                          f"(only one CONFIG file may be given; {files[0]!r} is the first)")
+    path = files[0] if files else None
     if path is None and run_dir is not None and (Path(run_dir) / "config.yaml").is_file():
         path = str(Path(run_dir) / "config.yaml")
     cfg = load_config(path, [*overrides, *extra])

@@ -254,7 +254,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} is not valid; use a positive integer")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise ConfigError(f"--temperature={args.temperature} is not valid; use a finite number > 0 (0: greedy)")
+        raise ConfigError(f"--temperature={args.temperature} is not valid; use a finite number >= 0 (0: greedy, > 0: sampling)")
     if args.top_k < 0:
         raise ConfigError(f"--top-k={args.top_k} is not valid; use an integer >= 0 (0: no top-k filtering)")
     if not (Path(args.run_dir) / "final" / "model.safetensors").is_file():

@@ -362,3 +362,22 @@ def test_every_json_file_of_a_run_with_a_nan_loss_parses_strictly(tmp_path):
             record = json.loads(line, parse_constant=_reject)
             nulls += isinstance(record, dict) and record.get("loss_nonfinite") == "nan"
     assert nulls >= 1, "the NaN loss was not recorded as null + loss_nonfinite"
+
+
+# ------------------------------------------------------------------ generate: no silent waits
+@pytest.mark.timeout(60)
+def test_generate_reports_progress_and_slides_past_the_context(monkeypatch):
+    import io
+    import itertools
+
+    import dptrain.generate as gen
+    from dptrain.models.llama import build_llama
+
+    model = build_llama(dim=16, n_layers=1, n_heads=2, max_seq_len=8)
+    clock = itertools.count(0.0, 0.5)  # every call to the clock advances half a second
+    monkeypatch.setattr(gen.time, "monotonic", lambda: next(clock))
+    stream = io.StringIO()
+    out = gen.generate_bytes(model, "ab", max_new_tokens=20, seed=1, progress=stream)
+    assert len(out) == 20  # longer than the 8-byte context: the window slides
+    lines = stream.getvalue().splitlines()
+    assert lines and all(line.startswith("generate: ") and "/20 bytes" in line for line in lines)

@@ -6,8 +6,9 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
-from dptrain.config import Config, ConfigError, default_out_dir, local_world_size, resolve
+from dptrain.config import Config, ConfigError, default_out_dir, local_world_size, resolve, validate
 from dptrain.config.layout import strategy_mode
 from dptrain.config.load import dump_yaml, load_config
 
@@ -16,15 +17,35 @@ EXIT_BAD_INPUT = 2
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parse(parser, sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_BAD_INPUT
+    from dptrain.launch_checks import FactoryFailed
+
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"dptrain: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except FactoryFailed as e:
+        print(e.report, end="", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options and `section.field=value` overrides in any order: `run CFG --out DIR train.max_steps=5`.
+    argparse stops a `nargs="*"` positional at the first option; what it leaves over is appended."""
+    args, extra = parser.parse_known_args(argv)
+    if hasattr(args, "items"):
+        args.items += [a for a in extra if not a.startswith("-")]
+        extra = [a for a in extra if a.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,14 +83,15 @@ def _parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check this machine for distributed training (versions, GPUs, network, env)")
     doctor.add_argument("--comm", action="store_true", help="also run an all-reduce bandwidth/latency sweep across ranks")
     doctor.add_argument("--nproc-per-node", type=int, help="ranks for --comm (default: every GPU, else 2 on the CPU)")
-    doctor.set_defaults(func=lambda a: _doctor().run_doctor(comm=a.comm, nproc=a.nproc_per_node))
+    doctor.set_defaults(func=cmd_doctor)
 
     gen = sub.add_parser("generate", help="sample text from a trained language model")
     gen.add_argument("run_dir")
     gen.add_argument("--prompt", default="def ")
-    gen.add_argument("--max-new-tokens", type=int, default=300)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--max-new-tokens", type=int, default=300,
+                     help="bytes to sample (>= 1); past the model's context the last max_seq_len bytes are the window")
+    gen.add_argument("--temperature", type=float, default=0.8, help="> 0 samples; 0 is greedy (argmax)")
+    gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes (0: all)")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
 
@@ -80,17 +102,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(items: list[str], *, extra: list[str], run_dir: str | None = None) -> Config:
-    """CONFIG is the first item without '=' (if any); the rest are overrides. Without CONFIG, an
+    """CONFIG is the one item without '=' (if any, in any position); the rest are overrides. Without CONFIG, an
     existing `run_dir`'s config.yaml is the base (continuing that run)."""
-    path = None
-    overrides = []
-    for i, item in enumerate(items):
-        if "=" not in item and i == 0:
-            path = item
-        elif "=" not in item:
-            raise ConfigError(f"{item!r} is not an override of the form section.field=value (only one CONFIG file may be given)")
-        else:
-            overrides.append(item)
+    files = [item for item in items if "=" not in item]
+    overrides = [item for item in items if "=" in item]
+    if len(files) > 1:
+        raise ConfigError(f"{files[1]!r} is not an override of the form section.field=value "
+                          f"(only one CONFIG file may be given; {files[0]!r} is the first)")
+    path = files[0] if files else None
     if path is None and run_dir is not None and (Path(run_dir) / "config.yaml").is_file():
         path = str(Path(run_dir) / "config.yaml")
     cfg = load_config(path, [*overrides, *extra])
@@ -113,24 +132,23 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dptrain import launch
-    from dptrain.build import build_datasets, import_object
     from dptrain.checkpoint.cli import prepare_resume
+    from dptrain.launch_checks import check_dir_writable
 
     cfg = _load(args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None)
-    nproc = local_world_size(cfg.launch)
+    validate(cfg)  # before anything imports torch: a refusal is instant
     run_dir = Path(default_out_dir(cfg))
+    check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")
+    if cfg.checkpoint.dir is not None:
+        check_dir_writable(cfg.checkpoint.dir, what="checkpoint.dir")  # relative to the working directory
+    nproc = local_world_size(cfg.launch)
     # An existing run: same model, same global batch; accumulation follows a new world size.
     cfg = prepare_resume(cfg, run_dir=run_dir, resume=args.resume, trust=args.trust_checkpoint,
                          world_size=nproc * cfg.launch.nnodes)
     res = resolve(cfg, world_size=nproc * cfg.launch.nnodes)  # refuses bad batch arithmetic before any process starts
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=str(run_dir)),
                               launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc))
-    # Build the data once here: it warms caches (the corpus) before ranks race for them, and a
-    # dataset smaller than one global batch is refused before any worker starts.
-    for spec in (cfg.model.factory, cfg.train.loss, cfg.data.collate):
-        if spec:
-            import_object(spec)  # a typo in an import path fails here, not in every worker
-    train, _ = build_datasets(cfg.data)
+    train = _check_factories(cfg)
     if len(train) < res.global_batch_size:
         raise ConfigError(
             f"the training set has {len(train)} samples, fewer than one global batch of {res.global_batch_size}; "
@@ -149,15 +167,52 @@ def cmd_run(args: argparse.Namespace) -> int:
     return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0)
 
 
+def _check_factories(cfg: Config) -> Any:
+    """Import every factory, bind its kwargs, build the model once on the meta device and the data
+    once (which warms caches, e.g. the corpus, before ranks race for them). Returns the train set."""
+    from dptrain.build import import_object
+    from dptrain.data.loader import split_train_val
+    from dptrain.launch_checks import call_factory, check_model, check_signature
+
+    for spec in (cfg.train.loss, cfg.data.collate):
+        if spec:
+            import_object(spec)  # a typo in an import path fails here, not in every worker
+    check_model(cfg.model)
+    data_fn = import_object(cfg.data.factory)
+    check_signature(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory)
+    train, _ = split_train_val(call_factory(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory))
+    return train
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from dptrain import launch
     from dptrain.config import LaunchConfig
 
     if not args.argv:
         raise ConfigError("dptrain launch needs a script: dptrain launch [torchrun options] SCRIPT [ARGS]")
+    _check_nproc_option(args.argv)
     argv = launch.user_script_args(args.argv, default_nproc=local_world_size(LaunchConfig()))
     restarts = any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in argv)
     return launch.run_torchrun(argv, restarts=restarts)
+
+
+def _check_nproc_option(argv: list[str]) -> None:
+    """torchrun's --nproc-per-node must be a positive integer or one of its words (it asserts otherwise)."""
+    for i, a in enumerate(argv):
+        if not a.startswith("-") and (i == 0 or "=" in argv[i - 1] or not argv[i - 1].startswith("-")):
+            break  # the script: its own arguments are not torchrun's
+        name, eq, value = a.partition("=")
+        if name not in ("--nproc-per-node", "--nproc_per_node"):
+            continue
+        value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        if value not in ("auto", "cpu", "gpu", "xpu") and not (value.isdigit() and int(value) >= 1):
+            raise ConfigError(f"--nproc-per-node={value!r} is not valid; use a positive integer, auto, cpu or gpu")
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node={args.nproc_per_node} is not valid; use a positive integer")
+    return _doctor().run_doctor(comm=args.comm, nproc=args.nproc_per_node)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -201,13 +256,21 @@ def _doctor():
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from dptrain.generate import generate, load_model_from_run
+    import math
 
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} is not valid; use a positive integer")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature={args.temperature} is not valid; use a finite number >= 0 (0: greedy, > 0: sampling)")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k={args.top_k} is not valid; use an integer >= 0 (0: no top-k filtering)")
     if not (Path(args.run_dir) / "final" / "model.safetensors").is_file():
         raise ConfigError(f"{args.run_dir!r} holds no final/model.safetensors; pass the directory of a finished run")
+    from dptrain.generate import generate, load_model_from_run
+
     model = load_model_from_run(args.run_dir)
     text = generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, seed=args.seed)
+                    top_k=args.top_k, seed=args.seed, progress=sys.stderr)
     print(args.prompt + text)
     return 0
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TextIO, cast
 
 import torch
-import yaml
 from torch import nn
 
 from dptrain.build import import_object
@@ -29,11 +29,14 @@ def generate_bytes(
     temperature: float = 0.8,
     top_k: int | None = 40,
     seed: int = 0,
+    progress: TextIO | None = None,
 ) -> bytes:
     """Sample exactly ``max_new_tokens`` bytes continuing ``prompt`` (the prompt is not included).
 
     ``model.logits(idx[1, T]) -> [1, T, V]`` is used; ``temperature <= 0`` means greedy and
     ``top_k`` of ``None``/``0`` disables top-k filtering. An empty prompt starts from ``b"\\n"``.
+    The model sees at most its context (``max_seq_len``) of the latest bytes: past it, the window
+    slides, so any length can be sampled. With ``progress``, a line every 2 s says how far it is.
     """
     data = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
     data = data or b"\n"
@@ -47,8 +50,15 @@ def generate_bytes(
     logits_of = cast(Callable[[torch.Tensor], torch.Tensor], model.logits)
     was_training = model.training
     model.eval()
+    last = start = time.monotonic()
     try:
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
+            if progress is not None and time.monotonic() - last >= 2.0:
+                last = time.monotonic()
+                rate = i / (last - start)
+                progress.write(f"generate: {i}/{max_new_tokens} bytes ({rate:.0f}/s, "
+                               f"eta {(max_new_tokens - i) / max(rate, 1e-9):.0f} s)\n")
+                progress.flush()
             cond = idx if ctx is None else idx[:, -ctx:]
             logits = logits_of(cond)[0, -1].float()
             logits = logits[:256]  # only byte ids can be decoded
@@ -75,6 +85,7 @@ def generate(
     temperature: float = 0.8,
     top_k: int | None = 40,
     seed: int = 0,
+    progress: TextIO | None = None,
 ) -> str:
     """Sample a continuation of ``prompt`` and decode it as UTF-8 (``errors="replace"``).
 
@@ -82,7 +93,8 @@ def generate(
     multi-byte sequences merge, so the string can be shorter than ``max_new_tokens``.
     """
     raw = generate_bytes(
-        model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+        progress=progress,
     )
     return raw.decode("utf-8", errors="replace")
 
@@ -109,16 +121,32 @@ def load_model_from_run(run_dir: str | Path, *, device: str | torch.device = "cp
     """
     from safetensors.torch import load_file
 
+    from dptrain.config import ConfigError
+    from dptrain.config.load import load_yaml
+
     run_dir = Path(run_dir)
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    model_cfg = cfg.get("model") or {}
-    factory = import_object(model_cfg.get("factory") or DEFAULT_MODEL_FACTORY)
+    cfg = load_yaml((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+    model_cfg = (cfg or {}).get("model") or {}
+    spec = model_cfg.get("factory") or DEFAULT_MODEL_FACTORY
+    factory = import_object(spec)
     model = factory(**(model_cfg.get("kwargs") or {}))
+    if not callable(getattr(model, "logits", None)):
+        raise ConfigError(
+            f"{str(run_dir)!r} is a run of model.factory={spec!r}, which is not a language model "
+            f"(no logits(idx) method); generate needs a run of {DEFAULT_MODEL_FACTORY!r} or a model with logits()"
+        )
     state = load_file(str(run_dir / "final" / "model.safetensors"))
     # Checkpoints taken from a DDP- or compile-wrapped module carry a wrapper prefix.
     for prefix in ("module.", "_orig_mod."):
         if state and all(k.startswith(prefix) for k in state):
             state = {k[len(prefix) :]: v for k, v in state.items()}
     _fill_shared_keys(model, state)
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+        raise ConfigError(
+            f"{str(run_dir / 'final' / 'model.safetensors')!r} does not fit the model {spec!r} built from "
+            f"{str(run_dir / 'config.yaml')!r} ({first}); generate needs the final weights of that language model"
+        ) from None
     return model.to(device).eval()

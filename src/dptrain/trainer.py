@@ -15,7 +15,6 @@ stay on the device, and the preemption flag is agreed without blocking (checkpoi
 from __future__ import annotations
 
 import gc
-import json
 import math
 import sys
 import time
@@ -39,6 +38,7 @@ from dptrain.distributed.env import DistEnv
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.distributed.process_group import bind_device, process_group
 from dptrain.loss import items_per_rank, takes_num_items
+from dptrain.metrics import strict_json
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
 from dptrain.optim import build_scheduler
 from dptrain.parallel import ParallelModel, parallelize, unwrap
@@ -219,7 +219,7 @@ class Trainer:
             finally:
                 self.close(wait=finished)
             if self.env.is_main:
-                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                (self.run_dir / "summary.json").write_text(strict_json.dumps(summary, indent=2) + "\n")
                 self.console.close()
                 if self.cfg.log.progress:
                     print_summary(summary, run_dir=self.run_dir)

@@ -7,7 +7,19 @@ reading), `rng` (per-rank RNG state), `resume` (which checkpoint to load; metric
 (the CheckpointManager, on a CheckpointState), `cli` (`dptrain ckpt`).
 """
 
+from typing import Any
+
 from dptrain.checkpoint.manifest import CheckpointError, CheckpointInfo, list_checkpoints, verify
-from dptrain.checkpoint.preempt import EXIT_PREEMPTED
+
+
+def __getattr__(name: str) -> Any:
+    # preempt imports torch (and its distributed stack): only on use, so `dptrain ckpt ls` and
+    # `dptrain --help`, which import this package, stay fast.
+    if name == "EXIT_PREEMPTED":
+        from dptrain.checkpoint.preempt import EXIT_PREEMPTED
+
+        return EXIT_PREEMPTED
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["CheckpointError", "CheckpointInfo", "EXIT_PREEMPTED", "list_checkpoints", "verify"]

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dptrain.metrics import strict_json
+
 _DIR = "attempts"
 LOG = "attempts.jsonl"
 
@@ -31,7 +33,7 @@ class ProgressFile:
         self._f = open(self.path, "w")  # noqa: SIM115 - kept open for cheap rewrites
 
     def _write(self) -> None:
-        text = json.dumps(self.record)
+        text = strict_json.dumps(self.record)
         self._f.seek(0)
         self._f.write(text.ljust(len(text) + 64) + "\n")  # padding overwrites a longer old record
         self._f.truncate()
@@ -82,7 +84,7 @@ def report_restart(run_dir: Path, *, attempt: int) -> str | None:
         return None
     prev.update(restarted_as=attempt, time=time.time())
     with open(run_dir / LOG, "a") as f:
-        f.write(json.dumps(prev) + "\n")
+        f.write(strict_json.dumps(prev) + "\n")
     lines = [f"dptrain: restart {attempt}: attempt {prev['attempt']} failed (last finished step {prev['last_step']}):"]
     for c in prev["failures"]:
         lines.append(f"  rank {c['rank']} (pid {c['pid']}) at step {c['step']}: {c['cause']}")

@@ -17,7 +17,7 @@ def _root_of(target: Path) -> Path:
     if mf.step_of(target) is not None:
         return target.parent
     if (target / "config.yaml").is_file():
-        from dptrain.checkpoint.manager import checkpoint_root
+        from dptrain.checkpoint.manifest import checkpoint_root
         from dptrain.config.load import load_config
 
         return checkpoint_root(load_config(target / "config.yaml").checkpoint, target)
@@ -35,7 +35,7 @@ def _diff(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[str]:
 
 
 def _newest_meta(cfg: Config, *, run_dir: Path, resume: str, trust: bool) -> dict[str, Any] | None:
-    from dptrain.checkpoint.manager import checkpoint_root
+    from dptrain.checkpoint.manifest import checkpoint_root
     from dptrain.checkpoint.resume import choose_checkpoint
 
     if resume != "auto":
@@ -54,7 +54,7 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
     """Check that `cfg` can continue the run in `run_dir` (same model, same global batch) and
     re-derive gradient accumulation for a new world size. Raises ConfigError (exit 2)."""
     if resume == "none":
-        from dptrain.checkpoint.manager import checkpoint_root
+        from dptrain.checkpoint.manifest import checkpoint_root
 
         root = checkpoint_root(cfg.checkpoint, run_dir)
         if mf.step_dirs(root):
@@ -164,6 +164,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from dptrain.checkpoint.resume import choose_checkpoint
 
     target = Path(args.target)
+    if Path(args.out).is_dir():
+        raise ConfigError(f"ckpt export --out {args.out!r} is a directory; name the file to write, e.g. "
+                          f"{str(Path(args.out) / 'model.safetensors')!r}")
     choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint)
     if choice.error or choice.path is None:
         print(f"dptrain: error: {choice.error or f'no valid checkpoint under {target}'}", file=sys.stderr)

@@ -38,10 +38,11 @@ from dptrain import __version__
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
 from dptrain.checkpoint.attempts import ProgressFile, report_restart
+from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
 from dptrain.checkpoint.preempt import PreemptionFlag
 from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, truncate_metrics
 from dptrain.checkpoint.state import CheckpointState, RngState
-from dptrain.config import CheckpointConfig, Config, to_dict
+from dptrain.config import Config, to_dict
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
@@ -52,11 +53,6 @@ READABLE_VERSIONS = (1, 2)
 def config_hash(section: Any) -> str:
     """SHA-256 of a config (section) as canonical JSON."""
     return hashlib.sha256(json.dumps(to_dict(section), sort_keys=True).encode()).hexdigest()
-
-
-def checkpoint_root(cfg: CheckpointConfig, run_dir: Path) -> Path:
-    """`checkpoint.dir`, or `checkpoints/` inside the run directory."""
-    return Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
 
 
 def check_format_version(path: Path, meta: dict[str, Any]) -> int:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dptrain.metrics import strict_json
+
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
 FORMAT_VERSION = 1
@@ -116,7 +118,7 @@ def uncommit(ckpt_dir: Path) -> None:
 def write_manifest(ckpt_dir: Path, *, files: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     """Write `manifest.json` (atomically) and return its SHA-256."""
     body = {"format": FORMAT_VERSION, "files": dict(sorted(files.items())), "meta": meta}
-    data = (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+    data = (strict_json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
     atomic_write(ckpt_dir / MANIFEST, data)
     return hashlib.sha256(data).hexdigest()
 
@@ -226,3 +228,8 @@ def prune(root: Path, *, keep_last: int | None) -> list[Path]:
         uncommit(p)  # a crash half-way through rmtree leaves an uncommitted folder, not a corrupt committed one
         shutil.rmtree(p)
     return doomed
+
+
+def checkpoint_root(cfg: Any, run_dir: Path) -> Path:
+    """`checkpoint.dir` (a CheckpointConfig's), or `checkpoints/` inside the run directory."""
+    return Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"

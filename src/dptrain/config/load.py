@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import types
 import typing
@@ -36,11 +37,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def load_file(path: str | Path) -> dict[str, Any]:
     """The nested dict a config file describes; DeepSpeed JSON is translated (unknown keys warned about)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a directory; pass a YAML recipe or a JSON file")
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = p.read_text()
     try:
-        raw = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from None
+    try:
+        raw = json.loads(text) if p.suffix == ".json" else load_yaml(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot parse config file {str(p)!r}: {e}") from None
     if raw is None:
@@ -65,8 +73,80 @@ def warn(message: str) -> None:
     print(f"dptrain: warning: {message}", file=sys.stderr, flush=True)
 
 
+# ---------------------------------------------------------------------- YAML 1.2 scalars
+# PyYAML implements YAML 1.1, where `1:2` is the base-60 integer 62, `no`/`off`/`yes` are
+# booleans and `010` is octal. Config files and override values are read with the YAML 1.2
+# core schema instead: null/~, true/false, decimal/0o/0x integers, floats (1e-3, .inf, .nan);
+# everything else is a string, which the field's type then accepts or refuses by name.
+_NULL = re.compile(r"^(?:~|null|Null|NULL|)$")
+_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_FLOAT = re.compile(
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
+
+
+def resolve_scalar(text: str) -> Any:
+    """A plain (unquoted) scalar read by the YAML 1.2 core schema."""
+    if _NULL.match(text):
+        return None
+    if _BOOL.match(text):
+        return text.lower() == "true"
+    if _INT.match(text):
+        return _int12(text)
+    if _FLOAT.match(text):
+        return _float12(text)
+    return text
+
+
+def _int12(text: str) -> int:
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+def _float12(text: str) -> float:
+    low = text.lower()
+    if low.endswith(".inf"):
+        return float("-inf") if low.startswith("-") else float("inf")
+    if low == ".nan":
+        return float("nan")
+    return float(text)
+
+
+class Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 core-schema implicit resolvers (no sexagesimals, no yes/no/on/off)."""
+
+    yaml_implicit_resolvers: dict[Any, Any] = {}
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    return _int12(loader.construct_scalar(node))
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    return _float12(loader.construct_scalar(node))
+
+
+for _tag, _rx, _first in (
+    ("tag:yaml.org,2002:null", _NULL, ["~", "n", "N", ""]),
+    ("tag:yaml.org,2002:bool", _BOOL, list("tTfF")),
+    ("tag:yaml.org,2002:int", _INT, list("-+0123456789")),
+    ("tag:yaml.org,2002:float", _FLOAT, list("-+.0123456789")),
+):
+    Yaml12Loader.add_implicit_resolver(_tag, _rx, _first)
+Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+Yaml12Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text with the YAML 1.2 core schema for plain scalars."""
+    return yaml.load(text, Loader=Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_override(item: str) -> tuple[str, Any]:
-    """`a.b.c=value` -> ("a.b.c", value parsed as a YAML scalar)."""
+    """`a.b.c=value` -> ("a.b.c", value parsed as a YAML 1.2 scalar, or a flow list/mapping)."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.field=value")
     key, _, text = item.partition("=")
@@ -74,7 +154,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not key or "." not in key:
         raise ConfigError(f"override {item!r}: the key must be dotted, e.g. train.max_steps=100")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = load_yaml(text) if text.strip() else None
     except yaml.YAMLError:
         value = text
     return key, value
@@ -155,14 +235,14 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         if isinstance(value, bool):
             return value
     elif hint is int:
-        if isinstance(value, str):  # "3e2", "1_000": YAML 1.1 leaves some numbers as strings
+        if isinstance(value, str):  # "1_000", "+5" in a JSON string
             value = _number(value)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif hint is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+        if isinstance(value, str):  # "inf", "nan", "1_000.5": read, then range-checked by validate()
             value = _number(value)
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
@@ -171,8 +251,6 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             return value
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)  # e.g. launch.rdzv_id=42
-        if isinstance(value, bool):
-            return "on" if value else "off"  # YAML 1.1 reads off/no/false as False: diagnostics.nonfinite=off
     elif origin is dict:
         if isinstance(value, dict):
             return value

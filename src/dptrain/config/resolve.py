@@ -7,6 +7,7 @@ exit code 2 and a message naming the value and what would be valid.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,13 +49,36 @@ def _choice(value: str, valid: tuple[str, ...], name: str) -> None:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
 
 
+def _torch_build_has_gpu() -> bool:
+    """False when the installed torch is a CPU-only build (its version.py says cuda = hip = None),
+    read without importing torch (seconds); True when it may have GPU support."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            text = (Path(folder) / "version.py").read_text()
+        except OSError:
+            continue
+        return not all(re.search(rf"^{name}\b.*=\s*None\s*$", text, re.M) for name in ("cuda", "hip"))
+    return True
+
+
+def cuda_device_count() -> int:
+    """torch.cuda.device_count() when CUDA is usable, else 0; a CPU build of torch is not imported."""
+    if not _torch_build_has_gpu():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def local_world_size(launch: LaunchConfig, *, cuda_count: int | None = None) -> int:
     """Worker processes per node, resolving `auto` to the local GPU count (2 on a CPU-only machine)."""
     if launch.nproc_per_node == "auto":
         if cuda_count is None:
-            import torch
-
-            cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            cuda_count = cuda_device_count()
         return cuda_count if cuda_count > 0 else 2
     try:
         n = int(launch.nproc_per_node)
@@ -152,9 +176,7 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     """Validate `cfg` and derive everything that depends on the world size. Raises ConfigError."""
     validate(cfg)
     if cuda_available is None:
-        import torch
-
-        cuda_available = torch.cuda.is_available()
+        cuda_available = cuda_device_count() > 0
     if world_size is None:
         world_size = local_world_size(cfg.launch, cuda_count=None if cuda_available else 0) * cfg.launch.nnodes
     device = cfg.parallel.device
@@ -179,8 +201,92 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     return Resolved(world_size, dims.dp_size, g, m, a, lr, rule, device, backend, dims, mode)
 
 
+# ---------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of one numeric field: its kind, bounds (open or closed) and whether null is allowed."""
+
+    kind: type  # int or float; floats must also be finite
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    optional: bool = False
+    note: str = ""
+
+    def describe(self) -> str:
+        what = "an integer" if self.kind is int else "a finite number"
+        lo, hi = (f"{x:d}" if self.kind is int else f"{x:g}" for x in (self.low or 0, self.high or 0))
+        if self.low is not None and self.high is not None:
+            rng = f" in {'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open else ']'}"
+        elif self.low is not None:
+            rng = f" {'>' if self.low_open else '>='} {lo}"
+        elif self.high is not None:
+            rng = f" {'<' if self.high_open else '<='} {hi}"
+        else:
+            rng = ""
+        return what + rng + (" or null" if self.optional else "") + (f" ({self.note})" if self.note else "")
+
+    def accepts(self, v: object) -> bool:
+        if v is None:
+            return self.optional
+        if isinstance(v, bool) or not isinstance(v, int | float) or (self.kind is int and not isinstance(v, int)):
+            return False
+        if not math.isfinite(v):
+            return False
+        if self.low is not None and (v < self.low or (self.low_open and v == self.low)):
+            return False
+        return self.high is None or (v < self.high if self.high_open else v <= self.high)
+
+
+_SEED_MAX = 2**63 - 1  # torch.manual_seed takes int64; numpy's SeedSequence takes any non-negative int
+POS_INT, NONNEG_INT = Range(int, 1), Range(int, 0)
+POS_FLOAT, NONNEG_FLOAT = Range(float, 0, low_open=True), Range(float, 0)
+
+# Every numeric field, by section: one row each. Checked before any process starts.
+RANGES: dict[str, dict[str, Range]] = {
+    "train": {
+        "max_steps": POS_INT, "log_every_steps": POS_INT, "eval_batches": POS_INT,
+        "eval_every_steps": Range(int, 0, note="0: only at the start and the end"),
+        "global_batch_size": Range(int, 1, optional=True), "micro_batch_size": Range(int, 1, optional=True),
+        "grad_accum_steps": Range(int, 1, optional=True), "seed": Range(int, 0, _SEED_MAX),
+    },
+    "optim": {
+        "lr": POS_FLOAT, "weight_decay": NONNEG_FLOAT, "momentum": Range(float, 0, 1, high_open=True),
+        "eps": POS_FLOAT, "base_batch_size": Range(int, 1, optional=True), "warmup_steps": NONNEG_INT,
+        "min_lr_ratio": Range(float, 0, 1), "warmup_start_ratio": Range(float, 0, 1), "grad_clip": Range(float, 0, low_open=True, optional=True, note="null disables clipping"),
+    },
+    "parallel": {"bucket_cap_mb": POS_FLOAT, "timeout_s": POS_FLOAT},
+    "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
+    "launch": {"nnodes": POS_INT, "node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},
+    "data": {"num_workers": NONNEG_INT},
+    "checkpoint": {"every_steps": Range(int, 0, note="0: only at the end"),
+                   "keep_last": Range(int, 1, optional=True, note="null keeps all")},
+    "diagnostics": {
+        "hang_timeout_s": Range(float, 0, optional=True, note="0 turns the watchdog off"),
+        "straggler_every_steps": Range(int, 0, note="0 turns it off"),
+        "drift_every_steps": Range(int, 0, note="0 turns it off"),
+        "memory_every_steps": Range(int, 0, note="0 turns it off"),
+        "max_consecutive_skips": POS_INT, "memory_window": Range(int, 3),
+        "straggler_margin": POS_FLOAT, "memory_leak_mb": POS_FLOAT,
+    },
+}
+
+
+def check_ranges(section: str, obj: object) -> None:
+    """Refuse the first field of `obj` (config section `section`) outside its row of RANGES."""
+    for name, rng in RANGES[section].items():
+        v = getattr(obj, name)
+        if not rng.accepts(v):
+            raise ConfigError(f"{section}.{name}={v!r} is not valid; it must be {rng.describe()}")
+
+
 def validate(cfg: Config) -> None:
-    """Checks that need no world size: choices, ranges, import-path shape."""
+    """Checks that need no world size: choices, ranges, import-path shape, endpoints."""
     strategy_mode(cfg.parallel)  # a known strategy name
     _choice(cfg.precision.dtype, DTYPES, "precision.dtype")
     _choice(cfg.optim.name, OPTIMIZERS, "optim.name")
@@ -188,44 +294,22 @@ def validate(cfg: Config) -> None:
     _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
     _choice(cfg.optim.warmup_type, WARMUP_TYPES, "optim.warmup_type")
     _choice(cfg.optim.schedule_convention, SCHEDULE_CONVENTIONS, "optim.schedule_convention")
-    if not 0.0 <= cfg.optim.warmup_start_ratio <= 1.0:
-        raise ConfigError(f"optim.warmup_start_ratio={cfg.optim.warmup_start_ratio!r} is not valid; it must be in [0, 1]")
     _choice(cfg.parallel.device, ("auto", "cpu", "cuda"), "parallel.device")
     _choice(cfg.parallel.backend, ("auto", "gloo", "nccl"), "parallel.backend")
     for name, v, required in (("model.factory", cfg.model.factory, True), ("data.factory", cfg.data.factory, True),
                               ("train.loss", cfg.train.loss, False), ("data.collate", cfg.data.collate, False)):
         if (required or v is not None) and (not isinstance(v, str) or ":" not in v):
             raise ConfigError(f"{name}={v!r} is not an import path; write it as 'package.module:function'")
-    lower_bounds = {  # name: (value, smallest valid value)
-        "train.max_steps": (cfg.train.max_steps, 1),
-        "train.log_every_steps": (cfg.train.log_every_steps, 1),
-        "train.eval_batches": (cfg.train.eval_batches, 1),
-        "launch.nnodes": (cfg.launch.nnodes, 1),
-        "train.eval_every_steps": (cfg.train.eval_every_steps, 0),
-        "optim.warmup_steps": (cfg.optim.warmup_steps, 0),
-        "data.num_workers": (cfg.data.num_workers, 0),
-        "launch.max_restarts": (cfg.launch.max_restarts, 0),
-        "checkpoint.every_steps": (cfg.checkpoint.every_steps, 0),
-    }
-    for name, (bound, low) in lower_bounds.items():
-        if not isinstance(bound, int) or isinstance(bound, bool) or bound < low:
-            rule = "a positive integer" if low == 1 else "an integer >= 0"
-            raise ConfigError(f"{name}={bound!r} is not valid; it must be {rule}")
-    if not (isinstance(cfg.optim.lr, int | float) and cfg.optim.lr > 0):
-        raise ConfigError(f"optim.lr={cfg.optim.lr!r} is not valid; it must be a number > 0")
-    if cfg.optim.grad_clip is not None and not cfg.optim.grad_clip > 0:
-        raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip!r} is not valid; use a number > 0 or null to disable")
-    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
-        raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio!r} is not valid; it must be in [0, 1]")
-    if cfg.optim.base_batch_size is not None and cfg.optim.base_batch_size < 1:
-        raise ConfigError(f"optim.base_batch_size={cfg.optim.base_batch_size!r} is not valid; use a positive integer")
+    for section in RANGES:
+        if section != "diagnostics":
+            check_ranges(section, getattr(cfg, section))
+    beta = Range(float, 0, 1, high_open=True)
+    for i, b in enumerate(cfg.optim.betas):
+        if not beta.accepts(b):
+            raise ConfigError(f"optim.betas={list(cfg.optim.betas)!r} is not valid; betas[{i}]={b!r} must be {beta.describe()}")
+    validate_launch(cfg.launch)
+    _check_seq_len(cfg)
     validate_parallel(cfg)
-    if cfg.checkpoint.keep_last is not None and (
-        not isinstance(cfg.checkpoint.keep_last, int) or isinstance(cfg.checkpoint.keep_last, bool) or cfg.checkpoint.keep_last < 1
-    ):
-        raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last!r} is not valid; use a positive integer or null to keep all")
-    if cfg.parallel.bucket_cap_mb <= 0:
-        raise ConfigError(f"parallel.bucket_cap_mb={cfg.parallel.bucket_cap_mb!r} is not valid; it must be > 0")
     validate_diagnostics(cfg.diagnostics, pg_timeout_s=cfg.parallel.timeout_s)
     if cfg.diagnostics.check_collectives and strategy_mode(cfg.parallel).wrapper == "ddp":
         raise ConfigError(
@@ -252,24 +336,56 @@ def validate_parallel(cfg: Config) -> None:
                               f"or fsdp (got {p.strategy!r})")
 
 
+def validate_launch(launch: LaunchConfig) -> None:
+    """node_rank below nnodes; a multi-node run names a well-formed rendezvous endpoint."""
+    if launch.node_rank >= launch.nnodes:
+        raise ConfigError(
+            f"launch.node_rank={launch.node_rank} is not valid for launch.nnodes={launch.nnodes}; "
+            f"it must be in [0, {launch.nnodes - 1}]"
+        )
+    if launch.rdzv_endpoint is not None:
+        parse_endpoint(launch.rdzv_endpoint)
+    elif launch.nnodes > 1:
+        raise ConfigError(
+            f"launch.nnodes={launch.nnodes} needs launch.rdzv_endpoint=host:port (the node running rank 0; "
+            "the same value on every node)"
+        )
+
+
+_ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)):(?P<port>[0-9]+)$")
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """`host:port` or `[ipv6]:port` -> (host, port); ConfigError naming the value otherwise."""
+    m = _ENDPOINT.match(text)
+    port = int(m["port"]) if m else 0
+    if not m or not 1 <= port <= 65535:
+        raise ConfigError(
+            f"launch.rdzv_endpoint={text!r} is not valid; write host:port with a port in 1..65535 "
+            "(an IPv6 address in brackets: [fd00::1]:29500)"
+        )
+    return m["v6"] or m["host"], port
+
+
+_BUILTIN_LM = ("dptrain.models.llama:build_llama", "dptrain.data.corpus:build_stdlib_lm")
+
+
+def _check_seq_len(cfg: Config) -> None:
+    """The built-in LM and corpus: a sample cannot be longer than the model's context."""
+    if (cfg.model.factory, cfg.data.factory) != _BUILTIN_LM:
+        return
+    seq, ctx = cfg.data.kwargs.get("seq_len"), cfg.model.kwargs.get("max_seq_len")
+    if isinstance(seq, int) and isinstance(ctx, int) and seq > ctx:
+        raise ConfigError(
+            f"data.kwargs.seq_len={seq} is longer than the model's context model.kwargs.max_seq_len={ctx}; "
+            f"lower seq_len to at most {ctx} or raise max_seq_len"
+        )
+
+
 def validate_diagnostics(d: DiagnosticsConfig, *, pg_timeout_s: float) -> None:
     """Ranges of the diagnostics section; the watchdog must fire before the process-group timeout."""
     _choice(d.nonfinite, NONFINITE_POLICIES, "diagnostics.nonfinite")
-    for name in ("straggler_every_steps", "drift_every_steps", "memory_every_steps"):
-        v = getattr(d, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ConfigError(f"diagnostics.{name}={v!r} is not valid; it must be an integer >= 0 (0 turns it off)")
-    for name, low in (("max_consecutive_skips", 1), ("memory_window", 3)):
-        v = getattr(d, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise ConfigError(f"diagnostics.{name}={v!r} is not valid; it must be an integer >= {low}")
-    for name in ("hang_timeout_s", "straggler_margin", "memory_leak_mb"):
-        v, off_ok = getattr(d, name), name == "hang_timeout_s"
-        if v is None and off_ok:
-            continue
-        if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or (v == 0 and not off_ok):
-            rule = "a number >= 0 (0 turns the watchdog off)" if off_ok else "a number > 0"
-            raise ConfigError(f"diagnostics.{name}={v!r} is not valid; it must be {rule}")
+    check_ranges("diagnostics", d)
     if d.hang_timeout_s and d.hang_timeout_s >= pg_timeout_s:
         raise ConfigError(
             f"diagnostics.hang_timeout_s={d.hang_timeout_s:g} must be below parallel.timeout_s={pg_timeout_s:g}, "

@@ -11,7 +11,6 @@ console.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import sys
@@ -33,6 +32,7 @@ from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, fin
 from dptrain.diagnostics.watchdog import Watchdog
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.mesh import ParallelMesh
+from dptrain.metrics import strict_json
 from dptrain.parallel import is_sharded, unwrap
 
 STORE_PREFIX = "dptrain/diag/"
@@ -212,7 +212,7 @@ class Diagnostics:
         """A finding: one line in diagnostics.jsonl and, with a message, one on the console (rank 0)."""
         with self._sink_lock:  # the watchdog thread reports too (watchdog_died)
             if self._sink is not None:
-                self._sink.write(json.dumps({"kind": kind, **record}) + "\n")
+                self._sink.write(strict_json.dumps({"kind": kind, **record}) + "\n")
         if message and self.env.is_main:
             self._say(message)
 
@@ -229,9 +229,9 @@ class Diagnostics:
                   f"(parallel.timeout_s) and names no rank. Recorded in {self.run_dir / 'diagnostics.jsonl'}")
         with self._sink_lock:
             if self._sink is not None:
-                self._sink.write(json.dumps(record) + "\n")
+                self._sink.write(strict_json.dumps(record) + "\n")
                 return
         with contextlib.suppress(OSError):  # a rank on another host may not share the run directory
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / "diagnostics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")  # one append of one line: safe beside rank 0's writes
+                f.write(strict_json.dumps(record) + "\n")  # one append of one line: safe beside rank 0's writes

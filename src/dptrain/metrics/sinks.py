@@ -5,11 +5,12 @@ Only rank 0 creates sinks; the other ranks log nothing.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from dptrain.metrics import strict_json
 
 
 class JsonlSink:
@@ -19,7 +20,7 @@ class JsonlSink:
         self._f = open(path, "a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        self._f.write(strict_json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._f.close()

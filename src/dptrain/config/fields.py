@@ -136,7 +136,13 @@ class ParallelConfig:
     dp_shard: int = 1
     """Ranks one FSDP2 shard group spans (zero2/fsdp only); dp_replicate > 1 and dp_shard > 1 together = HSDP (replicate across groups, shard within one); -1 infers it."""
     tp: int = 1
-    """Tensor-parallel degree (not built yet: values > 1 are refused before launch); -1 infers it."""
+    """Tensor-parallel degree: each block's matrices are split over this many ranks (innermost mesh dimension; the ranks of one tp group see the same batch); -1 infers it. Composes with ddp, zero2 and fsdp (also HSDP); zero1 is refused. The built-in LLaMA has a plan; other models need tp_plan."""
+    tp_plan: str | None = None
+    """Import path `pkg.mod:fn` of a function fn(model, tp_mesh) that applies your model's tensor-parallel plan in place (e.g. torch.distributed.tensor.parallel.parallelize_module); null: the built-in LLaMA plan (q/k/v, w1/w3 and head column-wise, wo, w2 and embedding row-wise)."""
+    sequence_parallel: bool = True
+    """With tp > 1, the built-in LLaMA plan: RMSNorms and the residual stream hold 1/tp of the sequence (each all-reduce becomes a reduce-scatter plus an all-gather); the model's input length must be divisible by tp."""
+    loss_parallel: bool = False
+    """With tp > 1, the built-in LLaMA plan: keep the logits sharded over the vocabulary and compute the cross-entropy on the shards (torch.distributed.tensor.parallel.loss_parallel) instead of gathering [batch, seq, vocab] on every rank."""
     pp: int = 1
     """Pipeline-parallel degree (not built yet: values > 1 are refused before launch); -1 infers it. dp_replicate * dp_shard * tp * pp must equal the world size; at most one of the four may be -1."""
     activation_checkpointing: str = "none"

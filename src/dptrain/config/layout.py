@@ -14,7 +14,8 @@ reads the `DataParallelMode` fields and the `ParallelDims` degrees instead.
 
 With dp_replicate and dp_shard both left at 1, the strategy's own dimension takes the rest of the
 world. zero2/fsdp with dp_replicate > 1 and dp_shard > 1 is HSDP. ddp/zero1 replicate only, so
-dp_shard > 1 with them is refused.
+dp_shard > 1 with them is refused. Tensor parallelism (tp > 1) composes with every multi-process
+strategy except zero1 (refused: its optimizer cannot hold DTensor parameters).
 """
 
 from __future__ import annotations
@@ -94,7 +95,14 @@ def resolve_layout(cfg: ParallelConfig, *, world_size: int) -> tuple[ParallelDim
         )
     if reasons := dims.unbuilt():
         raise ConfigError(
-            f"parallel layout {dims.describe()}: {'; '.join(reasons)}. The mesh already carries the tp and pp "
-            "dimensions, but training refuses them until tensor/pipeline parallelism lands; use tp=1 and pp=1"
+            f"parallel layout {dims.describe()}: {'; '.join(reasons)}. The mesh already carries the pp "
+            "dimension, but training refuses it until pipeline parallelism lands; use pp=1"
+        )
+    if dims.tp > 1 and mode.shard_optimizer:
+        raise ConfigError(
+            f"parallel.strategy='zero1' with parallel.tp={dims.tp} is refused: ZeroRedundancyOptimizer partitions "
+            "plain tensors and cannot hold the tensor-parallel (DTensor) parameters, nor save their state through "
+            "DCP; use parallel.strategy=zero2 (FSDP2 over the tp-split model: gradients and optimizer state sharded), "
+            "or ddp"
         )
     return dims, mode

@@ -11,6 +11,8 @@ the questions the rest of the run asks:
   coordinates see the same batch);
 - loss, metric and eval means: `dp_group`;
 - FSDP2: `fsdp_mesh` (1-D dp_shard, or 2-D (dp_replicate, dp_shard) = HSDP);
+- tensor parallelism: `tp_mesh` (the innermost dimension; FSDP2 over a tensor-parallel model
+  needs both meshes sliced from this one root mesh);
 - DDP and ZeRO-1: `dp_group`;
 - the replica check: `replica_group`, the dp_replicate dimension: ranks that hold the same
   parameters (or the same shard of them), one group per (dp_shard, tp, pp) coordinate.
@@ -37,7 +39,6 @@ DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 shard within a node)."""
 
 NOT_BUILT = {
-    "tp": "tensor parallelism (parallel.tp > 1) is not built yet (issue 10)",
     "pp": "pipeline parallelism (parallel.pp > 1) is not built yet (issue 10)",
 }
 
@@ -100,8 +101,8 @@ class ParallelDims:
         return " x ".join(f"{n} {v}" for n, v in self.degrees.items()) + f" = world {self.world_size}"
 
     def unbuilt(self) -> list[str]:
-        """Why this layout cannot train yet (tp or pp > 1), one reason per dimension; empty when it can."""
-        return [NOT_BUILT[n] for n in ("tp", "pp") if getattr(self, n) > 1]
+        """Why this layout cannot train yet (pp > 1), one reason per dimension; empty when it can."""
+        return [NOT_BUILT[n] for n in NOT_BUILT if getattr(self, n) > 1]
 
 
 def _dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
@@ -175,6 +176,11 @@ class ParallelMesh:
         if self.dims.dp_replicate > 1:
             return self.mesh["dp_replicate", "dp_shard"]
         return self.mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        """The 1-D tensor-parallel mesh: this rank's tp group (size 1 when tp = 1)."""
+        return self.mesh["tp"]
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:

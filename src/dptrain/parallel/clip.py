@@ -16,8 +16,15 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """True when parameters are sharded across ranks (FSDP2)."""
-    return isinstance(unwrap(model), FSDPModule)
+    """True when parameters are sharded across ranks: FSDP2, or tensor parallelism (DTensor parameters).
+    Such a model's state goes through DCP shards."""
+    module = unwrap(model)
+    return isinstance(module, FSDPModule) or has_dtensor_params(module)
+
+
+def has_dtensor_params(model: nn.Module) -> bool:
+    """Any parameter is a DTensor (tensor parallelism, FSDP2)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float | None) -> torch.Tensor:

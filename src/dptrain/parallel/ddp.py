@@ -41,3 +41,26 @@ def gradient_sync(model: DDP, sync: bool) -> Iterator[None]:
     else:
         with model.no_sync():
             yield
+
+
+
+def apply_ddp_over_tp(model: nn.Module, *, device: torch.device, mesh: Any,
+                      materialize: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Data-parallel replicas of a tensor-parallel model over the 1-D data-parallel `mesh` (sliced
+    from the same root mesh as the tp mesh): PyTorch's FSDP2-based `replicate`
+    (torch.distributed._composable.replicate_with_fsdp), which keeps the parameters DTensors on the
+    2-D (dp, tp) mesh and all-reduces their gradients over dp, as torchtitan's DDP does. Not the
+    DDP class: its `_pre_dp_module_transform` swaps the parameters for new local tensors in every
+    forward, so state dicts (DCP) see no parameters. Parameters on meta are materialised after."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and materialize is None:
+        raise ValueError("the model's parameters are on the meta device: pass materialize= to allocate and initialise them")
+    if not on_meta:
+        model = model.to(device)
+    replicate(model, mesh=mesh)
+    if on_meta:
+        assert materialize is not None
+        materialize(model)
+    return model

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dptrain.config import OptimConfig, ParallelConfig
 from dptrain.config.layout import DataParallelMode, strategy_mode
@@ -40,18 +42,19 @@ class ParallelModel:
 
     @property
     def sharded(self) -> bool:
-        """Parameters are sharded across ranks (FSDP2: zero2, fsdp, HSDP)."""
-        return self.mode.wrapper == "fsdp"
+        """Parameters are sharded across ranks (FSDP2: zero2, fsdp, HSDP; tensor parallelism): their
+        state is saved and loaded as DCP shards, never gathered into one file."""
+        return self.mode.wrapper == "fsdp" or self.mesh.dims.tp > 1
 
     # ---------------------------------------------------------------- the step
     @contextlib.contextmanager
     def sync_gradients(self, sync: bool) -> Iterator[None]:
         """Wrap a micro-step's forward AND backward: sync=False only accumulates gradients locally
         (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`); sync=True reduces them."""
-        if self.mode.wrapper == "ddp":
-            with ddp.gradient_sync(self.module, sync):  # type: ignore[arg-type]
+        if isinstance(self.module, DDP):
+            with ddp.gradient_sync(self.module, sync):
                 yield
-        elif self.sharded:
+        elif isinstance(self.module, FSDPModule):  # FSDP2, and replicate (ddp over tp)
             with fsdp.gradient_sync(self.module, sync):  # type: ignore[arg-type]
                 yield
         else:
@@ -155,8 +158,14 @@ def parallelize(
     under FSDP2, before DDP (which broadcasts parameters at construction). `comm_hook`: a DDP
     communication hook `(state, hook)`, registered right after construction."""
     mode = strategy_mode(cfg)
-    if reasons := mesh.dims.unbuilt():  # 1. tensor parallelism: nothing to apply until it is built
+    if reasons := mesh.dims.unbuilt():
         raise NotImplementedError("; ".join(reasons))
+    tp = mesh.dims.tp > 1
+    if tp:  # 1. tensor parallelism on the innermost mesh dimension
+        from dptrain.parallel.tensor import apply_tp
+
+        apply_tp(model, mesh.tp_mesh, tp_plan=cfg.tp_plan, sequence_parallel=cfg.sequence_parallel,
+                 loss_parallel=cfg.loss_parallel)
     apply_activation_checkpointing(model, mode=cfg.activation_checkpointing)  # 2.
     if mode.wrapper == "fsdp":  # 3. data parallelism
         module: nn.Module = fsdp.apply_fsdp(
@@ -164,6 +173,10 @@ def parallelize(
             cpu_offload=cfg.cpu_offload, mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, cfg.fsdp_reduce_dtype),
             materialize=materialize,
         )
+    elif mode.wrapper == "ddp" and tp and mesh.dims.dp_size == 1:
+        module = apply_single(model, device=device, materialize=materialize)  # tp alone: nothing to replicate
+    elif mode.wrapper == "ddp" and tp:
+        module = ddp.apply_ddp_over_tp(model, device=device, mesh=mesh.dp_mesh, materialize=materialize)
     elif mode.wrapper == "ddp":
         module = ddp.apply_ddp(model, device=device, bucket_cap_mb=cfg.bucket_cap_mb, process_group=mesh.dp_group,
                                materialize=materialize)

@@ -1,0 +1,161 @@
+"""Tensor parallelism: the matrices of each block split over the `tp` ranks with PyTorch's DTensor
+plans (`torch.distributed.tensor.parallel.parallelize_module`); no collective is written here.
+
+The plan for the built-in `LlamaLM` is torchtitan's (Megatron-LM's column-then-row pairing):
+
+| module                    | style                                                     |
+|---------------------------|-----------------------------------------------------------|
+| `tok_emb`                 | RowwiseParallel (vocab rows split; output Shard(1) under SP, else Replicate) |
+| `layers.i.attn_norm`, `mlp_norm`, `norm` | SequenceParallel (norm on a slice of the sequence; only with sequence_parallel) |
+| `layers.i.attn`, `mlp`    | PrepareModuleInput: Shard(1) -> Replicate (the all-gather of the sequence; only with sequence_parallel) |
+| `attn.wq`, `wk`, `wv`     | ColwiseParallel (heads split: each rank attends with n_heads/tp heads) |
+| `attn.wo`                 | RowwiseParallel (output Shard(1) under SP: a reduce-scatter; else an all-reduce) |
+| `mlp.w1`, `mlp.w3`        | ColwiseParallel (the SwiGLU hidden width split)          |
+| `mlp.w2`                  | RowwiseParallel (as `wo`)                                 |
+| `head`                    | ColwiseParallel (vocab split; output Replicate, or Shard(-1) for loss parallelism) |
+
+Without sequence parallelism every block does two all-reduces of b·s·h forward (after `wo`
+and `w2`) and two backward (before `wq/wk/wv` and `w1/w3`); with it each all-reduce becomes a
+reduce-scatter plus an all-gather of the same total volume, and norms and the residual stream
+hold only s/tp of the sequence.
+
+Loss parallelism (`loss_parallel`): the head's logits stay sharded over the vocabulary and the
+cross-entropy is computed by DTensor without gathering them (`loss_parallel()`, entered by
+`ParallelModel.sync_gradients` around forward and backward, and by `loss_context` for
+evaluation); see `loss_context`.
+
+Users' own models name a function `parallel.tp_plan=pkg.mod:fn`; `fn(model, tp_mesh)` applies its
+own plan (typically one `parallelize_module` call). A model with neither a plan nor a built-in
+one is refused before launch (`tp_problem`). Tied embeddings (`tie_embeddings=true`) are refused:
+the embedding is split by rows for its lookup and the head by rows of the same matrix for its
+matmul, so the placements agree (Shard(0)), but `parallelize_module` replaces each module's
+parameter by its own new DTensor, which silently unties them; re-tying would hand one parameter
+two different gradient paths whose hooks (FSDP2's, DDP's) see it twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+TpPlan = Callable[[nn.Module, Any], None]
+
+
+def is_builtin_llama(model: nn.Module) -> bool:
+    from dptrain.models.llama import LlamaLM
+
+    return isinstance(model, LlamaLM)
+
+
+def llama_plan(*, sequence_parallel: bool, loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(root plan, per-block plan) for `LlamaLM`: fully qualified names -> ParallelStyle."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    sp = sequence_parallel
+    stream = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
+    root: dict[str, Any] = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                use_local_output=not loss_parallel),
+    }
+    block: dict[str, Any] = {
+        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=stream),
+        "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
+        "mlp.w2": RowwiseParallel(output_layouts=stream),
+    }
+    if sp:
+        root["norm"] = SequenceParallel()
+        block.update({
+            "attn_norm": SequenceParallel(),
+            # attention's other inputs (the rope tables) are plain tensors: left alone
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+            "mlp_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return root, block
+
+
+def apply_llama_tp(model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = True, loss_parallel: bool = False) -> None:
+    """The built-in plan (module docstring) applied in place to a `LlamaLM`."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    root, block = llama_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    for layer in model.layers:  # type: ignore[union-attr]
+        parallelize_module(layer, tp_mesh, block)
+    parallelize_module(model, tp_mesh, root)
+
+
+def load_plan(spec: str) -> TpPlan:
+    """The user's `parallel.tp_plan` function from its import path."""
+    from dptrain.build import import_object
+
+    fn = import_object(spec)
+    if not callable(fn):
+        raise TypeError(f"parallel.tp_plan={spec!r} is not callable; it must be a function fn(model, tp_mesh)")
+    return fn  # type: ignore[no-any-return]
+
+
+def tp_problem(model: nn.Module, *, tp: int, tp_plan: str | None, sequence_parallel: bool,
+               seq_len: int | None = None) -> str | None:
+    """Why `model` (built on meta) cannot be split over `tp` ranks, in one line naming the numbers;
+    None when it can (or tp is 1). `seq_len`: the length of the model's input sequence, when known."""
+    if tp <= 1:
+        return None
+    if tp_plan is not None:
+        return None  # the user's plan decides what it splits
+    if not is_builtin_llama(model):
+        return (f"parallel.tp={tp}: {type(model).__name__} has no tensor-parallel plan; dptrain has one for its "
+                "built-in LLaMA (dptrain.models.llama:build_llama) only. Name yours with parallel.tp_plan=pkg.mod:fn "
+                "(fn(model, tp_mesh) applies it, e.g. with torch.distributed.tensor.parallel.parallelize_module)")
+    cfg = model.cfg  # type: ignore[union-attr]
+    if cfg.tie_embeddings:
+        return (f"parallel.tp={tp} with model.kwargs.tie_embeddings=true is refused: parallelize_module gives the "
+                "embedding and the head each its own sharded parameter, which unties them; train with "
+                "tie_embeddings=false, or tp=1")
+    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_hidden", cfg.ffn_hidden),
+                    ("vocab_size", cfg.vocab_size)):
+        if n % tp:
+            return (f"model.kwargs.{what}={n} is not divisible by parallel.tp={tp}: tensor parallelism splits it "
+                    f"evenly over the tp ranks; choose a tp that divides {n} or a {what} divisible by {tp}")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        return (f"the model's input sequence length {seq_len} is not divisible by parallel.tp={tp}: sequence "
+                "parallelism splits the sequence evenly over the tp ranks; choose a sequence length divisible by "
+                f"{tp} (the built-in corpus: data.kwargs.seq_len) or parallel.sequence_parallel=false")
+    return None
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any, *, tp_plan: str | None = None, sequence_parallel: bool = True,
+             loss_parallel: bool = False) -> None:
+    """Split `model` in place over `tp_mesh`: the user's plan `tp_plan` (import path of
+    fn(model, tp_mesh)) when given, else the built-in LLaMA plan. Works on the meta device:
+    the parameters become meta DTensors that `materialize` fills later."""
+    tp = tp_mesh.size()
+    if (why := tp_problem(model, tp=tp, tp_plan=tp_plan, sequence_parallel=sequence_parallel)) is not None:
+        raise ValueError(why)
+    if tp_plan is not None:
+        load_plan(tp_plan)(model, tp_mesh)
+    else:
+        apply_llama_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+@contextlib.contextmanager
+def loss_context(enabled: bool) -> Iterator[None]:
+    """`loss_parallel()` when the logits are vocabulary-sharded DTensors, else nothing. It must cover
+    the cross-entropy and its backward."""
+    if not enabled:
+        yield
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        yield

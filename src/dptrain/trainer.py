@@ -197,7 +197,7 @@ class Trainer:
             self.diag.phase("eval")
             idx = range(first + b * mb, first + (b + 1) * mb)
             batch = (self.collate or torch.utils.data.default_collate)([self.val_ds[i] for i in idx])
-            with autocast(self.cfg.precision, self.device):
+            with autocast(self.cfg.precision, self.device), self.plan.loss_context():  # loss parallelism (tp)
                 total += self.loss_fn(self.model, to_device(batch, self.device)).double()
         self.model.train()
         return collectives.all_reduce_mean([total.item() / n_batches], device=self.device, group=self.mesh.dp_group)[0]

@@ -30,16 +30,25 @@ def has_dtensor_params(model: nn.Module) -> bool:
 def clip_grad_norm_(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     """Clip to the global norm over all ranks' shards and return that norm (a plain tensor).
 
-    With FSDP2 the gradients are sharded DTensors; their norm is reduced across the mesh, so every
-    rank clips by the same factor. max_norm=None only measures the norm.
+    Gradients may be plain tensors (full replicas), and DTensors on several meshes at once (FSDP2
+    on dp_shard, tensor parallelism on tp, both on the 2-D (dp_shard, tp) mesh: a norm parameter
+    left out of the tp plan sits on the dp mesh only). torch's norm helpers need one mesh per
+    call, so the norm is taken per mesh, made whole by DTensor (`full_tensor`: the reduction over
+    that mesh's shards), and combined; every rank then clips by the same factor. max_norm=None
+    only measures the norm.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm is None:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    else:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    norm = torch.nn.utils.get_total_norm(norms) if len(norms) != 1 else norms[0]
+    if max_norm is not None:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
 
 

@@ -34,11 +34,14 @@ Materialize = Callable[[nn.Module], None]
 class ParallelModel:
     """A parallelised model: `.module` is what to call; the methods are what differs by wrapper."""
 
-    def __init__(self, module: nn.Module, *, plain: nn.Module, mode: DataParallelMode, mesh: ParallelMesh) -> None:
+    def __init__(self, module: nn.Module, *, plain: nn.Module, mode: DataParallelMode, mesh: ParallelMesh,
+                 loss_parallel: bool = False) -> None:
         self.module = module
         self.plain = plain
         self.mode = mode
         self.mesh = mesh
+        self.cfg_loss_parallel = loss_parallel
+        """parallel.loss_parallel: the logits stay vocabulary-sharded under tp (see loss_context)."""
 
     @property
     def sharded(self) -> bool:
@@ -51,14 +54,23 @@ class ParallelModel:
     def sync_gradients(self, sync: bool) -> Iterator[None]:
         """Wrap a micro-step's forward AND backward: sync=False only accumulates gradients locally
         (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`); sync=True reduces them."""
-        if isinstance(self.module, DDP):
-            with ddp.gradient_sync(self.module, sync):
+        with self.loss_context():
+            if isinstance(self.module, DDP):
+                with ddp.gradient_sync(self.module, sync):
+                    yield
+            elif isinstance(self.module, FSDPModule):  # FSDP2, and replicate (ddp over tp)
+                with fsdp.gradient_sync(self.module, sync):  # type: ignore[arg-type]
+                    yield
+            else:
                 yield
-        elif isinstance(self.module, FSDPModule):  # FSDP2, and replicate (ddp over tp)
-            with fsdp.gradient_sync(self.module, sync):  # type: ignore[arg-type]
-                yield
-        else:
-            yield
+
+    def loss_context(self) -> contextlib.AbstractContextManager[None]:
+        """Around a forward that computes the loss (and its backward): `loss_parallel()` when the
+        logits are vocabulary-sharded (parallel.loss_parallel with tp > 1), else nothing.
+        `sync_gradients` enters it; evaluation enters it on its own."""
+        from dptrain.parallel.tensor import loss_context
+
+        return loss_context(self.mesh.dims.tp > 1 and self.cfg_loss_parallel)
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Clip to the global gradient norm over every dimension and return it (a plain tensor).
@@ -184,7 +196,7 @@ def parallelize(
         module = apply_dp(apply_single(model, device=device, materialize=materialize), device=device)
     else:
         module = apply_single(model, device=device, materialize=materialize)
-    plan = ParallelModel(module, plain=model, mode=mode, mesh=mesh)
+    plan = ParallelModel(module, plain=model, mode=mode, mesh=mesh, loss_parallel=cfg.loss_parallel)
     if comm_hook is not None:
         plan.register_comm_hook(*comm_hook)
     return plan

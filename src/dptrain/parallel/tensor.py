@@ -93,6 +93,17 @@ def apply_llama_tp(model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = 
     for layer in model.layers:  # type: ignore[union-attr]
         parallelize_module(layer, tp_mesh, block)
     parallelize_module(model, tp_mesh, root)
+    if loss_parallel:
+        model.register_forward_hook(_local_loss)
+
+
+def _local_loss(module: nn.Module, args: Any, output: Any) -> Any:
+    """The loss computed on vocabulary-sharded logits is a replicated DTensor: hand the caller (the
+    trainer, which mixes it with plain tensors) this rank's copy. `to_local` is differentiable, and
+    a replicated value's gradient is the same on every rank, so backward is unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    return output.to_local() if isinstance(output, DTensor) else output
 
 
 def load_plan(spec: str) -> TpPlan:

@@ -148,7 +148,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     res = resolve(cfg, world_size=nproc * cfg.launch.nnodes)  # refuses bad batch arithmetic before any process starts
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=str(run_dir)),
                               launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc))
-    train = _check_factories(cfg)
+    train = _check_factories(cfg, tp=res.dims.tp)
     if len(train) < res.global_batch_size:
         raise ConfigError(
             f"the training set has {len(train)} samples, fewer than one global batch of {res.global_batch_size}; "
@@ -167,20 +167,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0)
 
 
-def _check_factories(cfg: Config) -> Any:
+def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
     """Import every factory, bind its kwargs, build the model once on the meta device and the data
-    once (which warms caches, e.g. the corpus, before ranks race for them). Returns the train set."""
+    once (which warms caches, e.g. the corpus, before ranks race for them); with tp > 1 check the
+    model can be split. Returns the train set."""
     from dptrain.build import import_object
     from dptrain.data.loader import split_train_val
-    from dptrain.launch_checks import call_factory, check_model, check_signature
+    from dptrain.launch_checks import call_factory, check_model, check_signature, check_tensor_parallel
 
     for spec in (cfg.train.loss, cfg.data.collate):
         if spec:
             import_object(spec)  # a typo in an import path fails here, not in every worker
-    check_model(cfg.model)
+    model = check_model(cfg.model)
     data_fn = import_object(cfg.data.factory)
     check_signature(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory)
     train, _ = split_train_val(call_factory(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory))
+    check_tensor_parallel(model, parallel=cfg.parallel, tp=tp, sample=train[0] if len(train) else None)
     return train
 
 

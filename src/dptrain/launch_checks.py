@@ -76,9 +76,10 @@ def _is_ours(filename: str) -> bool:
     return resolved == here or resolved.parts[-3:] == ("torch", "utils", "_device.py")
 
 
-def check_model(cfg: Any) -> None:
+def check_model(cfg: Any) -> Any:
     """Build the model once on the meta device (no memory, no compute): the factory must accept
-    its kwargs and return an `nn.Module`. Falls back to the CPU if the factory cannot run on meta."""
+    its kwargs and return an `nn.Module`, which is returned. Falls back to the CPU if the factory
+    cannot run on meta."""
     import torch
     from torch import nn
 
@@ -96,3 +97,35 @@ def check_model(cfg: Any) -> None:
             f"model.factory={cfg.factory!r} returned {type(model).__name__}, not a torch.nn.Module; "
             "a model factory must return the module to train"
         )
+    return model
+
+
+def check_tensor_parallel(model: Any, *, parallel: Any, tp: int, sample: Any = None) -> None:
+    """With tp > 1: the (meta-built) model can be split over the tp ranks (a plan exists; heads,
+    kv-heads, FFN width and vocabulary divisible by tp; under sequence parallelism the input
+    length too, read off a training `sample`). ConfigError naming the numbers."""
+    if tp <= 1:
+        return
+    from dptrain.parallel.tensor import load_plan, tp_problem
+
+    if parallel.tp_plan is not None:
+        try:
+            load_plan(parallel.tp_plan)
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            raise ConfigError(f"parallel.tp_plan={parallel.tp_plan!r} cannot be used: {e}") from None
+    why = tp_problem(model, tp=tp, tp_plan=parallel.tp_plan, sequence_parallel=parallel.sequence_parallel,
+                     seq_len=_input_length(sample))
+    if why is not None:
+        raise ConfigError(why)
+
+
+def _input_length(sample: Any) -> int | None:
+    """The length of the sequence a sample feeds the model: a token row [T+1] (inputs [:-1]), or a
+    mapping's `input_ids`; None when it cannot be told."""
+    import torch
+
+    if isinstance(sample, dict) and isinstance(sample.get("input_ids"), torch.Tensor):
+        return int(sample["input_ids"].shape[-1])
+    if isinstance(sample, torch.Tensor) and sample.ndim == 1 and not sample.is_floating_point():
+        return int(sample.shape[0]) - 1
+    return None

@@ -297,7 +297,8 @@ def validate(cfg: Config) -> None:
     _choice(cfg.parallel.device, ("auto", "cpu", "cuda"), "parallel.device")
     _choice(cfg.parallel.backend, ("auto", "gloo", "nccl"), "parallel.backend")
     for name, v, required in (("model.factory", cfg.model.factory, True), ("data.factory", cfg.data.factory, True),
-                              ("train.loss", cfg.train.loss, False), ("data.collate", cfg.data.collate, False)):
+                              ("train.loss", cfg.train.loss, False), ("data.collate", cfg.data.collate, False),
+                              ("parallel.tp_plan", cfg.parallel.tp_plan, False)):
         if (required or v is not None) and (not isinstance(v, str) or ":" not in v):
             raise ConfigError(f"{name}={v!r} is not an import path; write it as 'package.module:function'")
     for section in RANGES:

@@ -37,18 +37,20 @@ def clip_grad_norm_(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     that mesh's shards), and combined; every rank then clips by the same factor. max_norm=None
     only measures the norm.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    groups: dict[object, list[nn.Parameter]] = {}  # mesh (None: plain tensors) -> parameters with a gradient
+    for p in model.parameters():
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group)
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
     norm = torch.nn.utils.get_total_norm(norms) if len(norms) != 1 else norms[0]
     if max_norm is not None:
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 
 

@@ -1,0 +1,144 @@
+"""Tensor parallelism: the parity ladder against one plain process, the refusals before launch,
+and checkpoints that move between tensor-parallel and data-parallel layouts.
+
+Each rung trains the tiny LLaMA of the parity ladder with plain SGD on forked gloo ranks
+(`tests/mp.py`) and compares the final weights with the single-process reference of
+`tests/test_parity.py`, at the DP rungs' tolerance (rtol 1e-5, atol 1e-6), and the logged
+gradient norm with the reference's at every step. A tp rank group shares its dp rank's batch, so
+the global batch is split over dp only.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_parity as tp
+from test_bad_input import refused
+
+warnings.filterwarnings("ignore", message=".*sequential all_(reduce|gather).*")
+
+GLOBAL = 8
+# rung -> (strategy, data-parallel degree, world size)
+RUNGS = {"tp2": ("ddp", 1, 2), "dp2xtp2": ("ddp", 2, 4), "fsdp2xtp2": ("fsdp", 2, 4), "zero2xtp2": ("zero2", 2, 4)}
+
+
+def tp_items(rung: str, accum: int, *extra: str, model: str = "llama", grad_clip: float | None = None) -> list[str]:
+    strategy, dp, _ = RUNGS[rung]
+    return [*tp.overrides(strategy=strategy, world_size=dp, accum=accum, model=model, global_batch=GLOBAL,
+                          grad_clip=grad_clip), "parallel.tp=2", *extra]
+
+
+def tp_case(rung: str, accum: int, tmp_path: Path, *extra: str, model: str = "llama",
+            grad_clip: float | None = None) -> float:
+    """Train one rung; assert weights and per-step gradient norms match the reference; return max |dw|."""
+    world = RUNGS[rung][2]
+    got, records = tp.train(tp_items(rung, accum, *extra, model=model, grad_clip=grad_clip), world, tmp_path,
+                            timeout=150)
+    want, norms = tp.reference(model, global_batch=GLOBAL, grad_clip=grad_clip)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, tp.STEPS + 1))
+    tp.assert_weights_close(got, want)
+    assert [r["grad_norm"] for r in records if "grad_norm" in r] == pytest.approx(norms, rel=1e-4)
+    return tp.max_abs_diff(got, want)
+
+
+# ------------------------------------------------------------------ the parity ladder
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("accum", [1, 2])
+def test_tp2_matches_reference(accum, tmp_path):
+    tp_case("tp2", accum, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("rung", ["dp2xtp2", "fsdp2xtp2", "zero2xtp2"])
+def test_dp_times_tp_matches_reference(rung, accum, tmp_path):
+    """4 ranks: 2 data-parallel replicas (ddp: FSDP2's replicate; fsdp/zero2: 2 shards) of a model split over 2."""
+    tp_case(rung, accum, tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("label", "extra"), [
+    ("no sequence parallel", ("parallel.sequence_parallel=false",)),
+    ("loss parallel", ("parallel.loss_parallel=true",)),
+    ("activation checkpointing full", ("parallel.activation_checkpointing=full",)),
+    ("activation checkpointing selective", ("parallel.activation_checkpointing=selective",)),
+])
+def test_tp2_options_match_reference(label, extra, tmp_path):
+    tp_case("tp2", 2, tmp_path, *extra)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("rung", "extra"), [
+    ("fsdp2xtp2", ("parallel.sequence_parallel=false",)),  # norms on the dp mesh only, matrices on (dp, tp)
+    ("dp2xtp2", ("parallel.loss_parallel=true", "parallel.activation_checkpointing=full")),
+])
+def test_dp_times_tp_options_match_reference(rung, extra, tmp_path):
+    tp_case(rung, 2, tmp_path, *extra)
+
+
+@pytest.mark.timeout(120)
+def test_users_own_plan_matches_reference(tmp_path):
+    """parallel.tp_plan: the toy MLP split by the user's function (tests/tp_plans.py)."""
+    got, _ = tp.train([*tp.overrides(strategy="ddp", world_size=1, accum=2, global_batch=GLOBAL),
+                       "parallel.tp=2", "parallel.tp_plan=tp_plans:mlp_plan"], 2, tmp_path, timeout=100)
+    want, _ = tp.reference("mlp", global_batch=GLOBAL)
+    tp.assert_weights_close(got, want)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rung", ["tp2", pytest.param("fsdp2xtp2", marks=pytest.mark.slow)])
+def test_grad_clip_under_tp_matches_reference(rung, tmp_path):
+    """The clipped norm is the global one over tp shards, dp shards and replicated norm weights."""
+    clip = 0.05
+    _, norms = tp.reference("llama", global_batch=GLOBAL, grad_clip=clip)
+    assert min(norms) > 5 * clip, "the clip must be active at every step for this test to mean anything"
+    tp_case(rung, 2, tmp_path, model="llama", grad_clip=clip)
+    unclipped, _ = tp.reference("llama", global_batch=GLOBAL)
+    clipped, _ = tp.reference("llama", global_batch=GLOBAL, grad_clip=clip)
+    assert tp.max_abs_diff(unclipped, clipped) > 1000 * tp.ATOL
+
+
+# ------------------------------------------------------------------ refusals before launch
+BUILTIN = ["model.kwargs.dim=32", "model.kwargs.n_layers=1", "model.kwargs.max_seq_len=32", "data.kwargs.seq_len=32",
+           "train.max_steps=1", "log.progress=false", "--nproc-per-node", "2"]
+TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
+       "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["model.kwargs.n_heads=3", "model.kwargs.dim=48"], ["model.kwargs.n_heads=3 is not divisible by parallel.tp=2"]),
+    (["model.kwargs.n_kv_heads=1"], ["model.kwargs.n_kv_heads=1 is not divisible by parallel.tp=2"]),
+    (["model.kwargs.ffn_hidden=33"], ["model.kwargs.ffn_hidden=33 is not divisible by parallel.tp=2"]),
+    (["model.kwargs.vocab_size=257"], ["model.kwargs.vocab_size=257 is not divisible by parallel.tp=2"]),
+    (["data.kwargs.seq_len=31"], ["input sequence length 31 is not divisible by parallel.tp=2",
+                                  "parallel.sequence_parallel=false"]),
+    (["model.kwargs.tie_embeddings=true"], ["parallel.tp=2 with model.kwargs.tie_embeddings=true is refused", "unties"]),
+    (["parallel.strategy=zero1"], ["parallel.strategy='zero1' with parallel.tp=2 is refused", "zero2"]),
+    (TOY, ["ToyMLP has no tensor-parallel plan", "parallel.tp_plan=pkg.mod:fn"]),
+    (["parallel.tp_plan=nosuch.mod:fn"], ["parallel.tp_plan='nosuch.mod:fn' cannot be used", "nosuch"]),
+    (["parallel.tp_plan=tp_plans:not_callable"], ["parallel.tp_plan='tp_plans:not_callable'", "not callable"]),
+    (["parallel.tp_plan=no_import_path"], ["parallel.tp_plan='no_import_path' is not an import path"]),
+    (["parallel.tp=3", "--nproc-per-node", "3"], ["model.kwargs.n_heads=4 is not divisible by parallel.tp=3"]),
+])
+def test_tp_refusals_before_launch(capsys, tmp_path, overrides, named):
+    over = overrides if any(o.startswith("parallel.tp=") for o in overrides) else ["parallel.tp=2", *overrides]
+    refused(capsys, ["run", *BUILTIN, *over, "--out", str(tmp_path / "r")], *named)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.timeout(60)
+def test_sequence_length_is_not_checked_without_sequence_parallelism(tmp_path):
+    from dptrain.config.load import load_config
+    from dptrain.launch_checks import check_model, check_tensor_parallel
+
+    cfg = load_config(None, ["model.kwargs.dim=32", "parallel.sequence_parallel=false"])
+    model = check_model(cfg.model)
+    check_tensor_parallel(model, parallel=cfg.parallel, tp=2, sample=torch.zeros(32, dtype=torch.long))  # 31 inputs

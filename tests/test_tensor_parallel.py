@@ -142,3 +142,73 @@ def test_sequence_length_is_not_checked_without_sequence_parallelism(tmp_path):
     cfg = load_config(None, ["model.kwargs.dim=32", "parallel.sequence_parallel=false"])
     model = check_model(cfg.model)
     check_tensor_parallel(model, parallel=cfg.parallel, tp=2, sample=torch.zeros(32, dtype=torch.long))  # 31 inputs
+
+
+# ------------------------------------------------------------------ checkpoints across layouts
+LLAMA = [f"model.kwargs.{k}={v}" for k, v in tp.LLAMA_KWARGS.items()] + [
+    "data.factory=test_parity:tiny_tokens", *(f"data.kwargs.{k}={v}" for k, v in tp.TOKENS_KWARGS.items()),
+    "model.factory=dptrain.models.llama:build_llama", "optim.name=sgd", "optim.momentum=0.9", "optim.weight_decay=0.1"]
+LAYOUTS = {  # name -> (world size, overrides)
+    "tp2": (2, ["parallel.strategy=ddp", "parallel.tp=2"]),
+    "dp2xtp2": (4, ["parallel.strategy=ddp", "parallel.tp=2"]),
+    "fsdp2xtp2": (4, ["parallel.strategy=fsdp", "parallel.tp=2"]),
+    "dp2": (2, ["parallel.strategy=ddp"]),
+    "fsdp2": (2, ["parallel.strategy=fsdp"]),
+    "single": (1, ["parallel.strategy=single"]),
+}
+
+
+def _fit_capturing(rank, out, overrides, what):
+    from test_checkpoint import fit_capturing
+
+    return fit_capturing(rank, out, [*LLAMA, *overrides], what)
+
+
+def _capture_run(layout: str, run: Path, steps: int, what: str) -> None:
+    from mp import run_ranks
+
+    world, over = LAYOUTS[layout]
+    run_ranks(_fit_capturing, world, run, [f"train.max_steps={steps}", "checkpoint.every_steps=3", *over], what,
+              timeout=150)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("before", "after"), [
+    ("tp2", "dp2"), ("tp2", "single"), ("dp2", "tp2"), ("tp2", "fsdp2"),
+    pytest.param("dp2xtp2", "tp2", marks=pytest.mark.slow), pytest.param("fsdp2xtp2", "single", marks=pytest.mark.slow),
+])
+def test_resume_across_tp_layouts_restores_model_and_optimizer_exactly(tmp_path, before, after):
+    """Saved at step 3 in one layout, resumed in another: the whole model and momentum state
+    equal bit for bit, and training continues at step 4 with the same global batch."""
+    run = tmp_path / "run"
+    _capture_run(before, run, 3, "saved")
+    _capture_run(after, run, 5, "loaded")
+    saved, loaded = (torch.load(run / f"{w}_3.pt", weights_only=True) for w in ("saved", "loaded"))
+    assert saved["model"].keys() == loaded["model"].keys()
+    for k in saved["model"]:
+        assert torch.equal(saved["model"][k], loaded["model"][k]), k
+    s_state, l_state = saved["optim"]["state"], loaded["optim"]["state"]
+    assert s_state.keys() == l_state.keys() and len(s_state) > 0
+    for name in s_state:
+        assert torch.equal(s_state[name]["momentum_buffer"], l_state[name]["momentum_buffer"]), name
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({s for s in steps if s}) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.timeout(120)
+def test_export_of_a_tp_checkpoint_has_the_plain_names(tmp_path):
+    import argparse
+
+    from safetensors.torch import load_file
+
+    from dptrain.checkpoint.cli import cmd_export
+
+    run = tmp_path / "run"
+    _capture_run("tp2", run, 3, "saved")
+    assert (run / "checkpoints" / "step_000003" / "dcp").is_dir()  # DTensor parameters: DCP shards
+    out = tmp_path / "exported.safetensors"
+    assert cmd_export(argparse.Namespace(target=str(run), out=str(out), trust_checkpoint=False)) == 0
+    exported, final = load_file(out), load_file(run / "final" / "model.safetensors")
+    assert exported.keys() == final.keys() and "layers.0.attn.wq.weight" in exported
+    for k in final:
+        assert torch.equal(exported[k], final[k]), k

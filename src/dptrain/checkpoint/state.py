@@ -61,6 +61,11 @@ class ModelState:
         # (meant for distributing into shards) is not needed for the `full` format's models.
         set_model_state_dict(self.module, state_dict)
 
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Whole tensors (the `full` format, every rank holding them) into this module, sharded
+        or not: each rank keeps its own shard (a full checkpoint resumed under FSDP2 or tp)."""
+        set_model_state_dict(self.module, state_dict, options=StateDictOptions(full_state_dict=True))
+
 
 def param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The plain module's name of every parameter, in the optimizer's order (torch numbers them so)."""
@@ -115,6 +120,13 @@ class OptimizerState:
             self.optimizer.load_state_dict(names_to_index(state_dict, names))  # ZeRO re-partitions the full state
             return
         set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Whole, name-keyed optimizer state (the `full` format) into this optimizer, sharded or not."""
+        if is_index_keyed(state_dict):
+            state_dict = index_to_names(state_dict, param_names(self.module, self.optimizer))
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict,
+                                 options=StateDictOptions(full_state_dict=True))
 
 
 class RngState:

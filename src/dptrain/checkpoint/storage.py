@@ -18,6 +18,7 @@ Every file is read with `torch.load(weights_only=True)` (DCP through `safe_dcp`)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dptrain.checkpoint.manifest import CheckpointError
-from dptrain.checkpoint.state import CheckpointState
+from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
 from dptrain.parallel import is_sharded, unwrap
 
 FULL = "full"
@@ -147,6 +148,9 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> Non
     """Load model and optimizer state written by `save_model_optim` (possibly at another world size;
     a format-version-1 `optim.pt`, keyed by parameter index, is read too)."""
     here = FULL if state.full else SHARDED
+    if fmt != here and _crosses_format(state):
+        _load_across_formats(ckpt_dir, fmt=fmt, state=state)
+        return
     if fmt != here:
         raise CheckpointError(
             f"{ckpt_dir}: written in the {fmt!r} format but this strategy reads {here!r}; resume with a strategy "
@@ -166,6 +170,43 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> Non
     _load_model_dict(state.model_parts, load_torch(ckpt_dir / "model.pt"))
     for i, o in enumerate(state.optimizers):
         o.load_state_dict(load_torch(ckpt_dir / f"{optim_name(i)}.pt"))
+
+
+def _crosses_format(state: CheckpointState) -> bool:
+    """The state's model and optimizer objects can read the other format: DCP's own state-dict
+    helpers (`ModelState`, `OptimizerState`), not ZeRO-1's consolidated optimizer."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    parts = [*state.model_parts, *state.optimizers]
+    return all(isinstance(p, ModelState | OptimizerState) for p in parts) and not any(
+        isinstance(o.optimizer, ZeroRedundancyOptimizer) for o in state.optimizers)  # type: ignore[attr-defined]
+
+
+def _load_across_formats(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> None:
+    """A checkpoint of the other format (e.g. a tensor-parallel or FSDP2 run resumed by one process
+    or DDP, or the reverse): DCP shards read into this model's whole tensors on every rank, or
+    whole tensors from the full files distributed into this model's shards. Collective."""
+    if fmt == SHARDED:  # DCP shards -> whole tensors: DCP reads every tensor in full into the live state
+        import torch.distributed.checkpoint as dcp
+
+        from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+        parts = [copy.copy(p) for p in state.model_parts]
+        optims = [copy.copy(o) for o in state.optimizers]
+        for p in [*parts, *optims]:
+            p.full = False  # type: ignore[attr-defined]  # live (unsharded) tensors on every rank, not rank 0's copies
+        view = dataclasses.replace(state, model_parts=parts, optimizers=optims, full=False)
+        sd = _dcp_state(view)
+        dcp.load(sd, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
+        _load_model_dict(parts, sd["model"])
+        for i, o in enumerate(optims):
+            o.load_state_dict(sd[optim_name(i)])
+        return
+    model_sd = load_torch(ckpt_dir / "model.pt")  # every rank reads the whole files, then keeps its shards
+    for part in state.model_parts:
+        part.load_full_state_dict(model_sd)  # type: ignore[attr-defined]
+    for i, o in enumerate(state.optimizers):
+        o.load_full_state_dict(load_torch(ckpt_dir / f"{optim_name(i)}.pt"))  # type: ignore[attr-defined]
 
 
 def load_full_model_state(ckpt_dir: Path, *, fmt: str) -> dict[str, torch.Tensor]:

@@ -104,12 +104,26 @@ def test_replication_strategies_refuse_a_shard_dimension():
         resolve_layout(ParallelConfig(strategy="ddp", dp_replicate=2, dp_shard=2), world_size=4)
 
 
-@pytest.mark.parametrize("dim", ["tp", "pp"])
+@pytest.mark.parametrize("dim", ["pp"])
 def test_model_parallel_degrees_are_refused_until_built(dim):
     with pytest.raises(ConfigError) as info:
         resolve_layout(ParallelConfig(strategy="fsdp", dp_shard=2, **{dim: 2}), world_size=4)
     msg = str(info.value)
     assert "not built yet (issue 10)" in msg and f"{dim} 2" in msg and "world 4" in msg
+
+
+@pytest.mark.parametrize(("strategy", "dp_dim"), [("ddp", "dp_replicate"), ("zero2", "dp_shard"), ("fsdp", "dp_shard")])
+def test_tensor_parallel_layouts(strategy, dp_dim):
+    """tp is the innermost dimension; the strategy's own dp dimension takes the rest of the world."""
+    dims, _ = resolve_layout(ParallelConfig(strategy=strategy, tp=2), world_size=8)
+    assert (dims.tp, getattr(dims, dp_dim), dims.dp_size) == (2, 4, 4)
+    dims, _ = resolve_layout(ParallelConfig(strategy=strategy, tp=-1), world_size=2)
+    assert (dims.tp, dims.dp_size) == (2, 1)
+
+
+def test_zero1_with_tensor_parallelism_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match=r"'zero1' with parallel.tp=2 is refused: ZeroRedundancyOptimizer.*zero2"):
+        resolve_layout(ParallelConfig(strategy="zero1", tp=2), world_size=4)
 
 
 def test_resolved_batch_arithmetic_uses_the_data_parallel_size():

@@ -15,9 +15,8 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
-
 import test_parity as tp
+import torch
 from test_bad_input import refused
 
 warnings.filterwarnings("ignore", message=".*sequential all_(reduce|gather).*")

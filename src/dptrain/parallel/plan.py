@@ -59,7 +59,7 @@ class ParallelModel:
                 with ddp.gradient_sync(self.module, sync):
                     yield
             elif isinstance(self.module, FSDPModule):  # FSDP2, and replicate (ddp over tp)
-                with fsdp.gradient_sync(self.module, sync):  # type: ignore[arg-type]
+                with fsdp.gradient_sync(self.module, sync):
                     yield
             else:
                 yield

@@ -113,7 +113,7 @@ def load_plan(spec: str) -> TpPlan:
     fn = import_object(spec)
     if not callable(fn):
         raise TypeError(f"parallel.tp_plan={spec!r} is not callable; it must be a function fn(model, tp_mesh)")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def tp_problem(model: nn.Module, *, tp: int, tp_plan: str | None, sequence_parallel: bool,
@@ -128,7 +128,7 @@ def tp_problem(model: nn.Module, *, tp: int, tp_plan: str | None, sequence_paral
         return (f"parallel.tp={tp}: {type(model).__name__} has no tensor-parallel plan; dptrain has one for its "
                 "built-in LLaMA (dptrain.models.llama:build_llama) only. Name yours with parallel.tp_plan=pkg.mod:fn "
                 "(fn(model, tp_mesh) applies it, e.g. with torch.distributed.tensor.parallel.parallelize_module)")
-    cfg = model.cfg  # type: ignore[union-attr]
+    cfg: Any = model.cfg  # LlamaConfig
     if cfg.tie_embeddings:
         return (f"parallel.tp={tp} with model.kwargs.tie_embeddings=true is refused: parallelize_module gives the "
                 "embedding and the head each its own sharded parameter, which unties them; train with "

@@ -38,3 +38,13 @@ def test_meta_init_memory_benchmark_runs_and_weights_match():
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("peak RSS") == 4
     assert "weights identical (SHA-256 of the gathered state dict): True" in r.stdout
+
+
+@pytest.mark.timeout(180)
+def test_tp_comm_benchmark_matches_theory():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "benchmarks/tp_comm.py", "--dim", "32", "--seq", "16", "--batch", "2"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=170, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "per-block bytes equal theory: True" in r.stdout

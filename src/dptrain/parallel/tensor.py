@@ -7,7 +7,7 @@ The plan for the built-in `LlamaLM` is torchtitan's (Megatron-LM's column-then-r
 |---------------------------|-----------------------------------------------------------|
 | `tok_emb`                 | RowwiseParallel (vocab rows split; output Shard(1) under SP, else Replicate) |
 | `layers.i.attn_norm`, `mlp_norm`, `norm` | SequenceParallel (norm on a slice of the sequence; only with sequence_parallel) |
-| `layers.i.attn`, `mlp`    | PrepareModuleInput: Shard(1) -> Replicate (the all-gather of the sequence; only with sequence_parallel) |
+| `layers.i.attn`, `mlp`    | PrepareModuleInput -> Replicate (under SP from Shard(1): the all-gather of the sequence) |
 | `attn.wq`, `wk`, `wv`     | ColwiseParallel (heads split: each rank attends with n_heads/tp heads) |
 | `attn.wo`                 | RowwiseParallel (output Shard(1) under SP: a reduce-scatter; else an all-reduce) |
 | `mlp.w1`, `mlp.w3`        | ColwiseParallel (the SwiGLU hidden width split)          |
@@ -68,20 +68,21 @@ def llama_plan(*, sequence_parallel: bool, loss_parallel: bool) -> tuple[dict[st
                                 use_local_output=not loss_parallel),
     }
     block: dict[str, Any] = {
+        # One replicated DTensor input shared by q/k/v (and by w1/w3): their input gradients add up
+        # as partial DTensors and are reduced once per block input, not once per projection (without
+        # it each projection's own from_local boundary all-reduces its gradient: 5 instead of 2 per
+        # block backward, measured by benchmarks/tp_comm.py). Under SP this is also the all-gather
+        # of the sequence. The rope tables (attention's other inputs) are plain tensors: left alone.
+        "attn": PrepareModuleInput(input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)),
         "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
         "attn.wo": RowwiseParallel(output_layouts=stream),
+        "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
         "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
         "mlp.w2": RowwiseParallel(output_layouts=stream),
     }
     if sp:
         root["norm"] = SequenceParallel()
-        block.update({
-            "attn_norm": SequenceParallel(),
-            # attention's other inputs (the rope tables) are plain tensors: left alone
-            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
-            "mlp_norm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
+        block.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
     return root, block
 
 

@@ -57,8 +57,13 @@ def test_tp2_matches_reference(accum, tmp_path):
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("rung", ["dp2xtp2", "fsdp2xtp2", "zero2xtp2"])
 def test_dp_times_tp_matches_reference(rung, accum, tmp_path):
-    """4 ranks: 2 data-parallel replicas (ddp: FSDP2's replicate; fsdp/zero2: 2 shards) of a model split over 2."""
-    tp_case(rung, accum, tmp_path)
+    """4 ranks: 2 data-parallel replicas (ddp: FSDP2's replicate; fsdp/zero2: 2 shards) of a model split over 2.
+    Under ddp the drift check compares each tp shard with its replica every step."""
+    drift = ("diagnostics.drift_every_steps=1",) if rung == "dp2xtp2" else ()
+    tp_case(rung, accum, tmp_path, *drift)
+    if drift:
+        checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
+        assert [c["ok"] for c in checks if c["kind"] == "drift"] == [True] * tp.STEPS
 
 
 @pytest.mark.timeout(120)

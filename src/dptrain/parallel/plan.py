@@ -148,9 +148,11 @@ class ParallelModel:
     def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
         """Install a DDP communication hook (gradient compression and the like; see
         torch.distributed.algorithms.ddp_comm_hooks). Only DDP (ddp, zero1) has one."""
-        if self.mode.wrapper != "ddp":
-            raise ValueError(f"communication hooks apply to DDP (strategies ddp, zero1); this model uses "
-                             f"{self.mode.wrapper!r}, whose reductions are not hookable")
+        if not isinstance(self.module, DDP):
+            why = ("with tensor parallelism, ddp is FSDP2's replicate" if self.mesh.dims.tp > 1 else
+                   f"this model uses {self.mode.wrapper!r}")
+            raise ValueError(f"communication hooks apply to DDP (strategies ddp, zero1); {why}, whose reductions "
+                             "are not hookable")
         self.module.register_comm_hook(state, hook)  # type: ignore[operator]
 
     def release(self) -> nn.Module:

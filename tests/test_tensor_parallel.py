@@ -87,6 +87,30 @@ def test_dp_times_tp_options_match_reference(rung, extra, tmp_path):
     tp_case(rung, 2, tmp_path, *extra)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("label", "strategy", "dp", "world", "extra"), [
+    ("hsdp 2x2 x tp2", "fsdp", 4, 8, ("parallel.dp_replicate=2", "parallel.dp_shard=2")),
+    ("fsdp2 x tp2 cpu offload", "fsdp", 2, 4, ("parallel.cpu_offload=true",)),
+])
+def test_more_layouts_with_tp_match_reference(label, strategy, dp, world, extra, tmp_path):
+    """3-D DTensors (HSDP over tp, 8 ranks) and FSDP2's CPU offload over tp."""
+    items = [*tp.overrides(strategy=strategy, world_size=dp, accum=1, model="llama", global_batch=GLOBAL),
+             "parallel.tp=2", *extra]
+    got, _ = tp.train(items, world, tmp_path, timeout=280)
+    tp.assert_weights_close(got, tp.reference("llama", global_batch=GLOBAL)[0])
+
+
+@pytest.mark.timeout(120)
+def test_fp16_under_tp_stays_close_to_fp32(tmp_path):
+    """fp16 autocast with the sharded grad scaler (DTensor gradients): close to fp32, as the DP fp16 rungs."""
+    items = [*tp.overrides(strategy="ddp", world_size=1, accum=2, model="llama", global_batch=GLOBAL, dtype="fp16"),
+             "parallel.tp=2"]
+    got, records = tp.train(items, 2, tmp_path, timeout=100)
+    assert all(r["skipped_steps"] == 0 for r in records if "loss" in r)
+    tp.assert_weights_close(got, tp.reference("llama", global_batch=GLOBAL)[0], rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.timeout(120)
 def test_users_own_plan_matches_reference(tmp_path):
     """parallel.tp_plan: the toy MLP split by the user's function (tests/tp_plans.py)."""

@@ -24,6 +24,12 @@ TOY = [
     "train.eval_every_steps=0", "optim.name=sgd", "optim.lr=0.05", "optim.warmup_steps=0",
 ]
 
+TP_LLAMA = [  # the built-in LM, tiny, splittable over tp = 2
+    "model.kwargs.dim=32", "model.kwargs.n_layers=1", "model.kwargs.max_seq_len=32", "data.kwargs.seq_len=32",
+    "train.global_batch_size=4", "train.micro_batch_size=4", "train.log_every_steps=2", "train.eval_every_steps=0",
+    "optim.name=sgd", "optim.lr=0.05", "optim.warmup_steps=0",
+]
+
 
 def dptrain(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m dptrain ARGS` with this checkout's src/ and tests/ importable in every worker."""

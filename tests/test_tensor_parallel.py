@@ -240,3 +240,28 @@ def test_export_of_a_tp_checkpoint_has_the_plain_names(tmp_path):
     assert exported.keys() == final.keys() and "layers.0.attn.wq.weight" in exported
     for k in final:
         assert torch.equal(exported[k], final[k]), k
+
+
+# ------------------------------------------------------------------ diagnostics
+@pytest.mark.timeout(150)
+def test_a_rank_asleep_is_named_while_its_tp_partner_waits_in_a_tp_collective(tmp_path):
+    """Through `dptrain run` and torchrun: tp rank 1 sleeps before its forward at step 3; rank 0
+    blocks in the forward's first tensor-parallel collective; the watchdog names rank 1."""
+    import re
+
+    from diag_helpers import TP_LLAMA, dptrain
+
+    from dptrain.diagnostics.watchdog import EXIT_HANG
+
+    out, mark = tmp_path / "run", tmp_path / "hang-started"
+    r = dptrain("run", *TP_LLAMA, "train.max_steps=1000", "train.loss=diag_helpers:sleepy_loss", "parallel.tp=2",
+                "diagnostics.hang_timeout_s=3", "--nproc-per-node", "2", "--out", str(out),
+                env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)})
+    assert r.returncode != 0 and f"exit {EXIT_HANG}" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    report = (out / "hang_report.txt").read_text()
+    assert "suspect rank(s): rank 1 (" in report, report
+    stacks = {rank: (out / "stacks" / f"rank{rank}.txt").read_text() for rank in (0, 1)}
+    assert "in sleepy_loss" in stacks[1] and "at step 3, phase forward" in stacks[0]
+    where = dict(re.findall(r"^\s+(\d+)\s+\S+\s+\d+\s+3\s+\w+.*\n\s+at (.+)$", report, re.M))
+    assert re.search(r"torch/(distributed/|_ops.py)", where["0"]), report  # the dispatcher, inside a DTensor collective
+    assert "_functional_collectives.py" in stacks[0] and "not inside torch.distributed" in report

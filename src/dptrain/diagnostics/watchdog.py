@@ -48,7 +48,13 @@ def main_thread_position() -> tuple[str, bool]:
         return "?", False
     code = frame.f_code
     path = code.co_filename.replace("\\", "/")
-    return f"{path}:{frame.f_lineno} in {code.co_name}", any(part in path for part in _WAITING_IN)
+    # A DTensor (tensor-parallel) collective waits in torch's op dispatcher (torch/_ops.py), called
+    # from torch/distributed's functional collectives: judge by the first frame outside the dispatcher.
+    caller, caller_path = frame, path
+    while caller is not None and caller_path.endswith("torch/_ops.py"):
+        caller = caller.f_back
+        caller_path = caller.f_code.co_filename.replace("\\", "/") if caller is not None else ""
+    return f"{path}:{frame.f_lineno} in {code.co_name}", any(part in caller_path for part in _WAITING_IN)
 
 
 def format_stacks(*, skip_ident: int | None = None) -> str:

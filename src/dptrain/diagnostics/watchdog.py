@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,8 @@ def main_thread_position() -> tuple[str, bool]:
     path = code.co_filename.replace("\\", "/")
     # A DTensor (tensor-parallel) collective waits in torch's op dispatcher (torch/_ops.py), called
     # from torch/distributed's functional collectives: judge by the first frame outside the dispatcher.
-    caller, caller_path = frame, path
+    caller: types.FrameType | None = frame
+    caller_path = path
     while caller is not None and caller_path.endswith("torch/_ops.py"):
         caller = caller.f_back
         caller_path = caller.f_code.co_filename.replace("\\", "/") if caller is not None else ""

@@ -153,7 +153,7 @@ class ParallelModel:
                    f"this model uses {self.mode.wrapper!r}")
             raise ValueError(f"communication hooks apply to DDP (strategies ddp, zero1); {why}, whose reductions "
                              "are not hookable")
-        self.module.register_comm_hook(state, hook)  # type: ignore[operator]
+        self.module.register_comm_hook(state, hook)
 
     def release(self) -> nn.Module:
         """Drop the wrapper (call while the process group still exists: a DDP reducer freed after

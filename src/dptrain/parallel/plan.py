@@ -47,7 +47,12 @@ class ParallelModel:
     def sharded(self) -> bool:
         """Parameters are sharded across ranks (FSDP2: zero2, fsdp, HSDP; tensor parallelism): their
         state is saved and loaded as DCP shards, never gathered into one file."""
-        return self.mode.wrapper == "fsdp" or self.mesh.dims.tp > 1
+        return self.mode.wrapper == "fsdp" or self.tensor_parallel
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """The model is split over tp > 1 ranks (its parameters are DTensors on the tp mesh)."""
+        return self.mesh is not None and self.mesh.dims.tp > 1
 
     # ---------------------------------------------------------------- the step
     @contextlib.contextmanager
@@ -70,7 +75,7 @@ class ParallelModel:
         `sync_gradients` enters it; evaluation enters it on its own."""
         from dptrain.parallel.tensor import loss_context
 
-        return loss_context(self.mesh.dims.tp > 1 and self.cfg_loss_parallel)
+        return loss_context(self.tensor_parallel and self.cfg_loss_parallel)
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Clip to the global gradient norm over every dimension and return it (a plain tensor).
@@ -149,7 +154,7 @@ class ParallelModel:
         """Install a DDP communication hook (gradient compression and the like; see
         torch.distributed.algorithms.ddp_comm_hooks). Only DDP (ddp, zero1) has one."""
         if not isinstance(self.module, DDP):
-            why = ("with tensor parallelism, ddp is FSDP2's replicate" if self.mesh.dims.tp > 1 else
+            why = ("with tensor parallelism, ddp is FSDP2's replicate" if self.mode.wrapper == "ddp" else
                    f"this model uses {self.mode.wrapper!r}")
             raise ValueError(f"communication hooks apply to DDP (strategies ddp, zero1); {why}, whose reductions "
                              "are not hookable")

@@ -143,3 +143,29 @@ def test_launch_fills_in_only_the_torchrun_defaults_the_user_left_out():
         "--standalone", "--max-restarts", "1", "--nproc-per-node", "3", "train.py"]
     given = ["--nnodes", "2", "--rdzv-endpoint", "h:29500", "train.py"]
     assert user_script_args(given, default_nproc=4) == ["--nproc-per-node", "4", *given]
+
+
+@pytest.mark.timeout(30)
+def test_launch_reads_restarts_only_from_torchrun_options_before_the_script():
+    from dptrain.cli import _wants_restarts
+
+    assert not _wants_restarts(["--nproc-per-node", "2", "train.py", "--max-restarts", "3"])  # the script's own flag
+    assert not _wants_restarts(["--standalone", "train.py", "--max_restarts=3"])
+    assert _wants_restarts(["--max-restarts", "2", "train.py"])
+    assert _wants_restarts(["--standalone", "--max_restarts=1", "--nproc-per-node", "2", "train.py"])
+    assert not _wants_restarts(["--max-restarts", "0", "train.py"])
+
+
+@pytest.mark.timeout(30)
+def test_launch_checks_nproc_only_before_the_script_told_apart_by_torchruns_parser():
+    from dptrain.cli import _check_nproc_option
+    from dptrain.config import ConfigError
+
+    # --standalone takes no value: s.py is the script, and its own --nproc-per-node is not torchrun's
+    _check_nproc_option(["--standalone", "s.py", "--nproc-per-node", "zz"])
+    _check_nproc_option(["--nnodes", "1", "--no-python", "s.py", "--nproc-per-node", "zz"])
+    _check_nproc_option(["--nproc-per-node=2", "s.py", "--nproc-per-node", "zz"])
+    with pytest.raises(ConfigError, match="'zz'"):
+        _check_nproc_option(["--standalone", "--nproc-per-node", "zz", "s.py"])
+    with pytest.raises(ConfigError, match="'0'"):
+        _check_nproc_option(["--max-restarts", "1", "--nproc_per_node=0", "s.py"])

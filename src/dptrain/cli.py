@@ -192,21 +192,26 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError("dptrain launch needs a script: dptrain launch [torchrun options] SCRIPT [ARGS]")
     _check_nproc_option(args.argv)
     argv = launch.user_script_args(args.argv, default_nproc=local_world_size(LaunchConfig()))
-    restarts = any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in argv)
-    return launch.run_torchrun(argv, restarts=restarts)
+    return launch.run_torchrun(argv, restarts=_wants_restarts(argv))
+
+
+def _wants_restarts(argv: list[str]) -> bool:
+    """Whether torchrun's own --max-restarts (before the script; the script's own is its business) asks
+    for restarts, which need the separate-store setting (launch.RESTART_ENV)."""
+    from dptrain import launch
+
+    value = launch.option_value(launch.torchrun_options(argv), "--max-restarts", "--max_restarts")
+    return value is not None and value != "0"
 
 
 def _check_nproc_option(argv: list[str]) -> None:
-    """torchrun's --nproc-per-node must be a positive integer or one of its words (it asserts otherwise)."""
-    for i, a in enumerate(argv):
-        if not a.startswith("-") and (i == 0 or "=" in argv[i - 1] or not argv[i - 1].startswith("-")):
-            break  # the script: its own arguments are not torchrun's
-        name, eq, value = a.partition("=")
-        if name not in ("--nproc-per-node", "--nproc_per_node"):
-            continue
-        value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-        if value not in ("auto", "cpu", "gpu", "xpu") and not (value.isdigit() and int(value) >= 1):
-            raise ConfigError(f"--nproc-per-node={value!r} is not valid; use a positive integer, auto, cpu or gpu")
+    """torchrun's --nproc-per-node must be a positive integer or one of its words (it asserts otherwise).
+    Only torchrun's options count: those before the script, told apart by torchrun's own parser."""
+    from dptrain import launch
+
+    value = launch.option_value(launch.torchrun_options(argv), "--nproc-per-node", "--nproc_per_node")
+    if value is not None and value not in ("auto", "cpu", "gpu", "xpu") and not (value.isdigit() and int(value) >= 1):
+        raise ConfigError(f"--nproc-per-node={value!r} is not valid; use a positive integer, auto, cpu or gpu")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -53,7 +53,8 @@ def run_torchrun(argv: list[str], *, restarts: bool) -> int:
         os.environ.update(RESTART_ENV)
     if "OMP_NUM_THREADS" not in os.environ:
         # torchrun would pin every worker to 1 thread (with a warning); share the cores instead.
-        nproc = int(argv[argv.index("--nproc-per-node") + 1]) if "--nproc-per-node" in argv else 1
+        value = option_value(torchrun_options(argv), "--nproc-per-node", "--nproc_per_node")
+        nproc = int(value) if value and value.isdigit() else 1
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(nproc, 1)))
     args = get_args_parser().parse_args(argv)
     try:
@@ -75,14 +76,37 @@ def user_script_args(argv: list[str], *, default_nproc: int) -> list[str]:
     """`dptrain launch` arguments with dptrain's defaults filled in: every local GPU (or 2 CPU
     workers) and a standalone rendezvous when the user named neither."""
     out = list(argv)
-    script_at = next((i for i, a in enumerate(out) if not a.startswith("-") and (i == 0 or not _takes_value(out[i - 1]))), len(out))
-    opts = out[:script_at]
+    opts = torchrun_options(out)
     extra: list[str] = []
     if not any(o.split("=")[0] in ("--nproc-per-node", "--nproc_per_node") for o in opts):
         extra += ["--nproc-per-node", str(default_nproc)]
     if not any(o.split("=")[0] in ("--rdzv-endpoint", "--rdzv_endpoint", "--standalone", "--master-addr", "--master_addr", "--nnodes") for o in opts):
         extra.append("--standalone")
     return extra + out
+
+
+def script_index(argv: list[str]) -> int:
+    """Where the script starts in `dptrain launch`'s arguments (len(argv) if there is none): the
+    first argument that is neither an option nor the value of one of torchrun's options that take
+    a value (read off torchrun's own parser)."""
+    return next((i for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or not _takes_value(argv[i - 1]))),
+                len(argv))
+
+
+def torchrun_options(argv: list[str]) -> list[str]:
+    """The torchrun options of `dptrain launch`'s arguments: everything before the script. The
+    script's own arguments (its `--max-restarts`, `--nproc-per-node`) are never read as torchrun's."""
+    return argv[:script_index(argv)]
+
+
+def option_value(opts: list[str], *names: str) -> str | None:
+    """The value of the last of `names` in `opts` (`--name value` or `--name=value`), or None."""
+    value = None
+    for i, a in enumerate(opts):
+        name, eq, v = a.partition("=")
+        if name in names:
+            value = v if eq else (opts[i + 1] if i + 1 < len(opts) else "")
+    return value
 
 
 def _takes_value(opt: str) -> bool:

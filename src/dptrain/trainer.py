@@ -175,6 +175,7 @@ class Trainer:
         if not diag.skip_step(step_loss, self.grad_norm):  # nonfinite=skip: all ranks skip the same step
             self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
         self.scaler.update()
+        self.step_lr = float(self.scheduler.get_last_lr()[0])  # the rate this step trained at (a Python float: no sync)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return step_loss
@@ -344,7 +345,7 @@ class Trainer:
         elapsed = time.perf_counter() - self._window_start
         self.train_time += elapsed
         record = self._throughput(window.steps, elapsed)
-        record.update(step=state.step, loss=last_loss, lr=float(self.scheduler.get_last_lr()[0]),
+        record.update(step=state.step, loss=last_loss, lr=self.step_lr,
                       grad_norm=float(self.grad_norm), samples_seen=state.samples_seen)
         if self.scaler.is_enabled():
             state.sync()

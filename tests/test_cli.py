@@ -169,3 +169,33 @@ def test_launch_checks_nproc_only_before_the_script_told_apart_by_torchruns_pars
         _check_nproc_option(["--standalone", "--nproc-per-node", "zz", "s.py"])
     with pytest.raises(ConfigError, match="'0'"):
         _check_nproc_option(["--max-restarts", "1", "--nproc_per_node=0", "s.py"])
+
+
+CRASHING_SCRIPT = '''
+import sys
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise RuntimeError(f"boom on rank 1 with {sys.argv[1:]}")
+dist.barrier()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_launch_failure_keeps_torchruns_root_cause_report(tmp_path):
+    """A rank that raises: torchrun's report (root cause: its rank, exit code, error file holding the
+    traceback) is printed, then dptrain's one-line summary. The script's own --max-restarts is its own."""
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_SCRIPT)
+    r = dptrain("launch", "--nproc-per-node", "2", str(script), "--max-restarts", "3")
+    assert r.returncode == 1, r.stderr[-3000:]
+    root = r.stderr[r.stderr.index("Root Cause (first observed failure):"):]
+    assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1" in root
+    assert "error_file:" in root and "error.json" in root
+    assert "RuntimeError: boom on rank 1 with ['--max-restarts', '3']" in root  # the traceback, from the error file
+    assert 'crash.py", line 7' in root
+    assert f"{script} FAILED" in r.stderr  # titled by the user's script, not dptrain's shim
+    assert "dptrain: worker(s) failed:" in r.stderr and "rank 1 (exit 1)" in r.stderr
+    assert "will restart worker group" not in r.stderr  # the script's --max-restarts is not torchrun's

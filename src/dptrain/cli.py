@@ -192,6 +192,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError("dptrain launch needs a script: dptrain launch [torchrun options] SCRIPT [ARGS]")
     _check_nproc_option(args.argv)
     argv = launch.user_script_args(args.argv, default_nproc=local_world_size(LaunchConfig()))
+    argv = launch.record_failures(argv)  # the script's traceback reaches torchrun's failure report
     return launch.run_torchrun(argv, restarts=_wants_restarts(argv))
 
 

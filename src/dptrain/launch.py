@@ -41,8 +41,9 @@ def describe_rendezvous(cfg: LaunchConfig) -> str:
 
 
 def run_torchrun(argv: list[str], *, restarts: bool) -> int:
-    """Run torchrun in this process; return 0 on success, 1 when a worker failed (torchrun has
-    already printed which rank failed and its error)."""
+    """Run torchrun in this process; return 0 on success, 1 when a worker failed, after printing
+    torchrun's failure report (root-cause rank first: host, exit code, error file, traceback) and
+    dptrain's one-line list of failed ranks; 143 when preempted."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -67,6 +68,10 @@ def run_torchrun(argv: list[str], *, restarts: bool) -> int:
             print("dptrain: preempted (SIGTERM): the last finished step is checkpointed", file=sys.stderr)
             return EXIT_PREEMPTED
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
+        if args.module and args.training_script == "dptrain.record_script" and args.training_script_args:
+            e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
+        # torchrun's own report first: the root-cause rank, host, exit code, error file, traceback
+        print(e.format_msg(), file=sys.stderr)
         print(f"dptrain: worker(s) failed: {failures}", file=sys.stderr)
         return 1
     return 0
@@ -83,6 +88,18 @@ def user_script_args(argv: list[str], *, default_nproc: int) -> list[str]:
     if not any(o.split("=")[0] in ("--rdzv-endpoint", "--rdzv_endpoint", "--standalone", "--master-addr", "--master_addr", "--nnodes") for o in opts):
         extra.append("--standalone")
     return extra + out
+
+
+def record_failures(argv: list[str]) -> list[str]:
+    """Run a plain `.py` script through `dptrain.record_script`, which records an uncaught exception
+    in torchrun's error file (so the failure report holds the traceback). With -m/--module or
+    --no-python the user's command runs as given."""
+    at = script_index(argv)
+    opts = argv[:at]
+    if at == len(argv) or not argv[at].endswith(".py") or any(
+            o.split("=")[0] in ("-m", "--module", "--no-python", "--no_python") for o in opts):
+        return argv
+    return [*opts, "--module", "dptrain.record_script", *argv[at:]]
 
 
 def script_index(argv: list[str]) -> int:

@@ -12,11 +12,14 @@ import sys
 import traceback
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from dptrain.checkpoint import EXIT_PREEMPTED
 from dptrain.config.load import load_config
 from dptrain.trainer import Trainer
 
 
+@record  # an uncaught exception goes to torchrun's error file: its failure report shows the traceback
 def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
     """Train the run in RUN_DIR on this rank; the exit code. `keep` receives the Trainer so that the
     caller decides when it (and the process groups its model holds) is destroyed."""

@@ -28,12 +28,12 @@ transformers = pytest.importorskip(
 )
 
 import torch  # noqa: E402
+from test_parity import SEED, assert_weights_close, train  # noqa: E402
 from torch.utils.data import Dataset, default_collate  # noqa: E402
 
 from dptrain.build import build_model_meta  # noqa: E402
 from dptrain.config import ModelConfig  # noqa: E402
 from dptrain.data import GlobalBatchSampler  # noqa: E402
-from test_parity import SEED, assert_weights_close, train  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 64, 32, 2, 2, 16
 STEPS, GLOBAL_BATCH = 8, 8

@@ -19,7 +19,6 @@ from dptrain.config.load import load_config
 from dptrain.trainer import Trainer
 
 
-@record  # an uncaught exception goes to torchrun's error file: its failure report shows the traceback
 def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
     """Train the run in RUN_DIR on this rank; the exit code. `keep` receives the Trainer so that the
     caller decides when it (and the process groups its model holds) is destroyed."""
@@ -43,7 +42,9 @@ def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
 
 if __name__ == "__main__":
     _trainer: list = []
-    code = main(keep=_trainer)
+    # Under `record`, an uncaught exception also goes to torchrun's error file (TORCHELASTIC_ERROR_FILE),
+    # so torchrun's failure report shows this rank's traceback.
+    code = record(main)(keep=_trainer) or 0
     # Everything is written and the process group destroyed; skip the interpreter's teardown. Freeing a
     # DDP model there drops the last reference to its gloo process group, whose destructor joins a
     # worker thread that may be waiting for the GIL (seen as a hang of a finished rank under load).

@@ -63,11 +63,9 @@ def tiny_t5() -> torch.nn.Module:
         vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN, num_layers=LAYERS,
         num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=2,
     )
-    model = transformers.T5ForConditionalGeneration(cfg)  # shared embedding tied to both stacks and lm_head
-    # T5's forward takes **kwargs but ignores num_items_in_batch (its loss is a plain token mean), so
-    # it must use the sample rule; dptrain reads this attribute as Hugging Face's Trainer does.
-    model.accepts_loss_kwargs = False
-    return model
+    # shared embedding tied to both stacks and lm_head. Its forward takes **kwargs but its loss is a plain
+    # token mean that ignores num_items_in_batch: dptrain sees that and uses the sample rule.
+    return transformers.T5ForConditionalGeneration(cfg)
 
 
 # ------------------------------------------------------------------ data factory: dict samples
@@ -178,6 +176,26 @@ def test_hf_meta_build_falls_back_with_a_reason(model: str) -> None:
         assert torch.equal(a, b), name
     if model != "llama":  # tied embeddings stay tied
         assert first.get_output_embeddings().weight is first.get_input_embeddings().weight
+
+
+@pytest.mark.timeout(60)
+def test_loss_rule_follows_what_the_forward_does_with_num_items() -> None:
+    """Llama and GPT-2 pass num_items_in_batch to their loss_function (token rule); T5's forward takes
+    **kwargs but returns a plain token mean (sample rule, else accumulation would not divide it)."""
+    from dptrain.loss import forward_loss, takes_num_items
+
+    assert takes_num_items(forward_loss, tiny_llama()) and takes_num_items(forward_loss, tiny_gpt2())
+    assert not takes_num_items(forward_loss, tiny_t5())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("model,strategy", [("llama", "fsdp"), ("gpt2", "ddp")])
+def test_hf_accumulation_matches_reference(model: str, strategy: str, tmp_path: Path) -> None:
+    """Two micro-steps per rank with padded rows: the token rule still gives the global token mean."""
+    items = [*overrides(model, strategy), f"train.micro_batch_size={GLOBAL_BATCH // 4}", "train.grad_accum_steps=2"]
+    weights, _ = train(items, 2, tmp_path, timeout=150)
+    assert_weights_close(weights, reference(model), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.timeout(60)

@@ -60,7 +60,8 @@ def takes_num_items(loss_fn: LossFn, model: nn.Module) -> bool:
     """Whether `loss_fn(model, batch, num_items_in_batch=n)` returns `sum of token losses / n`.
 
     For the default loss: the plain module says so with an `accepts_loss_kwargs` attribute, else
-    its `forward` has a `num_items_in_batch` parameter or `**kwargs` (Hugging Face's own test).
+    its `forward` has a `num_items_in_batch` parameter, or `**kwargs` (Hugging Face's own test) and
+    a source that passes them to a loss that uses them (see `_may_use_num_items`: not T5's).
     For a `train.loss` function: it has a parameter named `num_items_in_batch`. Never under
     nn.DataParallel, which would split the count over its replicas (the sample rule applies)."""
     if loss_fn is not forward_loss:
@@ -72,7 +73,22 @@ def takes_num_items(loss_fn: LossFn, model: nn.Module) -> bool:
     declared = getattr(plain, "accepts_loss_kwargs", None)
     if declared is not None:
         return bool(declared)
-    return _has_param(plain.forward, "num_items_in_batch", var_keyword=True)
+    if _has_param(plain.forward, "num_items_in_batch", var_keyword=False):
+        return True
+    return _has_param(plain.forward, "num_items_in_batch", var_keyword=True) and _may_use_num_items(plain.forward)
+
+
+def _may_use_num_items(forward: Callable[..., Any]) -> bool:
+    """Whether a forward that takes `**kwargs` may pass `num_items_in_batch` on to its loss: its source
+    names it or Hugging Face's `loss_function` (which takes it). Hugging Face's own test stops at
+    `**kwargs`, which is wrong for models whose loss is a plain token mean that ignores it (T5, BART,
+    BERT MLM): under the token rule such a loss would not be divided by the accumulation steps.
+    Without source to read, `**kwargs` counts."""
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return True
+    return "num_items_in_batch" in source or "loss_function" in source
 
 
 def _has_param(fn: Callable[..., Any], name: str, *, var_keyword: bool) -> bool:

@@ -199,3 +199,18 @@ def test_launch_failure_keeps_torchruns_root_cause_report(tmp_path):
     assert f"{script} FAILED" in r.stderr  # titled by the user's script, not dptrain's shim
     assert "dptrain: worker(s) failed:" in r.stderr and "rank 1 (exit 1)" in r.stderr
     assert "will restart worker group" not in r.stderr  # the script's --max-restarts is not torchrun's
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_run_failure_report_names_the_raising_rank_and_its_traceback(tmp_path):
+    """dptrain's own worker runs under `record`: the report's root cause is the rank that raised, with its traceback."""
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    r = dptrain("run", "model.factory=dptrain.models.toy:build_mlp", "data.factory=dptrain.models.toy:build_regression_data",
+                "train.loss=bad_factories:fails_on_rank_1", "train.max_steps=3", "--nproc-per-node", "2",
+                "--out", str(tmp_path / "run"), env={"PYTHONPATH": path})
+    assert r.returncode == 1, r.stderr[-3000:]
+    root = r.stderr[r.stderr.index("Root Cause (first observed failure):"):]
+    assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1" in root
+    assert "ValueError: user bug: loss exploded on rank 1" in root and 'bad_factories.py", line' in root
+    assert "dptrain: worker(s) failed:" in r.stderr

@@ -214,3 +214,14 @@ def test_run_failure_report_names_the_raising_rank_and_its_traceback(tmp_path):
     assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1" in root
     assert "ValueError: user bug: loss exploded on rank 1" in root and 'bad_factories.py", line' in root
     assert "dptrain: worker(s) failed:" in r.stderr
+
+
+@pytest.mark.timeout(30)
+def test_launch_runs_plain_scripts_under_record_and_leaves_other_commands_alone():
+    from dptrain.launch import record_failures
+
+    assert record_failures(["--nproc-per-node", "2", "--standalone", "t.py", "--lr", "1"]) == [
+        "--nproc-per-node", "2", "--standalone", "--module", "dptrain.record_script", "t.py", "--lr", "1"]
+    for given in (["--standalone", "-m", "pkg.train"], ["--no-python", "bash", "x.py"], ["--run-path", "t.py"],
+                  ["--standalone", "train.sh"], ["--standalone"]):
+        assert record_failures(given) == given

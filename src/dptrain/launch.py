@@ -92,12 +92,12 @@ def user_script_args(argv: list[str], *, default_nproc: int) -> list[str]:
 
 def record_failures(argv: list[str]) -> list[str]:
     """Run a plain `.py` script through `dptrain.record_script`, which records an uncaught exception
-    in torchrun's error file (so the failure report holds the traceback). With -m/--module or
-    --no-python the user's command runs as given."""
+    in torchrun's error file (so the failure report holds the traceback). With -m/--module,
+    --no-python or --run-path the user's command runs as given."""
     at = script_index(argv)
     opts = argv[:at]
     if at == len(argv) or not argv[at].endswith(".py") or any(
-            o.split("=")[0] in ("-m", "--module", "--no-python", "--no_python") for o in opts):
+            o.split("=")[0] in ("-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path") for o in opts):
         return argv
     return [*opts, "--module", "dptrain.record_script", *argv[at:]]
 

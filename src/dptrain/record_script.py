@@ -2,8 +2,9 @@
 under torchelastic's `record`, so that an uncaught exception lands in the error file torchrun
 reads (TORCHELASTIC_ERROR_FILE) and torchrun's failure report shows the root-cause rank's
 traceback, starting at the script's own frames. `dptrain launch` runs plain `.py` scripts through
-it; with `-m`/`--module` or `--no-python` the user's command runs as given (decorate your own entry
-point with `torch.distributed.elastic.multiprocessing.errors.record` for the same report).
+it; with `-m`/`--module`, `--no-python` or `--run-path` the user's command runs as given (decorate
+your own entry point with `torch.distributed.elastic.multiprocessing.errors.record` for the same
+report).
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ def describe_rendezvous(cfg: LaunchConfig) -> str:
 def run_torchrun(argv: list[str], *, restarts: bool, ckpt_root: Path | None = None,
                  launch_cfg: LaunchConfig | None = None) -> int:
     """Run torchrun in this process; the exit code: 0 done, 1 a worker failed (torchrun has already
-    printed which rank failed and its error), 2 the workers refused their input, 130 interrupted
+    printed which rank failed and its error), 2 the workers refused their input, 3 the hang watchdog
+    stopped the run, 130 interrupted
     (Ctrl-C) and 143 preempted (SIGTERM), both with the last finished step checkpointed.
     `ckpt_root`: where the run's checkpoints go, to say what a second Ctrl-C leaves unsaved;
     `launch_cfg`: for the lines printed while other nodes are awaited."""
@@ -58,6 +59,7 @@ def run_torchrun(argv: list[str], *, restarts: bool, ckpt_root: Path | None = No
     from torch.distributed.run import get_args_parser, run
 
     from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
+    from dptrain.diagnostics.watchdog import EXIT_HANG
 
     if restarts:
         os.environ.update(RESTART_ENV)
@@ -90,6 +92,9 @@ def run_torchrun(argv: list[str], *, restarts: bool, ckpt_root: Path | None = No
             return EXIT_INTERRUPTED
         if codes == {2}:
             return 2  # the workers refused their input; rank 0 said why (one line, above)
+        if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL}:  # a frozen rank is SIGKILLed by the watchdog
+            print("dptrain: stopped by the hang watchdog: see hang_report.txt in the run directory", file=sys.stderr)
+            return EXIT_HANG
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
         print(f"dptrain: worker(s) failed: {failures}", file=sys.stderr)
         return 1

@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     except FactoryFailed as e:
         print(e.report, end="", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C before any worker or signal handler of the run existed
+        print("\ndptrain: interrupted (Ctrl-C) before training started: nothing to save", file=sys.stderr)
+        return 130
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -133,6 +136,8 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     from dptrain import launch
     from dptrain.checkpoint.cli import prepare_resume
+    from dptrain.checkpoint.manifest import checkpoint_root
+    from dptrain.checkpoint.rundir import PENDING_CONFIG, check_run_dir, write_atomically
     from dptrain.launch_checks import check_dir_writable
 
     cfg = _load(args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None)
@@ -154,17 +159,31 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"the training set has {len(train)} samples, fewer than one global batch of {res.global_batch_size}; "
             "lower train.global_batch_size or use more data"
         )
+    finished = check_run_dir(cfg, run_dir=run_dir, resume=args.resume)  # never reset or rewrite a run silently
+    if finished is not None:
+        print(finished.message(run_dir=run_dir, max_steps=cfg.train.max_steps), file=sys.stderr)
+        return 0
+    # The workers read this file; RUN_DIR/config.yaml is written only once they have started (a failed start
+    # leaves nothing a corrected command would inherit). Written whole or not at all (a full disk).
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-    ckpt_args = ["--resume", args.resume] + (["--trust-checkpoint"] if args.trust_checkpoint else [])
-    if res.world_size == 1:
-        from dptrain.worker import main as worker_main
+    pending = run_dir / PENDING_CONFIG
+    try:
+        write_atomically(pending, dump_yaml(cfg))
+    except OSError as e:
+        raise ConfigError(f"cannot write the run's config to {pending}: {e}") from None
+    worker_args = [str(run_dir), "--config", str(pending), "--resume", args.resume]
+    worker_args += ["--trust-checkpoint"] if args.trust_checkpoint else []
+    try:
+        if res.world_size == 1:
+            from dptrain.worker import main as worker_main
 
-        return worker_main([str(run_dir), *ckpt_args])
-    argv = launch.torchrun_args(cfg.launch, nproc_per_node=nproc, module="dptrain.worker",
-                                module_args=[str(run_dir), *ckpt_args])
-    print(launch.describe_rendezvous(cfg.launch), flush=True)
-    return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0)
+            return worker_main(worker_args)
+        argv = launch.torchrun_args(cfg.launch, nproc_per_node=nproc, module="dptrain.worker", module_args=worker_args)
+        print(launch.describe_rendezvous(cfg.launch), flush=True)
+        return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0, launch_cfg=cfg.launch,
+                                   ckpt_root=checkpoint_root(cfg.checkpoint, run_dir))
+    finally:
+        pending.unlink(missing_ok=True)
 
 
 def _check_factories(cfg: Config) -> Any:

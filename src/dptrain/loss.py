@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptrain.config import ConfigError
 from dptrain.distributed import collectives
 
 IGNORE_INDEX = -100
@@ -53,7 +54,21 @@ def forward_loss(model: nn.Module, batch: Any, *, num_items_in_batch: torch.Tens
             f"the model's forward returned {type(out).__name__}, not a loss tensor; "
             "return the loss, an object with .loss, or set train.loss=pkg.mod:fn"
         )
-    return loss.mean() if loss.ndim else loss
+    return check_scalar(loss, model=model, source="the model's forward")
+
+
+def check_scalar(loss: torch.Tensor, *, model: nn.Module, source: str) -> torch.Tensor:
+    """`loss` if it is one number; nn.DataParallel's one loss per GPU -> their mean (the batch mean
+    for equal splits). Anything else is refused naming its shape: averaging a per-sample vector
+    silently would hide a reduction the user forgot, and a sum would change the learning rate."""
+    if loss.ndim == 0:
+        return loss
+    if isinstance(model, nn.DataParallel) and loss.ndim == 1 and loss.numel() == len(model.device_ids or [None]):
+        return loss.mean()
+    raise ConfigError(
+        f"{source} returned a loss of shape {tuple(loss.shape)}, not a scalar; return one number per batch "
+        "(e.g. loss.mean() over the samples, or a sum divided by num_items_in_batch): dptrain does not reduce it for you"
+    )
 
 
 def takes_num_items(loss_fn: LossFn, model: nn.Module) -> bool:

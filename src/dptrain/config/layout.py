@@ -83,7 +83,7 @@ def resolve_layout(cfg: ParallelConfig, *, world_size: int) -> tuple[ParallelDim
                 f"parallel.strategy={cfg.strategy!r} runs in one process but the world size is {world_size}; "
                 "use launch.nproc_per_node=1 (--nproc-per-node 1) or a multi-process strategy (ddp, zero1, zero2, fsdp)"
             )
-    elif degrees["dp_replicate"] == 1 and degrees["dp_shard"] == 1:
+    elif degrees["dp_replicate"] == 1 and degrees["dp_shard"] == 1 and -1 not in degrees.values():
         degrees[mode.dp_dim] = -1  # the strategy's own dimension takes the rest of the world
     dims = ParallelDims.resolve(**degrees, world_size=world_size)
     if mode.wrapper == "ddp" and dims.dp_shard > 1:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (optional extra: pip install 'dptrain[hf]')"
+    "transformers", reason="transformers is not installed (the optional extra: pip install -e '.[hf]')"
 )
 
 import torch  # noqa: E402

@@ -65,7 +65,8 @@ def worker(a: argparse.Namespace) -> None:
         f"train.max_steps={a.steps}", "parallel.strategy=ddp",
     ])
     trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-overhead-"))
-    with process_group(trainer.env, backend="gloo", device=trainer.device, timeout_s=300):
+    dev = trainer.device  # cpu here; the GPU of this rank where there is one (nccl)
+    with process_group(trainer.env, backend=trainer.res.backend, device=dev, timeout_s=300):
         # dptrain as users get it: outputs open, the default diagnostics armed (watchdog, straggler
         # split, drift and memory checks at their default intervals), the preemption handler installed.
         trainer.setup()
@@ -77,16 +78,17 @@ def worker(a: argparse.Namespace) -> None:
             return loss
         rank = dist.get_rank()
         # The raw loop: the same initial weights, the same micro-batches, plain PyTorch.
-        raw = DDP(build_model(cfg.model, seed=cfg.train.seed), bucket_cap_mb=25, gradient_as_bucket_view=True)
+        raw = DDP(build_model(cfg.model, seed=cfg.train.seed).to(dev), bucket_cap_mb=25, gradient_as_bucket_view=True,
+                  device_ids=[dev.index] if dev.type == "cuda" else None)
         opt = torch.optim.AdamW(raw.parameters(), lr=trainer.res.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                 weight_decay=0.0)
         index_batches = [mb for s in range(a.steps) for mb in trainer.sampler.micro_batches(s)]
         raw_batches = iter(DataLoader(trainer.train_ds, batch_sampler=index_batches))
 
         def raw_step() -> torch.Tensor:
-            total = torch.zeros(())
+            total = torch.zeros((), device=dev)
             for micro in range(a.accum):
-                batch = next(raw_batches)
+                batch = next(raw_batches).to(dev, non_blocking=True)
                 if micro < a.accum - 1:
                     with raw.no_sync():
                         loss = raw(batch) / a.accum
@@ -111,6 +113,8 @@ def worker(a: argparse.Namespace) -> None:
                 dist.barrier()
                 t = time.perf_counter()
                 losses[name] = fn()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)  # time the work, not its launch
                 times[name].append(time.perf_counter() - t)
             same_losses &= bool(torch.equal(losses["dptrain"], losses["raw"]))
         trainer.close()

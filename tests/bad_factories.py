@@ -33,3 +33,12 @@ def raising_data(*, n: int = 8):
 def nan_loss(model: nn.Module, batch) -> torch.Tensor:
     """A loss that is NaN from the first step (the model's own loss times NaN, so it has gradients)."""
     return model(batch) * float("nan")
+
+
+def fails_on_rank_1(model: nn.Module, batch) -> torch.Tensor:
+    """A loss that raises on rank 1 only (the failure report must name that rank, not its victims)."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise ValueError("user bug: loss exploded on rank 1")
+    return model(batch)

@@ -153,7 +153,9 @@ def test_restart_budget_is_honoured_exactly(tmp_path):
     worker(proc, 0).send_signal(signal.SIGKILL)
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 1, output[-3000:]
-    assert "worker(s) failed" in output
+    assert "worker(s) failed" in output  # dptrain's line, after torchrun's own report:
+    root = output[output.index("Root Cause (first observed failure):"):]
+    assert "rank      : 0 (local_rank: 0)" in root and "exitcode  : -9" in root and "SIGKILL" in root
     assert len((out / "attempts.jsonl").read_text().splitlines()) == 1  # one restart, no second
     attempts = {json.loads(p.read_text())["attempt"] for p in (out / "attempts").glob("rank*.json")}
     assert attempts == {1}

@@ -143,3 +143,85 @@ def test_launch_fills_in_only_the_torchrun_defaults_the_user_left_out():
         "--standalone", "--max-restarts", "1", "--nproc-per-node", "3", "train.py"]
     given = ["--nnodes", "2", "--rdzv-endpoint", "h:29500", "train.py"]
     assert user_script_args(given, default_nproc=4) == ["--nproc-per-node", "4", *given]
+
+
+@pytest.mark.timeout(30)
+def test_launch_reads_restarts_only_from_torchrun_options_before_the_script():
+    from dptrain.cli import _wants_restarts
+
+    assert not _wants_restarts(["--nproc-per-node", "2", "train.py", "--max-restarts", "3"])  # the script's own flag
+    assert not _wants_restarts(["--standalone", "train.py", "--max_restarts=3"])
+    assert _wants_restarts(["--max-restarts", "2", "train.py"])
+    assert _wants_restarts(["--standalone", "--max_restarts=1", "--nproc-per-node", "2", "train.py"])
+    assert not _wants_restarts(["--max-restarts", "0", "train.py"])
+
+
+@pytest.mark.timeout(30)
+def test_launch_checks_nproc_only_before_the_script_told_apart_by_torchruns_parser():
+    from dptrain.cli import _check_nproc_option
+    from dptrain.config import ConfigError
+
+    # --standalone takes no value: s.py is the script, and its own --nproc-per-node is not torchrun's
+    _check_nproc_option(["--standalone", "s.py", "--nproc-per-node", "zz"])
+    _check_nproc_option(["--nnodes", "1", "--no-python", "s.py", "--nproc-per-node", "zz"])
+    _check_nproc_option(["--nproc-per-node=2", "s.py", "--nproc-per-node", "zz"])
+    with pytest.raises(ConfigError, match="'zz'"):
+        _check_nproc_option(["--standalone", "--nproc-per-node", "zz", "s.py"])
+    with pytest.raises(ConfigError, match="'0'"):
+        _check_nproc_option(["--max-restarts", "1", "--nproc_per_node=0", "s.py"])
+
+
+CRASHING_SCRIPT = '''
+import sys
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise RuntimeError(f"boom on rank 1 with {sys.argv[1:]}")
+dist.barrier()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_launch_failure_keeps_torchruns_root_cause_report(tmp_path):
+    """A rank that raises: torchrun's report (root cause: its rank, exit code, error file holding the
+    traceback) is printed, then dptrain's one-line summary. The script's own --max-restarts is its own."""
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_SCRIPT)
+    r = dptrain("launch", "--nproc-per-node", "2", str(script), "--max-restarts", "3")
+    assert r.returncode == 1, r.stderr[-3000:]
+    root = r.stderr[r.stderr.index("Root Cause (first observed failure):"):]
+    assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1" in root
+    assert "error_file:" in root and "error.json" in root
+    assert "RuntimeError: boom on rank 1 with ['--max-restarts', '3']" in root  # the traceback, from the error file
+    assert 'crash.py", line 7' in root
+    assert f"{script} FAILED" in r.stderr  # titled by the user's script, not dptrain's shim
+    assert "dptrain: worker(s) failed:" in r.stderr and "rank 1 (exit 1)" in r.stderr
+    assert "will restart worker group" not in r.stderr  # the script's --max-restarts is not torchrun's
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_run_failure_report_names_the_raising_rank_and_its_traceback(tmp_path):
+    """dptrain's own worker runs under `record`: the report's root cause is the rank that raised, with its traceback."""
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    r = dptrain("run", "model.factory=dptrain.models.toy:build_mlp", "data.factory=dptrain.models.toy:build_regression_data",
+                "train.loss=bad_factories:fails_on_rank_1", "train.max_steps=3", "--nproc-per-node", "2",
+                "--out", str(tmp_path / "run"), env={"PYTHONPATH": path})
+    assert r.returncode == 1, r.stderr[-3000:]
+    root = r.stderr[r.stderr.index("Root Cause (first observed failure):"):]
+    assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1" in root
+    assert "ValueError: user bug: loss exploded on rank 1" in root and 'bad_factories.py", line' in root
+    assert "dptrain: worker(s) failed:" in r.stderr
+
+
+@pytest.mark.timeout(30)
+def test_launch_runs_plain_scripts_under_record_and_leaves_other_commands_alone():
+    from dptrain.launch import record_failures
+
+    assert record_failures(["--nproc-per-node", "2", "--standalone", "t.py", "--lr", "1"]) == [
+        "--nproc-per-node", "2", "--standalone", "--module", "dptrain.record_script", "t.py", "--lr", "1"]
+    for given in (["--standalone", "-m", "pkg.train"], ["--no-python", "bash", "x.py"], ["--run-path", "t.py"],
+                  ["--standalone", "train.sh"], ["--standalone"]):
+        assert record_failures(given) == given

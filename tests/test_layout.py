@@ -253,3 +253,15 @@ def test_a_model_without_blocks_warns_naming_its_class():
         warnings.simplefilter("always")
         assert apply_activation_checkpointing(Flat(), mode="full") == []
     assert any("Flat has no nn.ModuleList" in str(w.message) for w in caught)
+
+
+def test_a_model_parallel_degree_of_minus_one_takes_the_world_not_the_strategys_dimension():
+    from dptrain.config import ConfigError, ParallelConfig
+    from dptrain.config.layout import resolve_layout
+
+    try:
+        dims, _ = resolve_layout(ParallelConfig(strategy="ddp", tp=-1), world_size=4)
+    except ConfigError as e:  # where tensor parallelism is not built: refused for that reason only
+        assert "at most one" not in str(e) and "tp 4" in str(e), e
+    else:
+        assert (dims.dp_replicate, dims.tp) == (1, 4)

@@ -112,3 +112,23 @@ def test_deepspeed_one_step_warmup_is_two() -> None:
                                                         "warmup_type": "linear"}})
     lrs = _trained_lrs(o, max_steps=max_steps, peak=o.lr, steps=4)
     assert lrs == pytest.approx([0.0, 0.0, 0.5e-3, 1e-3])
+
+
+@pytest.mark.timeout(120)
+def test_logged_lr_is_the_rate_each_step_trained_at(tmp_path) -> None:
+    """metrics.jsonl's `lr` at step s (1-based) is the rate optimizer step s used (lr_lambda(s - 1)),
+    not the next step's: checked on a linear warmup, where every step's rate differs."""
+    import json
+
+    from test_parity import overrides, train
+
+    items = [*overrides(strategy="single", world_size=1, accum=1, steps=6), "optim.warmup_steps=4",
+             "optim.schedule=cosine", "optim.min_lr_ratio=0.1", "optim.warmup_type=linear", "optim.lr=0.05"]
+    _, records = train(items, 1, tmp_path)
+    logged = {r["step"]: r["lr"] for r in records if "lr" in r}
+    cfg = json.loads((tmp_path / "summary.json").read_text())
+    assert sorted(logged) == list(range(1, cfg["steps"] + 1))
+    kw = {"warmup_steps": 4, "max_steps": 6, "schedule": "cosine", "min_lr_ratio": 0.1, "warmup_type": "linear"}
+    want = {s: 0.05 * lr_lambda(s - 1, **kw) for s in logged}
+    assert logged == pytest.approx(want, rel=1e-12)
+    assert logged[1] == pytest.approx(0.05 * 0.25)  # the first step trains at a quarter of the peak

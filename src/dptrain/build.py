@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Mapping
 from typing import Any
@@ -11,7 +12,7 @@ from torch import nn
 
 from dptrain.config import ConfigError, DataConfig, ModelConfig
 from dptrain.data.loader import split_train_val
-from dptrain.loss import LossFn, forward_loss
+from dptrain.loss import LossFn, check_scalar, forward_loss
 
 
 def import_object(spec: str) -> Any:
@@ -109,9 +110,15 @@ def build_datasets(cfg: DataConfig) -> tuple[Any, Any | None]:
 def build_loss_fn(spec: str | None) -> LossFn:
     """`fn(model, batch) -> scalar loss`: the configured one, or `dptrain.loss.forward_loss` (the
     model's own forward). How each micro-step's loss is normalised: `dptrain.loss`."""
-    if spec is not None:
-        return import_object(spec)
-    return forward_loss
+    if spec is None:
+        return forward_loss
+    fn = import_object(spec)
+
+    @functools.wraps(fn)  # keeps the signature: `takes_num_items` reads it
+    def checked(model: nn.Module, batch: Any, **kwargs: Any) -> torch.Tensor:
+        return check_scalar(fn(model, batch, **kwargs), model=model, source=f"train.loss={spec!r}")
+
+    return checked
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:

@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     except FactoryFailed as e:
         print(e.report, end="", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C before any worker or signal handler of the run existed
+        print("\ndptrain: interrupted (Ctrl-C) before training started: nothing to save", file=sys.stderr)
+        return 130
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -133,6 +136,8 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     from dptrain import launch
     from dptrain.checkpoint.cli import prepare_resume
+    from dptrain.checkpoint.manifest import checkpoint_root
+    from dptrain.checkpoint.rundir import PENDING_CONFIG, check_run_dir, write_atomically
     from dptrain.launch_checks import check_dir_writable
 
     cfg = _load(args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None)
@@ -154,17 +159,31 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"the training set has {len(train)} samples, fewer than one global batch of {res.global_batch_size}; "
             "lower train.global_batch_size or use more data"
         )
+    finished = check_run_dir(cfg, run_dir=run_dir, resume=args.resume)  # never reset or rewrite a run silently
+    if finished is not None:
+        print(finished.message(run_dir=run_dir, max_steps=cfg.train.max_steps), file=sys.stderr)
+        return 0
+    # The workers read this file; RUN_DIR/config.yaml is written only once they have started (a failed start
+    # leaves nothing a corrected command would inherit). Written whole or not at all (a full disk).
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-    ckpt_args = ["--resume", args.resume] + (["--trust-checkpoint"] if args.trust_checkpoint else [])
-    if res.world_size == 1:
-        from dptrain.worker import main as worker_main
+    pending = run_dir / PENDING_CONFIG
+    try:
+        write_atomically(pending, dump_yaml(cfg))
+    except OSError as e:
+        raise ConfigError(f"cannot write the run's config to {pending}: {e}") from None
+    worker_args = [str(run_dir), "--config", str(pending), "--resume", args.resume]
+    worker_args += ["--trust-checkpoint"] if args.trust_checkpoint else []
+    try:
+        if res.world_size == 1:
+            from dptrain.worker import main as worker_main
 
-        return worker_main([str(run_dir), *ckpt_args])
-    argv = launch.torchrun_args(cfg.launch, nproc_per_node=nproc, module="dptrain.worker",
-                                module_args=[str(run_dir), *ckpt_args])
-    print(launch.describe_rendezvous(cfg.launch), flush=True)
-    return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0)
+            return worker_main(worker_args)
+        argv = launch.torchrun_args(cfg.launch, nproc_per_node=nproc, module="dptrain.worker", module_args=worker_args)
+        print(launch.describe_rendezvous(cfg.launch), flush=True)
+        return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0, launch_cfg=cfg.launch,
+                                   ckpt_root=checkpoint_root(cfg.checkpoint, run_dir))
+    finally:
+        pending.unlink(missing_ok=True)
 
 
 def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
@@ -194,21 +213,27 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError("dptrain launch needs a script: dptrain launch [torchrun options] SCRIPT [ARGS]")
     _check_nproc_option(args.argv)
     argv = launch.user_script_args(args.argv, default_nproc=local_world_size(LaunchConfig()))
-    restarts = any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in argv)
-    return launch.run_torchrun(argv, restarts=restarts)
+    argv = launch.record_failures(argv)  # the script's traceback reaches torchrun's failure report
+    return launch.run_torchrun(argv, restarts=_wants_restarts(argv))
+
+
+def _wants_restarts(argv: list[str]) -> bool:
+    """Whether torchrun's own --max-restarts (before the script; the script's own is its business) asks
+    for restarts, which need the separate-store setting (launch.RESTART_ENV)."""
+    from dptrain import launch
+
+    value = launch.option_value(launch.torchrun_options(argv), "--max-restarts", "--max_restarts")
+    return value is not None and value != "0"
 
 
 def _check_nproc_option(argv: list[str]) -> None:
-    """torchrun's --nproc-per-node must be a positive integer or one of its words (it asserts otherwise)."""
-    for i, a in enumerate(argv):
-        if not a.startswith("-") and (i == 0 or "=" in argv[i - 1] or not argv[i - 1].startswith("-")):
-            break  # the script: its own arguments are not torchrun's
-        name, eq, value = a.partition("=")
-        if name not in ("--nproc-per-node", "--nproc_per_node"):
-            continue
-        value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-        if value not in ("auto", "cpu", "gpu", "xpu") and not (value.isdigit() and int(value) >= 1):
-            raise ConfigError(f"--nproc-per-node={value!r} is not valid; use a positive integer, auto, cpu or gpu")
+    """torchrun's --nproc-per-node must be a positive integer or one of its words (it asserts otherwise).
+    Only torchrun's options count: those before the script, told apart by torchrun's own parser."""
+    from dptrain import launch
+
+    value = launch.option_value(launch.torchrun_options(argv), "--nproc-per-node", "--nproc_per_node")
+    if value is not None and value not in ("auto", "cpu", "gpu", "xpu") and not (value.isdigit() and int(value) >= 1):
+        raise ConfigError(f"--nproc-per-node={value!r} is not valid; use a positive integer, auto, cpu or gpu")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

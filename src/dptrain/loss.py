@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptrain.config import ConfigError
 from dptrain.distributed import collectives
 
 IGNORE_INDEX = -100
@@ -53,14 +54,29 @@ def forward_loss(model: nn.Module, batch: Any, *, num_items_in_batch: torch.Tens
             f"the model's forward returned {type(out).__name__}, not a loss tensor; "
             "return the loss, an object with .loss, or set train.loss=pkg.mod:fn"
         )
-    return loss.mean() if loss.ndim else loss
+    return check_scalar(loss, model=model, source="the model's forward")
+
+
+def check_scalar(loss: torch.Tensor, *, model: nn.Module, source: str) -> torch.Tensor:
+    """`loss` if it is one number; nn.DataParallel's one loss per GPU -> their mean (the batch mean
+    for equal splits). Anything else is refused naming its shape: averaging a per-sample vector
+    silently would hide a reduction the user forgot, and a sum would change the learning rate."""
+    if loss.ndim == 0:
+        return loss
+    if isinstance(model, nn.DataParallel) and loss.ndim == 1 and loss.numel() == len(model.device_ids or [None]):
+        return loss.mean()
+    raise ConfigError(
+        f"{source} returned a loss of shape {tuple(loss.shape)}, not a scalar; return one number per batch "
+        "(e.g. loss.mean() over the samples, or a sum divided by num_items_in_batch): dptrain does not reduce it for you"
+    )
 
 
 def takes_num_items(loss_fn: LossFn, model: nn.Module) -> bool:
     """Whether `loss_fn(model, batch, num_items_in_batch=n)` returns `sum of token losses / n`.
 
     For the default loss: the plain module says so with an `accepts_loss_kwargs` attribute, else
-    its `forward` has a `num_items_in_batch` parameter or `**kwargs` (Hugging Face's own test).
+    its `forward` has a `num_items_in_batch` parameter, or `**kwargs` (Hugging Face's own test) and
+    a source that passes them to a loss that uses them (see `_may_use_num_items`: not T5's).
     For a `train.loss` function: it has a parameter named `num_items_in_batch`. Never under
     nn.DataParallel, which would split the count over its replicas (the sample rule applies)."""
     if loss_fn is not forward_loss:
@@ -72,7 +88,22 @@ def takes_num_items(loss_fn: LossFn, model: nn.Module) -> bool:
     declared = getattr(plain, "accepts_loss_kwargs", None)
     if declared is not None:
         return bool(declared)
-    return _has_param(plain.forward, "num_items_in_batch", var_keyword=True)
+    if _has_param(plain.forward, "num_items_in_batch", var_keyword=False):
+        return True
+    return _has_param(plain.forward, "num_items_in_batch", var_keyword=True) and _may_use_num_items(plain.forward)
+
+
+def _may_use_num_items(forward: Callable[..., Any]) -> bool:
+    """Whether a forward that takes `**kwargs` may pass `num_items_in_batch` on to its loss: its source
+    names it or Hugging Face's `loss_function` (which takes it). Hugging Face's own test stops at
+    `**kwargs`, which is wrong for models whose loss is a plain token mean that ignores it (T5, BART,
+    BERT MLM): under the token rule such a loss would not be divided by the accumulation steps.
+    Without source to read, `**kwargs` counts."""
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return True
+    return "num_items_in_batch" in source or "loss_function" in source
 
 
 def _has_param(fn: Callable[..., Any], name: str, *, var_keyword: bool) -> bool:

@@ -28,6 +28,7 @@ from torch import nn
 from dptrain import __version__
 from dptrain.build import build_datasets, build_loss_fn, build_model_meta, import_object, to_device
 from dptrain.checkpoint.manager import CheckpointManager
+from dptrain.checkpoint.rundir import write_atomically
 from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, OptimizerState
 from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
 from dptrain.config.load import dump_yaml
@@ -84,6 +85,8 @@ class Trainer:
         self._scale_prev = (torch.full((), self.scaler.get_scale(), device=self.device)
                             if self.scaler.is_enabled() else None)
         self.last_loss: float | None = None
+        self._config_written = False  # RUN_DIR/config.yaml: written after the first step (end_step)
+        self.nonfinite_loss: dict[str, int] = {}  # log steps whose loss was not finite (see _nonfinite_loss)
         self.train_time = 0.0
         self._window_start = time.perf_counter()
 
@@ -175,6 +178,7 @@ class Trainer:
         if not diag.skip_step(step_loss, self.grad_norm):  # nonfinite=skip: all ranks skip the same step
             self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
         self.scaler.update()
+        self.step_lr = float(self.scheduler.get_last_lr()[0])  # the rate this step trained at (a Python float: no sync)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return step_loss
@@ -245,9 +249,6 @@ class Trainer:
         if not self.env.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        cfg_path = self.run_dir / "config.yaml"
-        if not cfg_path.exists():
-            cfg_path.write_text(dump_yaml(self.cfg))
         self.jsonl = JsonlSink(self.run_dir / "metrics.jsonl")
         res = self.res
         self.console.message(
@@ -302,6 +303,7 @@ class Trainer:
                                 steps_here=state.step - first_step)
         if preempted:
             summary["preempted"] = True
+            summary["interrupted"] = self.ckpt.interrupted  # Ctrl-C (exit 130) rather than SIGTERM (143)
         return summary
 
     # ---------------------------------------------------------------- the step boundary
@@ -312,6 +314,10 @@ class Trainer:
         saved on every rank, stop now. No host-device sync except at a log step (and the periodic
         checks, evaluation and saves at their own intervals)."""
         cfg, state = self.cfg, self.state
+        if not self._config_written:  # the first step trained: only now does the directory hold the run's config
+            self._config_written = True
+            if self.env.is_main:
+                write_atomically(self.run_dir / "config.yaml", dump_yaml(self.cfg))
         self.log_window.add(loss)
         state.step += 1
         state.samples_seen += self.res.global_batch_size
@@ -343,8 +349,9 @@ class Trainer:
                                                                  device=self.device, group=self.mesh.dp_group)[0]
         elapsed = time.perf_counter() - self._window_start
         self.train_time += elapsed
+        window_steps = window.steps
         record = self._throughput(window.steps, elapsed)
-        record.update(step=state.step, loss=last_loss, lr=float(self.scheduler.get_last_lr()[0]),
+        record.update(step=state.step, loss=last_loss, lr=self.step_lr,
                       grad_norm=float(self.grad_norm), samples_seen=state.samples_seen)
         if self.scaler.is_enabled():
             state.sync()
@@ -352,8 +359,21 @@ class Trainer:
         self._log(record)
         window.reset()
         if not math.isfinite(last_loss):
-            self.console.message(f"warning: loss is {last_loss} at step {state.step}")
+            self._nonfinite_loss(last_loss, steps=window_steps)
         self._window_start = time.perf_counter()
+
+    def _nonfinite_loss(self, loss: float, *, steps: int) -> None:
+        """Said loudly at every log step whose loss is not finite, whatever diagnostics.nonfinite is:
+        on the console (stderr without the progress line), in diagnostics.jsonl, and in the summary."""
+        step, policy = self.state.step, self.cfg.diagnostics.nonfinite
+        first = self.nonfinite_loss.setdefault("first_step", step)
+        self.nonfinite_loss["log_steps"] = self.nonfinite_loss.get("log_steps", 0) + 1
+        since = "" if first == step else f" (first at step {first})"
+        act = ("training goes on: set diagnostics.nonfinite=skip to skip such steps or =error to stop"
+               if policy == "off" else f"diagnostics.nonfinite={policy}")
+        self.diag.report("nonfinite_loss", {"step": step, "loss": str(loss), "window_steps": steps, "policy": policy},
+                         f"dptrain: WARNING: the loss is {loss} at step {step}{since}, mean of the last {steps} "
+                         f"step(s) over the data-parallel ranks; {act}")
 
     def _summary(
         self, *, last_loss: float | None, initial_val: float | None, final_val: float | None,
@@ -379,6 +399,8 @@ class Trainer:
         }
         if self.ckpt.resumed_from is not None:
             summary["resumed_from"] = str(self.ckpt.resumed_from)
+        if self.nonfinite_loss:
+            summary["nonfinite_loss"] = dict(self.nonfinite_loss)  # first_step, log_steps
         if final_val is not None and (bpb := self._bits_per_byte(final_val)) is not None:
             summary["final_val_bpb"] = bpb
         if self.scaler.is_enabled():

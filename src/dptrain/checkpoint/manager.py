@@ -82,6 +82,7 @@ class CheckpointManager:
         self.trust = trust
         self.last_saved_step: int | None = None
         self.resumed_from: Path | None = None
+        self.interrupted = False  # the run stopped for a Ctrl-C (SIGINT) rather than a SIGTERM
         self.initial_val_loss: float | None = None
         self.preemption: PreemptionFlag | None = None
         self.progress: ProgressFile | None = None
@@ -118,12 +119,19 @@ class CheckpointManager:
         if choice.error:
             raise mf.CheckpointError(choice.error)
         if choice.path is None:
-            if self.env.is_main:  # starting over in this directory: its metrics start over too
-                truncate_metrics(self.run_dir / "metrics.jsonl", step=-1)
+            metrics = self.run_dir / "metrics.jsonl"
+            if self.env.is_main and metrics.is_file() and metrics.stat().st_size > 0:
+                # starting over in this directory: its metrics start over, the old ones are kept aside
+                from dptrain.checkpoint.rundir import move_aside
+
+                moved = move_aside(self.run_dir, [], names=("metrics.jsonl",))
+                self._say(f"dptrain: no checkpoint to continue from: starting at step 0; the earlier metrics.jsonl "
+                          f"was moved to {moved}")
             return False
         step = self._load(state, Path(choice.path), choice.meta)
         self.resumed_from = Path(choice.path)
         self.last_saved_step = step
+        self._flag().last_saved = f"the last committed checkpoint is {choice.path} (step {step})"
         if self.env.is_main:
             self.initial_val_loss = truncate_metrics(self.run_dir / "metrics.jsonl", step=step)
         self._say(f"dptrain: resumed from {choice.path} at step {step}")
@@ -180,8 +188,10 @@ class CheckpointManager:
         if (due or stop) and self.last_saved_step != step:
             self.save(state, background=self.cfg.async_save and not stop)
         if stop:
+            self.interrupted = flag.interrupted_agreed
             self.close()
-            self._say(f"dptrain: preempted (SIGTERM): saved step {step}; resume with the same command")
+            why = "interrupted (Ctrl-C)" if self.interrupted else "preempted (SIGTERM)"
+            self._say(f"dptrain: {why}: saved step {step}; resume with the same command")
             return True
         flag.start(busy=self._pending is not None and not self._pending[1].done())
         return False
@@ -259,6 +269,8 @@ class CheckpointManager:
             for old in mf.prune(self.root, keep_last=self.cfg.keep_last):
                 self._say(f"dptrain: removed old checkpoint {old}")
         collectives.barrier()  # nobody moves on (or exits) before the commit
+        if self.preemption is not None:
+            self.preemption.last_saved = f"the last committed checkpoint is {path} (step {meta['step']})"
         self._say(f"dptrain: checkpoint {path} committed ({time.perf_counter() - t0:.2f}s after the save began)")
 
     def _hash_files(self, path: Path, *, rank: int, world: int) -> dict[str, dict[str, Any]]:

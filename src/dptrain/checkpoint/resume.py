@@ -3,8 +3,8 @@
 `--resume auto` (default) takes the newest committed checkpoint whose files match its
 manifest, skipping (and naming, with the reason) every newer folder that is uncommitted or
 corrupt. `--resume PATH` takes a step folder, or the newest valid one under a run directory
-or checkpoint directory; a step folder that fails verification is refused unless
-`--trust-checkpoint` is given. `--resume none` starts from scratch.
+or checkpoint directory (none valid there: refused, naming every folder and why); a step folder
+that fails verification is refused unless `--trust-checkpoint` is given. `--resume none` starts from scratch.
 """
 
 from __future__ import annotations
@@ -73,7 +73,13 @@ def choose_checkpoint(mode: str, *, root: Path, trust: bool = False) -> ResumeCh
         return _explicit(path, trust=trust)
     for sub in (path / "checkpoints", path):
         if mf.step_dirs(sub):
-            return _newest_valid(sub)
+            choice = _newest_valid(sub)
+            if choice.path is None:  # asked for by name: refused, not a silent fresh start
+                why = "".join(f"\n  {d}: {i.state}: {i.reason}" for d, i in
+                              ((d, mf.inspect_dir(d)) for d in reversed(mf.step_dirs(sub))))
+                return ResumeChoice(error=f"--resume {mode}: no valid checkpoint under {sub}:{why}\nPass one step "
+                                          "folder with --trust-checkpoint to load it unverified, or --resume none")
+            return choice
     return ResumeChoice(error=f"--resume {mode}: holds no step_NNNNNN checkpoint folders")
 
 

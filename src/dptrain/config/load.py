@@ -230,7 +230,7 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
                 return _coerce(value, a, name)
             except ConfigError:
                 continue
-        raise ConfigError(f"{name}={value!r} has the wrong type; expected {_hint_name(hint)}")
+        raise _type_error(name, value, hint)
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -259,7 +259,17 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             return tuple(_coerce(v, a, name) for v, a in zip(value, args, strict=True))
     else:
         return value
-    raise ConfigError(f"{name}={value!r} has the wrong type; expected {_hint_name(hint)}")
+    raise _type_error(name, value, hint)
+
+
+def _type_error(name: str, value: Any, hint: Any) -> ConfigError:
+    """`name=value has the wrong type`, with the field's valid range where it has one."""
+    from dptrain.config.resolve import RANGES  # resolve imports this module
+
+    section, _, field = name.partition(".")
+    rng = RANGES.get(section, {}).get(field)
+    valid = f"; it must be {rng.describe()}" if rng is not None else ""
+    return ConfigError(f"{name}={value!r} has the wrong type; expected {_hint_name(hint)}{valid}")
 
 
 def _number(text: str) -> Any:

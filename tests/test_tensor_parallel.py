@@ -265,3 +265,29 @@ def test_a_rank_asleep_is_named_while_its_tp_partner_waits_in_a_tp_collective(tm
     where = dict(re.findall(r"^\s+(\d+)\s+\S+\s+\d+\s+3\s+\w+.*\n\s+at (.+)$", report, re.M))
     assert re.search(r"torch/(distributed/|_ops.py)", where["0"]), report  # the dispatcher, inside a DTensor collective
     assert "_functional_collectives.py" in stacks[0] and "not inside torch.distributed" in report
+
+
+# ------------------------------------------------------------------ Hugging Face's own plan
+@pytest.mark.timeout(150)
+def test_hf_llama_split_by_its_own_plan_matches_reference(tmp_path):
+    """LlamaForCausalLM under tp2 through its `config.base_model_tp_plan` (translated into PyTorch's
+    Colwise/RowwiseParallel) matches one plain process, as its ddp rung in test_hf_models.py does."""
+    pytest.importorskip("transformers")
+    import test_hf_models as hf
+
+    items = [*hf.overrides("llama", "ddp"), "parallel.tp=2", "train.micro_batch_size=8"]
+    got, _ = tp.train(items, 2, tmp_path, timeout=140)
+    tp.assert_weights_close(got, hf.reference("llama"))
+
+
+@pytest.mark.timeout(60)
+def test_hf_shapes_that_cannot_be_split_are_refused():
+    transformers = pytest.importorskip("transformers")
+    from dptrain.parallel.tensor import tp_problem
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=3, num_key_value_heads=3)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    why = tp_problem(model, tp=2, tp_plan=None, sequence_parallel=True)
+    assert why is not None and "config.num_attention_heads=3 is not divisible by parallel.tp=2" in why

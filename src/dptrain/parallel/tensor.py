@@ -24,6 +24,9 @@ cross-entropy is computed by DTensor without gathering them (`loss_parallel()`, 
 `ParallelModel.sync_gradients` around forward and backward, and by `loss_context` for
 evaluation); see `loss_context`.
 
+A Hugging Face model with its own `config.base_model_tp_plan` (LlamaForCausalLM: q/k/v and
+gate/up column-wise, o and down row-wise) is split by that plan, translated into PyTorch's styles
+(`apply_hf_tp`; embeddings and LM head replicated; sequence and loss parallelism do not apply).
 Users' own models name a function `parallel.tp_plan=pkg.mod:fn`; `fn(model, tp_mesh)` applies its
 own plan (typically one `parallelize_module` call). A model with neither a plan nor a built-in
 one is refused before launch (`tp_problem`). Tied embeddings (`tie_embeddings=true`) are refused:
@@ -107,6 +110,54 @@ def _local_loss(module: nn.Module, args: Any, output: Any) -> Any:
     return output.to_local() if isinstance(output, DTensor) else output
 
 
+HF_STYLES = ("colwise", "rowwise")
+"""The entries of a Hugging Face `config.base_model_tp_plan` dptrain translates into PyTorch's
+ColwiseParallel / RowwiseParallel; a plan with any other entry is refused (its model needs tp_plan)."""
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """A Hugging Face model's own tensor-parallel plan for its base model (`config.base_model_tp_plan`,
+    e.g. LlamaForCausalLM's: q/k/v and gate/up column-wise, o and down row-wise), or None."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None)
+    return dict(plan) if isinstance(plan, dict) and plan and hasattr(model, "base_model_prefix") else None
+
+
+def _hf_problem(model: nn.Module, plan: dict[str, str], *, tp: int) -> str | None:
+    name = type(model).__name__
+    odd = sorted({v for v in plan.values() if v not in HF_STYLES})
+    if odd:
+        return (f"parallel.tp={tp}: {name}'s own tensor-parallel plan uses {', '.join(odd)}, which dptrain does not "
+                f"translate (only {', '.join(HF_STYLES)}); name a plan with parallel.tp_plan=pkg.mod:fn")
+    config: Any = model.config
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        n = getattr(config, what, None)
+        if isinstance(n, int) and n % tp:
+            return (f"{name}: config.{what}={n} is not divisible by parallel.tp={tp}: tensor parallelism splits it "
+                    f"evenly over the tp ranks; choose a tp that divides {n}")
+    return None
+
+
+def apply_hf_tp(model: nn.Module, tp_mesh: Any) -> None:
+    """A Hugging Face model split by its own `base_model_tp_plan` (wildcards `layers.*.` expanded),
+    translated into PyTorch's ColwiseParallel/RowwiseParallel; embeddings and the LM head stay
+    replicated (plain tensors), so the logits and the loss are those of the unsplit model."""
+    import fnmatch
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = hf_tp_plan(model)
+    assert plan is not None
+    base = model.get_submodule(str(model.base_model_prefix))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    names = [n for n, _ in base.named_modules() if n]
+    expanded = {n: styles[style]() for pattern, style in plan.items() for n in names
+                if fnmatch.fnmatchcase(n, pattern)}
+    if not expanded:
+        raise ValueError(f"{type(model).__name__}'s tensor-parallel plan matches none of its modules: {plan}")
+    parallelize_module(base, tp_mesh, expanded)
+
+
 def load_plan(spec: str) -> TpPlan:
     """The user's `parallel.tp_plan` function from its import path."""
     from dptrain.build import import_object
@@ -125,6 +176,8 @@ def tp_problem(model: nn.Module, *, tp: int, tp_plan: str | None, sequence_paral
         return None
     if tp_plan is not None:
         return None  # the user's plan decides what it splits
+    if (hf := hf_tp_plan(model)) is not None:
+        return _hf_problem(model, hf, tp=tp)
     if not is_builtin_llama(model):
         return (f"parallel.tp={tp}: {type(model).__name__} has no tensor-parallel plan; dptrain has one for its "
                 "built-in LLaMA (dptrain.models.llama:build_llama) only. Name yours with parallel.tp_plan=pkg.mod:fn "
@@ -156,6 +209,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any, *, tp_plan: str | None = None, sequ
         raise ValueError(why)
     if tp_plan is not None:
         load_plan(tp_plan)(model, tp_mesh)
+    elif hf_tp_plan(model) is not None:
+        apply_hf_tp(model, tp_mesh)
     else:
         apply_llama_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 

@@ -29,6 +29,7 @@ from dptrain.config.fields import (
     OptimConfig,
     TrainConfig,
 )
+from dptrain.config.pipeline import validate_pipeline
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
 
 if TYPE_CHECKING:
@@ -197,6 +198,8 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     if backend == "nccl" and device != "cuda":
         raise ConfigError("parallel.backend='nccl' needs CUDA; use gloo (or auto) on the CPU")
     g, m, a = resolve_batch(cfg.train, dp_world_size=dims.dp_size)  # tp/pp ranks share their dp rank's batch
+    validate_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m, grad_accum_steps=a,
+                      dp_size=dims.dp_size, precision=cfg.precision.dtype)
     lr, rule = scaled_lr(cfg.optim, global_batch_size=g)
     return Resolved(world_size, dims.dp_size, g, m, a, lr, rule, device, backend, dims, mode)
 

@@ -49,7 +49,7 @@ from dptrain.config.pipeline import pipeline_microbatches, stage_layer_counts
 from dptrain.distributed import collectives
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.models.llama import LlamaLM, rope_tables
-from dptrain.parallel import ddp, fsdp
+from dptrain.parallel import fsdp
 from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dptrain.parallel.materialize import Materializer
 from dptrain.parallel.plan import ParallelModel
@@ -230,12 +230,11 @@ class PipelineModel(ParallelModel):
         shards under FSDP2), gathered over rank 0's pipeline group. Empty on the other ranks."""
         import torch.distributed as dist
 
-        from dptrain.parallel.clip import full_state_dict
-
         local: dict[str, torch.Tensor] = {}
         for part, module in zip(self.stage_parts, self.wrapped, strict=True):
-            local.update(full_state_dict(module) if isinstance(module, fsdp.FSDPModule) else
-                         {k: v.detach().cpu() for k, v in part.state_dict().items()})
+            # DTensor.full_tensor: a collective over the stage's data-parallel mesh (same order on every rank)
+            local.update({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                          for k, v in part.state_dict().items()})
         group = self.mesh.pp_group
         ranks = dist.get_process_group_ranks(group)
         if 0 not in ranks:
@@ -254,6 +253,27 @@ class PipelineModel(ParallelModel):
         self.schedule = None
         self.stages, self.wrapped = [], []
         return super().release()
+
+
+def apply_replicate(part: nn.Module, *, device: torch.device, mesh: Any,
+                    materialize: Callable[[nn.Module], None] | None) -> nn.Module:
+    """ddp for a pipeline stage: torch's FSDP2-based `replicate` (gradients all-reduced over the
+    data-parallel mesh), which the pipeline stage drives natively. The classic DDP wrapper does
+    not compose with the schedules here: its bucket rebuild after the first step fails
+    ("rebuilt parameter indices size is not same as original model parameters size", torch
+    2.13), and with static_graph=True the gradients come out wrong."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    on_meta = any(p.is_meta for p in part.parameters())
+    if not on_meta:
+        part = part.to(device)
+    for block in part.layers.values():  # one all-reduce per block, as FSDP2 units
+        replicate(block, mesh=mesh)
+    replicate(part, mesh=mesh)
+    if on_meta:
+        assert materialize is not None
+        materialize(part)
+    return part
 
 
 def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: ParallelMesh, device: torch.device,
@@ -284,8 +304,7 @@ def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: Paralle
                 mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, cfg.fsdp_reduce_dtype), materialize=hook,
             )
         elif mode.wrapper == "ddp" and mesh.dp_size > 1:
-            module = ddp.apply_ddp(part, device=device, bucket_cap_mb=cfg.bucket_cap_mb, process_group=mesh.dp_group,
-                                   materialize=hook)
+            module = apply_replicate(part, device=device, mesh=mesh.dp_mesh, materialize=hook)
         else:
             if hook is not None:
                 hook(part)

@@ -67,3 +67,104 @@ def test_dp2_pp2_matches_reference(strategy, accum, tmp_path):
     items = pp_items(strategy=strategy, world_size=4, accum=accum, schedule="1f1b")
     diff = pp_rung(items, 4, tmp_path, timeout=200)
     print(f"\nPARITY dp2xpp2 {strategy} 1f1b accum={accum} worst|dw|={diff:.3g}")
+
+
+# ------------------------------------------------------------------ logged loss and evaluation
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_pp2_logs_the_loss_and_val_loss_of_one_process(tmp_path):
+    """The loss lives on the last stage; every rank logs the global batch's loss, and evaluation
+    (the schedule's forward-only path) gives the single process's validation loss."""
+    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule="1f1b")
+    _, got = tp.train(items, 2, tmp_path / "pp", timeout=120)
+    single = tp.overrides(strategy="single", world_size=1, accum=2, model="llama", global_batch=8)
+    single += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()]
+    _, want = tp.train(single, 1, tmp_path / "single")
+    for key in ("loss", "val_loss"):
+        g = [r[key] for r in got if key in r]
+        w = [r[key] for r in want if key in r]
+        assert len(g) == len(w) > 0 and g == pytest.approx(w, rel=1e-5), key
+
+
+# ------------------------------------------------------------------ the split
+def test_stage_layer_counts():
+    assert stage_layer_counts(4, 2) == [2, 2]
+    assert stage_layer_counts(5, 2) == [3, 2]
+    assert stage_layer_counts(8, 4, (1, 3, 3, 1)) == [1, 3, 3, 1]
+    with pytest.raises(ConfigError, match=r"needs pp x pp_stages_per_rank = 2 entries.*n_layers=4.*3 entries summing to 4"):
+        stage_layer_counts(4, 2, (1, 2, 1))
+    with pytest.raises(ConfigError, match="n_layers=2 cannot be split into pp x pp_stages_per_rank = 4"):
+        stage_layer_counts(2, 4)
+
+
+def test_stages_keep_plain_names_and_eager_weights():
+    """Stages cut from the meta model and materialised one by one hold exactly the eager build's
+    tensors under the plain names; together they cover the model once."""
+    from dptrain.build import build_model_meta
+    from dptrain.config.fields import ModelConfig
+    from dptrain.models.llama import build_llama
+    from dptrain.parallel.materialize import make_materializer
+    from dptrain.parallel.pipeline import split_llama, stage_ids
+
+    torch.manual_seed(7)
+    eager = build_llama(**PP_LLAMA).state_dict()
+    rng_after_eager = torch.get_rng_state()
+    seen: dict[str, torch.Tensor] = {}
+    for pp_rank in range(2):
+        meta, reason = build_model_meta(ModelConfig(kwargs=PP_LLAMA), seed=7)
+        assert reason is None
+        parts = split_llama(meta, stages=stage_ids(pp_rank, pp=2, stages_per_rank=2), layer_counts=[1, 1, 1, 1])
+        hook = make_materializer(device="cpu", seed=7).for_part(meta)
+        for part in parts:
+            hook(part)
+            for k, v in part.state_dict().items():
+                assert k not in seen
+                seen[k] = v
+        assert torch.equal(torch.get_rng_state(), rng_after_eager)
+        assert any(p.is_meta for p in meta.parameters())  # the other rank's layers were never allocated
+    assert seen.keys() == eager.keys()
+    for k in eager:
+        assert torch.equal(seen[k], eager[k]), k
+
+
+# ------------------------------------------------------------------ refusals (before launch, exit 2)
+def _resolve(*items: str, world_size: int = 2):
+    return resolve(load_config(None, ["parallel.device=cpu", *items]), world_size=world_size)
+
+
+@pytest.mark.parametrize(("items", "world", "named"), [
+    (("parallel.pp=2", "model.kwargs.n_layers=1"), 2, ["n_layers=1", "pp x pp_stages_per_rank = 2"]),
+    (("parallel.pp=2", "parallel.pp_layers=[1,2]"), 2, ["parallel.pp_layers=[1, 2]", "n_layers=4"]),
+    (("parallel.pp=2", "train.global_batch_size=6", "train.micro_batch_size=3", "parallel.pp_microbatches=2"), 2,
+     ["train.micro_batch_size=3 is not divisible by parallel.pp_microbatches=2", "micro_batch_size 3 x grad_accum_steps 2 x dp 1"]),
+    (("parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=1"), 2, ["needs parallel.pp_microbatches >= pp", "pp=2"]),
+    (("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"), 2, ["pp_stages_per_rank >= 2"]),
+    (("parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_stages_per_rank=2"), 2, ["needs parallel.pp_schedule=interleaved_1f1b"]),
+    (("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
+      "train.global_batch_size=10", "train.micro_batch_size=5", "parallel.pp_microbatches=5"), 4,
+     ["max(1, pp_microbatches // pp) = max(1, 5 // 2) = 2", "got pp_microbatches=5"]),
+    (("parallel.pp=2", "parallel.pp_schedule=zigzag"), 2, ["parallel.pp_schedule='zigzag' is not valid"]),
+    (("parallel.pp=2", "model.factory=dptrain.models.toy:build_mlp"), 2, ["dptrain.models.toy:build_mlp", "built-in LLaMA"]),
+    (("parallel.pp=2", "parallel.strategy=zero1"), 4, ["zero1", "rank 0"]),
+    (("parallel.pp=2", "model.kwargs.tie_embeddings=true"), 2, ["tie_embeddings", "first"]),
+    (("parallel.pp=2", "precision.dtype=fp16"), 2, ["fp16", "GradScaler"]),
+    (("parallel.pp=2", "parallel.pp_microbatches=0"), 2, ["parallel.pp_microbatches=0 is not valid"]),
+])
+def test_pipeline_refusals(items, world, named):
+    with pytest.raises(ConfigError) as err:
+        _resolve(*items, world_size=world)
+    for n in named:
+        assert n in str(err.value), (n, str(err.value))
+
+
+def test_pipeline_refusal_exits_2_before_launch(capsys):
+    from test_bad_input import refused
+
+    refused(capsys, ["run", "--nproc-per-node", "2", "parallel.pp=2", "model.kwargs.n_layers=1", "log.progress=false"],
+            "n_layers=1", "pp x pp_stages_per_rank = 2")
+
+
+def test_pipeline_layout_resolves():
+    res = _resolve("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
+                   "train.global_batch_size=16", "train.micro_batch_size=4", world_size=4)
+    assert (res.dims.pp, res.dims.dp_replicate, res.dp_world_size, res.grad_accum_steps) == (2, 2, 2, 2)

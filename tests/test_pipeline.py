@@ -70,15 +70,39 @@ def test_dp2_pp2_matches_reference(strategy, accum, tmp_path):
 
 
 # ------------------------------------------------------------------ logged loss and evaluation
+class PaddedRows(torch.utils.data.Dataset):
+    """Mapping samples whose labels end in a random run of -100 (different token counts per row)."""
+
+    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab_size, (n, seq_len), generator=g)
+        self.keep = torch.randint(1, seq_len, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return self.tokens.size(0)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids, labels = self.tokens[i, :-1], self.tokens[i, 1:].clone()
+        labels[int(self.keep[i]):] = -100
+        return {"input_ids": ids, "labels": labels}
+
+
+def padded_with_val(*, n: int = 64, seq_len: int = 17, vocab_size: int = 256, seed: int = 0):
+    """(train, val) of padded rows (data factory `test_pipeline:padded_with_val`)."""
+    return PaddedRows(n, seq_len, vocab_size, seed), PaddedRows(16, seq_len, vocab_size, seed + 1)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_pp2_logs_the_loss_and_val_loss_of_one_process(tmp_path):
-    """The loss lives on the last stage; every rank logs the global batch's loss, and evaluation
-    (the schedule's forward-only path) gives the single process's validation loss."""
-    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule="1f1b")
+    """The loss lives on the last stage; every rank logs the global batch's loss (token mean over
+    rows with different numbers of valid labels), and evaluation (the schedule's forward-only path)
+    gives the single process's validation loss."""
+    data = ["data.factory=test_pipeline:padded_with_val", "train.eval_every_steps=2", "train.eval_batches=2"]
+    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule="1f1b") + data
     _, got = tp.train(items, 2, tmp_path / "pp", timeout=120)
     single = tp.overrides(strategy="single", world_size=1, accum=2, model="llama", global_batch=8)
-    single += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()]
+    single += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()] + data
     _, want = tp.train(single, 1, tmp_path / "single")
     for key in ("loss", "val_loss"):
         g = [r[key] for r in got if key in r]
@@ -168,3 +192,113 @@ def test_pipeline_layout_resolves():
     res = _resolve("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
                    "train.global_batch_size=16", "train.micro_batch_size=4", world_size=4)
     assert (res.dims.pp, res.dims.dp_replicate, res.dp_world_size, res.grad_accum_steps) == (2, 2, 2, 2)
+
+
+# ------------------------------------------------------------------ resume across layouts
+def dcp_optimizer_state(step_dir: Path) -> dict[str, torch.Tensor]:
+    """`state.<name>.<key>` -> tensor of a DCP checkpoint's optimizer, read without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+    reader = SafeFileSystemReader(step_dir / "dcp")
+    meta = reader.read_metadata()
+    state = {"optim": {k[len("optim."):]: torch.empty(m.size, dtype=m.properties.dtype)
+                       for k, m in meta.state_dict_metadata.items()
+                       if k.startswith("optim.state.") and isinstance(m, TensorStorageMetadata)}}
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return state["optim"]
+
+
+def _loaded_state_rank(rank: int, items: list[str], out_dir: str, resume: str) -> tuple[dict, dict]:
+    """(model state, optimizer tensors by `state.<name>.<key>`) of a Trainer right after resuming."""
+    import gc
+
+    from dptrain.checkpoint.state import param_names
+    from dptrain.distributed.process_group import process_group
+    from dptrain.trainer import Trainer
+
+    t = Trainer(load_config(None, items), out_dir=out_dir, resume=resume)
+    with process_group(t.env, backend=t.res.backend, device=t.device, timeout_s=60):
+        t.setup()
+        model = {k: v.detach().clone() for k, v in t.module.state_dict().items()}
+        names = param_names(t.model, t.optimizer)
+        optim = {f"state.{names[i]}.{k}": v.clone() for i, st in t.optimizer.state_dict()["state"].items()
+                 for k, v in st.items() if isinstance(v, torch.Tensor)}
+        t.close()
+        t.model = t.plan.release()
+        t.mesh.release()
+        del t
+        gc.collect()
+    return model, optim
+
+
+RESUME = ["optim.momentum=0.9", "checkpoint.every_steps=2", "train.eval_every_steps=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_pipeline_checkpoint_at_dp2_and_single(tmp_path, capsys):
+    """pp2 (DCP shards, one stage per rank) -> dp2 (ddp, full format) and -> single: the loaded model
+    and optimizer (momentum) state equal the checkpoint's bit for bit; training on from it reaches the
+    uninterrupted run's weights and losses; `dptrain ckpt export` gives the plain model's names."""
+    from safetensors.torch import load_file
+
+    from dptrain.checkpoint.storage import load_full_model_state
+    from dptrain.cli import main
+    from mp import run_ranks
+
+    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule="1f1b") + RESUME
+    full_run, records = tp.train(items, 2, tmp_path / "pp2", timeout=120)
+    step2 = tmp_path / "pp2" / "checkpoints" / "step_000002"
+    model2 = load_full_model_state(step2, fmt="dcp")
+    optim2 = dcp_optimizer_state(step2)
+    assert model2.keys() == full_run.keys() and optim2
+    assert main(["ckpt", "export", str(step2), "--out", str(tmp_path / "export.safetensors")]) == 0
+    exported = load_file(str(tmp_path / "export.safetensors"))
+    assert exported.keys() == full_run.keys()  # layers.3.attn.wq.weight, ... the plain names
+    assert all(torch.equal(exported[k], model2[k]) for k in model2)
+    want_losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    for name, strategy, world in (("dp2", "ddp", 2), ("single", "single", 1)):
+        base = tp.overrides(strategy=strategy, world_size=world, accum=2 if world == 1 else 1, model="llama",
+                            global_batch=8)
+        base += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()] + RESUME
+        # what the trainer holds right after loading, on every rank
+        args = (base, str(tmp_path / f"{name}-loaded"), str(step2))
+        states = [_loaded_state_rank(0, *args)] if world == 1 else run_ranks(_loaded_state_rank, world, *args, timeout=120)
+        for got, optim_here in states:
+            assert got.keys() == model2.keys() and all(torch.equal(got[k], model2[k]) for k in model2), name
+            assert optim_here.keys() == optim2.keys()
+            assert all(torch.equal(optim_here[k], optim2[k]) for k in optim2), name
+        # train on to step 4 in the new layout: the uninterrupted pipeline run's weights and losses
+        on_dir = tmp_path / f"{name}-on"
+        got = _resume(base, world, on_dir, step2)
+        tp.assert_weights_close(got, full_run)
+        losses = {r["step"]: r["loss"] for r in _records(on_dir) if "loss" in r}
+        assert sorted(losses) == [3, 4]
+        assert [losses[s] for s in (3, 4)] == pytest.approx([want_losses[s] for s in (3, 4)], rel=1e-5)
+        print(f"\nRESUME pp2 -> {name}: loaded model/optimizer exact; final worst|dw|="
+              f"{tp.max_abs_diff(got, full_run):.3g}")
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _resume_rank(rank: int, items: list[str], out_dir: str, resume: str) -> dict:
+    from dptrain.trainer import Trainer
+
+    return Trainer(load_config(None, items), out_dir=out_dir, resume=resume).fit()
+
+
+def _resume(items: list[str], world: int, out_dir: Path, resume: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from mp import run_ranks
+
+    if world == 1:
+        _resume_rank(0, items, str(out_dir), str(resume))
+    else:
+        run_ranks(_resume_rank, world, items, str(out_dir), str(resume), timeout=120)
+    return load_file(str(out_dir / "final" / "model.safetensors"))

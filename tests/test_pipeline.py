@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+import test_parity as tp
 import torch
 
-import test_parity as tp
 from dptrain.config import ConfigError, resolve
 from dptrain.config.load import load_config
 from dptrain.config.pipeline import stage_layer_counts

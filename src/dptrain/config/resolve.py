@@ -29,8 +29,8 @@ from dptrain.config.fields import (
     OptimConfig,
     TrainConfig,
 )
-from dptrain.config.pipeline import validate_pipeline
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
+from dptrain.config.pipeline import validate_pipeline
 
 if TYPE_CHECKING:
     from dptrain.distributed.mesh import ParallelDims
@@ -263,7 +263,8 @@ RANGES: dict[str, dict[str, Range]] = {
         "eps": POS_FLOAT, "base_batch_size": Range(int, 1, optional=True), "warmup_steps": NONNEG_INT,
         "min_lr_ratio": Range(float, 0, 1), "warmup_start_ratio": Range(float, 0, 1), "grad_clip": Range(float, 0, low_open=True, optional=True, note="null disables clipping"),
     },
-    "parallel": {"bucket_cap_mb": POS_FLOAT, "timeout_s": POS_FLOAT},
+    "parallel": {"bucket_cap_mb": POS_FLOAT, "timeout_s": POS_FLOAT, "pp_stages_per_rank": POS_INT,
+                 "pp_microbatches": Range(int, 1, optional=True, note="null: pp")},
     "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
     "launch": {"nnodes": POS_INT, "node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},
     "data": {"num_workers": NONNEG_INT},

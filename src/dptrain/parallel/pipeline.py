@@ -231,7 +231,7 @@ class PipelineModel(ParallelModel):
         import torch.distributed as dist
 
         local: dict[str, torch.Tensor] = {}
-        for part, module in zip(self.stage_parts, self.wrapped, strict=True):
+        for part in self.stage_parts:
             # DTensor.full_tensor: a collective over the stage's data-parallel mesh (same order on every rank)
             local.update({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
                           for k, v in part.state_dict().items()})
@@ -255,7 +255,7 @@ class PipelineModel(ParallelModel):
         return super().release()
 
 
-def apply_replicate(part: nn.Module, *, device: torch.device, mesh: Any,
+def apply_replicate(part: LlamaStage, *, device: torch.device, mesh: Any,
                     materialize: Callable[[nn.Module], None] | None) -> nn.Module:
     """ddp for a pipeline stage: torch's FSDP2-based `replicate` (gradients all-reduced over the
     data-parallel mesh), which the pipeline stage drives natively. The classic DDP wrapper does
@@ -280,7 +280,12 @@ def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: Paralle
                          materialize: Callable[[nn.Module], None] | None = None) -> PipelineModel:
     """Split `model` (a LlamaLM, on meta or eager) into this rank's stages, apply activation
     checkpointing and data parallelism to each, and build the schedule."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     if not isinstance(model, LlamaLM):
         raise TypeError(f"parallel.pp > 1 splits dptrain's LlamaLM; got {type(model).__name__}")
@@ -310,7 +315,8 @@ def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: Paralle
                 hook(part)
             module = part.to(device)
         wrapped.append(module)
-    stages = [PipelineStage(m, s, n_stages, device, group=mesh.pp_group) for m, s in zip(wrapped, ids, strict=True)]
+    stages: list[Any] = [PipelineStage(m, s, n_stages, device, group=mesh.pp_group)
+                         for m, s in zip(wrapped, ids, strict=True)]
     plan = PipelineModel(view=RankView(parts), parts=parts, wrapped=wrapped, stages=stages, schedule=None,
                          cfg=cfg, mesh=mesh, device=device)
     m = pipeline_microbatches(cfg)

@@ -28,19 +28,19 @@ def pp_items(*, strategy: str, world_size: int, accum: int, schedule: str, pp: i
     return items
 
 
-def pp_reference(global_batch: int = 8) -> tuple[dict[str, torch.Tensor], list[float]]:
+def pp_reference(global_batch: int = 8, grad_clip: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     saved = tp.MODELS["llama"]["kwargs"]
     tp.MODELS["llama"]["kwargs"] = PP_LLAMA
     try:
-        return tp.reference("llama", global_batch=global_batch)
+        return tp.reference("llama", global_batch=global_batch, grad_clip=grad_clip)
     finally:
         tp.MODELS["llama"]["kwargs"] = saved
 
 
 def pp_rung(items: list[str], world_size: int, out_dir: Path, *, rtol: float = tp.RTOL, atol: float = tp.ATOL,
-            timeout: float = 120) -> float:
+            timeout: float = 120, grad_clip: float | None = None) -> float:
     got, records = tp.train(items, world_size, out_dir, timeout=timeout)
-    want, norms = pp_reference()
+    want, norms = pp_reference(grad_clip=grad_clip)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, tp.STEPS + 1))
     tp.assert_weights_close(got, want, rtol=rtol, atol=atol)
     logged = [r["grad_norm"] for r in records if "grad_norm" in r]
@@ -64,9 +64,26 @@ def test_pp2_matches_reference(schedule, stages_per_rank, accum, tmp_path):
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_dp2_pp2_matches_reference(strategy, accum, tmp_path):
+    """Each stage data-parallel over 2 ranks; the drift check compares every stage with its replica."""
     items = pp_items(strategy=strategy, world_size=4, accum=accum, schedule="1f1b")
+    if strategy == "ddp":
+        items.append("diagnostics.drift_every_steps=1")
     diff = pp_rung(items, 4, tmp_path, timeout=200)
     print(f"\nPARITY dp2xpp2 {strategy} 1f1b accum={accum} worst|dw|={diff:.3g}")
+    if strategy == "ddp":
+        checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
+        drift = [c for c in checks if c["kind"] == "drift"]
+        assert len(drift) == tp.STEPS and all(c["ok"] for c in drift)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_pp2_clips_by_the_global_norm_over_stages(tmp_path):
+    """grad_clip small enough to clip every step: the factor comes from the norm over both stages."""
+    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule="1f1b")
+    items = [i for i in items if not i.startswith("optim.grad_clip=")] + ["optim.grad_clip=0.05"]
+    diff = pp_rung(items, 2, tmp_path, grad_clip=0.05)
+    print(f"\nPARITY pp2 1f1b accum=2 grad_clip=0.05 worst|dw|={diff:.3g}")
 
 
 # ------------------------------------------------------------------ logged loss and evaluation

@@ -190,6 +190,7 @@ def _resolve(*items: str, world_size: int = 2):
     (("parallel.pp=2", "model.kwargs.tie_embeddings=true"), 2, ["tie_embeddings", "first"]),
     (("parallel.pp=2", "precision.dtype=fp16"), 2, ["fp16", "GradScaler"]),
     (("parallel.pp=2", "parallel.pp_microbatches=0"), 2, ["parallel.pp_microbatches=0 is not valid"]),
+    (("parallel.pp=2", "train.loss=dptrain.loss:forward_loss"), 2, ["train.loss='dptrain.loss:forward_loss'", "last stage"]),
 ])
 def test_pipeline_refusals(items, world, named):
     with pytest.raises(ConfigError) as err:
@@ -319,3 +320,26 @@ def _resume(items: list[str], world: int, out_dir: Path, resume: Path) -> dict[s
     else:
         run_ranks(_resume_rank, world, items, str(out_dir), str(resume), timeout=120)
     return load_file(str(out_dir / "final" / "model.safetensors"))
+
+
+# ------------------------------------------------------------------ the watchdog
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_watchdog_names_the_rank_the_pipeline_waits_for(tmp_path):
+    """pp2: rank 1 (the last stage) sleeps in data loading; rank 0 waits in the schedule's
+    send/recv. The watchdog names rank 1 and says where rank 0 waits (phase `pipeline`)."""
+    from diag_helpers import dptrain
+
+    out, mark = tmp_path / "run", tmp_path / "hang-started"
+    items = pp_items(strategy="ddp", world_size=2, accum=1, schedule="1f1b")
+    items = [i for i in items if not i.startswith(("train.max_steps=", "parallel.timeout_s="))]
+    r = dptrain("run", *items, "train.max_steps=1000", "data.collate=diag_helpers:sleepy_collate",
+                "diagnostics.hang_timeout_s=3", "--nproc-per-node", "2", "--out", str(out),
+                env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)}, timeout=140)
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "exit 3" in r.stderr, r.stderr[-2000:]
+    report = (out / "hang_report.txt").read_text()
+    assert "suspect rank(s): rank 1 (" in report, report
+    stacks = {rank: (out / "stacks" / f"rank{rank}.txt").read_text() for rank in (0, 1)}
+    assert "in sleepy_collate" in stacks[1]
+    assert "phase pipeline" in stacks[0], stacks[0][:2000]

@@ -48,7 +48,7 @@ def pipeline_microbatches(p: ParallelConfig) -> int:
 
 
 def validate_pipeline(*, parallel: ParallelConfig, model: ModelConfig, pp: int, micro_batch_size: int,
-                      grad_accum_steps: int, dp_size: int, precision: str = "fp32") -> None:
+                      grad_accum_steps: int, dp_size: int, precision: str = "fp32", loss: str | None = None) -> None:
     """Everything pipeline parallelism needs that can be known before launch; ConfigError naming
     every factor. `pp` is the resolved degree (the config's may be -1)."""
     p = parallel
@@ -75,6 +75,12 @@ def validate_pipeline(*, parallel: ParallelConfig, model: ModelConfig, pp: int, 
             f"parallel.pp={pp} splits the built-in LLaMA ({PIPELINE_MODELS[0]}) by layer ranges; model.factory="
             f"{model.factory!r} is not one dptrain knows how to split into stages (its forward computes the whole "
             "model and its loss); use parallel.pp=1 for this model"
+        )
+    if loss is not None:
+        raise ConfigError(
+            f"train.loss={loss!r} cannot be combined with parallel.pp={pp}: under pipeline parallelism the last "
+            "stage computes the loss itself (token cross-entropy of the logits, parallel/pipeline.py), so a loss "
+            "function that calls the whole model does not apply; leave train.loss unset"
         )
     if p.strategy == "zero1":
         raise ConfigError(

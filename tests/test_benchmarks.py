@@ -43,7 +43,7 @@ def test_meta_init_memory_benchmark_runs_and_weights_match():
 @pytest.mark.timeout(240)
 def test_pipeline_bubble_benchmark_runs():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run([sys.executable, "benchmarks/pipeline_bubble.py", "--steps", "1", "--dim", "32", "--layers", "2",
+    r = subprocess.run([sys.executable, "benchmarks/pipeline_bubble.py", "--steps", "1", "--warmup", "1", "--dim", "32", "--layers", "2",
                         "--seq", "16", "--microbatches", "2,4"], cwd=ROOT, capture_output=True, text=True,
                        timeout=230, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

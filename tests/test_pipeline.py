@@ -210,6 +210,9 @@ def test_pipeline_layout_resolves():
     res = _resolve("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
                    "train.global_batch_size=16", "train.micro_batch_size=4", world_size=4)
     assert (res.dims.pp, res.dims.dp_replicate, res.dp_world_size, res.grad_accum_steps) == (2, 2, 2, 2)
+    assert res.pipeline == ("4 stages (2 per rank), blocks per stage [1, 1, 1, 1], schedule interleaved_1f1b; "
+                            "each micro-batch of 4 -> 2 pipeline micro-batches of 2")
+    assert _resolve("parallel.pp=1").pipeline is None
 
 
 # ------------------------------------------------------------------ resume across layouts
@@ -343,3 +346,27 @@ def test_watchdog_names_the_rank_the_pipeline_waits_for(tmp_path):
     stacks = {rank: (out / "stacks" / f"rank{rank}.txt").read_text() for rank in (0, 1)}
     assert "in sleepy_collate" in stacks[1]
     assert "phase pipeline" in stacks[0], stacks[0][:2000]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_dp2_pp2_fsdp_checkpoint_at_pp2_with_another_split(tmp_path):
+    """dp2 x pp2 (FSDP2 shards within each stage, layers [2, 2]) -> pp2 with layers [1, 3] and
+    gpipe: DCP reshards the stages' shards into the new split; the loaded state is exact."""
+    from dptrain.checkpoint.storage import load_full_model_state
+    from mp import run_ranks
+
+    items = pp_items(strategy="fsdp", world_size=4, accum=1, schedule="1f1b") + RESUME
+    tp.train(items, 4, tmp_path / "dp2pp2", timeout=200)
+    step2 = tmp_path / "dp2pp2" / "checkpoints" / "step_000002"
+    model2, optim2 = load_full_model_state(step2, fmt="dcp"), dcp_optimizer_state(step2)
+    other = pp_items(strategy="ddp", world_size=2, accum=2, schedule="gpipe") + RESUME + ["parallel.pp_layers=[1,3]"]
+    states = run_ranks(_loaded_state_rank, 2, other, str(tmp_path / "pp2-loaded"), str(step2), timeout=120)
+    seen_model: dict[str, torch.Tensor] = {}
+    seen_optim: dict[str, torch.Tensor] = {}
+    for model, optim in states:  # each rank holds its stage's part under the plain names
+        seen_model.update(model)
+        seen_optim.update(optim)
+    assert seen_model.keys() == model2.keys() and all(torch.equal(seen_model[k], model2[k]) for k in model2)
+    assert seen_optim.keys() == optim2.keys() and all(torch.equal(seen_optim[k], optim2[k]) for k in optim2)
+    assert sorted(k.split(".")[1] for k in states[0][0] if k.startswith("layers.") and k.endswith("wq.weight")) == ["0"]

@@ -279,7 +279,8 @@ class Trainer:
             f"layout: {res.dims.describe()}\n"
             f"batch: global {res.global_batch_size} = micro {res.micro_batch_size} x accum "
             f"{res.grad_accum_steps} x dp {res.dp_world_size}; {res.lr_rule}\n"
-            f"run dir: {self.run_dir}"
+            + (f"pipeline: {res.pipeline}\n" if res.pipeline else "")
+            + f"run dir: {self.run_dir}"
         )
         if self.env.launched:
             self.console.message(

@@ -123,3 +123,15 @@ def validate_pipeline(*, parallel: ParallelConfig, model: ModelConfig, pp: int, 
                 f"max(1, pp_microbatches // pp) = max(1, {m} // {pp}) = {rounds} (torch's ScheduleInterleaved1F1B), "
                 f"got pp_microbatches={m} ({arithmetic}); use a multiple of pp={pp}"
             )
+
+
+def describe_pipeline(*, parallel: ParallelConfig, model: ModelConfig, pp: int, micro_batch_size: int) -> str | None:
+    """One line for logs and `config show`: stages, layers per stage, schedule, the micro-batch split."""
+    if pp == 1:
+        return None
+    n_stages = pp * parallel.pp_stages_per_rank
+    counts = stage_layer_counts(int(model.kwargs.get("n_layers", 4)), n_stages, parallel.pp_layers)
+    m = pipeline_microbatches(parallel)
+    return (f"{n_stages} stages ({parallel.pp_stages_per_rank} per rank), blocks per stage {counts}, schedule "
+            f"{parallel.pp_schedule}; each micro-batch of {micro_batch_size} -> {m} pipeline micro-batches of "
+            f"{micro_batch_size // m}")

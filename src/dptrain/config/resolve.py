@@ -30,7 +30,7 @@ from dptrain.config.fields import (
     TrainConfig,
 )
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
-from dptrain.config.pipeline import validate_pipeline
+from dptrain.config.pipeline import describe_pipeline, validate_pipeline
 
 if TYPE_CHECKING:
     from dptrain.distributed.mesh import ParallelDims
@@ -171,6 +171,8 @@ class Resolved:
     """The mesh degrees; dp_world_size = dims.dp_replicate * dims.dp_shard."""
     mode: DataParallelMode
     """How `parallel.strategy` applies data parallelism (wrapper, optimizer sharding, resharding)."""
+    pipeline: str | None = None
+    """pp > 1: stages, blocks per stage, schedule and how each micro-batch is split (config/pipeline.py)."""
 
 
 def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool | None = None) -> Resolved:
@@ -201,7 +203,8 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     validate_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m, grad_accum_steps=a,
                       dp_size=dims.dp_size, precision=cfg.precision.dtype, loss=cfg.train.loss)
     lr, rule = scaled_lr(cfg.optim, global_batch_size=g)
-    return Resolved(world_size, dims.dp_size, g, m, a, lr, rule, device, backend, dims, mode)
+    pipe = describe_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m)
+    return Resolved(world_size, dims.dp_size, g, m, a, lr, rule, device, backend, dims, mode, pipe)
 
 
 # ---------------------------------------------------------------------------------------

@@ -62,14 +62,15 @@ def test_pp2_matches_reference(schedule, stages_per_rank, accum, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("accum", [1, 2])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_dp2_pp2_matches_reference(strategy, accum, tmp_path):
+@pytest.mark.parametrize("strategy,schedule,stages_per_rank",
+                         [("ddp", "1f1b", 1), ("fsdp", "1f1b", 1), ("fsdp", "interleaved_1f1b", 2)])
+def test_dp2_pp2_matches_reference(strategy, schedule, stages_per_rank, accum, tmp_path):
     """Each stage data-parallel over 2 ranks; the drift check compares every stage with its replica."""
-    items = pp_items(strategy=strategy, world_size=4, accum=accum, schedule="1f1b")
+    items = pp_items(strategy=strategy, world_size=4, accum=accum, schedule=schedule, stages_per_rank=stages_per_rank)
     if strategy == "ddp":
         items.append("diagnostics.drift_every_steps=1")
     diff = pp_rung(items, 4, tmp_path, timeout=200)
-    print(f"\nPARITY dp2xpp2 {strategy} 1f1b accum={accum} worst|dw|={diff:.3g}")
+    print(f"\nPARITY dp2xpp2 {strategy} {schedule} accum={accum} worst|dw|={diff:.3g}")
     if strategy == "ddp":
         checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
         drift = [c for c in checks if c["kind"] == "drift"]
@@ -370,3 +371,12 @@ def test_resume_dp2_pp2_fsdp_checkpoint_at_pp2_with_another_split(tmp_path):
     assert seen_model.keys() == model2.keys() and all(torch.equal(seen_model[k], model2[k]) for k in model2)
     assert seen_optim.keys() == optim2.keys() and all(torch.equal(seen_optim[k], optim2[k]) for k in optim2)
     assert sorted(k.split(".")[1] for k in states[0][0] if k.startswith("layers.") and k.endswith("wq.weight")) == ["0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_pp2_with_activation_checkpointing_matches_reference(mode, tmp_path):
+    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule="1f1b")
+    diff = pp_rung(items + [f"parallel.activation_checkpointing={mode}"], 2, tmp_path)
+    print(f"\nPARITY pp2 1f1b accum=2 activation_checkpointing={mode} worst|dw|={diff:.3g}")

@@ -14,17 +14,18 @@ model's init (`materialize(source=)`): a rank allocates only its layers, with we
 to the eager build.
 
 Per stage, in parallelize's order: activation checkpointing per block, then data parallelism over
-the data-parallel group of that stage: DDP (ddp), or FSDP2 `fully_shard` (zero2/fsdp, HSDP),
+the data-parallel ranks of that stage: torch's FSDP2-based `replicate` (ddp; see `apply_replicate`
+for why not the DDP wrapper) or FSDP2 `fully_shard` (zero2/fsdp, HSDP), per block and per stage;
 nothing at dp size 1. zero1 is refused before launch (config/pipeline.py).
 
 The step (`PipelineModel.train_micro_batches`): each of the step's `grad_accum_steps` micro-batches
 runs as one schedule, split into `pp_microbatches` pieces. The loss lives on the last stage: the
 schedule's `loss_fn` returns the piece's summed token cross-entropy divided by the global batch's
 valid-token count / dp size (dptrain's token rule, loss.py), with `scale_grads=False`, so the
-step's gradient is the single-process global-batch mean. The DP wrappers reduce gradients inside
-each schedule (torch's stage drives DDP/FSDP2 itself: on its last backward); with accumulation the
-gradients of the earlier micro-batches are reduced again with the later ones, which is still the
-mean (the reduced part is identical on every replica), at the price of one reduction per micro-batch.
+step's gradient is the single-process global-batch mean. The stage drives FSDP2 / replicate itself
+and reduces the gradients of each schedule at its end (`perform_reduce_grad`), adding them to the
+gradients already held; with accumulation that is one reduction per micro-batch rather than one
+per step (the same mean, more communication).
 
 Evaluation runs the schedule's forward-only path (`schedule.eval`); the loss is summed over the
 pipeline group (the stages before the last contribute 0), so every rank logs the same number.

@@ -121,7 +121,8 @@ class Trainer:
         self.model: nn.Module = self.plan.module  # what to call
         self.optimizer = self.plan.build_optimizer(cfg=cfg.optim, lr=res.lr)  # sharded under zero1
         self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
-        self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=self.plan.sharded)
+        # sharded (found-inf agreed over the world) also under PP: an overflow in one stage skips every stage's step
+        self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=self.plan.sharded or self.plan.pipelined)
         self.loss_fn = build_loss_fn(cfg.train.loss)
         self.token_loss = takes_num_items(self.loss_fn, self.model)  # token or sample rule: dptrain/loss.py
         self.collate = import_object(cfg.data.collate) if cfg.data.collate else None
@@ -195,6 +196,9 @@ class Trainer:
         The returned loss is 0 on the stages before the last; logging sums it over the pipeline."""
         plan = self.plan
         assert isinstance(plan, PipelineModel)
+        if self.scaler.is_enabled():  # fp16: the last stage scales its loss; every stage unscales
+            plan.loss_scale = self.scaler.scale
+            self.scaler.scale(torch.zeros((), device=self.device))  # creates the scale on every stage
         return plan.train_micro_batches(micro_batches, context=lambda: autocast(self.cfg.precision, self.device),
                                         phase=self.diag.phase)
 

@@ -48,7 +48,7 @@ def pipeline_microbatches(p: ParallelConfig) -> int:
 
 
 def validate_pipeline(*, parallel: ParallelConfig, model: ModelConfig, pp: int, micro_batch_size: int,
-                      grad_accum_steps: int, dp_size: int, precision: str = "fp32", loss: str | None = None) -> None:
+                      grad_accum_steps: int, dp_size: int, loss: str | None = None) -> None:
     """Everything pipeline parallelism needs that can be known before launch; ConfigError naming
     every factor. `pp` is the resolved degree (the config's may be -1)."""
     p = parallel
@@ -86,11 +86,6 @@ def validate_pipeline(*, parallel: ParallelConfig, model: ModelConfig, pp: int, 
         raise ConfigError(
             "parallel.strategy=zero1 cannot be combined with parallel.pp > 1: ZeRO-1's ZeroRedundancyOptimizer state "
             "is consolidated on global rank 0, which holds only the first pipeline stage; use ddp, zero2 or fsdp"
-        )
-    if precision == "fp16":
-        raise ConfigError(
-            f"precision.dtype=fp16 cannot be combined with parallel.pp={pp}: the pipeline schedule runs backward "
-            "itself, so the GradScaler cannot scale the loss; use precision.dtype=bf16 or fp32"
         )
     kwargs: dict[str, Any] = model.kwargs
     if kwargs.get("tie_embeddings"):

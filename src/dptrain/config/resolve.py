@@ -201,7 +201,7 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
         raise ConfigError("parallel.backend='nccl' needs CUDA; use gloo (or auto) on the CPU")
     g, m, a = resolve_batch(cfg.train, dp_world_size=dims.dp_size)  # tp/pp ranks share their dp rank's batch
     validate_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m, grad_accum_steps=a,
-                      dp_size=dims.dp_size, precision=cfg.precision.dtype, loss=cfg.train.loss)
+                      dp_size=dims.dp_size, loss=cfg.train.loss)
     lr, rule = scaled_lr(cfg.optim, global_batch_size=g)
     pipe = describe_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m)
     return Resolved(world_size, dims.dp_size, g, m, a, lr, rule, device, backend, dims, mode, pipe)

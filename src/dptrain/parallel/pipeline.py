@@ -145,9 +145,15 @@ class PipelineModel(ParallelModel):
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self._n_items: torch.Tensor | float = 1.0  # the loss's divisor, set before each schedule
+        self.loss_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """fp16: the GradScaler's `scale`, applied to the loss the schedule backpropagates."""
+        self._scaling = False
+        self._losses: list[torch.Tensor] = []  # this schedule's unscaled losses (last stage only)
 
     @property
     def sharded(self) -> bool:
+        """FSDP2 (or replicate) on the stages. The fp16 scaler is the sharded one under PP either
+        way (trainer): its found-inf flag must be agreed by every stage."""
         return any(isinstance(m, fsdp.FSDPModule) for m in self.wrapped)
 
     @property
@@ -160,20 +166,23 @@ class PipelineModel(ParallelModel):
 
     # ---------------------------------------------------------------- the step
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of one pipeline micro-batch: summed token CE / the divisor."""
+        """The last stage's loss of one pipeline micro-batch: summed token CE / the divisor (times
+        the fp16 loss scale in training: the schedule runs the backward, so it scales here)."""
         flat = logits.float().reshape(-1, logits.size(-1))  # float32 CE, as LlamaLM.forward
-        return F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum") / self._n_items
+        loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum") / self._n_items
+        self._losses.append(loss.detach())
+        return self.loss_scale(loss) if self._scaling and self.loss_scale is not None else loss
 
     def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
         ids, labels = split_batch(batch)
-        losses: list[torch.Tensor] = []
+        self._losses, self._scaling = [], train
         run = self.schedule.step if train else self.schedule.eval
         args = (ids.to(self.device),) if self.has_first else ()
         extra = {"return_outputs": False} if train else {}
-        run(*args, target=labels.to(self.device), losses=losses, **extra)
-        if not losses:  # only the rank holding the last stage computes losses
+        run(*args, target=labels.to(self.device), losses=[], **extra)
+        if not self._losses:  # only the rank holding the last stage computes losses
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach().float() for loss in losses]).sum()
+        return torch.stack([loss.float() for loss in self._losses]).sum()
 
     def train_micro_batches(self, micro_batches: Sequence[Any], *, context: Callable[[], Any] = contextlib.nullcontext,
                             phase: Callable[..., None] | None = None) -> torch.Tensor:

@@ -403,3 +403,21 @@ def test_pp2_fp16_skips_overflowing_steps_on_every_stage(tmp_path):
         tp.MODELS["llama"]["kwargs"] = saved
     tp.assert_weights_close(got, want, rtol=1e-3, atol=1e-4)
     print(f"\nPARITY pp2 1f1b accum=2 fp16 (skipped {sorted(skip)}) worst|dw|={tp.max_abs_diff(got, want):.3g}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dp2_pp2_zero2_cpu_offload_matches_reference(tmp_path):
+    items = pp_items(strategy="zero2", world_size=4, accum=2, schedule="gpipe") + ["parallel.cpu_offload=true"]
+    diff = pp_rung(items, 4, tmp_path, timeout=200)
+    print(f"\nPARITY dp2xpp2 zero2+cpu_offload gpipe accum=2 worst|dw|={diff:.3g}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hsdp_pp2_matches_reference(tmp_path):
+    """8 ranks: 2 stages, each sharded over 2 ranks and replicated twice (HSDP)."""
+    items = pp_items(strategy="fsdp", world_size=8, accum=1, schedule="1f1b")
+    items += ["parallel.dp_replicate=2", "parallel.dp_shard=2"]
+    diff = pp_rung(items, 8, tmp_path, timeout=280)
+    print(f"\nPARITY hsdp(2x2)xpp2 fsdp 1f1b accum=1 worst|dw|={diff:.3g}")

@@ -148,7 +148,6 @@ class PipelineModel(ParallelModel):
         self.loss_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
         """fp16: the GradScaler's `scale`, applied to the loss the schedule backpropagates."""
         self._scaling = False
-        self._losses: list[torch.Tensor] = []  # this schedule's unscaled losses (last stage only)
 
     @property
     def sharded(self) -> bool:
@@ -170,19 +169,24 @@ class PipelineModel(ParallelModel):
         the fp16 loss scale in training: the schedule runs the backward, so it scales here)."""
         flat = logits.float().reshape(-1, logits.size(-1))  # float32 CE, as LlamaLM.forward
         loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum") / self._n_items
-        self._losses.append(loss.detach())
         return self.loss_scale(loss) if self._scaling and self.loss_scale is not None else loss
 
     def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
         ids, labels = split_batch(batch)
-        self._losses, self._scaling = [], train
+        # The schedule's own `losses` list: loss_fn is also called outside the micro-batches (the
+        # stage's shape inference on the first step after an evaluation), so its calls are not counted.
+        losses: list[torch.Tensor] = []
+        self._scaling = train
         run = self.schedule.step if train else self.schedule.eval
         args = (ids.to(self.device),) if self.has_first else ()
         extra = {"return_outputs": False} if train else {}
-        run(*args, target=labels.to(self.device), losses=[], **extra)
-        if not self._losses:  # only the rank holding the last stage computes losses
+        run(*args, target=labels.to(self.device), losses=losses, **extra)
+        if not losses:  # only the rank holding the last stage computes losses
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.float() for loss in self._losses]).sum()
+        total = torch.stack([loss.detach().float() for loss in losses]).sum()
+        if train and self.loss_scale is not None:  # fp16: report the unscaled loss (no host sync)
+            total = total / self.loss_scale(torch.ones((), device=self.device))
+        return total
 
     def train_micro_batches(self, micro_batches: Sequence[Any], *, context: Callable[[], Any] = contextlib.nullcontext,
                             phase: Callable[..., None] | None = None) -> torch.Tensor:

@@ -104,12 +104,17 @@ def test_replication_strategies_refuse_a_shard_dimension():
         resolve_layout(ParallelConfig(strategy="ddp", dp_replicate=2, dp_shard=2), world_size=4)
 
 
-@pytest.mark.parametrize("dim", ["tp", "pp"])
+@pytest.mark.parametrize("dim", ["tp"])
 def test_model_parallel_degrees_are_refused_until_built(dim):
     with pytest.raises(ConfigError) as info:
         resolve_layout(ParallelConfig(strategy="fsdp", dp_shard=2, **{dim: 2}), world_size=4)
     msg = str(info.value)
     assert "not built yet (issue 10)" in msg and f"{dim} 2" in msg and "world 4" in msg
+
+
+def test_pipeline_degree_resolves_with_data_parallelism():
+    dims, mode = resolve_layout(ParallelConfig(strategy="fsdp", pp=2), world_size=4)
+    assert (dims.pp, dims.dp_shard, dims.dp_size, mode.wrapper) == (2, 2, 2, "fsdp")
 
 
 def test_resolved_batch_arithmetic_uses_the_data_parallel_size():

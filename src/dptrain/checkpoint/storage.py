@@ -11,15 +11,19 @@ Two formats, chosen by the model, never by the strategy name:
   `torch.distributed.checkpoint`, keys `model` and `optim` (`optim_1`, ...), from the parts'
   state dicts (DCP's `get_*_state_dict`, names of the plain module); loading reshards to the
   current world size and the parts' `load_state_dict` (`set_*_state_dict`) puts the values in place.
+  Pipeline stages always use it (each rank writes its stages' names). A `dcp` checkpoint also loads
+  into an unsharded model (single, ddp: not zero1), so a pipeline run resumes at dp or single.
 
 Every file is read with `torch.load(weights_only=True)` (DCP through `safe_dcp`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -147,25 +151,55 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> Non
     """Load model and optimizer state written by `save_model_optim` (possibly at another world size;
     a format-version-1 `optim.pt`, keyed by parameter index, is read too)."""
     here = FULL if state.full else SHARDED
+    if fmt == SHARDED and here == FULL and not _zero1(state):
+        # DCP shards (pipeline stages, FSDP2) into an unsharded model (single, ddp): DCP reads into
+        # the live tensors of every rank, consolidating the shards, under the plain names.
+        with _live_tensors(state):
+            _load_dcp(ckpt_dir, state)
+        return
     if fmt != here:
         raise CheckpointError(
             f"{ckpt_dir}: written in the {fmt!r} format but this strategy reads {here!r}; resume with a strategy "
             f"of the same kind (full: single/ddp/zero1; dcp: zero2/fsdp), or export the weights with `dptrain ckpt export`"
         )
     if not state.full:
-        import torch.distributed.checkpoint as dcp
-
-        from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
-
-        sd = _dcp_state(state)  # the current (sharded) tensors: DCP reads into them, resharding
-        dcp.load(sd, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
-        _load_model_dict(state.model_parts, sd["model"])
-        for i, o in enumerate(state.optimizers):
-            o.load_state_dict(sd[optim_name(i)])
+        _load_dcp(ckpt_dir, state)
         return
     _load_model_dict(state.model_parts, load_torch(ckpt_dir / "model.pt"))
     for i, o in enumerate(state.optimizers):
         o.load_state_dict(load_torch(ckpt_dir / f"{optim_name(i)}.pt"))
+
+
+def _load_dcp(ckpt_dir: Path, state: CheckpointState) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+    sd = _dcp_state(state)  # the current (sharded) tensors: DCP reads into them, resharding
+    dcp.load(sd, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
+    _load_model_dict(state.model_parts, sd["model"])
+    for i, o in enumerate(state.optimizers):
+        o.load_state_dict(sd[optim_name(i)])
+
+
+def _zero1(state: CheckpointState) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return any(isinstance(getattr(o, "optimizer", None), ZeroRedundancyOptimizer) for o in state.optimizers)
+
+
+@contextlib.contextmanager
+def _live_tensors(state: CheckpointState) -> Iterator[None]:
+    """Parts and optimizers of the `full` format give their live tensors on every rank (not whole
+    copies on rank 0 only) while the body runs: what loading DCP shards into them needs."""
+    objs = [o for o in (*state.model_parts, *state.optimizers) if getattr(o, "full", False)]
+    for o in objs:
+        o.full = False  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for o in objs:
+            o.full = True  # type: ignore[attr-defined]
 
 
 def load_full_model_state(ckpt_dir: Path, *, fmt: str) -> dict[str, torch.Tensor]:

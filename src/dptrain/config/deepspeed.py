@@ -23,7 +23,8 @@ _REFUSED_OPTIM = {
     "lamb": "use \"AdamW\" (dptrain has no LAMB); for large-batch training add optim.lr_scaling=sqrt",
 }
 _NOT_YET = {  # DeepSpeed keys for parallelism dptrain does not have yet (issue 10)
-    "pipeline": "pipeline parallelism is not available yet (issue 10); the model is trained data-parallel only",
+    "pipeline": "the DeepSpeed pipeline section is not mapped yet (issue 10); set parallel.pp (and parallel.pp_*) "
+                "for pipeline parallelism; without it the model is trained data-parallel only",
     "tensor_parallel": "tensor parallelism is not available yet (issue 10); the model is trained data-parallel only",
 }
 

@@ -94,7 +94,7 @@ def resolve_layout(cfg: ParallelConfig, *, world_size: int) -> tuple[ParallelDim
         )
     if reasons := dims.unbuilt():
         raise ConfigError(
-            f"parallel layout {dims.describe()}: {'; '.join(reasons)}. The mesh already carries the tp and pp "
-            "dimensions, but training refuses them until tensor/pipeline parallelism lands; use tp=1 and pp=1"
+            f"parallel layout {dims.describe()}: {'; '.join(reasons)}. The mesh already carries the tp "
+            "dimension, but training refuses it until tensor parallelism lands; use tp=1"
         )
     return dims, mode

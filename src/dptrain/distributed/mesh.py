@@ -12,6 +12,7 @@ the questions the rest of the run asks:
 - loss, metric and eval means: `dp_group`;
 - FSDP2: `fsdp_mesh` (1-D dp_shard, or 2-D (dp_replicate, dp_shard) = HSDP);
 - DDP and ZeRO-1: `dp_group`;
+- pipeline parallelism: `pp_group`, `pp_rank`, `pp_mesh` (the stages of one (dp, tp) coordinate);
 - the replica check: `replica_group`, the dp_replicate dimension: ranks that hold the same
   parameters (or the same shard of them), one group per (dp_shard, tp, pp) coordinate.
 
@@ -38,7 +39,6 @@ shard within a node)."""
 
 NOT_BUILT = {
     "tp": "tensor parallelism (parallel.tp > 1) is not built yet (issue 10)",
-    "pp": "pipeline parallelism (parallel.pp > 1) is not built yet (issue 10)",
 }
 
 
@@ -100,8 +100,8 @@ class ParallelDims:
         return " x ".join(f"{n} {v}" for n, v in self.degrees.items()) + f" = world {self.world_size}"
 
     def unbuilt(self) -> list[str]:
-        """Why this layout cannot train yet (tp or pp > 1), one reason per dimension; empty when it can."""
-        return [NOT_BUILT[n] for n in ("tp", "pp") if getattr(self, n) > 1]
+        """Why this layout cannot train yet (a dimension in NOT_BUILT > 1), one reason each; empty when it can."""
+        return [reason for n, reason in NOT_BUILT.items() if getattr(self, n) > 1]
 
 
 def _dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
@@ -183,6 +183,28 @@ class ParallelMesh:
         if self.dims.dp_replicate == 1:
             return None
         return self.mesh["dp_replicate"].get_group()
+
+    # ---------------------------------------------------------------- pipeline parallelism
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        """The 1-D pipeline mesh: the ranks holding the stages of this rank's (dp, tp) coordinate."""
+        return self.mesh["pp"]
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's position in its pipeline (0: holds the first stage)."""
+        return self.mesh["pp"].get_local_rank()
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """Group of the pipeline's point-to-point traffic, the loss broadcast from the last stage and
+        the gradient norm's sum over stages."""
+        return self.mesh["pp"].get_group()
 
     def coordinate(self) -> dict[str, int]:
         """This rank's coordinate along every named dimension."""

@@ -82,8 +82,11 @@ class LlamaStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] (first stage) or hidden states [B, T, D] -> hidden states, or logits [B, T, V] (last)."""
         if self.tok_emb is not None:
+            self.rope(x.size(1), x.device)  # refuses token ids longer than the model's context
             x = self.tok_emb(x)
-        cos, sin = self.rope(x.size(1), x.device)
+        # The whole table: each block's attention takes the first T rows for its (gathered) sequence;
+        # x.size(1) here may be a sequence-parallel shard of it (tensor parallelism within the stage).
+        cos, sin = self.rope(self.cfg.max_seq_len, x.device)
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if self.head is not None:

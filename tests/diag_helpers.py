@@ -179,3 +179,16 @@ def gil_holding_loss(model: nn.Module, batch) -> torch.Tensor:
         Path(os.environ["HANG_MARK"]).write_text(str(time.time()))
         re.match(r"(a|aa)+$", "a" * 200 + "b")
     return model(batch)
+
+
+_collates = {"n": 0}
+
+
+def sleepy_collate(samples):
+    """default_collate, except that rank $HANG_RANK sleeps forever in its $HANG_STEP-th call (data loading)."""
+    _collates["n"] += 1
+    if _rank() == int(os.environ.get("HANG_RANK", "-1")) and _collates["n"] == int(os.environ.get("HANG_STEP", "0")):
+        Path(os.environ["HANG_MARK"]).write_text(str(time.time()))
+        while True:
+            time.sleep(3600)
+    return torch.utils.data.default_collate(samples)

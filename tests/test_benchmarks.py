@@ -48,3 +48,15 @@ def test_tp_comm_benchmark_matches_theory():
                        capture_output=True, text=True, timeout=170, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "per-block bytes equal theory: True" in r.stdout
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_bubble_benchmark_runs():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, "benchmarks/pipeline_bubble.py", "--steps", "1", "--warmup", "1", "--dim", "32", "--layers", "2",
+                        "--seq", "16", "--microbatches", "2,4"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=230, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith(("| gpipe", "| 1f1b"))]
+    assert len(rows) == 4
+    assert [row.split("|")[-2].strip() for row in rows] == ["0.333", "0.200", "0.333", "0.200"]  # theory column

@@ -196,20 +196,21 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | str]] = [
         "optimizer": {"type": "AdamW", "params": {"lr": 6e-5}}, "fp16": {"enabled": True},
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
         "pipeline": {"stages": 4, "micro_batch_size": 32},
-    }, {"strategy": "fsdp", "offload": True, "batch": (1024, 64, 8), "optim": ("adamw", 6e-5, 0.0, (0.9, 0.999)),
-        "dtype": "fp16"}),
+    }, {"world": 16, "strategy": "fsdp", "offload": True, "batch": (1024, 256, 1), "pp": (4, 8, "1f1b"),
+        "optim": ("adamw", 6e-5, 0.0, (0.9, 0.999)), "dtype": "fp16"}),
 ]
 
 
 def _check(cfg: Any, expected: dict[str, Any]) -> None:
-    r = resolve(cfg, world_size=2, cuda_available=False)
+    expected = dict(expected)
+    r = resolve(cfg, world_size=expected.pop("world", 2), cuda_available=False)
     o, p = cfg.optim, cfg.parallel
     got = {
         "strategy": p.strategy, "offload": p.cpu_offload, "batch": (r.global_batch_size, r.micro_batch_size, r.grad_accum_steps),
         "optim": (o.name, o.lr, o.weight_decay, o.betas), "lr": o.lr,
         "sched": (o.schedule, o.schedule_convention, o.warmup_type, o.warmup_steps), "dtype": cfg.precision.dtype,
         "growth": cfg.precision.growth_interval, "init_scale": cfg.precision.init_scale, "bucket_cap_mb": p.bucket_cap_mb,
-        "clip": o.grad_clip,
+        "clip": o.grad_clip, "pp": (r.dims.pp, p.pp_microbatches, p.pp_schedule),
     }
     assert {k: got[k] for k in expected} == expected
 

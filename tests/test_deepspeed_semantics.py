@@ -127,10 +127,17 @@ def test_type_errors_name_key_value_and_choices(ds, pattern) -> None:
         from_deepspeed(ds)
 
 
-def test_parallelism_keys_are_reported_not_used() -> None:
-    _, unknown = from_deepspeed({"pipeline": {"stages": 4}, "tensor_parallel": {"autotp_size": 2}})
-    assert [u.split(" ")[0] for u in unknown] == ["pipeline", "tensor_parallel"]
-    assert all("issue 10" in u for u in unknown)
+def test_pipeline_and_tensor_parallel_sections_map_to_the_layout() -> None:
+    """DeepSpeed's pipeline engine streams gradient_accumulation_steps micro-batches through one schedule:
+    dptrain pipelines the same rows (one micro-step, pp_microbatches = GAS), tensor_parallel.autotp_size -> tp."""
+    d, unknown = from_deepspeed({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+                                 "pipeline": {"stages": 2, "partition": "parameters"},
+                                 "tensor_parallel": {"autotp_size": 2}})
+    assert d["parallel"] == {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 8, "tp": 2}
+    assert (d["train"]["micro_batch_size"], d["train"]["grad_accum_steps"]) == (32, 1)
+    assert [u.split("=")[0] for u in unknown] == ["pipeline.partition"]
+    d, unknown = from_deepspeed({"pipeline": {"activation_checkpoint_interval": 1}})  # no stages: not pipelined
+    assert "parallel" not in d and unknown[0].startswith("pipeline (no 'stages'")
 
 
 @pytest.mark.timeout(120)
@@ -143,14 +150,14 @@ def test_cli_config_show_and_clean_errors(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "global_batch_size: 2" in r.stdout
     p = tmp_path / "ds.json"
-    p.write_text(json.dumps({"train_batch_size": 16, "pipeline": {"stages": 4},
+    p.write_text(json.dumps({"train_batch_size": 16, "comms_logger": {"enabled": False},
                              "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}}))
     r = show(str(p))
     assert r.returncode == 0, r.stderr
     assert "#   train_batch_size -> train.global_batch_size = 16" in r.stdout
     assert "#   scheduler.params.warmup_type (DeepSpeed default) -> optim.warmup_type = 'log'" in r.stdout
     assert "#   scheduler.params.warmup_max_lr (DeepSpeed default) -> optim.lr = 0.001" in r.stdout
-    assert r.stderr.startswith("dptrain: warning: ds.json: DeepSpeed keys dptrain does not use (ignored): pipeline")
+    assert r.stderr.startswith("dptrain: warning: ds.json: DeepSpeed keys dptrain does not use (ignored): comms_logger")
     p.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}))
     r = show(str(p))
     assert r.returncode == 2 and "Traceback" not in r.stderr

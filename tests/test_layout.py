@@ -104,12 +104,11 @@ def test_replication_strategies_refuse_a_shard_dimension():
         resolve_layout(ParallelConfig(strategy="ddp", dp_replicate=2, dp_shard=2), world_size=4)
 
 
-@pytest.mark.parametrize("dim", ["pp"])
-def test_model_parallel_degrees_are_refused_until_built(dim):
+def test_pipeline_times_tensor_parallelism_is_refused_until_composed():
     with pytest.raises(ConfigError) as info:
-        resolve_layout(ParallelConfig(strategy="fsdp", dp_shard=2, **{dim: 2}), world_size=4)
+        resolve_layout(ParallelConfig(strategy="fsdp", dp_shard=2, tp=2, pp=2), world_size=8)
     msg = str(info.value)
-    assert "not built yet (issue 10)" in msg and f"{dim} 2" in msg and "world 4" in msg
+    assert "pipeline x tensor parallelism" in msg and "tp 2" in msg and "pp 2" in msg and "world 8" in msg
 
 
 @pytest.mark.parametrize(("strategy", "dp_dim"), [("ddp", "dp_replicate"), ("zero2", "dp_shard"), ("fsdp", "dp_shard")])
@@ -124,6 +123,11 @@ def test_tensor_parallel_layouts(strategy, dp_dim):
 def test_zero1_with_tensor_parallelism_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match=r"'zero1' with parallel.tp=2 is refused: ZeroRedundancyOptimizer.*zero2"):
         resolve_layout(ParallelConfig(strategy="zero1", tp=2), world_size=4)
+
+
+def test_pipeline_degree_resolves_with_data_parallelism():
+    dims, mode = resolve_layout(ParallelConfig(strategy="fsdp", pp=2), world_size=4)
+    assert (dims.pp, dims.dp_shard, dims.dp_size, mode.wrapper) == (2, 2, 2, "fsdp")
 
 
 def test_resolved_batch_arithmetic_uses_the_data_parallel_size():

@@ -246,6 +246,10 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     cfg = _load(args.items, extra=_flag_overrides(args))
     res = resolve(cfg, world_size=local_world_size(cfg.launch) * cfg.launch.nnodes)
     print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")
+    d = res.dims
+    print(f"# layout: data-parallel {d.dp_size} (replicate {d.dp_replicate} x shard {d.dp_shard}) x pipeline {d.pp} x "
+          f"tensor {d.tp} = world {d.world_size}\n# batch: global {res.global_batch_size} = micro {res.micro_batch_size} x "
+          f"accum {res.grad_accum_steps} x dp {res.dp_world_size}")
     if args.items and "=" not in args.items[0]:
         from dptrain.config.deepspeed import mapping_for_file
 

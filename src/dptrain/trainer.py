@@ -44,6 +44,7 @@ from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
 from dptrain.optim import build_scheduler
 from dptrain.parallel import ParallelModel, parallelize, unwrap
 from dptrain.parallel.materialize import make_materializer
+from dptrain.parallel.pipeline import PipelineModel
 from dptrain.precision import autocast, build_grad_scaler
 from dptrain.train_state import LogWindow, TrainState
 
@@ -92,9 +93,9 @@ class Trainer:
 
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint saves, as named Stateful objects (the manager never sees the Trainer)."""
-        full = not self.plan.sharded
+        full = self.plan.full_checkpoint  # pipeline stages and FSDP2 shards: DCP
         return CheckpointState(
-            model_parts=[ModelState(self.model, full=full)],
+            model_parts=[ModelState(m, full=full) for m in self.plan.model_parts],  # one per pipeline stage
             optimizers=[OptimizerState(self.model, self.optimizer, full=full)],
             schedule=self.scheduler,
             scaler=self.scaler if self.scaler.is_enabled() else None,
@@ -123,7 +124,8 @@ class Trainer:
         self.model: nn.Module = self.plan.module  # what to call
         self.optimizer = self.plan.build_optimizer(cfg=cfg.optim, lr=res.lr)  # sharded under zero1
         self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
-        self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=self.plan.sharded)
+        # sharded (found-inf agreed over the world) also under PP: an overflow in one stage skips every stage's step
+        self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=self.plan.sharded or self.plan.pipelined)
         self.loss_fn = build_loss_fn(cfg.train.loss)
         self.token_loss = takes_num_items(self.loss_fn, self.model)  # token or sample rule: dptrain/loss.py
         self.collate = import_object(cfg.data.collate) if cfg.data.collate else None
@@ -154,6 +156,24 @@ class Trainer:
         diag = self.diag  # heartbeats and step-time split; see diagnostics/hub.py
         diag.phase("data")
         micro_batches = [to_device(next(self.batches), self.device) for _ in range(accum)]
+        if self.plan.pipelined:
+            step_loss = self._pipeline_micro_steps(micro_batches)
+        else:
+            step_loss = self._micro_steps(micro_batches)
+        diag.phase("optimizer")
+        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        self.grad_norm = self.plan.clip_grad_norm_(self.cfg.optim.grad_clip)  # global norm, every dimension
+        if not diag.skip_step(step_loss, self.grad_norm):  # nonfinite=skip: all ranks skip the same step
+            self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
+        self.scaler.update()
+        self.step_lr = float(self.scheduler.get_last_lr()[0])  # the rate this step trained at (a Python float: no sync)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return step_loss
+
+    def _micro_steps(self, micro_batches: list[Any]) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches, reducing gradients only after the last."""
+        accum, diag = len(micro_batches), self.diag
         # Token rule (dptrain/loss.py): the global batch's valid-target count, before any backward;
         # one all-reduce over the data-parallel group, on the device.
         n_items = items_per_rank(micro_batches, device=self.device, dp_world_size=self.res.dp_world_size,
@@ -172,16 +192,19 @@ class Trainer:
                 diag.phase("backward", sync=sync)  # sync: DDP/FSDP reduce gradients in this backward
                 self.scaler.scale(loss).backward()
             step_loss += loss.detach()
-        diag.phase("optimizer")
-        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        self.grad_norm = self.plan.clip_grad_norm_(self.cfg.optim.grad_clip)  # global norm, every dimension
-        if not diag.skip_step(step_loss, self.grad_norm):  # nonfinite=skip: all ranks skip the same step
-            self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
-        self.scaler.update()
-        self.step_lr = float(self.scheduler.get_last_lr()[0])  # the rate this step trained at (a Python float: no sync)
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return step_loss
+
+    def _pipeline_micro_steps(self, micro_batches: list[Any]) -> torch.Tensor:
+        """Pipeline parallelism: each micro-batch runs as one schedule over `pp_microbatches` pieces
+        (forward and backward inside it, loss on the last stage, token rule; parallel/pipeline.py).
+        The returned loss is 0 on the stages before the last; logging sums it over the pipeline."""
+        plan = self.plan
+        assert isinstance(plan, PipelineModel)
+        if self.scaler.is_enabled():  # fp16: the last stage scales its loss; every stage unscales
+            plan.loss_scale = self.scaler.scale
+            self.scaler.scale(torch.zeros((), device=self.device))  # creates the scale on every stage
+        return plan.train_micro_batches(micro_batches, context=lambda: autocast(self.cfg.precision, self.device),
+                                        phase=self.diag.phase)
 
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -201,8 +224,12 @@ class Trainer:
             self.diag.phase("eval")
             idx = range(first + b * mb, first + (b + 1) * mb)
             batch = (self.collate or torch.utils.data.default_collate)([self.val_ds[i] for i in idx])
+            batch = to_device(batch, self.device)
+            if isinstance(self.plan, PipelineModel):  # the schedule's forward-only path; loss on every stage
+                total += self.plan.eval_loss(batch, context=lambda: autocast(self.cfg.precision, self.device)).double()
+                continue
             with autocast(self.cfg.precision, self.device), self.plan.loss_context():  # loss parallelism (tp)
-                total += self.loss_fn(self.model, to_device(batch, self.device)).double()
+                total += self.loss_fn(self.model, batch).double()
         self.model.train()
         return collectives.all_reduce_mean([total.item() / n_batches], device=self.device, group=self.mesh.dp_group)[0]
 
@@ -257,7 +284,8 @@ class Trainer:
             f"layout: {res.dims.describe()}\n"
             f"batch: global {res.global_batch_size} = micro {res.micro_batch_size} x accum "
             f"{res.grad_accum_steps} x dp {res.dp_world_size}; {res.lr_rule}\n"
-            f"run dir: {self.run_dir}"
+            + (f"pipeline: {res.pipeline}\n" if res.pipeline else "")
+            + f"run dir: {self.run_dir}"
         )
         if self.env.launched:
             self.console.message(
@@ -345,7 +373,10 @@ class Trainer:
     def _log_step(self) -> None:
         """A log line: the one host-device sync of the interval (loss mean over ranks)."""
         window, state = self.log_window, self.state
-        self.last_loss = last_loss = collectives.all_reduce_mean([window.loss_sum.item() / window.steps],
+        local = window.loss_sum / window.steps
+        if isinstance(self.plan, PipelineModel):
+            local = self.plan.reduce_loss(local.clone())  # the loss lives on the last stage
+        self.last_loss = last_loss = collectives.all_reduce_mean([local.item()],
                                                                  device=self.device, group=self.mesh.dp_group)[0]
         elapsed = time.perf_counter() - self._window_start
         self.train_time += elapsed

@@ -11,16 +11,19 @@ Two formats, chosen by the model, never by the strategy name:
   `torch.distributed.checkpoint`, keys `model` and `optim` (`optim_1`, ...), from the parts'
   state dicts (DCP's `get_*_state_dict`, names of the plain module); loading reshards to the
   current world size and the parts' `load_state_dict` (`set_*_state_dict`) puts the values in place.
+  Pipeline stages always use it (each rank writes its stages' names). A `dcp` checkpoint also loads
+  into an unsharded model (single, ddp: not zero1), so a pipeline run resumes at dp or single.
 
 Every file is read with `torch.load(weights_only=True)` (DCP through `safe_dcp`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import dataclasses
 import os
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -148,8 +151,14 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> Non
     """Load model and optimizer state written by `save_model_optim` (possibly at another world size;
     a format-version-1 `optim.pt`, keyed by parameter index, is read too)."""
     here = FULL if state.full else SHARDED
-    if fmt != here and _crosses_format(state):
-        _load_across_formats(ckpt_dir, fmt=fmt, state=state)
+    if fmt == SHARDED and here == FULL and not _zero1(state):
+        # DCP shards (pipeline stages, FSDP2, tensor parallelism) into an unsharded model (single, ddp):
+        # DCP reads into the live tensors of every rank, consolidating the shards, under the plain names.
+        with _live_tensors(state):
+            _load_dcp(ckpt_dir, state)
+        return
+    if fmt == FULL and here == SHARDED and _splits_full_files(state):
+        _load_full_into_shards(ckpt_dir, state)
         return
     if fmt != here:
         raise CheckpointError(
@@ -157,52 +166,55 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> Non
             f"of the same kind (full: single/ddp/zero1; dcp: zero2/fsdp), or export the weights with `dptrain ckpt export`"
         )
     if not state.full:
-        import torch.distributed.checkpoint as dcp
-
-        from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
-
-        sd = _dcp_state(state)  # the current (sharded) tensors: DCP reads into them, resharding
-        dcp.load(sd, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
-        _load_model_dict(state.model_parts, sd["model"])
-        for i, o in enumerate(state.optimizers):
-            o.load_state_dict(sd[optim_name(i)])
+        _load_dcp(ckpt_dir, state)
         return
     _load_model_dict(state.model_parts, load_torch(ckpt_dir / "model.pt"))
     for i, o in enumerate(state.optimizers):
         o.load_state_dict(load_torch(ckpt_dir / f"{optim_name(i)}.pt"))
 
 
-def _crosses_format(state: CheckpointState) -> bool:
-    """The state's model and optimizer objects can read the other format: DCP's own state-dict
-    helpers (`ModelState`, `OptimizerState`), not ZeRO-1's consolidated optimizer."""
+def _load_dcp(ckpt_dir: Path, state: CheckpointState) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+    sd = _dcp_state(state)  # the current (sharded) tensors: DCP reads into them, resharding
+    dcp.load(sd, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
+    _load_model_dict(state.model_parts, sd["model"])
+    for i, o in enumerate(state.optimizers):
+        o.load_state_dict(sd[optim_name(i)])
+
+
+def _zero1(state: CheckpointState) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    parts = [*state.model_parts, *state.optimizers]
-    return all(isinstance(p, ModelState | OptimizerState) for p in parts) and not any(
-        isinstance(o.optimizer, ZeroRedundancyOptimizer) for o in state.optimizers)  # type: ignore[attr-defined]
+    return any(isinstance(getattr(o, "optimizer", None), ZeroRedundancyOptimizer) for o in state.optimizers)
 
 
-def _load_across_formats(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> None:
-    """A checkpoint of the other format (e.g. a tensor-parallel or FSDP2 run resumed by one process
-    or DDP, or the reverse): DCP shards read into this model's whole tensors on every rank, or
-    whole tensors from the full files distributed into this model's shards. Collective."""
-    if fmt == SHARDED:  # DCP shards -> whole tensors: DCP reads every tensor in full into the live state
-        import torch.distributed.checkpoint as dcp
+@contextlib.contextmanager
+def _live_tensors(state: CheckpointState) -> Iterator[None]:
+    """Parts and optimizers of the `full` format give their live tensors on every rank (not whole
+    copies on rank 0 only) while the body runs: what loading DCP shards into them needs."""
+    objs = [o for o in (*state.model_parts, *state.optimizers) if getattr(o, "full", False)]
+    for o in objs:
+        o.full = False  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for o in objs:
+            o.full = True  # type: ignore[attr-defined]
 
-        from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
-        parts = [copy.copy(p) for p in state.model_parts]
-        optims = [copy.copy(o) for o in state.optimizers]
-        for p in [*parts, *optims]:
-            p.full = False  # type: ignore[attr-defined]  # live (unsharded) tensors on every rank, not rank 0's copies
-        view = dataclasses.replace(state, model_parts=parts, optimizers=optims, full=False)
-        sd = _dcp_state(view)
-        dcp.load(sd, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
-        _load_model_dict(parts, sd["model"])
-        for i, o in enumerate(optims):
-            o.load_state_dict(sd[optim_name(i)])
-        return
-    model_sd = load_torch(ckpt_dir / "model.pt")  # every rank reads the whole files, then keeps its shards
+def _splits_full_files(state: CheckpointState) -> bool:
+    """The state's model and optimizers are DCP's own state-dict helpers (not ZeRO-1's, not a
+    pipeline's stage objects), which can distribute whole tensors into their shards."""
+    return all(type(p) in (ModelState, OptimizerState) for p in (*state.model_parts, *state.optimizers))
+
+
+def _load_full_into_shards(ckpt_dir: Path, state: CheckpointState) -> None:
+    """A `full` checkpoint (single/ddp) resumed by a sharded run (FSDP2, tensor parallelism): every
+    rank reads the whole files and keeps its own shards (DCP's full_state_dict loading). Collective."""
+    model_sd = load_torch(ckpt_dir / "model.pt")
     for part in state.model_parts:
         part.load_full_state_dict(model_sd)  # type: ignore[attr-defined]
     for i, o in enumerate(state.optimizers):

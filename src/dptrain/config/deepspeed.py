@@ -22,10 +22,6 @@ _REFUSED_OPTIM = {
     "onebitlamb": "use \"AdamW\"; dptrain has no LAMB and no 1-bit compression yet (issue 11)",
     "lamb": "use \"AdamW\" (dptrain has no LAMB); for large-batch training add optim.lr_scaling=sqrt",
 }
-_NOT_YET = {  # DeepSpeed keys for parallelism dptrain does not have yet (issue 10)
-    "pipeline": "pipeline parallelism is not available yet (issue 10); the model is trained data-parallel only",
-    "tensor_parallel": "tensor parallelism is not available yet (issue 10); the model is trained data-parallel only",
-}
 
 
 @dataclass
@@ -110,10 +106,10 @@ def translate_deepspeed(ds: dict[str, Any]) -> DeepSpeedMapping:
     ds.pop("scheduler", None)
     _precision(ds, m)
     _zero(ds.pop("zero_optimization", None), m)
-    for key, why in _NOT_YET.items():
-        if key in ds:
-            ds.pop(key)
-            m.ignored.append(f"{key} ({why})")
+    _pipeline(_block(ds, "pipeline"), m)
+    ds.pop("pipeline", None)
+    _tensor_parallel(_block(ds, "tensor_parallel"), m)
+    ds.pop("tensor_parallel", None)
     native = ds.pop("dptrain", None) or {}  # native sections may ride along inside a DeepSpeed file
     if not isinstance(native, dict) or not all(isinstance(v, dict | None) for v in native.values()):
         raise _bad("dptrain", native, "it must map section names to mappings, e.g. {\"train\": {\"max_steps\": 100}}")
@@ -381,3 +377,57 @@ def mapping_for_file(path: str) -> DeepSpeedMapping | None:
     if not isinstance(raw, dict) or set(raw) <= {f.name for f in dataclasses.fields(Config)}:
         return None
     return translate_deepspeed(raw)
+
+
+def _pipeline(pipe: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
+    """DeepSpeed's pipeline engine streams `gradient_accumulation_steps` micro-batches of
+    `train_micro_batch_size_per_gpu` rows through the stages in ONE schedule per optimizer step.
+    The same arithmetic in dptrain: `parallel.pp` = stages, one dptrain micro-step
+    (`train.grad_accum_steps` = 1) whose micro-batch (micro x GAS rows) is split into
+    `parallel.pp_microbatches` = GAS pipeline micro-batches, under the 1F1B schedule DeepSpeed's
+    TrainSchedule follows. Global batch, per-GPU pipeline micro-batch and gradient are unchanged."""
+    if pipe is None:
+        return
+    stages = pipe.pop("stages", None)
+    if stages is None:
+        m.ignored.append("pipeline (no 'stages': the model is trained without pipeline parallelism)")
+        m.ignored += [f"pipeline.{k}" for k in pipe]
+        return
+    m.put("pipeline.stages", "parallel.pp", _number("pipeline.stages", stages, integer=True, positive=True))
+    if stages == 1:
+        return
+    m.default("pipeline (DeepSpeed's TrainSchedule)", "parallel.pp_schedule", "1f1b")
+    train = m.config.get("train", {})
+    gas = train.get("grad_accum_steps") or 1
+    micro = train.get("micro_batch_size")
+    m.put("gradient_accumulation_steps", "parallel.pp_microbatches", gas)
+    m.put("gradient_accumulation_steps (pipelined)", "train.grad_accum_steps", 1)
+    if micro is not None:
+        m.put("train_micro_batch_size_per_gpu x gradient_accumulation_steps", "train.micro_batch_size", micro * gas)
+    if "micro_batch_size" in pipe:  # not a DeepSpeed key (guides write it): DeepSpeed's is the per-GPU micro-batch
+        pmb = _number("pipeline.micro_batch_size", pipe.pop("micro_batch_size"), integer=True, positive=True)
+        glob = train.get("global_batch_size")
+        where = (f"; the two agree at data-parallel size {glob // (gas * pmb)}" if glob and glob % (gas * pmb) == 0
+                 else "")
+        m.notes.append(
+            f"pipeline.micro_batch_size={pmb} is not a DeepSpeed key and is not used: as in DeepSpeed, a pipeline "
+            f"micro-batch is train_micro_batch_size_per_gpu rows (= train_batch_size / (gradient_accumulation_steps x "
+            f"data-parallel size)), {gas} of them per schedule{where}; config show's pipeline line gives the size"
+        )
+    for k in ("partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned", "grad_partitioned"):
+        if k in pipe:
+            m.ignored.append(f"pipeline.{k}={pipe.pop(k)!r} (dptrain splits the built-in LLaMA by layer ranges: "
+                             "parallel.pp_layers; activation checkpointing: parallel.activation_checkpointing)")
+    m.ignored += [f"pipeline.{k}" for k in pipe]
+
+
+def _tensor_parallel(tp: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
+    """DeepSpeed's AutoTP for training (`tensor_parallel.autotp_size`) -> `parallel.tp`: dptrain
+    shards the built-in LLaMA with its own plan (or `parallel.tp_plan` for other models)."""
+    if tp is None:
+        return
+    size = tp.pop("autotp_size", tp.pop("tp_size", None))
+    if size is not None:
+        m.put("tensor_parallel.autotp_size", "parallel.tp", _number("tensor_parallel.autotp_size", size, integer=True,
+                                                                   positive=True))
+    m.ignored += [f"tensor_parallel.{k}" for k in tp]

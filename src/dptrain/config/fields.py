@@ -26,6 +26,7 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("cosine", "constant", "linear")
 NONFINITE_POLICIES = ("skip", "error", "off")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MP_DTYPES = ("fp32", "bf16", "fp16")
 WARMUP_TYPES = ("linear", "log")
 SCHEDULE_CONVENTIONS = ("dptrain", "deepspeed")
@@ -136,7 +137,7 @@ class ParallelConfig:
     dp_shard: int = 1
     """Ranks one FSDP2 shard group spans (zero2/fsdp only); dp_replicate > 1 and dp_shard > 1 together = HSDP (replicate across groups, shard within one); -1 infers it."""
     tp: int = 1
-    """Tensor-parallel degree: each block's matrices are split over this many ranks (innermost mesh dimension; the ranks of one tp group see the same batch); -1 infers it. Composes with ddp, zero2 and fsdp (also HSDP); zero1 is refused. The built-in LLaMA has a plan; other models need tp_plan."""
+    """Tensor-parallel degree: each block's matrices are split over this many ranks (innermost mesh dimension; the ranks of one tp group see the same batch); -1 infers it. Composes with ddp, zero2 and fsdp (also HSDP); zero1 and pp > 1 are refused. The built-in LLaMA and Hugging Face models with a base_model_tp_plan have a plan; other models need tp_plan."""
     tp_plan: str | None = None
     """Import path `pkg.mod:fn` of a function fn(model, tp_mesh) that applies your model's tensor-parallel plan in place (e.g. torch.distributed.tensor.parallel.parallelize_module); null: the built-in LLaMA plan (q/k/v, w1/w3 and head column-wise, wo, w2 and embedding row-wise)."""
     sequence_parallel: bool = True
@@ -144,7 +145,15 @@ class ParallelConfig:
     loss_parallel: bool = False
     """With tp > 1, the built-in LLaMA plan: keep the logits sharded over the vocabulary and compute the cross-entropy on the shards (torch.distributed.tensor.parallel.loss_parallel) instead of gathering [batch, seq, vocab] on every rank."""
     pp: int = 1
-    """Pipeline-parallel degree (not built yet: values > 1 are refused before launch); -1 infers it. dp_replicate * dp_shard * tp * pp must equal the world size; at most one of the four may be -1."""
+    """Pipeline-parallel degree: ranks the model's layers are split over (built-in LLaMA only; see the README's "Pipeline parallelism"); -1 infers it. dp_replicate * dp_shard * tp * pp must equal the world size; at most one of the four may be -1."""
+    pp_schedule: str = "1f1b"
+    """pp > 1: the pipeline schedule of torch.distributed.pipelining: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward in the steady state; needs pp_microbatches >= pp) or interleaved_1f1b (pp_stages_per_rank >= 2 virtual stages per rank)."""
+    pp_microbatches: int | None = None
+    """pp > 1: pipeline micro-batches each micro-batch is split into (train.micro_batch_size must be divisible by it); null: pp. Accumulation runs grad_accum_steps such schedules per optimizer step."""
+    pp_stages_per_rank: int = 1
+    """pp > 1: pipeline stages per rank (virtual stages; >= 2 only with pp_schedule=interleaved_1f1b, which needs it). Rank r holds stages r, r + pp, r + 2*pp, ..."""
+    pp_layers: tuple[int, ...] | None = None
+    """pp > 1: transformer blocks per stage, first stage first, e.g. [3, 5] (pp * pp_stages_per_rank entries, each >= 1, summing to the model's n_layers); null: an even split, the first n_layers % stages stages taking one more. The embedding is on the first stage, the final norm and output layer on the last."""
     activation_checkpointing: str = "none"
     """Recompute activations in backward, per block (FSDP units): none, full (keep only each block's input) or selective (keep matmul outputs, recompute the rest: op-level SAC)."""
     fsdp_param_dtype: str | None = None

@@ -95,8 +95,12 @@ def resolve_layout(cfg: ParallelConfig, *, world_size: int) -> tuple[ParallelDim
         )
     if reasons := dims.unbuilt():
         raise ConfigError(
-            f"parallel layout {dims.describe()}: {'; '.join(reasons)}. The mesh already carries the pp "
-            "dimension, but training refuses it until pipeline parallelism lands; use pp=1"
+            f"parallel layout {dims.describe()}: {'; '.join(reasons)}"
+        )
+    if dims.tp > 1 and dims.pp > 1:
+        raise ConfigError(
+            f"parallel layout {dims.describe()}: pipeline x tensor parallelism (pp > 1 with tp > 1) is not composed "
+            "yet: the pipeline stages are built without the tensor-parallel plan; use tp=1 or pp=1"
         )
     if dims.tp > 1 and mode.shard_optimizer:
         raise ConfigError(

@@ -254,6 +254,9 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     elif origin is dict:
         if isinstance(value, dict):
             return value
+    elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]
+        if isinstance(value, list | tuple):
+            return tuple(_coerce(v, args[0], name) for v in value)
     elif origin is tuple:
         if isinstance(value, list | tuple) and len(value) == len(args):
             return tuple(_coerce(v, a, name) for v, a in zip(value, args, strict=True))

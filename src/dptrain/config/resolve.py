@@ -30,6 +30,7 @@ from dptrain.config.fields import (
     TrainConfig,
 )
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
+from dptrain.config.pipeline import describe_pipeline, validate_pipeline
 
 if TYPE_CHECKING:
     from dptrain.distributed.mesh import ParallelDims
@@ -170,6 +171,8 @@ class Resolved:
     """The mesh degrees; dp_world_size = dims.dp_replicate * dims.dp_shard."""
     mode: DataParallelMode
     """How `parallel.strategy` applies data parallelism (wrapper, optimizer sharding, resharding)."""
+    pipeline: str | None = None
+    """pp > 1: stages, blocks per stage, schedule and how each micro-batch is split (config/pipeline.py)."""
 
 
 def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool | None = None) -> Resolved:
@@ -197,8 +200,11 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     if backend == "nccl" and device != "cuda":
         raise ConfigError("parallel.backend='nccl' needs CUDA; use gloo (or auto) on the CPU")
     g, m, a = resolve_batch(cfg.train, dp_world_size=dims.dp_size)  # tp/pp ranks share their dp rank's batch
+    validate_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m, grad_accum_steps=a,
+                      dp_size=dims.dp_size, loss=cfg.train.loss)
     lr, rule = scaled_lr(cfg.optim, global_batch_size=g)
-    return Resolved(world_size, dims.dp_size, g, m, a, lr, rule, device, backend, dims, mode)
+    pipe = describe_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m)
+    return Resolved(world_size, dims.dp_size, g, m, a, lr, rule, device, backend, dims, mode, pipe)
 
 
 # ---------------------------------------------------------------------------------------
@@ -260,7 +266,8 @@ RANGES: dict[str, dict[str, Range]] = {
         "eps": POS_FLOAT, "base_batch_size": Range(int, 1, optional=True), "warmup_steps": NONNEG_INT,
         "min_lr_ratio": Range(float, 0, 1), "warmup_start_ratio": Range(float, 0, 1), "grad_clip": Range(float, 0, low_open=True, optional=True, note="null disables clipping"),
     },
-    "parallel": {"bucket_cap_mb": POS_FLOAT, "timeout_s": POS_FLOAT},
+    "parallel": {"bucket_cap_mb": POS_FLOAT, "timeout_s": POS_FLOAT, "pp_stages_per_rank": POS_INT,
+                 "pp_microbatches": Range(int, 1, optional=True, note="null: pp")},
     "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
     "launch": {"nnodes": POS_INT, "node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},
     "data": {"num_workers": NONNEG_INT},

@@ -93,7 +93,12 @@ class Diagnostics:
             self.nonfinite = NonFiniteGuard(policy=cfg.nonfinite, max_consecutive=cfg.max_consecutive_skips,
                                             rank=env.rank, world_size=env.world_size, device=device,
                                             check_grad_norm=not loss_scaling, report=self.report)
-        if cfg.straggler_every_steps and env.world_size > 1:
+        pipelined = mesh is not None and mesh.dims.pp > 1
+        if cfg.straggler_every_steps and pipelined and env.is_main:
+            self._say("dptrain: the straggler split is off under pipeline parallelism: stages wait for each other by "
+                      "design (the pipeline bubble) and hold different layers, so per-rank compute and wait times "
+                      "measure the schedule, not a slow rank")
+        if cfg.straggler_every_steps and env.world_size > 1 and not pipelined:
             self.timer = StepTimer(device=device, group=mesh.dp_group if mesh is not None else None)
         if mesh is not None:
             self.replica_group = mesh.replica_group  # None: no replicas (fsdp over one shard group)

@@ -14,6 +14,7 @@ the questions the rest of the run asks:
 - tensor parallelism: `tp_mesh` (the innermost dimension; FSDP2 over a tensor-parallel model
   needs both meshes sliced from this one root mesh);
 - DDP and ZeRO-1: `dp_group`;
+- pipeline parallelism: `pp_group`, `pp_rank`, `pp_mesh` (the stages of one (dp, tp) coordinate);
 - the replica check: `replica_group`, the dp_replicate dimension: ranks that hold the same
   parameters (or the same shard of them), one group per (dp_shard, tp, pp) coordinate.
 
@@ -38,9 +39,8 @@ DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 (fastest links); data-parallel replicas sit outside their shards (HSDP: replicate across nodes,
 shard within a node)."""
 
-NOT_BUILT = {
-    "pp": "pipeline parallelism (parallel.pp > 1) is not built yet (issue 10)",
-}
+NOT_BUILT: dict[str, str] = {}
+"""Dimensions the mesh carries but training refuses (name -> reason); empty since tp and pp are built."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,8 @@ class ParallelDims:
         return " x ".join(f"{n} {v}" for n, v in self.degrees.items()) + f" = world {self.world_size}"
 
     def unbuilt(self) -> list[str]:
-        """Why this layout cannot train yet (pp > 1), one reason per dimension; empty when it can."""
-        return [NOT_BUILT[n] for n in NOT_BUILT if getattr(self, n) > 1]
+        """Why this layout cannot train yet (a dimension in NOT_BUILT > 1), one reason each; empty when it can."""
+        return [reason for n, reason in NOT_BUILT.items() if getattr(self, n) > 1]
 
 
 def _dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
@@ -189,6 +189,28 @@ class ParallelMesh:
         if self.dims.dp_replicate == 1:
             return None
         return self.mesh["dp_replicate"].get_group()
+
+    # ---------------------------------------------------------------- pipeline parallelism
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        """The 1-D pipeline mesh: the ranks holding the stages of this rank's (dp, tp) coordinate."""
+        return self.mesh["pp"]
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's position in its pipeline (0: holds the first stage)."""
+        return self.mesh["pp"].get_local_rank()
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """Group of the pipeline's point-to-point traffic, the loss broadcast from the last stage and
+        the gradient norm's sum over stages."""
+        return self.mesh["pp"].get_group()
 
     def coordinate(self) -> dict[str, int]:
         """This rank's coordinate along every named dimension."""

@@ -95,6 +95,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
+        cos, sin = cos[:T], sin[:T]  # tables may be longer (a pipeline stage passes max_seq_len's)
         # Head counts come from the tensors (-1), not the config, so a tensor-parallel
         # column split of wq/wk/wv (fewer local heads) works without touching this code.
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)

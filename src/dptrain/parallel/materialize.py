@@ -57,7 +57,7 @@ from torch.nn.modules.module import (
 )
 
 __all__ = [
-    "check_init_contract", "converted_after_registration", "local_chunk", "make_materializer", "materialize",
+    "Materializer", "check_init_contract", "converted_after_registration", "local_chunk", "make_materializer", "materialize",
     "replay_init", "track_registrations",
 ]
 
@@ -138,9 +138,11 @@ def _run(hook: Hook | None, state: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def replay_init(model: nn.Module, *, seed: int) -> None:
+def replay_init(model: nn.Module, *, seed: int, skip_meta: bool = False) -> None:
     """Fill every parameter and buffer of `model` (already materialized with `to_empty`) with the
-    values eager construction under `torch.manual_seed(seed)` gives them (see the module docstring)."""
+    values eager construction under `torch.manual_seed(seed)` gives them (see the module docstring).
+    `skip_meta`: leave tensors still on the meta device alone (a pipeline stage cut from `model`
+    shares its modules; the rest of `model` stays on meta, but its draws are replayed all the same)."""
     modules = list(model.named_modules())
     has_init = _method(model, "init_submodule") is not None
     torch.manual_seed(seed)
@@ -158,20 +160,31 @@ def replay_init(model: nn.Module, *, seed: int) -> None:
             cursor1 = _run(reset, cursor1)
             cursor2 = _run(init, cursor2)
         for attr, full in produced.items():
-            _write(targets[attr], full)
+            if not (skip_meta and _on_meta(targets[attr])):
+                _write(targets[attr], full)
     torch.set_rng_state(cursor2 if has_init else cursor1)  # where eager construction leaves it
 
 
-def materialize(module: nn.Module, *, device: torch.device | str, seed: int) -> None:
+def _on_meta(t: torch.Tensor) -> bool:
+    return (t.to_local() if isinstance(t, DTensor) else t).is_meta
+
+
+def materialize(module: nn.Module, *, device: torch.device | str, seed: int, source: nn.Module | None = None) -> None:
     """Allocate `module`'s meta parameters and buffers on `device` (`to_empty`; for FSDP with CPU
-    offload pass the CPU: the shards live there) and initialise them as eager construction would."""
+    offload pass the CPU: the shards live there) and initialise them as eager construction would.
+    `source`: the whole (meta) model `module` was cut from, sharing its modules (a pipeline
+    stage): the init of all of `source` is replayed, so the RNG stream is eager construction's,
+    and only `module`'s tensors are written."""
     aliases = _aliases(module)
     module.to_empty(device=device)
     # to_empty gives each module its own new Parameter (meta -> a real device cannot swap data in
     # place), which unties shared weights (tied embeddings); tie them again.
-    for owner, attr, source, source_attr in aliases:
-        setattr(owner, attr, getattr(source, source_attr))
-    replay_init(module, seed=seed)
+    for owner, attr, src, src_attr in aliases:
+        setattr(owner, attr, getattr(src, src_attr))
+    if source is None:
+        replay_init(module, seed=seed)
+    else:
+        replay_init(source, seed=seed, skip_meta=True)
 
 
 def _aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
@@ -187,12 +200,24 @@ def _aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
     return out
 
 
-def make_materializer(*, device: torch.device | str, seed: int) -> Callable[[nn.Module], None]:
+class Materializer:
     """The hook `parallelize(..., materialize=...)` calls once the model is sharded (FSDP) or
-    before it is wrapped (DDP)."""
-    def hook(module: nn.Module) -> None:
-        materialize(module, device=device, seed=seed)
-    return hook
+    before it is wrapped (DDP): `hook(module)`. `for_part(source)` is the hook for a part cut from
+    `source` (a pipeline stage), replaying the whole model's init."""
+
+    def __init__(self, *, device: torch.device | str, seed: int) -> None:
+        self.device, self.seed = device, seed
+
+    def __call__(self, module: nn.Module) -> None:
+        materialize(module, device=self.device, seed=self.seed)
+
+    def for_part(self, source: nn.Module) -> Callable[[nn.Module], None]:
+        return functools.partial(materialize, device=self.device, seed=self.seed, source=source)
+
+
+def make_materializer(*, device: torch.device | str, seed: int) -> Materializer:
+    """The meta-device init hook for `parallelize` (see `Materializer`)."""
+    return Materializer(device=device, seed=seed)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """`parallelize`: PyTorch's parallel APIs applied to a plain model in one fixed order, and the
 `ParallelModel` it returns, the only object that knows which wrapper is in use.
 
-Order (torchtitan's): 1. tensor parallelism (slot: tp > 1 is refused before launch until it is
+With pp > 1 the model is first split into pipeline stages (`parallel/pipeline.py`), and steps 2 and 3
+apply to each stage. Order (torchtitan's): 1. tensor parallelism (slot: tp > 1 is refused before launch until it is
 built), 2. activation checkpointing per block, 3. data parallelism: FSDP2 `fully_shard` on the
 dp_shard dimension (or the 2-D (dp_replicate, dp_shard) mesh: HSDP), or DDP on the data-parallel
 group, or nothing (single) / nn.DataParallel (dp); ZeRO-1 is DDP plus a sharded optimizer
@@ -43,6 +44,9 @@ class ParallelModel:
         self.cfg_loss_parallel = loss_parallel
         """parallel.loss_parallel: the logits stay vocabulary-sharded under tp (see loss_context)."""
 
+    pipelined = False
+    """True for a `PipelineModel` (parallel/pipeline.py): the step goes through its schedule."""
+
     @property
     def sharded(self) -> bool:
         """Parameters are sharded across ranks (FSDP2: zero2, fsdp, HSDP; tensor parallelism): their
@@ -53,6 +57,16 @@ class ParallelModel:
     def tensor_parallel(self) -> bool:
         """The model is split over tp > 1 ranks (its parameters are DTensors on the tp mesh)."""
         return self.mesh is not None and self.mesh.dims.tp > 1
+
+    @property
+    def full_checkpoint(self) -> bool:
+        """Checkpoints in the `full` format (rank 0 holds everything) rather than DCP shards."""
+        return not self.sharded
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        """The modules a checkpoint saves as model parts (one; a pipeline's stages on this rank)."""
+        return [self.module]
 
     # ---------------------------------------------------------------- the step
     @contextlib.contextmanager
@@ -177,6 +191,10 @@ def parallelize(
     under FSDP2, before DDP (which broadcasts parameters at construction). `comm_hook`: a DDP
     communication hook `(state, hook)`, registered right after construction."""
     mode = strategy_mode(cfg)
+    if mesh.dims.pp > 1:  # pipeline parallelism: stages by layer ranges, DP per stage (parallel/pipeline.py)
+        from dptrain.parallel.pipeline import parallelize_pipeline
+
+        return parallelize_pipeline(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
     if reasons := mesh.dims.unbuilt():
         raise NotImplementedError("; ".join(reasons))
     tp = mesh.dims.tp > 1

@@ -1,0 +1,345 @@
+"""Pipeline parallelism (`parallel.pp > 1`) for the built-in LLaMA, composed from
+`torch.distributed.pipelining` (PipelineStage + ScheduleGPipe / Schedule1F1B /
+ScheduleInterleaved1F1B): no tracing, no hand-written send/recv.
+
+Split (torchtitan's manual split). The model is built on the meta device; `split_llama` cuts it
+into `pp x pp_stages_per_rank` stages by layer ranges (`config/pipeline.py:stage_layer_counts`;
+`parallel.pp_layers` overrides the even split). A stage (`LlamaStage`) holds the model's own
+modules: the embedding on the first stage, its blocks in an `nn.ModuleDict` keyed by their
+original index, the final norm and the output layer on the last. Parameter names therefore stay
+the plain model's (`layers.3.attn.wq.weight`), so DCP checkpoints reshard across layouts and
+`dptrain ckpt export` gives plain names. Rank r holds stages r, r + pp, ... (interleaved: looped).
+Each stage is materialised after splitting (and after sharding under FSDP2), replaying the whole
+model's init (`materialize(source=)`): a rank allocates only its layers, with weights bit-identical
+to the eager build.
+
+Per stage, in parallelize's order: activation checkpointing per block, then data parallelism over
+the data-parallel ranks of that stage: torch's FSDP2-based `replicate` (ddp; see `apply_replicate`
+for why not the DDP wrapper) or FSDP2 `fully_shard` (zero2/fsdp, HSDP), per block and per stage;
+nothing at dp size 1. zero1 is refused before launch (config/pipeline.py).
+
+The step (`PipelineModel.train_micro_batches`): each of the step's `grad_accum_steps` micro-batches
+runs as one schedule, split into `pp_microbatches` pieces. The loss lives on the last stage: the
+schedule's `loss_fn` returns the piece's summed token cross-entropy divided by the global batch's
+valid-token count / dp size (dptrain's token rule, loss.py), with `scale_grads=False`, so the
+step's gradient is the single-process global-batch mean. The stage drives FSDP2 / replicate itself
+and reduces the gradients of each schedule at its end (`perform_reduce_grad`), adding them to the
+gradients already held; with accumulation that is one reduction per micro-batch rather than one
+per step (the same mean, more communication).
+
+Evaluation runs the schedule's forward-only path (`schedule.eval`); the loss is summed over the
+pipeline group (the stages before the last contribute 0), so every rank logs the same number.
+Clipping takes the global norm: each stage's norm (reduced over its shards under FSDP2), squared,
+summed over the pipeline group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dptrain.config import ParallelConfig
+from dptrain.config.layout import strategy_mode
+from dptrain.config.pipeline import pipeline_microbatches, stage_layer_counts
+from dptrain.distributed import collectives
+from dptrain.distributed.mesh import ParallelMesh
+from dptrain.models.llama import LlamaLM, rope_tables
+from dptrain.parallel import fsdp
+from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from dptrain.parallel.materialize import Materializer
+from dptrain.parallel.plan import ParallelModel
+
+__all__ = ["LlamaStage", "PipelineModel", "parallelize_pipeline", "split_batch", "split_llama", "stage_ids"]
+
+
+class LlamaStage(nn.Module):
+    """One pipeline stage of a `LlamaLM`: its modules under the plain model's names."""
+
+    _no_split_modules = ["TransformerBlock"]  # the FSDP2 / activation-checkpointing units
+
+    def __init__(self, model: LlamaLM, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.tok_emb = model.tok_emb if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # not a buffer: stays out of state dicts
+
+    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].device != device:
+            self._rope = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
+        return self._rope[0][:seq_len], self._rope[1][:seq_len]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] (first stage) or hidden states [B, T, D] -> hidden states, or logits [B, T, V] (last)."""
+        if self.tok_emb is not None:
+            self.rope(x.size(1), x.device)  # refuses token ids longer than the model's context
+            x = self.tok_emb(x)
+        # The whole table: each block's attention takes the first T rows for its (gathered) sequence;
+        # x.size(1) here may be a sequence-parallel shard of it (tensor parallelism within the stage).
+        cos, sin = self.rope(self.cfg.max_seq_len, x.device)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.head is not None:
+            assert self.norm is not None
+            x = self.head(self.norm(x))
+        return x
+
+
+def stage_ids(pp_rank: int, *, pp: int, stages_per_rank: int) -> list[int]:
+    """The stages rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (looped, as the interleaved schedule expects)."""
+    return [pp_rank + v * pp for v in range(stages_per_rank)]
+
+
+def split_llama(model: LlamaLM, *, stages: Sequence[int], layer_counts: Sequence[int]) -> list[LlamaStage]:
+    """Cut `model` (typically on meta) into the given stages; `layer_counts[s]` blocks for stage s."""
+    if not isinstance(model, LlamaLM):
+        raise TypeError(f"pipeline parallelism splits dptrain's LlamaLM, got {type(model).__name__}")
+    if model.cfg.tie_embeddings:
+        raise ValueError("tied embeddings cannot be split over pipeline stages (first and last stage)")
+    starts = [sum(layer_counts[:s]) for s in range(len(layer_counts))]
+    n = len(layer_counts)
+    return [LlamaStage(model, range(starts[s], starts[s] + layer_counts[s]), first=s == 0, last=s == n - 1)
+            for s in stages]
+
+
+class RankView(nn.Module):
+    """This rank's stages seen as one module under the plain model's names (never called): what
+    the optimizer, the state dicts, clipping and the diagnostics see."""
+
+    def __init__(self, parts: Sequence[LlamaStage]) -> None:
+        super().__init__()
+        for name in ("tok_emb", "norm", "head"):
+            mods = [getattr(p, name) for p in parts if getattr(p, name) is not None]
+            setattr(self, name, mods[0] if mods else None)
+        layers = {k: m for p in parts for k, m in p.layers.items()}
+        self.layers = nn.ModuleDict({k: layers[k] for k in sorted(layers, key=int)})
+
+
+def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, labels aligned with the predictions) of a LlamaLM batch (see LlamaLM.forward)."""
+    if isinstance(batch, Mapping):
+        return batch["input_ids"], batch["labels"]
+    if isinstance(batch, Sequence):
+        ids, labels = batch
+        return ids, labels
+    return batch[:, :-1], batch[:, 1:]
+
+
+class PipelineModel(ParallelModel):
+    """A pipelined model: `.module` is the rank's `RankView`; the step goes through the schedule."""
+
+    pipelined = True
+
+    def __init__(self, *, view: RankView, parts: list[LlamaStage], wrapped: list[nn.Module], stages: list[Any],
+                 schedule: Any, cfg: ParallelConfig, mesh: ParallelMesh, device: torch.device) -> None:
+        super().__init__(view, plain=view, mode=strategy_mode(cfg), mesh=mesh)
+        self.stage_parts, self.wrapped, self.stages, self.schedule = parts, wrapped, stages, schedule
+        self.device = device
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self._n_items: torch.Tensor | float = 1.0  # the loss's divisor, set before each schedule
+        self.loss_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """fp16: the GradScaler's `scale`, applied to the loss the schedule backpropagates."""
+        self._scaling = False
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 (or replicate) on the stages. The fp16 scaler is the sharded one under PP either
+        way (trainer): its found-inf flag must be agreed by every stage."""
+        return any(isinstance(m, fsdp.FSDPModule) for m in self.wrapped)
+
+    @property
+    def full_checkpoint(self) -> bool:
+        return False  # stages live on different ranks: always DCP shards (disjoint names per stage)
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        return list(self.stage_parts)
+
+    # ---------------------------------------------------------------- the step
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one pipeline micro-batch: summed token CE / the divisor (times
+        the fp16 loss scale in training: the schedule runs the backward, so it scales here)."""
+        flat = logits.float().reshape(-1, logits.size(-1))  # float32 CE, as LlamaLM.forward
+        loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum") / self._n_items
+        return self.loss_scale(loss) if self._scaling and self.loss_scale is not None else loss
+
+    def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
+        ids, labels = split_batch(batch)
+        # The schedule's own `losses` list: loss_fn is also called outside the micro-batches (the
+        # stage's shape inference on the first step after an evaluation), so its calls are not counted.
+        losses: list[torch.Tensor] = []
+        self._scaling = train
+        run = self.schedule.step if train else self.schedule.eval
+        args = (ids.to(self.device),) if self.has_first else ()
+        extra = {"return_outputs": False} if train else {}
+        run(*args, target=labels.to(self.device), losses=losses, **extra)
+        if not losses:  # only the rank holding the last stage computes losses
+            return torch.zeros((), device=self.device)
+        total = torch.stack([loss.detach().float() for loss in losses]).sum()
+        if train and self.loss_scale is not None:  # fp16: report the unscaled loss (no host sync)
+            total = total / self.loss_scale(torch.ones((), device=self.device))
+        return total
+
+    def train_micro_batches(self, micro_batches: Sequence[Any], *, context: Callable[[], Any] = contextlib.nullcontext,
+                            phase: Callable[..., None] | None = None) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches, one schedule each (the pipeline's
+        micro-batch loop). Returns this rank's share of the step's loss: the global batch's loss
+        on the last stage's ranks divided over dp, 0 on the other stages (`reduce_loss` sums it)."""
+        from dptrain.loss import items_per_rank
+
+        pairs = [split_batch(b) for b in micro_batches]
+        n = items_per_rank([{"labels": lab} for _, lab in pairs], device=self.device, dp_world_size=self.mesh.dp_size,
+                           group=self.mesh.dp_group)
+        assert n is not None
+        self._n_items = n
+        step_loss = torch.zeros((), device=self.device)
+        for ids, labels in pairs:
+            if phase is not None:
+                phase("pipeline", collective="pipeline schedule: stage send/recv, forward + backward")
+            with context():
+                step_loss += self._run((ids, labels), train=True)
+        return step_loss
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Any, *, context: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
+        """The mean token loss of one evaluation batch, on every rank of the pipeline (forward only)."""
+        _, labels = split_batch(batch)
+        self._n_items = (labels != -100).sum().clamp_min(1).float().to(self.device)
+        with context():
+            loss = self._run(batch, train=False)
+        return self.reduce_loss(loss)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss on every rank of the pipeline (the other stages hold 0): a sum over pp."""
+        collectives.all_reduce_sum_(loss, group=self.mesh.pp_group)
+        return loss
+
+    @contextlib.contextmanager
+    def sync_gradients(self, sync: bool) -> Iterator[None]:
+        yield  # the stages drive DDP/FSDP2 themselves (see the module docstring)
+
+    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
+        """Global gradient norm: each stage's (reduced over FSDP2 shards), squared and summed over pp."""
+        params = [p for p in self.plain.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total = norm.double() ** 2
+        collectives.all_reduce_sum_(total, group=self.mesh.pp_group)
+        total = total.sqrt().to(norm.dtype)
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated model on global rank 0: each stage's full state (collective over its
+        shards under FSDP2), gathered over rank 0's pipeline group. Empty on the other ranks."""
+        import torch.distributed as dist
+
+        local: dict[str, torch.Tensor] = {}
+        for part in self.stage_parts:
+            # DTensor.full_tensor: a collective over the stage's data-parallel mesh (same order on every rank)
+            local.update({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                          for k, v in part.state_dict().items()})
+        group = self.mesh.pp_group
+        ranks = dist.get_process_group_ranks(group)
+        if 0 not in ranks:
+            return {}
+        gathered: list[Any] = [None] * len(ranks) if dist.get_rank() == 0 else []
+        dist.gather_object(local, gathered if dist.get_rank() == 0 else None, dst=0, group=group)
+        out: dict[str, torch.Tensor] = {}
+        for sd in gathered:
+            out.update(sd)
+        return out
+
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        raise ValueError("communication hooks are not supported with pipeline parallelism (parallel.pp > 1)")
+
+    def release(self) -> nn.Module:
+        self.schedule = None
+        self.stages, self.wrapped = [], []
+        return super().release()
+
+
+def apply_replicate(part: LlamaStage, *, device: torch.device, mesh: Any,
+                    materialize: Callable[[nn.Module], None] | None) -> nn.Module:
+    """ddp for a pipeline stage: torch's FSDP2-based `replicate` (gradients all-reduced over the
+    data-parallel mesh), which the pipeline stage drives natively. The classic DDP wrapper does
+    not compose with the schedules here: its bucket rebuild after the first step fails
+    ("rebuilt parameter indices size is not same as original model parameters size", torch
+    2.13), and with static_graph=True the gradients come out wrong."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    on_meta = any(p.is_meta for p in part.parameters())
+    if not on_meta:
+        part = part.to(device)
+    for block in part.layers.values():  # one all-reduce per block, as FSDP2 units
+        replicate(block, mesh=mesh)
+    replicate(part, mesh=mesh)
+    if on_meta:
+        assert materialize is not None
+        materialize(part)
+    return part
+
+
+def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: ParallelMesh, device: torch.device,
+                         materialize: Callable[[nn.Module], None] | None = None) -> PipelineModel:
+    """Split `model` (a LlamaLM, on meta or eager) into this rank's stages, apply activation
+    checkpointing and data parallelism to each, and build the schedule."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    if not isinstance(model, LlamaLM):
+        raise TypeError(f"parallel.pp > 1 splits dptrain's LlamaLM; got {type(model).__name__}")
+    pp, per_rank = mesh.dims.pp, cfg.pp_stages_per_rank
+    n_stages = pp * per_rank
+    counts = stage_layer_counts(model.cfg.n_layers, n_stages, cfg.pp_layers)
+    ids = stage_ids(mesh.pp_rank, pp=pp, stages_per_rank=per_rank)
+    parts = split_llama(model, stages=ids, layer_counts=counts)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and not isinstance(materialize, Materializer):
+        raise ValueError("pipeline stages of a meta-device model need dptrain's Materializer (make_materializer)")
+    mode = strategy_mode(cfg)
+    wrapped: list[nn.Module] = []
+    for part in parts:
+        hook = materialize.for_part(model) if isinstance(materialize, Materializer) and on_meta else None
+        apply_activation_checkpointing(part, mode=cfg.activation_checkpointing)
+        if mode.wrapper == "fsdp" and mesh.dp_size > 1:
+            module: nn.Module = fsdp.apply_fsdp(
+                part, device=device, mesh=mesh.fsdp_mesh, reshard_after_forward=mode.reshard_after_forward,
+                cpu_offload=cfg.cpu_offload,
+                mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, cfg.fsdp_reduce_dtype), materialize=hook,
+            )
+        elif mode.wrapper == "ddp" and mesh.dp_size > 1:
+            module = apply_replicate(part, device=device, mesh=mesh.dp_mesh, materialize=hook)
+        else:
+            if hook is not None:
+                hook(part)
+            module = part.to(device)
+        wrapped.append(module)
+    stages: list[Any] = [PipelineStage(m, s, n_stages, device, group=mesh.pp_group)
+                         for m, s in zip(wrapped, ids, strict=True)]
+    plan = PipelineModel(view=RankView(parts), parts=parts, wrapped=wrapped, stages=stages, schedule=None,
+                         cfg=cfg, mesh=mesh, device=device)
+    m = pipeline_microbatches(cfg)
+    kwargs: dict[str, Any] = {"n_microbatches": m, "loss_fn": plan.loss_fn, "scale_grads": False}
+    if cfg.pp_schedule == "interleaved_1f1b":
+        plan.schedule = ScheduleInterleaved1F1B(stages, **kwargs)
+    else:
+        plan.schedule = (ScheduleGPipe if cfg.pp_schedule == "gpipe" else Schedule1F1B)(stages[0], **kwargs)
+    return plan

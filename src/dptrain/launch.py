@@ -94,10 +94,11 @@ def run_torchrun(argv: list[str], *, restarts: bool, ckpt_root: Path | None = No
             return EXIT_INTERRUPTED
         if codes == {2}:
             return 2  # the workers refused their input; rank 0 said why (one line, above)
-        if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL}:  # a frozen rank is SIGKILLed by the watchdog
-            print("dptrain: stopped by the hang watchdog: see hang_report.txt in the run directory", file=sys.stderr)
-            return EXIT_HANG
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
+        if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL}:  # a frozen rank is SIGKILLed by the watchdog
+            print(f"dptrain: stopped by the hang watchdog: {failures}; see hang_report.txt in the run directory",
+                  file=sys.stderr)
+            return EXIT_HANG
         if args.module and args.training_script == "dptrain.record_script" and args.training_script_args:
             e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
         # torchrun's own report first: the root-cause rank, host, exit code, error file, traceback

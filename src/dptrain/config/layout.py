@@ -97,10 +97,18 @@ def resolve_layout(cfg: ParallelConfig, *, world_size: int) -> tuple[ParallelDim
         raise ConfigError(
             f"parallel layout {dims.describe()}: {'; '.join(reasons)}"
         )
-    if dims.tp > 1 and dims.pp > 1:
+    if dims.tp > 1 and dims.pp > 1 and cfg.loss_parallel:
         raise ConfigError(
-            f"parallel layout {dims.describe()}: pipeline x tensor parallelism (pp > 1 with tp > 1) is not composed "
-            "yet: the pipeline stages are built without the tensor-parallel plan; use tp=1 or pp=1"
+            f"parallel layout {dims.describe()}: parallel.loss_parallel=true is refused with pp > 1: the pipeline's "
+            "loss is computed by its schedule's loss_fn on the last stage's plain (vocabulary-gathered) logits, "
+            "outside DTensor's loss_parallel() context; use parallel.loss_parallel=false (the logits are gathered "
+            "over tp) or pp=1"
+        )
+    if dims.tp > 1 and dims.pp > 1 and cfg.tp_plan is not None:
+        raise ConfigError(
+            f"parallel layout {dims.describe()}: parallel.tp_plan={cfg.tp_plan!r} is refused with pp > 1: a user's "
+            "plan is written for the whole model, and each pipeline stage holds only some of its modules; the "
+            "built-in LLaMA's plan is applied per stage (drop tp_plan), or use pp=1"
         )
     if dims.tp > 1 and mode.shard_optimizer:
         raise ConfigError(

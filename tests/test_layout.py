@@ -104,11 +104,18 @@ def test_replication_strategies_refuse_a_shard_dimension():
         resolve_layout(ParallelConfig(strategy="ddp", dp_replicate=2, dp_shard=2), world_size=4)
 
 
-def test_pipeline_times_tensor_parallelism_is_refused_until_composed():
+def test_pipeline_times_tensor_parallelism_resolves_on_one_mesh():
+    dims, mode = resolve_layout(ParallelConfig(strategy="fsdp", dp_shard=2, tp=2, pp=2), world_size=8)
+    assert (dims.pp, dims.dp_shard, dims.tp, mode.wrapper) == (2, 2, 2, "fsdp")
+    dims, _ = resolve_layout(ParallelConfig(strategy="ddp", tp=2, pp=2), world_size=8)
+    assert (dims.pp, dims.dp_replicate, dims.tp) == (2, 2, 2)
+
+
+def test_loss_parallel_under_pipeline_times_tensor_parallelism_is_refused_with_the_reason():
     with pytest.raises(ConfigError) as info:
-        resolve_layout(ParallelConfig(strategy="fsdp", dp_shard=2, tp=2, pp=2), world_size=8)
+        resolve_layout(ParallelConfig(strategy="ddp", tp=2, pp=2, loss_parallel=True), world_size=4)
     msg = str(info.value)
-    assert "pipeline x tensor parallelism" in msg and "tp 2" in msg and "pp 2" in msg and "world 8" in msg
+    assert "loss_parallel=true is refused with pp > 1" in msg and "tp 2" in msg and "pp 2" in msg and "loss_fn" in msg
 
 
 @pytest.mark.parametrize(("strategy", "dp_dim"), [("ddp", "dp_replicate"), ("zero2", "dp_shard"), ("fsdp", "dp_shard")])

@@ -134,9 +134,8 @@ def _world(layout: dict[str, int]) -> int:
                                                   pytest.param("fsdp", {"pp": 2, "dp_shard": 2, "tp": 2},
                                                                marks=pytest.mark.slow)])
 def test_pp2_tp2_stages_materialise_bit_identical_to_the_eager_build(strategy, layout):
-    from mp import run_ranks
-
     from dptrain.models.llama import build_llama
+    from mp import run_ranks
 
     torch.manual_seed(7)
     eager = build_llama(**tpp.PP_LLAMA).state_dict()
@@ -189,10 +188,10 @@ def test_resume_dp2_pp2_tp2_as_dp4_tp2_then_dp2_then_single(tmp_path):
     saving every step (SGD with momentum). Each layout loads the previous one's checkpoint with
     model and optimizer state equal bit for bit, goes on at the next step (the data position kept),
     and the losses and final weights are the uninterrupted 3-D run's."""
-    from mp import run_ranks
     from safetensors.torch import load_file
 
-    from dptrain.checkpoint.storage import load_torch  # noqa: F401  (the full format's reader, used above)
+    from mp import run_ranks
+
 
     ref = tmp_path / "uninterrupted"
     want, want_records = tp.train(chain_items("dp2xpp2xtp2", tp.STEPS), 8, ref, timeout=200)

@@ -13,7 +13,12 @@ Each stage is materialised after splitting (and after sharding under FSDP2), rep
 model's init (`materialize(source=)`): a rank allocates only its layers, with weights bit-identical
 to the eager build.
 
-Per stage, in parallelize's order: activation checkpointing per block, then data parallelism over
+Per stage, in parallelize's order: tensor parallelism on the tp mesh when tp > 1 (the built-in
+LLaMA plan, `tensor.apply_llama_tp`, on the blocks the stage holds and on tok_emb / norm / head where
+it has them; under sequence parallelism the activation between stages is the rank's local Shard(1)
+slice of the sequence, and the pp group pairs ranks of the same tp coordinate, so each slice goes
+to its own counterpart; the last stage gathers the logits over the vocabulary for `loss_fn`),
+activation checkpointing per block, then data parallelism over
 the data-parallel ranks of that stage: torch's FSDP2-based `replicate` (ddp; see `apply_replicate`
 for why not the DDP wrapper) or FSDP2 `fully_shard` (zero2/fsdp, HSDP), per block and per stage;
 nothing at dp size 1. zero1 is refused before launch (config/pipeline.py).
@@ -29,8 +34,9 @@ per step (the same mean, more communication).
 
 Evaluation runs the schedule's forward-only path (`schedule.eval`); the loss is summed over the
 pipeline group (the stages before the last contribute 0), so every rank logs the same number.
-Clipping takes the global norm: each stage's norm (reduced over its shards under FSDP2), squared,
-summed over the pipeline group.
+Clipping takes the global norm: each stage's norm (over its tp and FSDP2 shards, per mesh: see
+parallel/clip.py), squared, summed over the pipeline group. `full_state_dict` gathers the tp shards
+(`full_tensor`) and collects the stages on global rank 0.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """`parallelize`: PyTorch's parallel APIs applied to a plain model in one fixed order, and the
 `ParallelModel` it returns, the only object that knows which wrapper is in use.
 
-With pp > 1 the model is first split into pipeline stages (`parallel/pipeline.py`), and steps 2 and 3
-apply to each stage. Order (torchtitan's): 1. tensor parallelism (slot: tp > 1 is refused before launch until it is
-built), 2. activation checkpointing per block, 3. data parallelism: FSDP2 `fully_shard` on the
+With pp > 1 the model is first split into pipeline stages (`parallel/pipeline.py`), and steps 1 to 3
+apply to each stage. Order (torchtitan's): 1. tensor parallelism on the tp mesh (parallel/tensor.py),
+2. activation checkpointing per block, 3. data parallelism: FSDP2 `fully_shard` on the
 dp_shard dimension (or the 2-D (dp_replicate, dp_shard) mesh: HSDP), or DDP on the data-parallel
 group, or nothing (single) / nn.DataParallel (dp); ZeRO-1 is DDP plus a sharded optimizer
 (`build_optimizer`). Which of these applies comes from the `DataParallelMode` of the strategy
@@ -185,7 +185,7 @@ def parallelize(
     model: nn.Module, *, cfg: ParallelConfig, mesh: ParallelMesh, device: torch.device,
     materialize: Materialize | None = None, comm_hook: tuple[Any, Callable[..., Any]] | None = None,
 ) -> ParallelModel:
-    """Apply tensor parallelism (slot), activation checkpointing, then FSDP2 or DDP to a plain
+    """Apply tensor parallelism, activation checkpointing, then FSDP2 or DDP to a plain
     `model` for the layout of `mesh`. Parameters on the meta device are handed to `materialize`
     (which allocates, e.g. `to_empty`, and initialises them) at the right point: after sharding
     under FSDP2, before DDP (which broadcasts parameters at construction). `comm_hook`: a DDP

@@ -64,10 +64,19 @@ def test_pp2_tp2_schedules_and_options_match_reference(label, schedule, stages_p
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("accum", [1, 2])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
 def test_dp2_pp2_tp2_matches_reference(strategy, accum, tmp_path):
-    diff = rung(items_3d(strategy=strategy, dp=2, accum=accum), 8, tmp_path, timeout=380)
+    """8 ranks: each (pp, tp) shard of the model data-parallel over 2 ranks; under ddp the drift
+    check compares every stage's tp shard with its replica, every step."""
+    items = items_3d(strategy=strategy, dp=2, accum=accum)
+    if strategy == "ddp":
+        items.append("diagnostics.drift_every_steps=1")
+    diff = rung(items, 8, tmp_path, timeout=380)
     print(f"\nPARITY dp2xpp2xtp2 {strategy} accum={accum} worst|dw|={diff:.3g}")
+    if strategy == "ddp":
+        checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
+        drift = [c for c in checks if c["kind"] == "drift"]
+        assert len(drift) == tp.STEPS and all(c["ok"] for c in drift)
 
 
 # ------------------------------------------------------------------ refusals
@@ -199,7 +208,13 @@ def test_resume_dp2_pp2_tp2_as_dp4_tp2_then_dp2_then_single(tmp_path):
     run = tmp_path / "run"
     from test_checkpoint import fit
 
+    from dptrain.cli import main
+
     run_ranks(fit, 8, run, chain_items("dp2xpp2xtp2", 1), timeout=200)
+    step1 = run / "checkpoints" / "step_000001"
+    assert main(["ckpt", "export", str(step1), "--out", str(tmp_path / "export.safetensors")]) == 0
+    exported, (model1, _) = load_file(str(tmp_path / "export.safetensors")), _checkpoint_state(step1)
+    assert exported.keys() == want.keys() and all(torch.equal(exported[k], model1[k]) for k in model1)
     for step, name in enumerate(("dp4xtp2", "dp2", "single"), start=2):
         saved_model, saved_optim = _checkpoint_state(run / "checkpoints" / f"step_{step - 1:06d}")
         world = CHAIN[name][0]
@@ -262,3 +277,11 @@ def test_miniature_llama_7b_deepspeed_config_trains_dp2_pp2_tp2_through_the_cli(
     assert [s for s, _ in losses] == list(range(1, 7))
     assert all(math.isfinite(v) for _, v in losses)
     assert losses[-1][1] < losses[0][1]
+
+
+def test_loss_parallel_under_pp_times_tp_exits_2_before_launch(capsys, tmp_path):
+    from test_bad_input import refused
+
+    refused(capsys, ["run", "--nproc-per-node", "4", "parallel.pp=2", "parallel.tp=2", "parallel.loss_parallel=true",
+                     "log.progress=false", "--out", str(tmp_path / "r")], "loss_parallel=true is refused with pp > 1")
+    assert not (tmp_path / "r").exists()

@@ -87,7 +87,6 @@ class Trainer:
                             if self.scaler.is_enabled() else None)
         self.last_loss: float | None = None
         self._config_written = False  # RUN_DIR/config.yaml: written after the first step (end_step)
-        self.nonfinite_loss: dict[str, int] = {}  # log steps whose loss was not finite (see _nonfinite_loss)
         self.train_time = 0.0
         self._window_start = time.perf_counter()
 
@@ -389,22 +388,8 @@ class Trainer:
             record.update(loss_scale=self.scaler.get_scale(), skipped_steps=state.skipped_steps)
         self._log(record)
         window.reset()
-        if not math.isfinite(last_loss):
-            self._nonfinite_loss(last_loss, steps=window_steps)
+        self.diag.logged_loss(last_loss, step=state.step, window_steps=window_steps)  # loud if not finite
         self._window_start = time.perf_counter()
-
-    def _nonfinite_loss(self, loss: float, *, steps: int) -> None:
-        """Said loudly at every log step whose loss is not finite, whatever diagnostics.nonfinite is:
-        on the console (stderr without the progress line), in diagnostics.jsonl, and in the summary."""
-        step, policy = self.state.step, self.cfg.diagnostics.nonfinite
-        first = self.nonfinite_loss.setdefault("first_step", step)
-        self.nonfinite_loss["log_steps"] = self.nonfinite_loss.get("log_steps", 0) + 1
-        since = "" if first == step else f" (first at step {first})"
-        act = ("training goes on: set diagnostics.nonfinite=skip to skip such steps or =error to stop"
-               if policy == "off" else f"diagnostics.nonfinite={policy}")
-        self.diag.report("nonfinite_loss", {"step": step, "loss": str(loss), "window_steps": steps, "policy": policy},
-                         f"dptrain: WARNING: the loss is {loss} at step {step}{since}, mean of the last {steps} "
-                         f"step(s) over the data-parallel ranks; {act}")
 
     def _summary(
         self, *, last_loss: float | None, initial_val: float | None, final_val: float | None,
@@ -430,8 +415,6 @@ class Trainer:
         }
         if self.ckpt.resumed_from is not None:
             summary["resumed_from"] = str(self.ckpt.resumed_from)
-        if self.nonfinite_loss:
-            summary["nonfinite_loss"] = dict(self.nonfinite_loss)  # first_step, log_steps
         if final_val is not None and (bpb := self._bits_per_byte(final_val)) is not None:
             summary["final_val_bpb"] = bpb
         if self.scaler.is_enabled():
@@ -454,14 +437,11 @@ class Trainer:
 
     def _save_final(self) -> None:
         """Consolidated weights under the plain module's names, whatever the strategy."""
-        from safetensors.torch import save_file
+        from dptrain.checkpoint.storage import save_safetensors
 
         state = self.plan.full_state_dict()  # collective under FSDP: every rank calls it
         if self.env.is_main:
-            out = self.run_dir / "final"
-            out.mkdir(parents=True, exist_ok=True)
-            # clone: safetensors refuses tensors that share storage (tied embeddings)
-            save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(out / "model.safetensors"))
+            save_safetensors(state, self.run_dir / "final" / "model.safetensors")
 
     @property
     def module(self) -> nn.Module:

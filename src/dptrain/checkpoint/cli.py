@@ -158,8 +158,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
-
     from dptrain.checkpoint import storage
     from dptrain.checkpoint.resume import choose_checkpoint
 
@@ -179,7 +177,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"dptrain: error: {e}", file=sys.stderr)
         return 1
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(out))
+    storage.save_safetensors(state, out)
     print(f"exported {len(state)} tensors of {choice.path} (step {choice.meta['step']}) to {out}")
     return 0

@@ -241,3 +241,12 @@ def load_full_model_state(ckpt_dir: Path, *, fmt: str) -> dict[str, torch.Tensor
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return state["model"]
+
+
+def save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Whole weights as one safetensors file (final/model.safetensors, `ckpt export`). Cloned:
+    safetensors refuses tensors that share storage (tied embeddings)."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(path))

@@ -11,6 +11,7 @@ console.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import sys
@@ -71,6 +72,7 @@ class Diagnostics:
         self.replica: nn.Module | None = None  # the module whose replicas the drift check compares
         self.replica_group: Any = None  # ...over this group (None: every rank)
         self.memory: MemoryMonitor | None = None
+        self.nonfinite_loss: dict[str, int] = {}  # first_step, log_steps (see logged_loss)
         self._sink: TextIO | None = None
         self._sink_lock = threading.Lock()
 
@@ -154,7 +156,26 @@ class Diagnostics:
 
     def summary(self) -> dict[str, Any]:
         """Counters for summary.json."""
-        return {"nonfinite_skipped_steps": self.nonfinite.skipped} if self.nonfinite is not None else {}
+        out: dict[str, Any] = {"nonfinite_skipped_steps": self.nonfinite.skipped} if self.nonfinite is not None else {}
+        if self.nonfinite_loss:
+            out["nonfinite_loss"] = dict(self.nonfinite_loss)
+        return out
+
+    def logged_loss(self, loss: float, *, step: int, window_steps: int) -> None:
+        """A log step's loss (mean of its window over the data-parallel ranks). One that is not finite
+        is said loudly whatever `nonfinite` is: on the console (stderr without the progress line), as a
+        `nonfinite_loss` record in diagnostics.jsonl, and counted in the summary."""
+        if math.isfinite(loss):
+            return
+        policy = self.cfg.nonfinite
+        first = self.nonfinite_loss.setdefault("first_step", step)
+        self.nonfinite_loss["log_steps"] = self.nonfinite_loss.get("log_steps", 0) + 1
+        since = "" if first == step else f" (first at step {first})"
+        act = ("training goes on: set diagnostics.nonfinite=skip to skip such steps or =error to stop"
+               if policy == "off" else f"diagnostics.nonfinite={policy}")
+        self.report("nonfinite_loss", {"step": step, "loss": str(loss), "window_steps": window_steps, "policy": policy},
+                    f"dptrain: WARNING: the loss is {loss} at step {step}{since}, mean of the last {window_steps} "
+                    f"step(s) over the data-parallel ranks; {act}")
 
     def on_step_end(self, step: int) -> None:
         """After optimizer step `step` (1-based): the periodic checks that gather across ranks."""

@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     from dptrain.checkpoint.cli import add_ckpt_parser
 
     add_ckpt_parser(sub)
+    from dptrain.report.cli import add_report_parser
+
+    add_report_parser(sub)
     return p
 
 

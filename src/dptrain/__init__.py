@@ -18,6 +18,7 @@ _EXPORTS = {
     "grad_accum_steps": "dptrain.api",
     "init_distributed": "dptrain.api",
     "micro_steps": "dptrain.api",
+    "notebook_launch": "dptrain.deploy.notebook",
     "parallelize": "dptrain.api",
     "prepare_dataloader": "dptrain.api",
     "prepare_model": "dptrain.api",
@@ -35,7 +36,7 @@ _EXPORTS = {
 
 __all__ = [
     "__version__", "Config", "ConfigError", "ParallelModel", "Runtime", "Trainer", "clip_grad_norm_",
-    "full_state_dict", "grad_accum_steps", "init_distributed", "load_config", "micro_steps", "parallelize",
+    "full_state_dict", "grad_accum_steps", "init_distributed", "load_config", "micro_steps", "notebook_launch", "parallelize",
     "prepare_dataloader", "prepare_model", "sync_gradients", "to_device", "unwrap",
 ]
 
@@ -66,5 +67,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from dptrain.build import to_device
     from dptrain.config import Config, ConfigError
     from dptrain.config.load import load_config
+    from dptrain.deploy.notebook import notebook_launch
     from dptrain.parallel import ParallelModel, clip_grad_norm_, full_state_dict, sync_gradients, unwrap
     from dptrain.trainer import Trainer

@@ -1,0 +1,1 @@
+"""Running dptrain where training runs: the notebook launcher (notebook.py)."""

@@ -436,12 +436,15 @@ class Trainer:
         return out
 
     def _save_final(self) -> None:
-        """Consolidated weights under the plain module's names, whatever the strategy."""
+        """Consolidated weights under the plain module's names, whatever the strategy; for a Hugging Face
+        model also its config, so that final/ loads with `from_pretrained` (checkpoint/hf.py)."""
+        from dptrain.checkpoint.hf import save_pretrained_config
         from dptrain.checkpoint.storage import save_safetensors
 
         state = self.plan.full_state_dict()  # collective under FSDP: every rank calls it
         if self.env.is_main:
             save_safetensors(state, self.run_dir / "final" / "model.safetensors")
+            save_pretrained_config(self.module, state, self.run_dir / "final")  # HF models: + config.json
 
     @property
     def module(self) -> nn.Module:

@@ -207,3 +207,26 @@ def test_the_browser_check_catches_a_missing_image(run_dir: Path, tmp_path: Path
     assert [i["w"] for i in result["imgs"] if i["src"] == "memory.png"] == [0]
     with pytest.raises(AssertionError):
         _assert_loads(result, set(FIGURES))
+
+
+def test_mfu_and_cuda_memory_get_their_own_axes(tmp_path: Path) -> None:
+    """Records as a GPU run with the MFU meter writes them (mfu is a fraction; CUDA memory per rank)."""
+    from dptrain.report import plots
+    from dptrain.report.read import read_run
+
+    run = tmp_path / "gpu_run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 3.0 - s / 10, "lr": 1e-3, "tokens_per_s": 1e5, "mfu": 0.41} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mem = {"kind": "memory", "step": 2, "ranks": [
+        {"rank": r, "host": "h", "rss_mb": 900.0, "cuda_allocated_mb": 1000.0 + r, "cuda_reserved_mb": 1500.0,
+         "cuda_peak_mb": 1200.0, "leaks": []} for r in (0, 1)]}
+    (run / "diagnostics.jsonl").write_text(json.dumps(mem) + "\n")
+    records = read_run(run)
+    throughput, memory = plots.throughput_figure(records), plots.memory_figure(records)
+    assert [ax.get_ylabel() for ax in throughput.axes] == ["tokens/s", "MFU (%)"]
+    assert list(throughput.axes[1].lines[0].get_ydata()) == pytest.approx([41.0] * 3)
+    assert [ax.get_ylabel() for ax in memory.axes] == ["host RSS (MiB)", "CUDA (MiB)"]
+    assert len(memory.axes[1].lines) == 4  # allocated and peak of each rank
+    records.train = [{k: v for k, v in r.items() if k != "mfu"} for r in records.train]
+    assert len(plots.throughput_figure(records).axes) == 1  # no mfu key: no MFU axis

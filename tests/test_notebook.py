@@ -51,7 +51,7 @@ assert after == before, (before, after)  # the kernel's own handlers (Ctrl-C int
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_notebook_launch_from_a_real_kernel(tmp_path: Path, monkeypatch) -> None:
     from ipykernel.kernelspec import install
 
@@ -61,7 +61,7 @@ def test_notebook_launch_from_a_real_kernel(tmp_path: Path, monkeypatch) -> None
     out = tmp_path / "run"
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(TRAIN_CELL), nbformat.v4.new_code_cell(LAUNCH_CELL.replace("OUT_DIR", repr(str(out))))]
-    client = nbclient.NotebookClient(nb, kernel_name="dptrain-test", timeout=360, allow_errors=False)
+    client = nbclient.NotebookClient(nb, kernel_name="dptrain-test", timeout=540, allow_errors=False)
     client.execute()
     text = "".join(o.get("text", "") for o in nb.cells[1].outputs if o.get("output_type") == "stream")
     assert "RESULT 0 2 4 ddp" in text, nb.cells[1].outputs

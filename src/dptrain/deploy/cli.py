@@ -77,6 +77,13 @@ def _job_config(args: argparse.Namespace, *, out_dir: str | None) -> Config:
     return cfg
 
 
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (the embedded config) as literal blocks: the ConfigMap stays readable."""
+
+
+_BlockDumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+
+
 def _write(text: str, output: str | None) -> None:
     if output is None:
         sys.stdout.write(text)
@@ -109,7 +116,7 @@ def cmd_kubeflow(args: argparse.Namespace) -> int:
         problems = kubeflow.schema_problems(docs[-1])
         if problems:
             raise ConfigError("the PyTorchJob does not match the schema:\n  " + "\n  ".join(problems))
-    _write(yaml.safe_dump_all(docs, sort_keys=False), args.output)
+    _write(yaml.dump_all(docs, Dumper=_BlockDumper, sort_keys=False), args.output)
     return 0
 
 

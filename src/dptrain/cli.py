@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     from dptrain.report.cli import add_report_parser
 
     add_report_parser(sub)
+    from dptrain.deploy.cli import add_manifest_parser
+
+    add_manifest_parser(sub)
     return p
 
 
@@ -141,8 +144,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dptrain.checkpoint.cli import prepare_resume
     from dptrain.checkpoint.manifest import checkpoint_root
     from dptrain.checkpoint.rundir import PENDING_CONFIG, check_run_dir, write_atomically
+    from dptrain.deploy.cluster_env import cluster_launch
     from dptrain.launch_checks import check_dir_writable
 
+    cluster = cluster_launch()  # a Kubeflow pod's PET_* layout: after the file, before the command line's overrides
+    if cluster is not None:
+        print(cluster.describe(), file=sys.stderr)
+        args.items = [*cluster.overrides, *args.items]
     cfg = _load(args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None)
     validate(cfg)  # before anything imports torch: a refusal is instant
     run_dir = Path(default_out_dir(cfg))

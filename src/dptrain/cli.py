@@ -227,8 +227,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     opts = parse_options(steps=args.steps, warmup=args.warmup, nproc=nproc, scaling=args.scaling,
                          variants=args.variants)
     out = args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    _check_factories(cfg)  # imports, kwargs, the model on the meta device, the data once (warms the corpus cache)
-    return run_bench(cfg, opts=opts, out_dir=out)
+    # check: imports, kwargs, the model on the meta device, the data once (warms the corpus cache)
+    return run_bench(cfg, opts=opts, out_dir=out, check=_check_factories)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ world size and mode (> 1: slower than the hand-written loop).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +68,17 @@ def _launch(cfg: Config, *, world: int, spec: Path, nproc: int) -> int:
         return launch.run_torchrun(argv, restarts=False)
 
 
-def run_bench(cfg: Config, *, opts: BenchOptions, out_dir: str | Path) -> int:
-    """Run the benchmark; print the table; write bench.json and the plots into `out_dir`. Exit code."""
+def run_bench(cfg: Config, *, opts: BenchOptions, out_dir: str | Path, check: Callable[[Config], Any] | None = None,
+              ) -> int:
+    """Run the benchmark; print the table; write bench.json and the plots into `out_dir`. Exit code.
+    `check(cfg)`: the launcher's pre-flight of the recipe's factories, after the plan, before anything is written."""
     from dptrain.bench import report
 
     if cfg.launch.nnodes != 1:
         raise ConfigError(f"launch.nnodes={cfg.launch.nnodes}: dptrain bench runs on one node (use launch.nnodes=1)")
     cells = plan_cells(cfg, opts=opts)
+    if check is not None:
+        check(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []

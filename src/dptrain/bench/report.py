@@ -93,6 +93,11 @@ def print_table(summary: dict[str, Any]) -> None:
         table.add_row(*cells)
     console = Console(width=200)
     console.print(table)
+    if any((r["scaling_efficiency"] or 0) > 1.1 for r in rows):
+        console.print("note: scaling efficiency above 1: each world size is its own launch (only the variants within a "
+                      "launch are interleaved), so a change in machine load between launches, or a scheduler giving "
+                      "more ranks a larger share of a busy machine, shows up here; compare within a world size",
+                      soft_wrap=True)
     for s in summary["skipped"]:
         console.print(f"skipped: {s['variant']} at world {s['world']} ({s['mode']}): {s['skipped']}", soft_wrap=True)
 

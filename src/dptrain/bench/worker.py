@@ -42,6 +42,7 @@ class Runner:
         self.tokens: int | None = trainer.tokens_per_sample if trainer is not None else None
         self.times: list[float] = []
         self.cuda_peak = 0
+        self.rss_setup = 0
         self.last_loss = torch.zeros(())
 
     def run(self, n: int, device: torch.device) -> None:
@@ -94,9 +95,12 @@ def _trainer_runner(spec: dict[str, Any], cfg: Any, env: DistEnv) -> Runner:
 def build_runners(specs: list[dict[str, Any]], *, env: DistEnv, device: torch.device, total_steps: int,
                   ) -> tuple[list[Runner], list[dict[str, Any]]]:
     """Set up every variant; a ConfigError only a worker can find makes that variant skipped."""
+    import psutil
+
     runners, skipped = [], []
     for spec in specs:
         cfg = load_config(spec["config"])
+        rss = psutil.Process().memory_info().rss
         try:
             if spec["variant"] == "raw":
                 raw = RawDDP(cfg, device=device, steps=total_steps, bucket_cap_mb=cfg.parallel.bucket_cap_mb)
@@ -106,6 +110,8 @@ def build_runners(specs: list[dict[str, Any]], *, env: DistEnv, device: torch.de
                 runners.append(_trainer_runner(spec, cfg, env))
         except ConfigError as e:
             skipped.append({**_key(spec), "skipped": str(e)})
+            continue
+        runners[-1].rss_setup = psutil.Process().memory_info().rss - rss  # what building this variant added
     return runners, skipped
 
 
@@ -147,7 +153,8 @@ def measure(runners: list[Runner], *, warmup: int, device: torch.device) -> list
         loss = r.last_loss.detach().double().to(device).clone()
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=r.group)
         loss /= dist.get_world_size(r.group)
-        mem = torch.tensor([float(state_bytes(r)), float(r.cuda_peak)], dtype=torch.float64, device=device)
+        mem = torch.tensor([float(state_bytes(r)), float(r.cuda_peak), float(r.rss_setup)], dtype=torch.float64,
+                           device=device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         ts = times.tolist()
         q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0], ts[0], ts[0]]
@@ -156,7 +163,7 @@ def measure(runners: list[Runner], *, warmup: int, device: torch.device) -> list
             "min_s": min(ts), "max_s": max(ts), "loss": float(loss), "global_batch_size": r.spec["global_batch_size"],
             "tokens_per_sample": r.tokens, "state_mib": mem[0].item() / 2**20,
             "cuda_peak_mib": mem[1].item() / 2**20 if device.type == "cuda" else None,
-            "comm_bytes": _comm_bytes(r.spec["run_dir"]) if r.trainer else None,
+            "rss_setup_mib": mem[2].item() / 2**20, "comm_bytes": _comm_bytes(r.spec["run_dir"]) if r.trainer else None,
         })
     return rows
 

@@ -5,11 +5,11 @@
 Starts itself under torchrun. On every rank it builds the same LLaMA-style model twice (same
 seed): one trained by dptrain's whole per-step path, `trainer.end_step(trainer.train_step())` (DDP
 strategy, default diagnostics on, logging every 10 steps, the preemption agreement: exactly what
-`dptrain run` does per step), one by the loop the field's guides teach (DDP, `no_sync` on all but the last micro-step, loss / accum, backward, clip,
-step, zero_grad). Steps alternate between the two so both see the same machine noise. Prints
+`dptrain run` does per step), one by the loop the field's guides teach (dptrain/bench/raw_ddp.py,
+shared with `dptrain bench`: DDP, `no_sync` on all but the last micro-step, loss / accum, backward,
+clip, step, zero_grad). Steps alternate between the two so both see the same machine noise. Prints
 the median step time of each, their ratio and the median ratio of back-to-back step pairs
-(target <= 1.02), and whether the final weights are
-bit-identical.
+(target <= 1.02), and whether the final weights are bit-identical.
 """
 
 from __future__ import annotations
@@ -48,10 +48,8 @@ def _sha(model: torch.nn.Module) -> str:
 
 def worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader
 
-    from dptrain.build import build_model
+    from dptrain.bench.raw_ddp import RawDDP
     from dptrain.config.load import load_config
     from dptrain.distributed.process_group import process_group
     from dptrain.trainer import Trainer
@@ -77,30 +75,10 @@ def worker(a: argparse.Namespace) -> None:
                 raise RuntimeError("preempted during the benchmark")
             return loss
         rank = dist.get_rank()
-        # The raw loop: the same initial weights, the same micro-batches, plain PyTorch.
-        raw = DDP(build_model(cfg.model, seed=cfg.train.seed).to(dev), bucket_cap_mb=25, gradient_as_bucket_view=True,
-                  device_ids=[dev.index] if dev.type == "cuda" else None)
-        opt = torch.optim.AdamW(raw.parameters(), lr=trainer.res.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-                                weight_decay=0.0)
-        index_batches = [mb for s in range(a.steps) for mb in trainer.sampler.micro_batches(s)]
-        raw_batches = iter(DataLoader(trainer.train_ds, batch_sampler=index_batches))
-
-        def raw_step() -> torch.Tensor:
-            total = torch.zeros((), device=dev)
-            for micro in range(a.accum):
-                batch = next(raw_batches).to(dev, non_blocking=True)
-                if micro < a.accum - 1:
-                    with raw.no_sync():
-                        loss = raw(batch) / a.accum
-                        loss.backward()
-                else:
-                    loss = raw(batch) / a.accum
-                    loss.backward()
-                total += loss.detach()
-            torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.optim.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return total
+        # The raw loop (dptrain/bench/raw_ddp.py, shared with `dptrain bench`): the same initial
+        # weights, the same micro-batches, the same optimizer and schedule, plain PyTorch DDP.
+        raw_loop = RawDDP(cfg, device=dev, steps=a.steps)
+        raw, raw_step = raw_loop.ddp, raw_loop.step
 
         times: dict[str, list[float]] = {"dptrain": [], "raw": []}
         same_losses = True

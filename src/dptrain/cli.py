@@ -98,6 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
 
+    bench = sub.add_parser("bench", help="time dptrain's strategies and compressions against a raw PyTorch DDP loop")
+    bench.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]")
+    bench.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
+    bench.add_argument("--variants", help="comma-separated variants (default: all; raw is always run)")
+    bench.add_argument("--nproc", type=int, help="largest world size N (default: launch.nproc_per_node)")
+    bench.add_argument("--scaling", default="both", help="none, strong, weak or both (default) over world 1..N")
+    bench.add_argument("--out", help="output directory (default: runs/bench-<timestamp>)")
+    bench.set_defaults(func=cmd_bench)
+
     from dptrain.checkpoint.cli import add_ckpt_parser
 
     add_ckpt_parser(sub)
@@ -214,6 +224,22 @@ def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
     train, _ = split_train_val(call_factory(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory))
     check_tensor_parallel(model, parallel=cfg.parallel, tp=tp, sample=train[0] if len(train) else None)
     return train
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import time
+
+    from dptrain.bench import parse_options
+    from dptrain.bench.run import run_bench
+
+    cfg = _load(args.items, extra=[])
+    validate(cfg)
+    nproc = args.nproc if args.nproc is not None else local_world_size(cfg.launch)
+    opts = parse_options(steps=args.steps, warmup=args.warmup, nproc=nproc, scaling=args.scaling,
+                         variants=args.variants)
+    out = args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    # check: imports, kwargs, the model on the meta device, the data once (warms the corpus cache)
+    return run_bench(cfg, opts=opts, out_dir=out, check=_check_factories)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -142,9 +142,10 @@ def test_onebit_hook_on_two_gloo_ranks_matches_the_reference_with_error_feedback
 @pytest.mark.timeout(30)
 def test_powersgd_pieces_follow_torchs_memory_layout():
     # torch's hook: matrices worth compressing, grouped by (rows, cols) in order of first appearance
-    shapes = [torch.Size(s) for s in ((32, 16), (32,), (4, 32), (32, 16), (2, 2))]
+    # and only where (rows + cols) * rank * min_rate < rows * cols: not the vector, not the 2 x 2
+    shapes = [torch.Size(s) for s in ((32, 16), (32,), (64, 32), (32, 16), (2, 2))]
     p, q, uncompressed = _compressed_pieces(["a", "b", "c", "d", "e"], shapes, rank=2, min_rate=2)
-    assert p == [("a", 64), ("d", 64), ("c", 8)] and q == [("a", 32), ("d", 32), ("c", 64)]
+    assert p == [("a", 64), ("d", 64), ("c", 128)] and q == [("a", 32), ("d", 32), ("c", 64)]
     assert uncompressed == 32 + 4
 
 
@@ -163,8 +164,9 @@ def test_powersgd_pieces_follow_torchs_memory_layout():
     (["parallel.grad_compression=fp16", "parallel.strategy=single"], 1, "has none to compress"),
     (["parallel.grad_compression=fp16", "parallel.strategy=fsdp", "parallel.fsdp_reduce_dtype=fp32"], 2,
      "drop one of them"),
-    (["parallel.grad_compression=fp16", "parallel.tp=2"], 2, "no DDP communication hook"),
-    (["parallel.grad_compression=onebit", "parallel.strategy=fsdp", "parallel.tp=2"], 2, "FSDP2"),
+    (["parallel.grad_compression=fp16", "parallel.tp=2"], 4, "no DDP communication hook"),
+    (["parallel.grad_compression=onebit", "parallel.strategy=fsdp", "parallel.tp=2"], 4, "FSDP2"),
+    (["parallel.grad_compression=onebit", "parallel.pp=2"], 4, "no DDP communication hook"),
 ])
 def test_refusals_name_the_value_and_the_reason(overrides, world, message):
     cfg = load_config(None, overrides)
@@ -199,7 +201,10 @@ def fit(rank: int, out: Path, overrides: list[str]) -> dict:
     cfg = load_config(None, [*TOY, *overrides])
     trainer = Trainer(cfg, out_dir=out)
     summary = trainer.fit()
-    return {"summary": summary, "hook": None if trainer.comm_hook is None else trainer.comm_hook.name}
+    ddp = trainer.plan.module
+    registered = ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None
+    return {"summary": summary, "hook": None if trainer.comm_hook is None else trainer.comm_hook.name,
+            "registered": registered or None}  # DDP's own record of the hook it calls
 
 
 def losses(run_dir: Path) -> list[tuple[int, str]]:
@@ -220,6 +225,8 @@ def test_each_compression_trains_on_two_gloo_ranks(tmp_path):
         out = tmp_path / f"{name}-{len(extra)}"
         res = run_ranks(fit, 2, out, [*steps, f"parallel.grad_compression={name}", *extra], timeout=100)
         assert res[0]["hook"] == (None if name == "none" or extra else name)
+        assert res[0]["registered"] == {"none": None, "fp16": "fp16_compress_hook", "powersgd": "powersgd_hook",
+                                        "onebit": "onebit_hook"}[name if not extra else "none"]
         vals = [float.fromhex(h) for _, h in losses(out)]
         assert len(vals) == 6 and all(math.isfinite(v) for v in vals) and vals[-1] < vals[0], (name, vals)
         final[name, bool(extra)] = vals[-1]
@@ -228,23 +235,20 @@ def test_each_compression_trains_on_two_gloo_ranks(tmp_path):
 
 
 def _single_reference(out: Path) -> list[float]:
-    run_ranks(fit, 1, out, ["train.max_steps=4", "parallel.strategy=single"], timeout=60)
+    run_ranks(fit, 1, out, ["train.max_steps=4", "parallel.strategy=single"], timeout=100)
     return [float.fromhex(h) for _, h in losses(out)]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_fp16_ddp_matches_the_single_process_reference_within_fp16_round_off(tmp_path):
     # fp16 keeps 11 significant bits: each averaged gradient element is off by up to ~2^-11 relative
-    # (about 5e-4); after 4 SGD steps the loss moves by far less than that. fp32 DDP agrees to ~1e-6.
+    # (about 5e-4), and 4 SGD steps move the loss by far less than that (fp32 DDP agrees with this
+    # reference to 1e-5: tests/test_parity.py). DDP's own logging data names the hook it ran.
     ref = _single_reference(tmp_path / "single")
-    fp32 = run_ranks(fit, 2, tmp_path / "ddp", ["train.max_steps=4"], timeout=60)
-    fp16 = run_ranks(fit, 2, tmp_path / "fp16", ["train.max_steps=4", "parallel.grad_compression=fp16"], timeout=60)
-    assert fp32[0]["hook"] is None and fp16[0]["hook"] == "fp16"
-    got32 = [float.fromhex(h) for _, h in losses(tmp_path / "ddp")]
-    got16 = [float.fromhex(h) for _, h in losses(tmp_path / "fp16")]
-    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got32, ref, strict=True)), (got32, ref)
-    assert all(math.isclose(a, b, rel_tol=5e-4) for a, b in zip(got16, ref, strict=True)), (got16, ref)
-    assert got16 != got32  # the hook did run: fp16 rounding shows in the losses
+    fp16 = run_ranks(fit, 2, tmp_path / "fp16", ["train.max_steps=4", "parallel.grad_compression=fp16"], timeout=100)
+    assert fp16[0]["registered"] == "fp16_compress_hook"
+    got = [float.fromhex(h) for _, h in losses(tmp_path / "fp16")]
+    assert all(math.isclose(a, b, rel_tol=5e-4) for a, b in zip(got, ref, strict=True)), (got, ref)
 
 
 @pytest.mark.timeout(180)

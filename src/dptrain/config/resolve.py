@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dptrain.config.compression import validate_compression, validate_compression_choice
 from dptrain.config.fields import (
     ACTIVATION_CHECKPOINTING,
     DEFAULT_BATCH,
@@ -29,7 +30,6 @@ from dptrain.config.fields import (
     OptimConfig,
     TrainConfig,
 )
-from dptrain.config.compression import validate_compression, validate_compression_choice
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
 from dptrain.config.pipeline import describe_pipeline, validate_pipeline
 

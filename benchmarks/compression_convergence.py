@@ -7,7 +7,8 @@ stdlib corpus, AdamW, global batch 32) on 2 gloo ranks for `--steps` optimizer s
 `parallel.grad_compression` (and its own knobs) changed; PowerSGD starts after max(warmup, 10%)
 of the steps, as torch's documentation suggests. The losses are deterministic (the same seed, data
 order and reduction order), so the variants may run side by side (`--jobs`): load changes their
-speed, never their numbers. bf16 is not run: its DDP hook needs NCCL.
+speed, never their numbers. A finished variant's run directory is reused (`dptrain run` on a
+finished run exits at once), so an interrupted benchmark continues where it stopped. bf16 is not run: its DDP hook needs NCCL.
 
 Prints a Markdown table: final train loss (mean of the last logging window), final validation
 loss, their relative difference to none, and the bytes each rank hands to collectives per step
@@ -28,16 +29,27 @@ ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 20  # optim.warmup_steps of the recipe
 
 
-def variants(steps: int) -> dict[str, list[str]]:
+def variants(steps: int) -> dict[str, tuple[str, int, list[str]]]:
+    """name -> (compression, PowerSGD rank, overrides)."""
     start = max(WARMUP, steps // 10)
+
+    def psgd(rank: int, begin: int) -> tuple[str, int, list[str]]:
+        return ("powersgd", rank, ["parallel.grad_compression=powersgd", f"parallel.powersgd_rank={rank}",
+                                   f"parallel.powersgd_start_step={begin}"])
+
+    def ob(begin: int) -> tuple[str, int, list[str]]:
+        return ("onebit", 1, ["parallel.grad_compression=onebit", f"parallel.onebit_start_step={begin}"])
+
     return {
-        "none": [],
-        "fp16": ["parallel.grad_compression=fp16"],
-        "powersgd rank 1": ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=1",
-                            f"parallel.powersgd_start_step={start}"],
-        "powersgd rank 4": ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=4",
-                            f"parallel.powersgd_start_step={start}"],
-        "onebit": ["parallel.grad_compression=onebit"],
+        "none": ("none", 1, []),
+        "fp16": ("fp16", 1, ["parallel.grad_compression=fp16"]),
+        f"powersgd rank 1, from step {start}": psgd(1, start),
+        f"powersgd rank 4, from step {start}": psgd(4, start),
+        f"powersgd rank 8, from step {start}": psgd(8, start),
+        f"powersgd rank 4, from step {steps // 2}": psgd(4, steps // 2),
+        "onebit from step 0": ob(0),
+        f"onebit from step {start}": ob(start),
+        f"onebit from step {steps // 2}": ob(steps // 2),
     }
 
 
@@ -66,10 +78,10 @@ def bytes_per_step(name: str, rank: int) -> int:
 
 
 def run(name: str, overrides: list[str], *, steps: int, out: Path) -> dict:
-    run_dir = out / name.replace(" ", "-")
+    run_dir = out / name.replace(" ", "-").replace(",", "")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "dptrain", "run", f"train.max_steps={steps}", "log.progress=false",
-           "checkpoint.every_steps=0", *overrides, "--nproc-per-node", "2", "--out", str(run_dir), "--resume", "none"]
+           "checkpoint.every_steps=0", *overrides, "--nproc-per-node", "2", "--out", str(run_dir)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode != 0:
         raise RuntimeError(f"{name}: dptrain run exited {r.returncode}:\n{r.stderr[-3000:]}")
@@ -79,22 +91,22 @@ def run(name: str, overrides: list[str], *, steps: int, out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--jobs", type=int, default=5, help="variants run side by side (the losses do not depend on it)")
+    ap.add_argument("--jobs", type=int, default=9, help="variants run side by side (the losses do not depend on it)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "compression-convergence")
     args = ap.parse_args()
     todo = variants(args.steps)
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {name: pool.submit(run, name, over, steps=args.steps, out=args.out) for name, over in todo.items()}
+        futures = {name: pool.submit(run, name, over, steps=args.steps, out=args.out)
+                   for name, (_, _, over) in todo.items()}
         results = {name: f.result() for name, f in futures.items()}
     base = results["none"]
-    print(f"\n{args.steps} steps of the built-in LM recipe, 2 gloo ranks (torch {base['torch_version']}); "
-          f"PowerSGD from step {max(WARMUP, args.steps // 10)}\n")
-    print("| compression | final train loss | vs none | final val loss | vs none | bytes/rank/step | vs none |")
+    print(f"\n{args.steps} steps of the built-in LM recipe, 2 gloo ranks (torch {base['torch_version']})\n")
+    print("| compression | final train loss | vs none | final val loss | vs none | bytes/rank/step once compressing | vs none |")
     print("|---|---|---|---|---|---|---|")
     full = bytes_per_step("none", 1)
     for name, s in results.items():
-        rank = 4 if "rank 4" in name else 1
-        b = bytes_per_step(name.split(" ")[0], rank)
+        kind, rank, _ = todo[name]
+        b = bytes_per_step(kind, rank)
         tr = (s["final_loss"] - base["final_loss"]) / base["final_loss"]
         va = (s["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
         print(f"| {name} | {s['final_loss']:.4f} | {tr:+.2%} | {s['final_val_loss']:.4f} | {va:+.2%} | "

@@ -216,13 +216,13 @@ def weights_sha(run_dir: Path) -> str:
     return hashlib.sha256((run_dir / "final" / "model.safetensors").read_bytes()).hexdigest()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_each_compression_trains_on_two_gloo_ranks(tmp_path):
     steps = ["train.max_steps=6", "parallel.powersgd_start_step=2"]
     final = {}
     for name, extra in (("none", []), ("fp16", []), ("powersgd", []), ("onebit", []),
-                        ("fp16", ["parallel.strategy=fsdp"])):
-        out = tmp_path / f"{name}-{len(extra)}"
+                        ("fp16", ["parallel.strategy=fsdp"]), ("bf16", ["parallel.strategy=zero2"])):
+        out = tmp_path / f"{name}-{'-'.join(extra)}"
         res = run_ranks(fit, 2, out, [*steps, f"parallel.grad_compression={name}", *extra], timeout=100)
         assert res[0]["hook"] == (None if name == "none" or extra else name)
         assert res[0]["registered"] == {"none": None, "fp16": "fp16_compress_hook", "powersgd": "powersgd_hook",

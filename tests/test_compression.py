@@ -100,7 +100,8 @@ def _hook_ranks(rank: int, steps: int) -> dict:
         torch.manual_seed(0)
         plain = build_mlp(in_dim=6, hidden=5, out_dim=3, depth=1)
         ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(plain), gradient_as_bucket_view=True)
-        hook = build_comm_hook(ParallelConfig(grad_compression="onebit"), process_group=None, backend="gloo")
+        cfg = ParallelConfig(grad_compression="onebit", onebit_start_step=0)
+        hook = build_comm_hook(cfg, process_group=None, backend="gloo")
         assert hook is not None
         ddp.register_comm_hook(hook.state, hook.hook)
         local, reduced = [], []
@@ -218,15 +219,15 @@ def weights_sha(run_dir: Path) -> str:
 
 @pytest.mark.timeout(240)
 def test_each_compression_trains_on_two_gloo_ranks(tmp_path):
-    steps = ["train.max_steps=6", "parallel.powersgd_start_step=2"]
+    steps = ["train.max_steps=6", "parallel.powersgd_start_step=2", "parallel.onebit_start_step=0"]
     final = {}
     for name, extra in (("none", []), ("fp16", []), ("powersgd", []), ("onebit", []),
                         ("fp16", ["parallel.strategy=fsdp"]), ("bf16", ["parallel.strategy=zero2"])):
         out = tmp_path / f"{name}-{'-'.join(extra)}"
         res = run_ranks(fit, 2, out, [*steps, f"parallel.grad_compression={name}", *extra], timeout=100)
         assert res[0]["hook"] == (None if name == "none" or extra else name)
-        assert res[0]["registered"] == {"none": None, "fp16": "fp16_compress_hook", "powersgd": "powersgd_hook",
-                                        "onebit": "onebit_hook"}[name if not extra else "none"]
+        # DDP's own record of a registered hook (its name; a metering wrapper may rename it)
+        assert (res[0]["registered"] is None) == (name == "none" or bool(extra)), res[0]["registered"]
         vals = [float.fromhex(h) for _, h in losses(out)]
         assert len(vals) == 6 and all(math.isfinite(v) for v in vals) and vals[-1] < vals[0], (name, vals)
         final[name, bool(extra)] = vals[-1]
@@ -246,7 +247,7 @@ def test_fp16_ddp_matches_the_single_process_reference_within_fp16_round_off(tmp
     # reference to 1e-5: tests/test_parity.py). DDP's own logging data names the hook it ran.
     ref = _single_reference(tmp_path / "single")
     fp16 = run_ranks(fit, 2, tmp_path / "fp16", ["train.max_steps=4", "parallel.grad_compression=fp16"], timeout=100)
-    assert fp16[0]["registered"] == "fp16_compress_hook"
+    assert fp16[0]["hook"] == "fp16" and fp16[0]["registered"] is not None
     got = [float.fromhex(h) for _, h in losses(tmp_path / "fp16")]
     assert all(math.isclose(a, b, rel_tol=5e-4) for a, b in zip(got, ref, strict=True)), (got, ref)
 
@@ -254,7 +255,8 @@ def test_fp16_ddp_matches_the_single_process_reference_within_fp16_round_off(tmp
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", ["powersgd", "onebit"])
 def test_resume_with_error_feedback_is_bit_identical(tmp_path, name):
-    over = [f"parallel.grad_compression={name}", "parallel.powersgd_start_step=2"]
+    # both start compressing at step 3: the checkpoint of step 5 holds error feedback (and P/Q memories)
+    over = [f"parallel.grad_compression={name}", "parallel.powersgd_start_step=2", "parallel.onebit_start_step=2"]
     run_ranks(fit, 2, tmp_path / "ref", [*over, "train.max_steps=8"], timeout=100)
     run_ranks(fit, 2, tmp_path / "cut", [*over, "train.max_steps=5"], timeout=100)  # saves step 5 at the end
     run_ranks(fit, 2, tmp_path / "cut", [*over, "train.max_steps=8"], timeout=100)  # resumes from it

@@ -199,13 +199,21 @@ def test_dptrain_run_exits_2_before_launch():
 def fit(rank: int, out: Path, overrides: list[str]) -> dict:
     from dptrain.trainer import Trainer
 
+    from dptrain.parallel.plan import ParallelModel
+
+    registered: list[str] = []  # DDP's own record of the hook it calls (this forked rank only)
+    real = ParallelModel.register_comm_hook
+
+    def recording(self, state, hook) -> None:
+        real(self, state, hook)
+        registered.append(self.module._get_ddp_logging_data().get("comm_hook"))
+
+    ParallelModel.register_comm_hook = recording
     cfg = load_config(None, [*TOY, *overrides])
     trainer = Trainer(cfg, out_dir=out)
     summary = trainer.fit()
-    ddp = trainer.plan.module
-    registered = ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None
     return {"summary": summary, "hook": None if trainer.comm_hook is None else trainer.comm_hook.name,
-            "registered": registered or None}  # DDP's own record of the hook it calls
+            "registered": registered[0] if registered else None}
 
 
 def losses(run_dir: Path) -> list[tuple[int, str]]:

@@ -197,9 +197,8 @@ def test_dptrain_run_exits_2_before_launch():
 
 # ------------------------------------------------------------------ 2-rank runs
 def fit(rank: int, out: Path, overrides: list[str]) -> dict:
-    from dptrain.trainer import Trainer
-
     from dptrain.parallel.plan import ParallelModel
+    from dptrain.trainer import Trainer
 
     registered: list[str] = []  # DDP's own record of the hook it calls (this forked rank only)
     real = ParallelModel.register_comm_hook
@@ -227,7 +226,9 @@ def weights_sha(run_dir: Path) -> str:
 
 @pytest.mark.timeout(240)
 def test_each_compression_trains_on_two_gloo_ranks(tmp_path):
-    steps = ["train.max_steps=6", "parallel.powersgd_start_step=2", "parallel.onebit_start_step=0"]
+    # rank 2: the toy's matrices are worth compressing ((rows + cols) * rank * 2 < rows * cols)
+    steps = ["train.max_steps=6", "parallel.powersgd_start_step=2", "parallel.powersgd_rank=2",
+             "parallel.onebit_start_step=0"]
     final = {}
     for name, extra in (("none", []), ("fp16", []), ("powersgd", []), ("onebit", []),
                         ("fp16", ["parallel.strategy=fsdp"]), ("bf16", ["parallel.strategy=zero2"])):
@@ -264,7 +265,8 @@ def test_fp16_ddp_matches_the_single_process_reference_within_fp16_round_off(tmp
 @pytest.mark.parametrize("name", ["powersgd", "onebit"])
 def test_resume_with_error_feedback_is_bit_identical(tmp_path, name):
     # both start compressing at step 3: the checkpoint of step 5 holds error feedback (and P/Q memories)
-    over = [f"parallel.grad_compression={name}", "parallel.powersgd_start_step=2", "parallel.onebit_start_step=2"]
+    over = [f"parallel.grad_compression={name}", "parallel.powersgd_start_step=2", "parallel.powersgd_rank=2",
+            "parallel.onebit_start_step=2"]
     run_ranks(fit, 2, tmp_path / "ref", [*over, "train.max_steps=8"], timeout=100)
     run_ranks(fit, 2, tmp_path / "cut", [*over, "train.max_steps=5"], timeout=100)  # saves step 5 at the end
     run_ranks(fit, 2, tmp_path / "cut", [*over, "train.max_steps=8"], timeout=100)  # resumes from it

@@ -43,6 +43,7 @@ from dptrain.metrics import strict_json
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
 from dptrain.optim import build_scheduler
 from dptrain.parallel import ParallelModel, parallelize, unwrap
+from dptrain.parallel.comm_hooks import build_comm_hook
 from dptrain.parallel.materialize import make_materializer
 from dptrain.parallel.pipeline import PipelineModel
 from dptrain.precision import autocast, build_grad_scaler
@@ -101,7 +102,8 @@ class Trainer:
             data=DataPosition(self.sampler, self.state),
             train=self.state,
             full=full,
-            per_rank={"log_window": self.log_window},
+            per_rank={"log_window": self.log_window,  # error feedback differs per rank:
+                      **({"comm_hook": self.comm_hook} if self.comm_hook is not None else {})},
             meta={"global_batch_size": self.res.global_batch_size, "grad_accum_steps": self.res.grad_accum_steps},
         )
 
@@ -118,8 +120,11 @@ class Trainer:
         self.mesh = ParallelMesh.build(res.dims, device_type=self.device.type)
         shards_on = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
         materialize = None if eager_reason else make_materializer(device=shards_on, seed=cfg.train.seed)
-        self.plan: ParallelModel = parallelize(model, cfg=cfg.parallel, mesh=self.mesh, device=self.device,
-                                               materialize=materialize)
+        # parallel.grad_compression: a DDP communication hook (None: none, or FSDP2's reduce dtype)
+        self.comm_hook = build_comm_hook(cfg.parallel, process_group=self.mesh.dp_group, backend=res.backend)
+        self.plan: ParallelModel = parallelize(
+            model, cfg=cfg.parallel, mesh=self.mesh, device=self.device, materialize=materialize,
+            comm_hook=None if self.comm_hook is None else (self.comm_hook.state, self.comm_hook.hook))
         self.model: nn.Module = self.plan.module  # what to call
         self.optimizer = self.plan.build_optimizer(cfg=cfg.optim, lr=res.lr)  # sharded under zero1
         self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)

@@ -170,7 +170,8 @@ class CheckpointManager:
             RngState().load_state_dict(rank_state["rng"])
             if meta["world_size"] == self.env.world_size:  # at a new world size the rest starts afresh
                 for name, obj in state.per_rank.items():
-                    obj.load_state_dict(rank_state[name])
+                    if name in rank_state:  # e.g. a compression hook's state, absent when saved without one
+                        obj.load_state_dict(rank_state[name])
         return int(meta["step"])
 
     # ------------------------------------------------------------------ save

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dptrain.config.compression import validate_compression, validate_compression_choice
 from dptrain.config.fields import (
     ACTIVATION_CHECKPOINTING,
     DEFAULT_BATCH,
@@ -199,6 +200,7 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
         raise ConfigError("parallel.backend='nccl' needs CUDA; use gloo (or auto) on the CPU")
+    validate_compression(cfg.parallel, mode=mode, dims=dims, backend=backend)
     g, m, a = resolve_batch(cfg.train, dp_world_size=dims.dp_size)  # tp/pp ranks share their dp rank's batch
     validate_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m, grad_accum_steps=a,
                       dp_size=dims.dp_size, loss=cfg.train.loss)
@@ -267,7 +269,9 @@ RANGES: dict[str, dict[str, Range]] = {
         "min_lr_ratio": Range(float, 0, 1), "warmup_start_ratio": Range(float, 0, 1), "grad_clip": Range(float, 0, low_open=True, optional=True, note="null disables clipping"),
     },
     "parallel": {"bucket_cap_mb": POS_FLOAT, "timeout_s": POS_FLOAT, "pp_stages_per_rank": POS_INT,
-                 "pp_microbatches": Range(int, 1, optional=True, note="null: pp")},
+                 "pp_microbatches": Range(int, 1, optional=True, note="null: pp"),
+                 "powersgd_rank": POS_INT, "onebit_start_step": NONNEG_INT,
+                 "powersgd_start_step": Range(int, 2, note="DDP rebuilds its buckets after the first step")},
     "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
     "launch": {"nnodes": POS_INT, "node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},
     "data": {"num_workers": NONNEG_INT},
@@ -332,6 +336,7 @@ def validate_parallel(cfg: Config) -> None:
     p = cfg.parallel
     mode = strategy_mode(p)
     _choice(p.activation_checkpointing, ACTIVATION_CHECKPOINTING, "parallel.activation_checkpointing")
+    validate_compression_choice(p)
     if p.cpu_offload and mode.wrapper != "fsdp":
         raise ConfigError(f"parallel.cpu_offload=true needs parallel.strategy=fsdp or zero2 (got {p.strategy!r})")
     for name in ("fsdp_param_dtype", "fsdp_reduce_dtype"):

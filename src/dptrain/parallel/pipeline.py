@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dptrain.config import ParallelConfig
+from dptrain.config.compression import fsdp_reduce_dtype
 from dptrain.config.layout import strategy_mode
 from dptrain.config.pipeline import pipeline_microbatches, stage_layer_counts
 from dptrain.distributed import collectives
@@ -340,7 +341,7 @@ def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: Paralle
             module: nn.Module = fsdp.apply_fsdp(
                 part, device=device, mesh=mesh.fsdp_mesh, reshard_after_forward=mode.reshard_after_forward,
                 cpu_offload=cfg.cpu_offload,
-                mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, cfg.fsdp_reduce_dtype), materialize=hook,
+                mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, fsdp_reduce_dtype(cfg)), materialize=hook,
             )
         elif mode.wrapper == "ddp" and mesh.dp_size > 1:  # 3. (fsdp above)
             module = apply_replicate(part, device=device, mesh=mesh.dp_mesh, materialize=hook)

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dptrain.config import OptimConfig, ParallelConfig
+from dptrain.config.compression import fsdp_reduce_dtype
 from dptrain.config.layout import DataParallelMode, strategy_mode
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.parallel import ddp, fsdp
@@ -207,7 +208,7 @@ def parallelize(
     if mode.wrapper == "fsdp":  # 3. data parallelism
         module: nn.Module = fsdp.apply_fsdp(
             model, device=device, mesh=mesh.fsdp_mesh, reshard_after_forward=mode.reshard_after_forward,
-            cpu_offload=cfg.cpu_offload, mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, cfg.fsdp_reduce_dtype),
+            cpu_offload=cfg.cpu_offload, mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, fsdp_reduce_dtype(cfg)),
             materialize=materialize,
         )
     elif mode.wrapper == "ddp" and tp and mesh.dims.dp_size == 1:

@@ -213,8 +213,9 @@ def fsdp_comm_bytes(model: nn.Module, *, shard: int, replicate: int = 1, reshard
     """Bytes one rank sends per micro-step and per gradient sync under FSDP2 `fully_shard` units.
 
     Each unit all-gathers its parameters (dim 0 padded to a multiple of `shard`, as FSDP2 does) in
-    `param_dtype` in forward, and again in backward when it reshards after forward (the root never
-    does); gradients are reduce-scattered in `reduce_dtype` (default: the parameter dtype) and,
+    `param_dtype` in forward, and again in backward when it reshards after forward (dptrain passes
+    the bool explicitly, so the root does too; FSDP2 keeps the root unsharded only in its
+    `reshard_after_forward=None` default); gradients are reduce-scattered in `reduce_dtype` (default: the parameter dtype) and,
     with `replicate` > 1 (HSDP), the shard is all-reduced across replicas."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -222,7 +223,7 @@ def fsdp_comm_bytes(model: nn.Module, *, shard: int, replicate: int = 1, reshard
     ids = {id(m) for m in units}
     per_micro = per_sync = 0.0
     for unit in units:
-        gathers = 1 if unit is model or not reshard_after_forward else 2
+        gathers = 2 if reshard_after_forward else 1
         for p in _own_params(unit, ids):
             shape = tuple(p.shape)  # global shape (DTensor)
             rows = -(-shape[0] // shard) * shard if shape else shard

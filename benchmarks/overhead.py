@@ -78,8 +78,8 @@ def worker(a: argparse.Namespace) -> None:
             return loss
         rank = dist.get_rank()
         # The raw loop: the same initial weights, the same micro-batches, plain PyTorch.
-        raw = DDP(build_model(cfg.model, seed=cfg.train.seed).to(dev), bucket_cap_mb=25, gradient_as_bucket_view=True,
-                  device_ids=[dev.index] if dev.type == "cuda" else None)
+        raw = DDP(build_model(cfg.model, seed=cfg.train.seed).to(dev), bucket_cap_mb=cfg.parallel.bucket_cap_mb,
+                  gradient_as_bucket_view=True, device_ids=[dev.index] if dev.type == "cuda" else None)
         opt = torch.optim.AdamW(raw.parameters(), lr=trainer.res.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                 weight_decay=0.0)
         index_batches = [mb for s in range(a.steps) for mb in trainer.sampler.micro_batches(s)]

@@ -190,3 +190,19 @@ def test_fsdp_run_logs_analytic_bytes_and_null_times(tmp_path):
     out: Path = tmp_path / "run"
     s = run_ranks(_fit, 2, _items("zero2", steps=2), str(out), timeout=100)[0]
     assert s["comm_bytes"] > 0 and s["comm_s"] is None and s["exposed_comm_s"] is None
+
+
+@pytest.mark.timeout(300)
+def test_comm_overlap_benchmark_runs():
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    r = subprocess.run([sys.executable, "benchmarks/comm_overlap.py", "--dim", "32", "--layers", "1", "--seq", "8",
+                        "--rounds", "2", "--buckets", "1", "--static", "off,on"], cwd=root, capture_output=True,
+                       text=True, timeout=290, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 4  # gradient_as_bucket_view on/off x static_graph off/on

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def apply_ddp(
-    model: nn.Module, *, device: torch.device, bucket_cap_mb: float = 25.0, process_group: Any = None,
+    model: nn.Module, *, device: torch.device, bucket_cap_mb: float = 5.0, process_group: Any = None,
     materialize: Callable[[nn.Module], None] | None = None, gradient_as_bucket_view: bool = True,
     static_graph: bool = False,
 ) -> DDP:

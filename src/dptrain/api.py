@@ -78,7 +78,7 @@ def init_distributed(*, device: str = "auto", backend: str = "auto", timeout_s: 
 
 def parallelize(
     model: nn.Module, *, strategy: str = "ddp", device: torch.device | None = None, dp_replicate: int = 1,
-    dp_shard: int = 1, activation_checkpointing: str = "none", bucket_cap_mb: float = 25.0, cpu_offload: bool = False,
+    dp_shard: int = 1, activation_checkpointing: str = "none", bucket_cap_mb: float = 5.0, cpu_offload: bool = False,
     fsdp_param_dtype: str | None = None, fsdp_reduce_dtype: str | None = None,
     materialize: Callable[[nn.Module], None] | None = None,
 ) -> ParallelModel:
@@ -107,7 +107,7 @@ def parallelize(
 
 def prepare_model(
     model: nn.Module, *, strategy: str = "ddp", device: torch.device | None = None,
-    bucket_cap_mb: float = 25.0, cpu_offload: bool = False,
+    bucket_cap_mb: float = 5.0, cpu_offload: bool = False,
 ) -> nn.Module:
     """Apply a strategy (single, dp, ddp, zero2, fsdp) to a plain model and return the module to call.
     zero1 is refused: its optimizer must be sharded too, which a module alone cannot carry; use

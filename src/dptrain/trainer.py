@@ -31,6 +31,7 @@ from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.rundir import write_atomically
 from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, OptimizerState
 from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
+from dptrain.config.layout import strategy_mode
 from dptrain.config.load import dump_yaml
 from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.diagnostics import Diagnostics, apply_collective_checks
@@ -40,6 +41,7 @@ from dptrain.distributed.mesh import ParallelMesh
 from dptrain.distributed.process_group import bind_device, process_group
 from dptrain.loss import items_per_rank, takes_num_items
 from dptrain.metrics import strict_json
+from dptrain.metrics.meters import RunMeters
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
 from dptrain.optim import build_scheduler
 from dptrain.parallel import ParallelModel, parallelize, unwrap
@@ -122,9 +124,13 @@ class Trainer:
         materialize = None if eager_reason else make_materializer(device=shards_on, seed=cfg.train.seed)
         # parallel.grad_compression: a DDP communication hook (None: none, or FSDP2's reduce dtype)
         self.comm_hook = build_comm_hook(cfg.parallel, process_group=self.mesh.dp_group, backend=res.backend)
-        self.plan: ParallelModel = parallelize(
-            model, cfg=cfg.parallel, mesh=self.mesh, device=self.device, materialize=materialize,
-            comm_hook=None if self.comm_hook is None else (self.comm_hook.state, self.comm_hook.hook))
+        # Communication (the DDP hook, metered), throughput per rank, MFU: metrics/meters.py
+        self.meters = RunMeters(mode=strategy_mode(cfg.parallel), mesh=self.mesh, device=self.device,
+                                precision=cfg.precision.dtype, flops_per_token=cfg.train.flops_per_token,
+                                peak_tflops=cfg.log.peak_tflops)
+        self.plan: ParallelModel = parallelize(model, cfg=cfg.parallel, mesh=self.mesh, device=self.device,
+                                               materialize=materialize,
+                                               comm_hook=self.meters.ddp_comm_hook(self.comm_hook))
         self.model: nn.Module = self.plan.module  # what to call
         self.optimizer = self.plan.build_optimizer(cfg=cfg.optim, lr=res.lr)  # sharded under zero1
         self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
@@ -151,6 +157,7 @@ class Trainer:
             seed=cfg.train.seed,
         )
         self.tokens_per_sample = getattr(self.train_ds, "seq_len", None)
+        self.meters.attach(model, cfg=cfg.parallel, seq_len=self.tokens_per_sample)  # bytes, FLOPs, peak
 
     # ---------------------------------------------------------------- the step
     def train_step(self) -> torch.Tensor:
@@ -355,6 +362,8 @@ class Trainer:
         state.samples_seen += self.res.global_batch_size
         if self._scale_prev is not None:
             self._count_fp16_skip()
+        accum = self.res.grad_accum_steps
+        self.meters.step_done(micro_steps=accum, sync_steps=accum if cfg.parallel.sync_each_micro_step else 1)
         self.diag.on_step_end(state.step)
         if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
             self._log_step()
@@ -386,6 +395,7 @@ class Trainer:
         self.train_time += elapsed
         window_steps = window.steps
         record = self._throughput(window.steps, elapsed)
+        record.update(self.meters.record(record))  # comm means over the window, per-rank rates, MFU
         record.update(step=state.step, loss=last_loss, lr=self.step_lr,
                       grad_norm=float(self.grad_norm), samples_seen=state.samples_seen)
         if self.scaler.is_enabled():
@@ -402,6 +412,7 @@ class Trainer:
     ) -> dict[str, Any]:
         """summary.json; throughput counts the steps trained in this process (a resumed run's own)."""
         cfg, res, state = self.cfg, self.res, self.state
+        throughput = self._throughput(steps_here, times["train_s"])
         summary: dict[str, Any] = {
             "steps": state.step,
             "final_loss": last_loss,
@@ -413,7 +424,8 @@ class Trainer:
             "global_batch_size": res.global_batch_size,
             "samples_seen": state.samples_seen,
             **times,
-            **self._throughput(steps_here, times["train_s"]),
+            **throughput,
+            **self.meters.summary(throughput),  # communication, per-rank rates, MFU
             "dptrain_version": __version__,
             "torch_version": torch.__version__,
             **self.diag.summary(),

@@ -87,6 +87,8 @@ class TrainConfig:
     """Micro-batches per rank in one evaluation."""
     loss: str | None = None
     """Import path `pkg.mod:fn(model, batch) -> loss`; by default the model's forward returns the loss."""
+    flops_per_token: float | None = None
+    """Training FLOPs per token (forward + backward) for MFU; null: the model's own `flops_per_token(seq_len)` (the built-in LLaMA: 6N + 12*L*d*T), else the 6N approximation (N: parameters less input embeddings)."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,12 @@ class OptimConfig:
 class ParallelConfig:
     strategy: str = "ddp"
     """single, dp (legacy nn.DataParallel, GPUs only; written, not yet run on a GPU), ddp, zero1, zero2 or fsdp."""
-    bucket_cap_mb: float = 25.0
-    """DDP gradient bucket size in MiB."""
+    bucket_cap_mb: float = 5.0
+    """DDP gradient bucket size in MiB (5: measured to hide the most communication behind backward, README "Overlap and buckets"; PyTorch's own default is 25)."""
+    gradient_as_bucket_view: bool = True
+    """ddp/zero1: gradients are views into DDP's communication buckets (no copy in or out, less memory)."""
+    static_graph: bool = False
+    """ddp/zero1: tell DDP the autograd graph and the set of used parameters are the same every step (it may then reorder buckets and skip per-step bookkeeping); wrong gradients or errors if the model's control flow varies."""
     sync_each_micro_step: bool = False
     """Reduce gradients on every micro-step instead of only the last (lower memory under FSDP, more traffic)."""
     cpu_offload: bool = False
@@ -211,6 +217,8 @@ class LogConfig:
     """Show the live progress line on rank 0."""
     name: str = "default"
     """Recipe name used in the default run directory."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s per device for MFU; null: the GPU's dense datasheet peak for the compute dtype, or on CPU a measured fp32 matmul peak."""
 
 
 @dataclass(frozen=True)

@@ -262,6 +262,7 @@ RANGES: dict[str, dict[str, Range]] = {
         "eval_every_steps": Range(int, 0, note="0: only at the start and the end"),
         "global_batch_size": Range(int, 1, optional=True), "micro_batch_size": Range(int, 1, optional=True),
         "grad_accum_steps": Range(int, 1, optional=True), "seed": Range(int, 0, _SEED_MAX),
+        "flops_per_token": Range(float, 0, low_open=True, optional=True, note="null: from the model"),
     },
     "optim": {
         "lr": POS_FLOAT, "weight_decay": NONNEG_FLOAT, "momentum": Range(float, 0, 1, high_open=True),
@@ -275,6 +276,7 @@ RANGES: dict[str, dict[str, Range]] = {
     "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
     "launch": {"nnodes": POS_INT, "node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},
     "data": {"num_workers": NONNEG_INT},
+    "log": {"peak_tflops": Range(float, 0, low_open=True, optional=True, note="null: table or measured")},
     "checkpoint": {"every_steps": Range(int, 0, note="0: only at the end"),
                    "keep_last": Range(int, 1, optional=True, note="null keeps all")},
     "diagnostics": {

@@ -48,9 +48,10 @@ class ConsoleSink:
             rate, unit = record.get("samples_per_s", 0.0), "samples/s"
         elapsed = time.perf_counter() - self._start
         eta = elapsed / max(step, 1) * (self.max_steps - step)
+        mfu = record.get("mfu")
         line = (
             f"step {step:>6}/{self.max_steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-            f"{rate:,.0f} {unit}  eta {_fmt_s(eta)}"
+            f"{rate:,.0f} {unit}" + (f"  mfu {mfu:.1%}" if mfu is not None else "") + f"  eta {_fmt_s(eta)}"
         )
         if self.tty:
             self.stream.write("\r\033[K" + line)
@@ -98,6 +99,7 @@ def print_summary(summary: dict[str, Any], *, run_dir: Path, stream: TextIO | No
         ("tokens/s" if summary.get("tokens_per_s") else "samples/s",
          f"{summary.get('tokens_per_s') or summary.get('samples_per_s') or 0:,.0f}"),
         ("wall time", f"{summary.get('wall_s', 0):.1f} s"),
+        *_meter_rows(summary),
     ]
     for k, v in rows:
         if v not in (None, "None", "- -> -"):
@@ -105,6 +107,20 @@ def print_summary(summary: dict[str, Any], *, run_dir: Path, stream: TextIO | No
     console = Console(file=stream or sys.stdout)
     console.print(table)
     console.print(f"outputs: {run_dir}  (config.yaml, metrics.jsonl, summary.json, final/model.safetensors)")
+
+
+def _meter_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Per-rank throughput, MFU and communication (metrics/meters.py); absent values are skipped."""
+    per_rank = summary.get("tokens_per_s_per_rank")
+    mfu, sent = summary.get("mfu"), summary.get("comm_bytes")
+    comm, exposed = summary.get("comm_s"), summary.get("exposed_comm_s")
+    return [
+        ("tokens/s per rank", None if per_rank is None else f"{per_rank:,.0f}"),
+        ("MFU", None if mfu is None else f"{mfu:.2%}"),
+        ("comm sent per rank per step", None if sent is None else f"{sent / 2**20:,.2f} MiB"),
+        ("comm time per step (exposed)",
+         None if comm is None else f"{comm * 1e3:.1f} ms ({(exposed or 0.0) * 1e3:.1f} ms)"),
+    ]
 
 
 def _num(x: Any) -> str:

@@ -46,6 +46,9 @@ class CommHook:
     hook: Hook
     payload_bytes: Callable[[dist.GradBucket], int]
     """Bytes THIS rank handed to collectives for this bucket in the hook call just made."""
+    collective: Callable[[dist.GradBucket], str] = field(default=lambda bucket: "all_reduce")
+    """The collective that call used (all_reduce, or all_gather for onebit's messages): the meters'
+    ring factor (metrics/comm.py)."""
     _stateful: Any = field(default=None, repr=False)
 
     def state_dict(self) -> dict[str, Any]:
@@ -183,7 +186,10 @@ def _stateful_hook(name: str, state: Any, hook: Hook) -> CommHook:
     def payload(bucket: dist.GradBucket) -> int:
         return int(state.last_payload[bucket.index()])
 
-    return CommHook(name, state, hook, payload, _stateful=state)
+    def collective(bucket: dist.GradBucket) -> str:
+        return str(getattr(state, "last_collective", {}).get(bucket.index(), "all_reduce"))
+
+    return CommHook(name, state, hook, payload, collective, _stateful=state)
 
 
 def build_comm_hook(cfg: ParallelConfig, *, process_group: Any, backend: str) -> CommHook | None:

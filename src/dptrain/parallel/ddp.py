@@ -13,12 +13,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def apply_ddp(
-    model: nn.Module, *, device: torch.device, bucket_cap_mb: float = 25.0, process_group: Any = None,
-    materialize: Callable[[nn.Module], None] | None = None,
+    model: nn.Module, *, device: torch.device, bucket_cap_mb: float = 5.0, process_group: Any = None,
+    materialize: Callable[[nn.Module], None] | None = None, gradient_as_bucket_view: bool = True,
+    static_graph: bool = False,
 ) -> DDP:
-    """Wrap `model` in DDP over `process_group` (default: every rank). Gradients become bucket views
-    (one less copy per step). Meta parameters are materialised first: DDP broadcasts rank 0's
-    parameters at construction, so they must exist by then."""
+    """Wrap `model` in DDP over `process_group` (default: every rank). By default gradients become
+    bucket views (one less copy per step; parallel.gradient_as_bucket_view); `static_graph`: DDP's
+    static-graph mode (parallel.static_graph; the README's "Overlap and buckets" has the measurement).
+    Meta parameters are materialised first: DDP broadcasts rank 0's parameters at construction, so
+    they must exist by then."""
     if any(p.is_meta for p in model.parameters()):
         if materialize is None:
             raise ValueError("the model's parameters are on the meta device: pass materialize= to allocate and initialise them")
@@ -28,7 +31,8 @@ def apply_ddp(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
-        gradient_as_bucket_view=True,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        static_graph=static_graph,
         process_group=process_group,
     )
 

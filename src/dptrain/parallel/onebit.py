@@ -90,6 +90,8 @@ class OneBitState:
         self.layout = BucketLayout()
         self.last_payload: dict[int, int] = {}
         """bucket index -> bytes this rank handed to collectives in the last call for it."""
+        self.last_collective: dict[int, str] = {}
+        """bucket index -> the collective of that call: all_reduce (warmup) or all_gather."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "onebit", "step": self.step,
@@ -117,6 +119,7 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
         state.step += 1
     if warmup:  # a plain all-reduce of the average, the error untouched
         state.last_payload[index] = buffer.numel() * buffer.element_size()
+        state.last_collective[index] = "all_reduce"
         fut = dist.all_reduce(buffer.div_(world), group=group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
     numels = [g.numel() for g in bucket.gradients()]
@@ -127,6 +130,7 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
     message, local = encode(corrected, numels)
     torch.sub(corrected, local, out=state.error[index])  # what this rank's message leaves out
     state.last_payload[index] = message.numel()
+    state.last_collective[index] = "all_gather"
     gathered = [torch.empty_like(message) for _ in range(world)]
     fut = dist.all_gather(gathered, message, group=group, async_op=True).get_future()
 

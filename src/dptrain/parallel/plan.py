@@ -217,7 +217,8 @@ def parallelize(
         module = ddp.apply_ddp_over_tp(model, device=device, mesh=mesh.dp_mesh, materialize=materialize)
     elif mode.wrapper == "ddp":
         module = ddp.apply_ddp(model, device=device, bucket_cap_mb=cfg.bucket_cap_mb, process_group=mesh.dp_group,
-                               materialize=materialize)
+                               materialize=materialize, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                               static_graph=cfg.static_graph)
     elif mode.wrapper == "dataparallel":
         module = apply_dp(apply_single(model, device=device, materialize=materialize), device=device)
     else:

@@ -271,6 +271,8 @@ RANGES: dict[str, dict[str, Range]] = {
     "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
     "launch": {"nnodes": POS_INT, "node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},
     "data": {"num_workers": NONNEG_INT},
+    "log": {"prometheus_port": Range(int, 0, 65535, note="0 turns the exporter off"),
+            "status_every_s": Range(float, 0, note="0 turns the status files off")},
     "checkpoint": {"every_steps": Range(int, 0, note="0: only at the end"),
                    "keep_last": Range(int, 1, optional=True, note="null keeps all")},
     "diagnostics": {

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from dptrain.diagnostics import Diagnostics
 
 INSTALL = "pip install 'dptrain[monitor]'"
+DASHBOARD = Path(__file__).resolve().parent / "grafana" / "dptrain.json"
+"""The Grafana dashboard for the Prometheus metrics (installed with the package)."""
 
 
 class Sink(Protocol):

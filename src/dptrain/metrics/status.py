@@ -59,7 +59,9 @@ class StatusWriter:
             self._last = {k: record[k] for k in RECORD_KEYS if k in record} | {"logged_step": record.get("step")}
 
     def snapshot(self, *, phase: str | None = None) -> dict[str, Any]:
-        step, current = self._position()
+        step, current = self._position()  # the step being trained (1-based)
+        if phase == "done":
+            step -= 1  # the run is over: its last finished step
         out = {**self._fixed, "time": time.time(), "step": step, "phase": phase or current, **self._last,
                **process_memory(self.device)}
         if self._gpu is not None:

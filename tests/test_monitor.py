@@ -177,9 +177,10 @@ def test_console_log_holds_what_rank0_printed(finished_run):
     lines = log.splitlines()
     printed = [ln.rstrip() for ln in proc.stdout.splitlines() if ln.strip()]
     assert printed and all(ln in lines for ln in printed), (printed, lines)
-    progress = [ln for ln in printed if ln.startswith("step ")]
+    progress = [ln for ln in printed if re.match(r"step +\d+/", ln)]
     assert [ln.split()[1] for ln in progress] == ["2/6", "4/6", "6/6"]
-    assert [ln for ln in lines if ln.startswith("step ")] == progress  # each once, in order
+    assert [ln for ln in lines if re.match(r"step +\d+/", ln)] == progress  # each once, in order
+    assert "step 0: val loss" in log and "step 6: val loss" in log  # the evaluation messages
     assert any("standalone rendezvous" in ln for ln in lines)  # the launcher's own line
     assert any("checkpoint" in ln and "committed" in ln for ln in lines)  # rank 0's stderr
     assert any("dptrain run summary" in ln for ln in lines)  # the rich table

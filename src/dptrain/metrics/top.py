@@ -19,6 +19,7 @@ from typing import Any
 from dptrain.metrics.status import DIR
 
 STALE_S = 10.0
+GPU_COLUMNS = ("CUDA MiB", "GPU %", "GPU °C", "GPU W")
 MIB = 2**20
 
 
@@ -94,19 +95,23 @@ def render(run_dir: str | Path, *, now: float | None = None) -> Any:
     table = Table(show_lines=False, expand=False)
     columns = ["rank", "host", "pid", "step", "phase", "step time", "tok/s", "RSS MiB", "CUDA MiB", "GPU %",
                "GPU °C", "GPU W", "updated"]
+    gpu = any("cuda_allocated_bytes" in r or "gpu_utilization_percent" in r for r in rows)
     for c in columns:
-        table.add_column(c, justify="left" if c in ("host", "phase") else "right")
+        if gpu or c not in GPU_COLUMNS:  # a CPU run has no GPU columns
+            table.add_column(c, justify="left" if c in ("host", "phase") else "right")
     for r in rows:
         age = now - float(r.get("time", now))
         stale = not finished and r.get("phase") not in ("done", "stopped") and age > STALE_S
-        table.add_row(
+        cells = [
             str(r.get("rank")), str(r.get("host", "?")), str(r.get("pid", "?")), str(r.get("step", "-")),
             str(r.get("phase", "-")), _fmt(r.get("step_time_s"), ".3f") + (" s" if r.get("step_time_s") else ""),
             _fmt(r.get("tokens_per_s_per_rank", r.get("tokens_per_s")), ",.0f"), _fmt(r.get("rss_bytes"), ",.0f", MIB),
-            _fmt(r.get("cuda_allocated_bytes"), ",.0f", MIB), _fmt(r.get("gpu_utilization_percent"), ".0f"),
-            _fmt(r.get("gpu_temperature_celsius"), ".0f"), _fmt(r.get("gpu_power_watts"), ".0f"),
-            f"{age:.0f} s ago" + (" STALE" if stale else ""), style="bold red" if stale else None,
-        )
+        ]
+        if gpu:
+            cells += [_fmt(r.get("cuda_allocated_bytes"), ",.0f", MIB), _fmt(r.get("gpu_utilization_percent"), ".0f"),
+                      _fmt(r.get("gpu_temperature_celsius"), ".0f"), _fmt(r.get("gpu_power_watts"), ".0f")]
+        cells.append(f"{age:.0f} s ago" + (" STALE" if stale else ""))
+        table.add_row(*cells, style="bold red" if stale else None)
     parts: list[Any] = [Text(header(run_dir, last_record(run_dir), finished=finished))]
     if rows:
         parts.append(table)

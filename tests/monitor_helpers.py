@@ -19,17 +19,18 @@ from torch import nn
 from mp import find_free_port
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+SCRAPE_S = 2  # scrape interval and timeout: a loaded machine can take over a second to answer
 
 _calls = {"train": 0}
 
 
 def held_loss(model: nn.Module, batch) -> torch.Tensor:
-    """The model's loss; the $HOLD_CALL-th training call waits (up to 120 s) until the file $HOLD_FILE
+    """The model's loss; the $HOLD_CALL-th training call waits (up to 300 s) until the file $HOLD_FILE
     exists, so the run stays alive, its exporters serving, while the test scrapes and queries."""
     if model.training:
         _calls["train"] += 1
         if _calls["train"] == int(os.environ.get("HOLD_CALL", "0")):
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 300
             while not Path(os.environ["HOLD_FILE"]).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
     return model(batch)
@@ -53,11 +54,12 @@ def free_port_pair() -> int:
 
 
 class Prometheus:
-    """A Prometheus server scraping `targets` every second, its HTTP API on a free loopback port."""
+    """A Prometheus server scraping `targets` every SCRAPE_S seconds, its HTTP API on a free loopback port."""
 
     def __init__(self, workdir: Path, targets: list[str]) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
-        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        every = f"{SCRAPE_S}s"
+        config = {"global": {"scrape_interval": every, "scrape_timeout": every, "evaluation_interval": every},
                   "scrape_configs": [{"job_name": "dptrain", "static_configs": [{"targets": targets}]}]}
         (workdir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
         self.port = find_free_port()

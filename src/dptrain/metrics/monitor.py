@@ -83,7 +83,8 @@ class Monitor:
 
     def close(self, *, finished: bool = True) -> None:
         """`finished`: the run ended normally (else it failed or was stopped; the status file says which)."""
-        for sink in self.sinks:
+        sinks, self.sinks = self.sinks, []  # closing twice (fit, then a benchmark's close) is harmless
+        for sink in sinks:
             sink.close(finished=finished)
         self.sinks = []
 

@@ -121,12 +121,12 @@ def render(run_dir: str | Path, *, now: float | None = None) -> Any:
     return Group(*parts)
 
 
-def render_text(run_dir: str | Path, *, width: int = 160) -> str:
+def render_text(run_dir: str | Path, *, width: int = 160, now: float | None = None) -> str:
     """One frame as plain text (what `--once` prints when not on a terminal)."""
     from rich.console import Console
 
     console = Console(width=width, file=io.StringIO(), color_system=None)
-    console.print(render(run_dir))
+    console.print(render(run_dir, now=now))
     return console.file.getvalue()  # type: ignore[attr-defined]
 
 

@@ -29,7 +29,7 @@ class GpuSampler:
         if device.type != "cuda":
             return None
         try:
-            import pynvml  # type: ignore[import-untyped]
+            import pynvml
         except ImportError as e:
             raise RuntimeError("GPU metrics need nvidia-ml-py: pip install 'dptrain[monitor]'") from e
         pynvml.nvmlInit()

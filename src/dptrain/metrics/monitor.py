@@ -17,13 +17,13 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
 from dptrain.config import ConfigError, LogConfig
-from dptrain.distributed.env import DistEnv
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the launcher imports this module for check_monitoring: no torch at import
+    import torch
+
     from dptrain.diagnostics import Diagnostics
+    from dptrain.distributed.env import DistEnv
 
 INSTALL = "pip install 'dptrain[monitor]'"
 DASHBOARD = Path(__file__).resolve().parent / "grafana" / "dptrain.json"

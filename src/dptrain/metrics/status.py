@@ -18,12 +18,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dptrain.metrics import strict_json
-from dptrain.metrics.gpu import GpuSampler, process_memory
+
+if TYPE_CHECKING:  # `dptrain top` imports this module: no torch at import
+    import torch
 
 DIR = "status"
 RECORD_KEYS = ("step_time_s", "tokens_per_s", "samples_per_s", "tokens_per_s_per_rank", "mfu", "loss", "lr")
@@ -44,6 +44,8 @@ class StatusWriter:
         self._fixed = {"rank": rank, "local_rank": local_rank, "world_size": world_size,
                        "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),
                        "started": time.time()}
+        from dptrain.metrics.gpu import GpuSampler
+
         try:
             self._gpu = GpuSampler.open(device)
         except (RuntimeError, OSError):  # no nvidia-ml-py / NVML library: the view shows no GPU columns
@@ -59,6 +61,8 @@ class StatusWriter:
             self._last = {k: record[k] for k in RECORD_KEYS if k in record} | {"logged_step": record.get("step")}
 
     def snapshot(self, *, phase: str | None = None) -> dict[str, Any]:
+        from dptrain.metrics.gpu import process_memory
+
         step, current = self._position()  # the step being trained (1-based)
         if phase == "done":
             step -= 1  # the run is over: its last finished step

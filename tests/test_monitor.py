@@ -211,7 +211,7 @@ def test_console_log_holds_what_rank0_printed(finished_run):
 
 
 @pytest.mark.timeout(300)
-def test_top_renders_finished_run(finished_run, capsys):
+def test_top_renders_finished_run(finished_run, capsys, tmp_path):
     from dptrain.metrics.top import render_text
 
     run, _ = finished_run
@@ -221,6 +221,15 @@ def test_top_renders_finished_run(finished_run, capsys):
     rows = [ln for ln in frame.splitlines() if HOST in ln]
     assert len(rows) == 2 and all(" done " in ln and " 6 " in ln for ln in rows), frame
     assert cli.main(["top", str(run), "--once"]) == 0
+    # the same directory resumed on one rank: rank 1's file of the 2-rank attempt is no longer shown
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    status = json.loads((resumed / "status" / "rank0.json").read_text())
+    status.update(world_size=1, started=status["started"] + 100, time=status["time"] + 100)
+    (resumed / "status" / "rank0.json").write_text(json.dumps(status))
+    assert len([ln for ln in render_text(resumed).splitlines() if HOST in ln]) == 1
     assert "dptrain top" in capsys.readouterr().out
     assert cli.main(["top", str(run / "nope"), "--once"]) == 2
 

@@ -39,7 +39,8 @@ class StatusWriter:
     def __init__(self, run_dir: Path, *, rank: int, local_rank: int, world_size: int, device: torch.device,
                  position: Callable[[], tuple[int, str]], every_s: float) -> None:
         self.path = status_path(run_dir, rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # a node that cannot write the run directory just has no status file
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.device, self._position, self.every_s = device, position, every_s
         self._fixed = {"rank": rank, "local_rank": local_rank, "world_size": world_size,
                        "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),

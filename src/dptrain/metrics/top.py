@@ -31,6 +31,9 @@ def read_status(run_dir: Path) -> list[dict[str, Any]]:
             rows.append(json.loads(p.read_text()))
         except (OSError, ValueError):
             continue
+    if rows:  # files of an earlier attempt with more ranks (a resume on fewer) are not this run's
+        newest = max(rows, key=lambda r: r.get("started", 0))
+        rows = [r for r in rows if r.get("world_size") == newest.get("world_size")]
     return sorted(rows, key=lambda r: r.get("rank", 0))
 
 

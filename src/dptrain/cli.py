@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     from dptrain.deploy.cli import add_manifest_parser
 
     add_manifest_parser(sub)
+    from dptrain.metrics.top import add_top_parser
+
+    add_top_parser(sub)
     return p
 
 
@@ -150,9 +153,7 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dptrain import launch
     from dptrain.checkpoint.cli import prepare_resume
-    from dptrain.checkpoint.manifest import checkpoint_root
     from dptrain.checkpoint.rundir import PENDING_CONFIG, check_run_dir, write_atomically
     from dptrain.deploy.cluster_env import cluster_launch
     from dptrain.launch_checks import check_dir_writable
@@ -168,6 +169,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg.checkpoint.dir is not None:
         check_dir_writable(cfg.checkpoint.dir, what="checkpoint.dir")  # relative to the working directory
     nproc = local_world_size(cfg.launch)
+    from dptrain.metrics.monitor import check_monitoring
+
+    check_monitoring(cfg.log, nproc_per_node=nproc)  # packages installed, Prometheus ports free
     # An existing run: same model, same global batch; accumulation follows a new world size.
     cfg = prepare_resume(cfg, run_dir=run_dir, resume=args.resume, trust=args.trust_checkpoint,
                          world_size=nproc * cfg.launch.nnodes)
@@ -194,6 +198,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot write the run's config to {pending}: {e}") from None
     worker_args = [str(run_dir), "--config", str(pending), "--resume", args.resume]
     worker_args += ["--trust-checkpoint"] if args.trust_checkpoint else []
+    from dptrain.metrics.console_log import console_log
+
+    with console_log(run_dir):  # the launcher's lines; rank 0 adds its own (worker.py)
+        return _launch(cfg, res=res, nproc=nproc, run_dir=run_dir, pending=pending, worker_args=worker_args)
+
+
+def _launch(cfg: Config, *, res: Any, nproc: int, run_dir: Path, pending: Path, worker_args: list[str]) -> int:
+    from dptrain import launch
+    from dptrain.checkpoint.manifest import checkpoint_root
+
     try:
         if res.world_size == 1:
             from dptrain.worker import main as worker_main

@@ -42,6 +42,7 @@ from dptrain.distributed.process_group import bind_device, process_group
 from dptrain.loss import items_per_rank, takes_num_items
 from dptrain.metrics import strict_json
 from dptrain.metrics.meters import RunMeters
+from dptrain.metrics.monitor import Monitor, build_monitor
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
 from dptrain.optim import build_scheduler
 from dptrain.parallel import ParallelModel, parallelize, unwrap
@@ -280,10 +281,15 @@ class Trainer:
         `wait`; a failing run abandons it instead). `fit` calls it; so do the benchmarks."""
         self.ckpt.close(wait=wait)
         self.diag.close()
+        if getattr(self, "monitor", None) is not None:
+            self.monitor.close(finished=wait)
 
     def _open_outputs(self) -> None:
         self.jsonl: JsonlSink | None = None
         self.console = ConsoleSink(max_steps=self.cfg.train.max_steps, enabled=self.env.is_main and self.cfg.log.progress)
+        # TensorBoard (rank 0), Prometheus and the status file for `dptrain top` (every rank): metrics/monitor.py
+        self.monitor: Monitor = build_monitor(self.cfg.log, env=self.env, run_dir=self.run_dir, device=self.device,
+                                              diag=self.diag)
         if not self.env.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -316,6 +322,7 @@ class Trainer:
         if self.jsonl is not None:
             self.jsonl.write(record)
         self.console.write(record)
+        self.monitor.write(record)  # every rank: its own step time and throughput
 
     def _eval_and_log(self) -> float | None:
         val = self.evaluate()

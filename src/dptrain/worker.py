@@ -27,12 +27,21 @@ def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
     p.add_argument("--resume", default="auto")
     p.add_argument("--trust-checkpoint", action="store_true")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    run_dir = Path(args.run_dir)
+    if os.environ.get("RANK", "0") == "0":  # rank 0's console, copied to RUN_DIR/console.log
+        from dptrain.metrics.console_log import console_log
+
+        with console_log(run_dir):
+            return _train(args, run_dir, keep=keep)
+    return _train(args, run_dir, keep=keep)
+
+
+def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int:
     from dptrain.checkpoint.preempt import EXIT_PREEMPTED
     from dptrain.config import ConfigError
     from dptrain.config.load import load_config
     from dptrain.trainer import Trainer
 
-    run_dir = Path(args.run_dir)
     cfg = load_config(Path(args.config) if args.config else run_dir / "config.yaml")
     trainer = Trainer(cfg, out_dir=run_dir, resume=args.resume, trust_checkpoint=args.trust_checkpoint)
     if keep is not None:

@@ -24,7 +24,8 @@ from pathlib import Path
 from dptrain.checkpoint import manifest as mf
 from dptrain.config import Config, ConfigError
 
-RECORDS = ("metrics.jsonl", "summary.json", "diagnostics.jsonl", "attempts.jsonl", "final", "config.yaml")
+RECORDS = ("metrics.jsonl", "summary.json", "diagnostics.jsonl", "attempts.jsonl", "final", "config.yaml",
+           "tensorboard", "console.log", "status")
 """What a run writes into its directory besides checkpoints: kept aside, never deleted."""
 
 TRAINING_RECORDS = ("metrics.jsonl", "summary.json", "final")

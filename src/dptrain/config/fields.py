@@ -219,6 +219,14 @@ class LogConfig:
     """Recipe name used in the default run directory."""
     peak_tflops: float | None = None
     """Peak TFLOP/s per device for MFU; null: the GPU's dense datasheet peak for the compute dtype, or on CPU a measured fp32 matmul peak."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars to RUN_DIR/tensorboard/ (rank 0; needs `pip install dptrain[monitor]`)."""
+    prometheus_port: int = 0
+    """Serve Prometheus metrics over HTTP on every rank, at this port + the rank's local rank (0: off; needs `pip install dptrain[monitor]`)."""
+    prometheus_addr: str = "0.0.0.0"
+    """Address the Prometheus exporters listen on (0.0.0.0: every interface, for a scraper on another host; 127.0.0.1: this host only)."""
+    status_every_s: float = 1.0
+    """Every rank rewrites RUN_DIR/status/rank<R>.json (step, phase, step time, memory, GPU) this often, from a background thread, for `dptrain top` (0: off)."""
 
 
 @dataclass(frozen=True)

@@ -276,7 +276,9 @@ RANGES: dict[str, dict[str, Range]] = {
     "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
     "launch": {"nnodes": POS_INT, "node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},
     "data": {"num_workers": NONNEG_INT},
-    "log": {"peak_tflops": Range(float, 0, low_open=True, optional=True, note="null: table or measured")},
+    "log": {"peak_tflops": Range(float, 0, low_open=True, optional=True, note="null: table or measured"),
+            "prometheus_port": Range(int, 0, 65535, note="0 turns the exporter off"),
+            "status_every_s": Range(float, 0, note="0 turns the status files off")},
     "checkpoint": {"every_steps": Range(int, 0, note="0: only at the end"),
                    "keep_last": Range(int, 1, optional=True, note="null keeps all")},
     "diagnostics": {

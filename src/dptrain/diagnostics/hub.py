@@ -65,6 +65,8 @@ class Diagnostics:
         self.hang_timeout_s = hang_timeout(cfg, pg_timeout_s=pg_timeout_s)
         self.device = torch.device("cpu")
         self.step = 0  # the step being trained (1-based), for heartbeats and reports
+        self.phase_name = "setup"  # ...and the phase it is in (read by the status file's thread)
+        self.listeners: list[Any] = []  # listener(kind, record) for every finding (the Prometheus counters)
         self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
         self.watchdog: Watchdog | None = None
         self.nonfinite: NonFiniteGuard | None = None
@@ -132,6 +134,7 @@ class Diagnostics:
     def phase(self, name: str, *, sync: bool = False, collective: str | None = None) -> None:
         """The training thread enters `name` (data, forward, backward, optimizer, eval, save, ...);
         `sync`: this backward reduces gradients across ranks (the straggler probe goes just before it)."""
+        self.phase_name = name
         timed = self.timer is not None and self._timed(self.step)
         if sync:
             collective = "gradient reduction in backward" + (" (after the straggler probe)" if timed else "")
@@ -239,6 +242,8 @@ class Diagnostics:
         with self._sink_lock:  # the watchdog thread reports too (watchdog_died)
             if self._sink is not None:
                 self._sink.write(strict_json.dumps({"kind": kind, **record}) + "\n")
+        for listener in self.listeners:
+            listener(kind, record)
         if message and self.env.is_main:
             self._say(message)
 

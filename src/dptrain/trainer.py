@@ -46,6 +46,7 @@ from dptrain.parallel import ParallelModel, parallelize, unwrap
 from dptrain.parallel.materialize import make_materializer
 from dptrain.parallel.pipeline import PipelineModel
 from dptrain.precision import autocast, build_grad_scaler
+from dptrain.speed import apply_backend_flags, compile_backend
 from dptrain.train_state import LogWindow, TrainState
 
 __all__ = ["LogWindow", "TrainState", "Trainer"]
@@ -63,6 +64,7 @@ class Trainer:
         self.res: Resolved = resolve(cfg, world_size=self.env.world_size)
         self.run_dir = Path(out_dir or default_out_dir(cfg))
         self.device = bind_device(self.env, self.res.device)  # before anything that allocates
+        apply_backend_flags(cfg.train, self.device)  # CUDA: TF32, cudnn.benchmark (speed.py)
         self.state = TrainState()
         self.log_window = LogWindow()
         self.ckpt = CheckpointManager(cfg=cfg, run_dir=self.run_dir, env=self.env, resume=resume, trust=trust_checkpoint)
@@ -119,7 +121,7 @@ class Trainer:
         shards_on = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
         materialize = None if eager_reason else make_materializer(device=shards_on, seed=cfg.train.seed)
         self.plan: ParallelModel = parallelize(model, cfg=cfg.parallel, mesh=self.mesh, device=self.device,
-                                               materialize=materialize)
+                                               materialize=materialize, compile_backend=compile_backend(cfg.train))
         self.model: nn.Module = self.plan.module  # what to call
         self.optimizer = self.plan.build_optimizer(cfg=cfg.optim, lr=res.lr)  # sharded under zero1
         self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
@@ -143,7 +145,7 @@ class Trainer:
         self.loader = build_dataloader(
             self.train_ds, sampler=self.sampler, num_workers=cfg.data.num_workers,
             pin_memory=cfg.data.pin_memory and self.device.type == "cuda", collate_fn=self.collate,
-            seed=cfg.train.seed,
+            seed=cfg.train.seed, persistent_workers=cfg.data.persistent_workers, prefetch_factor=cfg.data.prefetch_factor,
         )
         self.tokens_per_sample = getattr(self.train_ds, "seq_len", None)
 

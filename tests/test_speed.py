@@ -56,12 +56,10 @@ def test_compile_matches_eager_on_two_ranks(tmp_path: Path, strategy: str, backe
     compiled, summaries = _train(tmp_path, "compiled", [f"parallel.strategy={strategy}", "train.compile=true",
                                                         f"train.compile_backend={backend}"])
     assert all(s["compiled_blocks"] == 2 and s["graphs"] >= 1 for s in summaries), summaries
-    moved = _max_diff(eager, load_file(str(tmp_path / "eager" / "final" / "model.safetensors")))
-    assert moved == 0.0
     assert _max_diff(eager, compiled) < 1e-5
-    # guard: the tolerance would catch one step less of training
-    short, _ = _train(tmp_path, "short", [f"parallel.strategy={strategy}", "train.max_steps=2"])
-    assert _max_diff(eager, short) > 1e-3
+    if strategy == "fsdp":  # guard (once): the tolerance would catch one step less of training
+        short, _ = _train(tmp_path, "short", [f"parallel.strategy={strategy}", "train.max_steps=2"])
+        assert _max_diff(eager, short) > 1e-3
 
 
 @pytest.mark.timeout(200)

@@ -34,8 +34,6 @@ SUITES: dict[str, dict[str, list[str]]] = {
     "compile": {
         "ddp eager": ["parallel.strategy=ddp"],
         "ddp compile (inductor)": ["parallel.strategy=ddp", "train.compile=true"],
-        "fsdp eager": ["parallel.strategy=fsdp"],
-        "fsdp compile (inductor)": ["parallel.strategy=fsdp", "train.compile=true"],
     },
     "loader": {
         "num_workers=0": ["parallel.strategy=ddp", "data.num_workers=0"],

@@ -72,6 +72,14 @@ def test_fsdp_explicit_prefetch_gives_the_same_weights(tmp_path: Path) -> None:
     assert _max_diff(implicit, explicit) == 0.0
 
 
+@pytest.mark.timeout(300)
+def test_reshard_after_forward_to_two_of_four_ranks_gives_the_same_weights(tmp_path: Path) -> None:
+    items = ["parallel.strategy=fsdp", "train.max_steps=2"]
+    full, _ = _train(tmp_path, "full", items, world=4, timeout=280)
+    pairs, _ = _train(tmp_path, "pairs", [*items, "parallel.reshard_after_forward=2"], world=4, timeout=280)
+    assert _max_diff(full, pairs) == 0.0
+
+
 def _prefetch_targets(rank: int) -> list[list[list[int]]]:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule

@@ -50,6 +50,7 @@ from dptrain.parallel.comm_hooks import build_comm_hook
 from dptrain.parallel.materialize import make_materializer
 from dptrain.parallel.pipeline import PipelineModel
 from dptrain.precision import autocast, build_grad_scaler
+from dptrain.speed import apply_backend_flags, compile_backend
 from dptrain.train_state import LogWindow, TrainState
 
 __all__ = ["LogWindow", "TrainState", "Trainer"]
@@ -67,6 +68,7 @@ class Trainer:
         self.res: Resolved = resolve(cfg, world_size=self.env.world_size)
         self.run_dir = Path(out_dir or default_out_dir(cfg))
         self.device = bind_device(self.env, self.res.device)  # before anything that allocates
+        apply_backend_flags(cfg.train, self.device)  # CUDA: TF32, cudnn.benchmark (speed.py)
         self.state = TrainState()
         self.log_window = LogWindow()
         self.ckpt = CheckpointManager(cfg=cfg, run_dir=self.run_dir, env=self.env, resume=resume, trust=trust_checkpoint)
@@ -130,7 +132,7 @@ class Trainer:
                                 precision=cfg.precision.dtype, flops_per_token=cfg.train.flops_per_token,
                                 peak_tflops=cfg.log.peak_tflops)
         self.plan: ParallelModel = parallelize(model, cfg=cfg.parallel, mesh=self.mesh, device=self.device,
-                                               materialize=materialize,
+                                               materialize=materialize, compile_backend=compile_backend(cfg.train),
                                                comm_hook=self.meters.ddp_comm_hook(self.comm_hook))
         self.model: nn.Module = self.plan.module  # what to call
         self.optimizer = self.plan.build_optimizer(cfg=cfg.optim, lr=res.lr)  # sharded under zero1
@@ -155,7 +157,7 @@ class Trainer:
         self.loader = build_dataloader(
             self.train_ds, sampler=self.sampler, num_workers=cfg.data.num_workers,
             pin_memory=cfg.data.pin_memory and self.device.type == "cuda", collate_fn=self.collate,
-            seed=cfg.train.seed,
+            seed=cfg.train.seed, persistent_workers=cfg.data.persistent_workers, prefetch_factor=cfg.data.prefetch_factor,
         )
         self.tokens_per_sample = getattr(self.train_ds, "seq_len", None)
         self.meters.attach(model, cfg=cfg.parallel, seq_len=self.tokens_per_sample)  # bytes, FLOPs, peak

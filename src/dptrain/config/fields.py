@@ -65,6 +65,10 @@ class DataConfig:
     """Pin host memory for faster host-to-GPU copies (ignored without CUDA)."""
     shuffle: bool = True
     """Shuffle the global sample order; it is reshuffled every epoch from `train.seed`."""
+    persistent_workers: bool = True
+    """With num_workers > 0: keep the worker processes between iterations of the loader (DataLoader's persistent_workers). dptrain iterates its training loader once (the sampler is endless), so this only matters to code that iterates it again; ignored with num_workers=0."""
+    prefetch_factor: int | None = None
+    """With num_workers > 0: micro-batches each worker loads ahead (DataLoader's prefetch_factor); null: the DataLoader's default (2). Refused with num_workers=0, where nothing loads ahead."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,14 @@ class TrainConfig:
     """Import path `pkg.mod:fn(model, batch) -> loss`; by default the model's forward returns the loss."""
     flops_per_token: float | None = None
     """Training FLOPs per token (forward + backward) for MFU; null: the model's own `flops_per_token(seq_len)` (the built-in LLaMA: 6N + 12*L*d*T), else the 6N approximation (N: parameters less input embeddings)."""
+    compile: bool = False
+    """torch.compile each block (the FSDP units: `_no_split_modules` classes, else nn.ModuleList members) in place, after tensor parallelism and activation checkpointing and before FSDP2/DDP (torchtitan's order); parameter names and checkpoints are unchanged. The first step(s) include the compilation. Not with parallel.pp > 1."""
+    compile_backend: str = "inductor"
+    """train.compile: the torch.compile backend: inductor (generates C++ on the CPU, so it needs a C++ compiler: g++ or $CXX), aot_eager or eager (no code generation; for debugging)."""
+    tf32: bool | None = None
+    """CUDA: let fp32 matmuls and cuDNN convolutions use TF32 tensor cores (torch.set_float32_matmul_precision('high'), torch.backends.cudnn.allow_tf32); null: on with CUDA. Ignored on the CPU."""
+    cudnn_benchmark: bool | None = None
+    """CUDA: torch.backends.cudnn.benchmark (time the convolution algorithms for each new input shape and keep the fastest; results may differ in the last bits between runs); null: on with CUDA. Ignored on the CPU."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +187,12 @@ class ParallelConfig:
     """grad_compression=powersgd: optimizer steps that all-reduce uncompressed before PowerSGD starts (torch's start_powerSGD_iter; torch suggests ~10% of training and no less than the warmup); at least 2, since DDP rebuilds its buckets after the first step and error feedback and warm start keep per-bucket state."""
     onebit_start_step: int = 50
     """grad_compression=onebit: optimizer steps that all-reduce uncompressed before sign compression starts (the warmup stage of 1-bit Adam; from step 0 the recipe's loss ends 38% higher, from 50 3%); 0 compresses from the first step."""
+    reshard_after_forward: bool | int | None = None
+    """zero2/fsdp: FSDP2's reshard_after_forward for every block: true (free the gathered parameters after forward, gather again in backward), false (keep them until backward), or an integer N, a divisor of dp_shard with 1 < N < dp_shard (after forward keep the parameters sharded over groups of N ranks, so backward's all-gather spans N ranks); null: the strategy's (fsdp true, zero2 false)."""
+    fsdp_forward_prefetch: int = 0
+    """zero2/fsdp: in forward each block explicitly starts the all-gather of the next N blocks (FSDPModule.set_modules_to_forward_prefetch); 0 keeps FSDP2's implicit prefetch (one block ahead, issued when the next block runs)."""
+    fsdp_backward_prefetch: int = 0
+    """zero2/fsdp: in backward each block explicitly starts the all-gather of the N blocks before it (FSDPModule.set_modules_to_backward_prefetch); 0 keeps FSDP2's implicit backward prefetch of one block."""
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
     backend: str = "auto"
@@ -265,6 +283,8 @@ class DiagnosticsConfig:
     """Samples in the linear fit that detects steady memory growth."""
     memory_leak_mb: float = 256.0
     """Report a leak when the fitted growth over the window exceeds this many MiB (and the fit is steady, R^2 >= 0.9)."""
+    profile_steps: str | None = None
+    """Profile optimizer steps A-B (1-based, inclusive: "10-12"; one step: "10") with torch.profiler: a Chrome trace per rank in RUN_DIR/profile/rank<R>.json (open in chrome://tracing or Perfetto) and, at the end, a table of the top operations on rank 0 with communication time summed apart (also in RUN_DIR/profile/rank<R>_ops.txt). B must not exceed train.max_steps; null: off."""
 
 
 @dataclass(frozen=True)

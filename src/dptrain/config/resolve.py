@@ -32,6 +32,7 @@ from dptrain.config.fields import (
 )
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
 from dptrain.config.pipeline import describe_pipeline, validate_pipeline
+from dptrain.config.speed import validate_compile, validate_fsdp_tuning, validate_speed
 
 if TYPE_CHECKING:
     from dptrain.distributed.mesh import ParallelDims
@@ -201,6 +202,8 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     if backend == "nccl" and device != "cuda":
         raise ConfigError("parallel.backend='nccl' needs CUDA; use gloo (or auto) on the CPU")
     validate_compression(cfg.parallel, mode=mode, dims=dims, backend=backend)
+    validate_compile(cfg.train, device=device, pp=dims.pp)  # inductor on the CPU needs a C++ compiler
+    validate_fsdp_tuning(cfg.parallel, wrapper=mode.wrapper, dp_shard=dims.dp_shard)  # an int reshard size
     g, m, a = resolve_batch(cfg.train, dp_world_size=dims.dp_size)  # tp/pp ranks share their dp rank's batch
     validate_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m, grad_accum_steps=a,
                       dp_size=dims.dp_size, loss=cfg.train.loss)
@@ -272,10 +275,11 @@ RANGES: dict[str, dict[str, Range]] = {
     "parallel": {"bucket_cap_mb": POS_FLOAT, "timeout_s": POS_FLOAT, "pp_stages_per_rank": POS_INT,
                  "pp_microbatches": Range(int, 1, optional=True, note="null: pp"),
                  "powersgd_rank": POS_INT, "onebit_start_step": NONNEG_INT,
-                 "powersgd_start_step": Range(int, 2, note="DDP rebuilds its buckets after the first step")},
+                 "powersgd_start_step": Range(int, 2, note="DDP rebuilds its buckets after the first step"),
+                 "fsdp_forward_prefetch": NONNEG_INT, "fsdp_backward_prefetch": NONNEG_INT},
     "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
     "launch": {"nnodes": POS_INT, "node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},
-    "data": {"num_workers": NONNEG_INT},
+    "data": {"num_workers": NONNEG_INT, "prefetch_factor": Range(int, 1, optional=True, note="null: 2")},
     "log": {"peak_tflops": Range(float, 0, low_open=True, optional=True, note="null: table or measured"),
             "prometheus_port": Range(int, 0, 65535, note="0 turns the exporter off"),
             "status_every_s": Range(float, 0, note="0 turns the status files off")},
@@ -327,6 +331,7 @@ def validate(cfg: Config) -> None:
     _check_seq_len(cfg)
     validate_parallel(cfg)
     validate_diagnostics(cfg.diagnostics, pg_timeout_s=cfg.parallel.timeout_s)
+    validate_speed(cfg, wrapper=strategy_mode(cfg.parallel).wrapper)  # config/speed.py
     if cfg.diagnostics.check_collectives and strategy_mode(cfg.parallel).wrapper == "ddp":
         raise ConfigError(
             f"diagnostics.check_collectives=true cannot be used with parallel.strategy={cfg.parallel.strategy!r}: "

@@ -45,15 +45,20 @@ def build_dataloader(
     pin_memory: bool = False,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     seed: int = 0,
+    persistent_workers: bool = True,
+    prefetch_factor: int | None = None,
 ) -> DataLoader:
     """A DataLoader yielding this rank's micro-batches in :class:`GlobalBatchSampler` order.
 
-    Workers (if any) are persistent and seeded from ``(seed, sampler.dp_rank, worker_id)``
-    so any randomness inside ``__getitem__`` is reproducible.  ``pin_memory`` is ignored
+    Workers (if any) are seeded from ``(seed, sampler.dp_rank, worker_id)`` so any randomness
+    inside ``__getitem__`` is reproducible; ``persistent_workers`` and ``prefetch_factor`` (None:
+    the DataLoader's default) apply only with workers (``prefetch_factor`` without is an error).  ``pin_memory`` is ignored
     when CUDA is unavailable (pinning needs a CUDA runtime and would only warn).
     """
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if prefetch_factor is not None and num_workers == 0:
+        raise ValueError(f"prefetch_factor={prefetch_factor} needs num_workers > 0 (got num_workers=0)")
     # Seeds the loader's own base seed (used by torch for worker RNG before our init fn runs);
     # two-value entropy keeps it distinct from every worker_seed.
     generator = torch.Generator().manual_seed(_mix(seed, sampler.dp_rank))
@@ -62,7 +67,9 @@ def build_dataloader(
         kwargs["worker_init_fn"] = functools.partial(_seed_worker, seed=seed, rank=sampler.dp_rank)
         # The sampler is infinite, so the loader is iterated once; persistent workers also
         # avoid re-forking (and re-mapping datasets) if the caller does restart iteration.
-        kwargs["persistent_workers"] = True
+        kwargs["persistent_workers"] = persistent_workers
+        if prefetch_factor is not None:
+            kwargs["prefetch_factor"] = prefetch_factor
     return DataLoader(
         dataset,
         batch_sampler=sampler,

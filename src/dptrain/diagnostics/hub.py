@@ -3,7 +3,8 @@
 The trainer calls it at a few fixed points: `preflight(model)` before the strategy wraps the
 model, `start()` before the first step, `phase(name)` when the step enters data loading,
 forward, backward or the optimizer, `skip_step(loss, grad_norm)` before `optimizer.step()`,
-`on_step_end(step)` after it, and `close()`. Each check is a small object of its own module;
+`on_step_end(step)` after it, and `close()`. `diagnostics.profile_steps` is a `StepProfiler`
+(profiler.py) started here and advanced in `on_step_end`. Each check is a small object of its own module;
 the hub only routes calls and writes findings to `RUN_DIR/diagnostics.jsonl` (rank 0) and the
 console.
 """
@@ -25,10 +26,12 @@ import torch
 from torch import nn
 
 from dptrain.config import DiagnosticsConfig, hang_timeout
+from dptrain.config.speed import parse_profile_steps
 from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
 from dptrain.diagnostics.memory import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
 from dptrain.diagnostics.nonfinite import NonFiniteGuard
 from dptrain.diagnostics.preflight import run_preflight
+from dptrain.diagnostics.profiler import StepProfiler
 from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, find_stragglers, gather_rows
 from dptrain.diagnostics.watchdog import Watchdog
 from dptrain.distributed.env import DistEnv
@@ -74,6 +77,7 @@ class Diagnostics:
         self.replica: nn.Module | None = None  # the module whose replicas the drift check compares
         self.replica_group: Any = None  # ...over this group (None: every rank)
         self.memory: MemoryMonitor | None = None
+        self.profiler: StepProfiler | None = None
         self.nonfinite_loss: dict[str, int] = {}  # first_step, log_steps (see logged_loss)
         self._sink: TextIO | None = None
         self._sink_lock = threading.Lock()
@@ -115,6 +119,9 @@ class Diagnostics:
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._sink = open(self.run_dir / "diagnostics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        if (window := parse_profile_steps(cfg.profile_steps)) is not None:
+            self.profiler = StepProfiler(window, run_dir=self.run_dir, rank=env.rank, device=device, start_step=step,
+                                         say=self._say, is_main=env.is_main)
         if self.hang_timeout_s > 0:
             self.watchdog = Watchdog(timeout_s=self.hang_timeout_s, store=_default_store(), rank=self.env.rank,
                                      world_size=self.env.world_size, run_dir=self.run_dir,
@@ -122,6 +129,8 @@ class Diagnostics:
             self.watchdog.start()
 
     def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
@@ -162,6 +171,8 @@ class Diagnostics:
         out: dict[str, Any] = {"nonfinite_skipped_steps": self.nonfinite.skipped} if self.nonfinite is not None else {}
         if self.nonfinite_loss:
             out["nonfinite_loss"] = dict(self.nonfinite_loss)
+        if self.profiler is not None and self.profiler.summary is not None:
+            out["profile"] = {k: v for k, v in self.profiler.summary.items() if k != "communication_ops"}
         return out
 
     def logged_loss(self, loss: float, *, step: int, window_steps: int) -> None:
@@ -193,6 +204,8 @@ class Diagnostics:
             self._check_drift(step)
         if self.memory is not None and step % self.cfg.memory_every_steps == 0:
             self._check_memory(step)
+        if self.profiler is not None:
+            self.profiler.step_done(step)
         self.step = step + 1
 
     def _check_memory(self, step: int) -> None:

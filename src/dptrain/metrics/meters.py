@@ -68,7 +68,8 @@ class RunMeters:
 
             fixed = fsdp_comm_bytes(
                 model, shard=dims.dp_shard, replicate=dims.dp_replicate,
-                reshard_after_forward=self.mode.reshard_after_forward,
+                reshard_after_forward=(self.mode.reshard_after_forward if cfg.reshard_after_forward is None  # an int: counted as true
+                                       else bool(cfg.reshard_after_forward)),
                 param_dtype=DTYPES[cfg.fsdp_param_dtype] if cfg.fsdp_param_dtype else None,
                 reduce_dtype=DTYPES[rd] if (rd := fsdp_reduce_dtype(cfg)) else None)  # grad_compression fp16/bf16 too
             self.comm = CommMeter(group_size=dims.dp_size, device=self.device, fixed=fixed, timed=False)

@@ -11,6 +11,12 @@ convention) when it has one, else the members of every `nn.ModuleList`. Each is 
 any module that contains it (FSDP2 requires children before parents); a model with no unit is
 sharded at the root only, with a warning, since then every parameter is gathered at once.
 
+`reshard_after_forward` may also be an int N (a divisor of the shard group's size): after forward
+the parameters stay sharded over groups of N ranks, so backward all-gathers over N ranks only.
+Explicit prefetching (`prefetch=(forward, backward)`, blocks ahead) calls FSDP2's
+`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` on each block in forward
+order; (0, 0) keeps FSDP2's implicit one-block prefetch.
+
 A model on the meta device is sharded there; the `materialize` hook (`dptrain.parallel.materialize`)
 then allocates and fills only this rank's shards.
 """
@@ -62,9 +68,9 @@ def mixed_precision(param_dtype: str | None, reduce_dtype: str | None) -> MixedP
 
 
 def apply_fsdp(
-    model: nn.Module, *, device: torch.device, mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
-    cpu_offload: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
-    materialize: Callable[[nn.Module], None] | None = None,
+    model: nn.Module, *, device: torch.device, mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int = True, cpu_offload: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
+    materialize: Callable[[nn.Module], None] | None = None, prefetch: tuple[int, int] = (0, 0),
 ) -> nn.Module:
     """Shard `model` in place over `mesh` (default: every rank, 1-D) and return it (now an FSDPModule).
     Parameters on the meta device are sharded first and then handed to `materialize`."""
@@ -93,10 +99,23 @@ def apply_fsdp(
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    set_prefetch(model, forward=prefetch[0], backward=prefetch[1])
     if on_meta:
         assert materialize is not None
         materialize(model)  # after sharding: each rank allocates only its shards
     return model
+
+
+def set_prefetch(model: nn.Module, *, forward: int = 0, backward: int = 0) -> None:
+    """Each block (FSDP unit below the root, in forward order) prefetches the next `forward` blocks'
+    all-gathers in forward and the previous `backward` blocks' in backward; 0 keeps FSDP2's implicit
+    prefetch for that direction."""
+    blocks = [m for path, m in model.named_modules() if path and isinstance(m, FSDPModule)]  # forward order
+    for i, block in enumerate(blocks):
+        if forward:
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + forward])
+        if backward:
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - backward):i][::-1])
 
 
 @contextlib.contextmanager

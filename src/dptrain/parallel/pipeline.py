@@ -339,9 +339,11 @@ def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: Paralle
         apply_activation_checkpointing(part, mode=cfg.activation_checkpointing)  # 2.
         if mode.wrapper == "fsdp" and mesh.dp_size > 1:
             module: nn.Module = fsdp.apply_fsdp(
-                part, device=device, mesh=mesh.fsdp_mesh, reshard_after_forward=mode.reshard_after_forward,
-                cpu_offload=cfg.cpu_offload,
+                part, device=device, mesh=mesh.fsdp_mesh, cpu_offload=cfg.cpu_offload,
+                reshard_after_forward=(mode.reshard_after_forward if cfg.reshard_after_forward is None
+                                       else cfg.reshard_after_forward),
                 mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, fsdp_reduce_dtype(cfg)), materialize=hook,
+                prefetch=(cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch),
             )
         elif mode.wrapper == "ddp" and mesh.dp_size > 1:  # 3. (fsdp above)
             module = apply_replicate(part, device=device, mesh=mesh.dp_mesh, materialize=hook)

@@ -3,7 +3,8 @@
 
 With pp > 1 the model is first split into pipeline stages (`parallel/pipeline.py`), and steps 1 to 3
 apply to each stage. Order (torchtitan's): 1. tensor parallelism on the tp mesh (parallel/tensor.py),
-2. activation checkpointing per block, 3. data parallelism: FSDP2 `fully_shard` on the
+2. activation checkpointing per block, 2b. torch.compile per block (train.compile; parallel/compile.py),
+3. data parallelism: FSDP2 `fully_shard` on the
 dp_shard dimension (or the 2-D (dp_replicate, dp_shard) mesh: HSDP), or DDP on the data-parallel
 group, or nothing (single) / nn.DataParallel (dp); ZeRO-1 is DDP plus a sharded optimizer
 (`build_optimizer`). Which of these applies comes from the `DataParallelMode` of the strategy
@@ -185,12 +186,15 @@ class ParallelModel:
 def parallelize(
     model: nn.Module, *, cfg: ParallelConfig, mesh: ParallelMesh, device: torch.device,
     materialize: Materialize | None = None, comm_hook: tuple[Any, Callable[..., Any]] | None = None,
+    compile_backend: str | None = None,
 ) -> ParallelModel:
     """Apply tensor parallelism, activation checkpointing, then FSDP2 or DDP to a plain
     `model` for the layout of `mesh`. Parameters on the meta device are handed to `materialize`
     (which allocates, e.g. `to_empty`, and initialises them) at the right point: after sharding
     under FSDP2, before DDP (which broadcasts parameters at construction). `comm_hook`: a DDP
-    communication hook `(state, hook)`, registered right after construction."""
+    communication hook `(state, hook)`, registered right after construction. `compile_backend`: compile
+    every block with this torch.compile backend (train.compile) between activation checkpointing and
+    data parallelism; None: eager."""
     mode = strategy_mode(cfg)
     if mesh.dims.pp > 1:  # pipeline parallelism: stages by layer ranges, DP per stage (parallel/pipeline.py)
         from dptrain.parallel.pipeline import parallelize_pipeline
@@ -205,11 +209,16 @@ def parallelize(
         apply_tp(model, mesh.tp_mesh, tp_plan=cfg.tp_plan, sequence_parallel=cfg.sequence_parallel,
                  loss_parallel=cfg.loss_parallel)
     apply_activation_checkpointing(model, mode=cfg.activation_checkpointing)  # 2.
+    if compile_backend is not None:  # 2b. per block, before the data-parallel wrapper
+        from dptrain.parallel.compile import apply_compile
+
+        apply_compile(model, backend=compile_backend)
     if mode.wrapper == "fsdp":  # 3. data parallelism
+        reshard = mode.reshard_after_forward if cfg.reshard_after_forward is None else cfg.reshard_after_forward
         module: nn.Module = fsdp.apply_fsdp(
-            model, device=device, mesh=mesh.fsdp_mesh, reshard_after_forward=mode.reshard_after_forward,
+            model, device=device, mesh=mesh.fsdp_mesh, reshard_after_forward=reshard,
             cpu_offload=cfg.cpu_offload, mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, fsdp_reduce_dtype(cfg)),
-            materialize=materialize,
+            materialize=materialize, prefetch=(cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch),
         )
     elif mode.wrapper == "ddp" and tp and mesh.dims.dp_size == 1:
         module = apply_single(model, device=device, materialize=materialize)  # tp alone: nothing to replicate

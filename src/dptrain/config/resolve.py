@@ -30,6 +30,7 @@ from dptrain.config.fields import (
     TrainConfig,
 )
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
+from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf
 from dptrain.config.pipeline import describe_pipeline, validate_pipeline
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     if cuda_available is None:
         cuda_available = cuda_device_count() > 0
     if world_size is None:
-        world_size = local_world_size(cfg.launch, cuda_count=None if cuda_available else 0) * cfg.launch.nnodes
+        world_size = local_world_size(cfg.launch, cuda_count=None if cuda_available else 0) * max_nodes(cfg.launch)
     device = cfg.parallel.device
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
@@ -269,7 +270,7 @@ RANGES: dict[str, dict[str, Range]] = {
     "parallel": {"bucket_cap_mb": POS_FLOAT, "timeout_s": POS_FLOAT, "pp_stages_per_rank": POS_INT,
                  "pp_microbatches": Range(int, 1, optional=True, note="null: pp")},
     "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
-    "launch": {"nnodes": POS_INT, "node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},
+    "launch": {"node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},  # nnodes: config/nodes.py
     "data": {"num_workers": NONNEG_INT},
     "checkpoint": {"every_steps": Range(int, 0, note="0: only at the end"),
                    "keep_last": Range(int, 1, optional=True, note="null keeps all")},
@@ -345,17 +346,19 @@ def validate_parallel(cfg: Config) -> None:
 
 
 def validate_launch(launch: LaunchConfig) -> None:
-    """node_rank below nnodes; a multi-node run names a well-formed rendezvous endpoint."""
-    if launch.node_rank >= launch.nnodes:
+    """nnodes a count or MIN:MAX; node_rank below it; a multi-node run names a well-formed rendezvous endpoint."""
+    nodes = node_range(launch.nnodes)[1]
+    parse_rdzv_conf(launch.rdzv_conf)
+    if launch.node_rank >= nodes:
         raise ConfigError(
-            f"launch.node_rank={launch.node_rank} is not valid for launch.nnodes={launch.nnodes}; "
-            f"it must be in [0, {launch.nnodes - 1}]"
+            f"launch.node_rank={launch.node_rank} is not valid for launch.nnodes={launch.nnodes!r}; "
+            f"it must be in [0, {nodes - 1}]"
         )
     if launch.rdzv_endpoint is not None:
         parse_endpoint(launch.rdzv_endpoint)
-    elif launch.nnodes > 1:
+    elif nodes > 1:
         raise ConfigError(
-            f"launch.nnodes={launch.nnodes} needs launch.rdzv_endpoint=host:port (the node running rank 0; "
+            f"launch.nnodes={launch.nnodes!r} needs launch.rdzv_endpoint=host:port (the node running rank 0; "
             "the same value on every node)"
         )
 

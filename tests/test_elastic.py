@@ -17,11 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dptrain.config import ConfigError, resolve
+from dptrain.config.load import load_config
+from dptrain.elastic import config_for_world, worker_config
+from dptrain.launch import torchrun_args
 from dptrain.testing.netns import Cluster, dptrain_argv, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster: {REASON}")
+needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster: {REASON}")
 RTOL, ATOL = 1e-5, 1e-6  # the parity tolerance (tests/test_parity.py)
 TOY = [
     "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
@@ -77,6 +81,54 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "final" / "model.safetensors")
 
 
+# ------------------------------------------------------------------ config and batch arithmetic (no cluster)
+@pytest.mark.timeout(30)
+def test_nnodes_range_reaches_torchrun_with_the_rendezvous_settings():
+    cfg = load_config(None, ["launch.nnodes=1:2", "launch.rdzv_endpoint=h0:29500", "launch.max_restarts=3",
+                             "launch.rdzv_conf=last_call_timeout=2,join_timeout=60"])
+    assert cfg.launch.nnodes == "1:2"  # YAML 1.2 scalars: not the base-60 integer 62
+    argv = torchrun_args(cfg.launch, nproc_per_node=1, module="dptrain.worker", module_args=[])
+    assert argv[argv.index("--nnodes") + 1] == "1:2" and argv[argv.index("--rdzv-backend") + 1] == "c10d"
+    assert argv[argv.index("--rdzv-conf") + 1] == "last_call_timeout=2,join_timeout=60"
+    assert argv[argv.index("--max-restarts") + 1] == "3"
+    assert resolve(cfg, world_size=None, cuda_available=False).world_size == 2 * 2  # planned at MAX nodes
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("override", "named"), [
+    ("launch.nnodes=2:1", "launch.nnodes='2:1' is not valid"),
+    ("launch.nnodes=0:2", "launch.nnodes='0:2' is not valid"),
+    ("launch.nnodes=one:two", "launch.nnodes='one:two' is not valid"),
+    ("launch.rdzv_conf=last_call=2", "'last_call=2' is not valid"),
+    ("launch.rdzv_conf=join_timeout=-1", "'join_timeout=-1' is not valid"),
+])
+def test_bad_node_ranges_and_rendezvous_settings_refused(override, named):
+    with pytest.raises(ConfigError, match=named):
+        resolve(load_config(None, ["launch.rdzv_endpoint=h0:29500", override]), world_size=2, cuda_available=False)
+
+
+@pytest.mark.timeout(30)
+def test_the_global_batch_is_kept_at_another_world_size_with_accumulation_re_derived():
+    cfg = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=2", "train.grad_accum_steps=2",
+                             "launch.nnodes=1:2", "launch.rdzv_endpoint=h0:29500", "launch.nproc_per_node=1"])
+    assert resolve(cfg, world_size=2, cuda_available=False).grad_accum_steps == 2
+    one = resolve(config_for_world(cfg, world_size=1), world_size=1, cuda_available=False)
+    assert (one.global_batch_size, one.micro_batch_size, one.grad_accum_steps) == (8, 2, 4)
+    assert config_for_world(cfg, world_size=2) is cfg  # already fits: unchanged
+
+
+@pytest.mark.timeout(30)
+def test_a_global_batch_that_cannot_be_split_is_refused_and_recorded(tmp_path):
+    cfg = load_config(None, ["train.global_batch_size=6", "train.micro_batch_size=3", "launch.nnodes=1:4",
+                             "launch.rdzv_endpoint=h0:29500"])
+    with pytest.raises(ConfigError, match="cannot keep the global batch of 6 at the new world size 4"):
+        worker_config(cfg, run_dir=tmp_path, world_size=4, rank=0, attempt=2)
+    (rec,) = records(tmp_path / "attempts.jsonl")
+    assert rec["event"] == "refused" and rec["world_size"] == 4 and rec["attempt"] == 2
+    assert "not divisible by micro_batch_size * dp world size = 3 * 4" in rec["reason"]
+
+
+# ------------------------------------------------------------------ on the two-namespace cluster
 def progress(out: Path, rank: int = 0) -> dict:
     try:
         return json.loads((out / "attempts" / f"rank{rank}.json").read_text())
@@ -90,6 +142,7 @@ def training_in_generation(out: Path, generation: int) -> bool:
     return p.get("generation") == generation and p.get("step") is not None and bool(membership(out))
 
 
+@needs_cluster
 @pytest.mark.timeout(420)
 def test_node_lost_node0_continues_alone_and_matches_a_2_to_1_resume(tmp_path):
     out, logs = tmp_path / "run", [tmp_path / "node0.log", tmp_path / "node1.log"]
@@ -130,6 +183,7 @@ def test_node_lost_node0_continues_alone_and_matches_a_2_to_1_resume(tmp_path):
     print(f"final weights vs the 2->1 --resume reference: max |diff| = {diff:.3g}")
 
 
+@needs_cluster
 @pytest.mark.timeout(420)
 def test_node_rejoins_and_the_world_grows_back_to_2(tmp_path):
     out, logs = tmp_path / "run", [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-again.log"]

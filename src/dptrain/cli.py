@@ -158,6 +158,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from dptrain.elastic import pin_global_batch
 
         cfg = pin_global_batch(cfg, res=res)  # workers at another world size keep it (accumulation re-derived)
+        if cfg.launch.max_restarts == 0:
+            print(f"dptrain: warning: launch.nnodes={cfg.launch.nnodes} with launch.max_restarts=0: the first node that "
+                  "leaves ends the run (each node loss costs the survivors one restart; joins cost none)", file=sys.stderr)
     train = _check_factories(cfg, tp=res.dims.tp)
     if len(train) < res.global_batch_size:
         raise ConfigError(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,7 +56,8 @@ def env() -> dict[str, str]:
 
 def refusal(overrides: list[str]) -> str | None:
     """Why this checkout's config refuses `overrides` (None when it accepts them)."""
-    r = subprocess.run([sys.executable, "-m", "dptrain", "config", "show", *overrides, "--nproc-per-node", "1"],
+    layout = ["launch.nnodes=2", "launch.rdzv_endpoint=h0:29500", "--nproc-per-node", "1"]  # as measured: 2 x 1
+    r = subprocess.run([sys.executable, "-m", "dptrain", "config", "show", *overrides, *layout],
                        capture_output=True, text=True, env=env(), cwd=ROOT)
     if r.returncode == 0:
         return None
@@ -146,6 +148,7 @@ def main() -> int:
     p.add_argument("--json", help="also write the measurements here")
     args = p.parse_args()
     args.rates = args.rates.split(",")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `kill` still removes the namespaces (finally)
     reason = unavailable_reason()
     if reason:
         print(f"two_host: cannot build the cluster: {reason}", file=sys.stderr)

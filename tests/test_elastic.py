@@ -128,6 +128,28 @@ def test_a_global_batch_that_cannot_be_split_is_refused_and_recorded(tmp_path):
     assert "not divisible by micro_batch_size * dp world size = 3 * 4" in rec["reason"]
 
 
+@pytest.mark.timeout(30)
+def test_membership_report_names_the_node_that_left_and_the_steps_lost(tmp_path):
+    from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
+
+    old = [ProgressFile(tmp_path, rank=r, attempt=0, generation=0, host=f"h{r}", world_size=2) for r in range(2)]
+    old[0].step(8), old[1].step(7), old[0].error("Traceback ...\nRuntimeError: Connection reset by peer")
+    for p in old:
+        p.close()
+    text = report_restart(tmp_path, attempt=1, hosts=["h0"], resumed_step=5)
+    assert "node(s) h1 left after step 8: world size 2 -> 1, resuming at step 5 (3 step(s) lost" in text
+    assert "rank 1 (pid" in text and "without a Python error" in text
+    (rec,) = records(tmp_path / "attempts.jsonl")
+    assert (rec["nodes_left"], rec["nodes_joined"], rec["steps_lost"]) == (["h0", "h1"][1:], [], 3)
+    new = ProgressFile(tmp_path, rank=0, attempt=1, generation=1, host="h0", world_size=1)  # rank1.json is stale now
+    new.step(12), new.stopped(), new.close()
+    assert previous_attempt(tmp_path)["world_size"] == 1
+    text = report_restart(tmp_path, attempt=1, hosts=["h0", "h1"], resumed_step=12)
+    assert "node(s) h1 joined after step 12: world size 1 -> 2, resuming at step 12 (0 step(s) lost" in text
+    assert "failed" not in text  # a rank stopped by torchrun's SIGTERM is not a failure
+    assert report_restart(tmp_path, attempt=1, hosts=["h0"], resumed_step=12) is None  # same nodes, no failure
+
+
 # ------------------------------------------------------------------ on the two-namespace cluster
 def progress(out: Path, rank: int = 0) -> dict:
     try:

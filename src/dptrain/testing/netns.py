@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         c.destroy()
         return 0
     items = [a for a in args.items if a != "--"]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `kill` still tears the cluster down
     with Cluster(rate=args.rate) as c:
         procs = [c.popen(i, dptrain_argv([*items, *c.launch_overrides(i)])) for i in range(2)]
         codes = [proc.wait() for proc in procs]

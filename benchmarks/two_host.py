@@ -72,12 +72,15 @@ def run_once(c: Cluster, *, base: list[str], overrides: list[str], out: Path, po
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        return {"failed": f"timed out after {timeout:.0f}s"}
     finally:
         for i, p in enumerate(procs):
             if p.poll() is None:
                 c.kill_node(i)
     if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"run failed (exit codes {[p.returncode for p in procs]}):\n" + "\n----\n".join(logs)[-4000:])
+        said = [next((ln for ln in reversed(log.splitlines()) if ln.startswith("dptrain:")), "") for log in logs]
+        return {"failed": f"exit codes {[p.returncode for p in procs]}: {' | '.join(s for s in said if s)}"[:300]}
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     return {"steps": steps, "summary": json.loads((out / "summary.json").read_text())}
 
@@ -96,9 +99,15 @@ def measure(args: argparse.Namespace, variants: list[tuple[str, list[str]]]) -> 
             for r in range(args.rounds):
                 for rate, c in clusters.items():
                     for name, overrides in variants:
+                        if "failed" in results.get((rate, name), {}):
+                            continue  # one failure is reported; the variant is not run again
                         port += 1  # a fresh store port per run: no wait for the last one's sockets
                         rec = run_once(c, base=base, overrides=overrides, out=Path(tmp) / f"{rate}-{name}-{r}",
                                        port=port, timeout=args.timeout)
+                        if "failed" in rec:
+                            results[(rate, name)] = {"failed": rec["failed"]}
+                            print(f"round {r} {rate} {name}: FAILED {rec['failed']}", file=sys.stderr, flush=True)
+                            continue
                         times = [s["step_time_s"] for s in rec["steps"][args.warmup:]]
                         res = results.setdefault((rate, name), {"round_medians": [], "losses": []})
                         res["round_medians"].append(statistics.median(times))
@@ -118,11 +127,15 @@ def table(results: dict[tuple[str, str], dict], *, rates: list[str], variants: l
              f"loss after {steps} steps | loss vs raw DDP |", "|---|---|---|---|---|---|---|"]
     for rate in rates:
         raw = results.get((rate, variants[0]))
+        raw = None if raw is None or "failed" in raw else raw
         for name in variants:
             if name in skipped:
                 lines.append(f"| {rate} | {name} | not available: {skipped[name]} | | | | |")
                 continue
             res = results[(rate, name)]
+            if "failed" in res:
+                lines.append(f"| {rate} | {name} | run failed: {res['failed']} | | | | |")
+                continue
             med = statistics.median(res["round_medians"])
             tps = res["tokens_per_step"] / med
             loss = res["losses"][-1]  # deterministic per variant: every round has the same losses

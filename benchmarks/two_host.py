@@ -7,7 +7,8 @@ namespace, c10d rendezvous) for every variant, and prints a Markdown table: medi
 and the loss after N steps with its difference to raw DDP's.
 
 Variants are `name=override[,override...]`; the defaults are raw DDP and
-`parallel.grad_compression=fp16|powersgd|onebit`. A variant whose overrides this checkout's
+`parallel.grad_compression=fp16|powersgd|onebit` (PowerSGD from step 2: its default start step
+would leave a short run uncompressed). A variant whose overrides this checkout's
 config refuses (a field it does not have yet) is reported as not available, never estimated.
 Runs are interleaved (round-robin over bandwidths and variants), so a load spike on this shared
 machine lands on all of them alike; each round's step time is the median of its steps after
@@ -36,7 +37,7 @@ from dptrain.testing.netns import Cluster, dptrain_argv, unavailable_reason  # n
 DEFAULT_VARIANTS = [
     "raw-ddp=parallel.strategy=ddp",
     "fp16=parallel.strategy=ddp,parallel.grad_compression=fp16",
-    "powersgd=parallel.strategy=ddp,parallel.grad_compression=powersgd",
+    "powersgd=parallel.strategy=ddp,parallel.grad_compression=powersgd,parallel.powersgd_start_step=2",
     "onebit=parallel.strategy=ddp,parallel.grad_compression=onebit",
 ]
 

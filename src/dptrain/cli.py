@@ -11,6 +11,7 @@ from typing import Any
 from dptrain.config import Config, ConfigError, default_out_dir, local_world_size, resolve, validate
 from dptrain.config.layout import strategy_mode
 from dptrain.config.load import dump_yaml, load_config
+from dptrain.config.nodes import is_elastic, max_nodes
 
 EXIT_BAD_INPUT = 2
 
@@ -174,10 +175,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_monitoring(cfg.log, nproc_per_node=nproc)  # packages installed, Prometheus ports free
     # An existing run: same model, same global batch; accumulation follows a new world size.
     cfg = prepare_resume(cfg, run_dir=run_dir, resume=args.resume, trust=args.trust_checkpoint,
-                         world_size=nproc * cfg.launch.nnodes)
-    res = resolve(cfg, world_size=nproc * cfg.launch.nnodes)  # refuses bad batch arithmetic before any process starts
+                         world_size=nproc * max_nodes(cfg.launch))
+    res = resolve(cfg, world_size=nproc * max_nodes(cfg.launch))  # refuses bad batch arithmetic before any process starts
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=str(run_dir)),
                               launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc))
+    if is_elastic(cfg.launch):
+        from dptrain.elastic import pin_global_batch
+
+        cfg = pin_global_batch(cfg, res=res)  # workers at another world size keep it (accumulation re-derived)
+        if cfg.launch.max_restarts == 0:
+            print(f"dptrain: warning: launch.nnodes={cfg.launch.nnodes} with launch.max_restarts=0: the first node that "
+                  "leaves ends the run (each node loss costs the survivors one restart; joins cost none)", file=sys.stderr)
     train = _check_factories(cfg, tp=res.dims.tp)
     if len(train) < res.global_batch_size:
         raise ConfigError(
@@ -295,7 +303,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     cfg = _load(args.items, extra=_flag_overrides(args))
-    res = resolve(cfg, world_size=local_world_size(cfg.launch) * cfg.launch.nnodes)
+    res = resolve(cfg, world_size=local_world_size(cfg.launch) * max_nodes(cfg.launch))
     print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")
     d = res.dims
     print(f"# layout: data-parallel {d.dp_size} (replicate {d.dp_replicate} x shard {d.dp_shard}) x pipeline {d.pp} x "

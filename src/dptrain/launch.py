@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.config import LaunchConfig
+from dptrain.config.nodes import max_nodes
 
 # torchrun with gloo cannot re-rendezvous after a worker dies while the agent shares its TCP
 # store with the workers (pytorch#135712); a separate store per restart round makes it work.
@@ -24,8 +25,10 @@ RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 def torchrun_args(cfg: LaunchConfig, *, nproc_per_node: int, module: str, module_args: list[str]) -> list[str]:
     """The torchrun argv that runs `python -m module module_args...` on every worker."""
-    args = ["--nproc-per-node", str(nproc_per_node), "--nnodes", str(cfg.nnodes)]
-    if cfg.nnodes == 1 and cfg.rdzv_endpoint is None:
+    from dptrain.config.nodes import node_range, parse_rdzv_conf, torchrun_nnodes
+
+    args = ["--nproc-per-node", str(nproc_per_node), "--nnodes", torchrun_nnodes(cfg)]
+    if node_range(cfg.nnodes) == (1, 1) and cfg.rdzv_endpoint is None:
         args.append("--standalone")  # picks a free local port; nothing to configure
     else:
         if cfg.rdzv_endpoint is None:
@@ -34,6 +37,9 @@ def torchrun_args(cfg: LaunchConfig, *, nproc_per_node: int, module: str, module
             )
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint, "--rdzv-id", cfg.rdzv_id]
         args += ["--node-rank", str(cfg.node_rank)]
+        conf = parse_rdzv_conf(cfg.rdzv_conf)
+        if conf:
+            args += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
     args += ["--max-restarts", str(cfg.max_restarts)]
     return [*args, "--module", module, *module_args]
 
@@ -73,7 +79,7 @@ def run_torchrun(argv: list[str], *, restarts: bool, ckpt_root: Path | None = No
         argv = ["--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT", *argv]
     args = get_args_parser().parse_args(argv)
     interrupts = CtrlC(ckpt_root)
-    waiting = NodeWait(launch_cfg) if launch_cfg is not None and launch_cfg.nnodes > 1 else None
+    waiting = NodeWait(launch_cfg) if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None
     try:
         run(args)
     except SignalException as e:  # torchrun itself got SIGTERM/SIGINT: workers were signalled and saved
@@ -174,7 +180,7 @@ class NodeWait:
         while not self._stop.wait(self.every):
             if me.children():  # the rendezvous completed: this node's workers are running
                 return
-            others = ", ".join(str(r) for r in range(self.cfg.nnodes) if r != self.cfg.node_rank)
+            others = ", ".join(str(r) for r in range(max_nodes(self.cfg)) if r != self.cfg.node_rank)
             print(f"dptrain: waiting {time.monotonic() - self._t0:.0f}s at the rendezvous {self.cfg.rdzv_endpoint} "
                   f"(job id {self.cfg.rdzv_id!r}) for the other node(s) of launch.nnodes={self.cfg.nnodes}: this is "
                   f"node_rank {self.cfg.node_rank}; node_rank(s) {others} have not all joined. Start the same command "

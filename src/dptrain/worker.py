@@ -40,9 +40,20 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
     from dptrain.checkpoint.preempt import EXIT_PREEMPTED
     from dptrain.config import ConfigError
     from dptrain.config.load import load_config
+    from dptrain.config.nodes import is_elastic
+    from dptrain.elastic import worker_config
     from dptrain.trainer import Trainer
 
     cfg = load_config(Path(args.config) if args.config else run_dir / "config.yaml")
+    if is_elastic(cfg.launch) and "WORLD_SIZE" in os.environ:  # the group torchrun formed may be smaller or larger
+        try:
+            cfg = worker_config(cfg, run_dir=run_dir, world_size=int(os.environ["WORLD_SIZE"]),
+                                rank=int(os.environ.get("RANK", "0")),
+                                attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        except ConfigError as e:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"dptrain: error: {e}", file=sys.stderr)
+            return 2
     trainer = Trainer(cfg, out_dir=run_dir, resume=args.resume, trust_checkpoint=args.trust_checkpoint)
     if keep is not None:
         keep.append(trainer)

@@ -37,12 +37,13 @@ import torch
 from dptrain import __version__
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
-from dptrain.checkpoint.attempts import ProgressFile, report_restart
+from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
 from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
 from dptrain.checkpoint.preempt import PreemptionFlag
 from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, truncate_metrics
 from dptrain.checkpoint.state import CheckpointState, RngState
 from dptrain.config import Config, to_dict
+from dptrain.config.nodes import is_elastic
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
@@ -105,15 +106,24 @@ class CheckpointManager:
         Also installs the SIGTERM handler and its agreement (collective: call on every rank)."""
         self._flag()
         choice = ResumeChoice()
+        elastic = self.env.launched and is_elastic(self.root_cfg.launch)
+        # every rank's (host, restart count): a node that joined has a restart count of its own
+        members = collectives.all_gather_object((self.env.hostname, self.env.restart_count)) if elastic else None
+        attempt = max(c for _, c in members) if members else self.env.restart_count
+        generation = 0
         if self.env.is_main:
-            if self.env.restart_count > 0:
-                report = report_restart(self.run_dir, attempt=self.env.restart_count)
-                if report:
-                    choice.messages.append(report)
             choice = self._choose(choice)
-        choice = collectives.broadcast_object(choice)  # also: nobody rewrites its progress file before the report
-        if self.env.launched and self.root_cfg.launch.max_restarts > 0:
-            self.progress = ProgressFile(self.run_dir, rank=self.env.rank, attempt=self.env.restart_count)
+            if attempt > 0 or elastic:
+                report = report_restart(self.run_dir, attempt=attempt, hosts=[h for h, _ in members] if members else None,
+                                        resumed_step=int(choice.meta.get("step", 0)) if choice.path else 0)
+                if report:
+                    choice.messages.insert(0, report)
+            prev = previous_attempt(self.run_dir) if elastic else None
+            generation = prev["generation"] + 1 if prev else 0
+        choice, generation = collectives.broadcast_object((choice, generation))  # nobody rewrites its file before the report
+        if self.env.launched and (self.root_cfg.launch.max_restarts > 0 or elastic):
+            self.progress = ProgressFile(self.run_dir, rank=self.env.rank, attempt=attempt, generation=generation,
+                                         host=self.env.hostname, world_size=self.env.world_size)
         for line in choice.messages:
             self._say(line)
         if choice.error:
@@ -189,6 +199,8 @@ class CheckpointManager:
         if (due or stop) and self.last_saved_step != step:
             self.save(state, background=self.cfg.async_save and not stop)
         if stop:
+            if self.progress is not None:
+                self.progress.stopped()
             self.interrupted = flag.interrupted_agreed
             self.close()
             why = "interrupted (Ctrl-C)" if self.interrupted else "preempted (SIGTERM)"

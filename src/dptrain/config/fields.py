@@ -215,8 +215,8 @@ class PrecisionConfig:
 class LaunchConfig:
     nproc_per_node: int | str = "auto"
     """Worker processes per node: a number, or auto (every local GPU, else 2 on the CPU)."""
-    nnodes: int = 1
-    """Number of nodes."""
+    nnodes: int | str = 1
+    """Number of nodes: N, or an elastic range MIN:MAX (e.g. 1:2): the run goes on when nodes leave (down to MIN) or join (up to MAX); see "Elastic node count"."""
     node_rank: int = 0
     """This node's rank (multi-node static rendezvous)."""
     rdzv_endpoint: str | None = None
@@ -224,7 +224,9 @@ class LaunchConfig:
     rdzv_id: str = "dptrain"
     """Job id shared by all nodes of one run."""
     max_restarts: int = 0
-    """Elastic restarts torchrun grants the worker group."""
+    """Elastic restarts torchrun grants the worker group (on each node); a node that leaves costs each survivor one, a node that joins costs none."""
+    rdzv_conf: str | None = None
+    """torchrun's c10d rendezvous settings as key=seconds,... (join_timeout, last_call_timeout, close_timeout, heartbeat, keep_alive_interval, keep_alive_max_attempt, read_timeout); null: torchrun's defaults."""
 
 
 @dataclass(frozen=True)

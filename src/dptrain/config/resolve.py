@@ -31,6 +31,7 @@ from dptrain.config.fields import (
     TrainConfig,
 )
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
+from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf
 from dptrain.config.pipeline import describe_pipeline, validate_pipeline
 from dptrain.config.speed import validate_compile, validate_fsdp_tuning, validate_speed
 
@@ -183,7 +184,7 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     if cuda_available is None:
         cuda_available = cuda_device_count() > 0
     if world_size is None:
-        world_size = local_world_size(cfg.launch, cuda_count=None if cuda_available else 0) * cfg.launch.nnodes
+        world_size = local_world_size(cfg.launch, cuda_count=None if cuda_available else 0) * max_nodes(cfg.launch)
     device = cfg.parallel.device
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
@@ -278,7 +279,7 @@ RANGES: dict[str, dict[str, Range]] = {
                  "powersgd_start_step": Range(int, 2, note="DDP rebuilds its buckets after the first step"),
                  "fsdp_forward_prefetch": NONNEG_INT, "fsdp_backward_prefetch": NONNEG_INT},
     "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
-    "launch": {"nnodes": POS_INT, "node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},
+    "launch": {"node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},  # nnodes: config/nodes.py
     "data": {"num_workers": NONNEG_INT, "prefetch_factor": Range(int, 1, optional=True, note="null: 2")},
     "log": {"peak_tflops": Range(float, 0, low_open=True, optional=True, note="null: table or measured"),
             "prometheus_port": Range(int, 0, 65535, note="0 turns the exporter off"),
@@ -359,17 +360,19 @@ def validate_parallel(cfg: Config) -> None:
 
 
 def validate_launch(launch: LaunchConfig) -> None:
-    """node_rank below nnodes; a multi-node run names a well-formed rendezvous endpoint."""
-    if launch.node_rank >= launch.nnodes:
+    """nnodes a count or MIN:MAX; node_rank below it; a multi-node run names a well-formed rendezvous endpoint."""
+    nodes = node_range(launch.nnodes)[1]
+    parse_rdzv_conf(launch.rdzv_conf)
+    if launch.node_rank >= nodes:
         raise ConfigError(
-            f"launch.node_rank={launch.node_rank} is not valid for launch.nnodes={launch.nnodes}; "
-            f"it must be in [0, {launch.nnodes - 1}]"
+            f"launch.node_rank={launch.node_rank} is not valid for launch.nnodes={launch.nnodes!r}; "
+            f"it must be in [0, {nodes - 1}]"
         )
     if launch.rdzv_endpoint is not None:
         parse_endpoint(launch.rdzv_endpoint)
-    elif launch.nnodes > 1:
+    elif nodes > 1:
         raise ConfigError(
-            f"launch.nnodes={launch.nnodes} needs launch.rdzv_endpoint=host:port (the node running rank 0; "
+            f"launch.nnodes={launch.nnodes!r} needs launch.rdzv_endpoint=host:port (the node running rank 0; "
             "the same value on every node)"
         )
 

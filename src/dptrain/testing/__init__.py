@@ -1,0 +1,1 @@
+"""Helpers for testing and benchmarking dptrain itself (not needed to train)."""

@@ -25,32 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dptrain.plan.specs import SPECS
+
 T = 1e12
-# Dense peaks in FLOP/s per GPU, without 2:4 sparsity (the datasheets' starred figures halved).
-# (pattern matched against torch.cuda.get_device_name, first match wins; name; {dtype: peak})
-PEAKS: list[tuple[str, str, dict[str, float]]] = [
-    # NVIDIA H200 Tensor Core GPU datasheet (2024): H200 NVL FP32 60, TF32 835*, BF16/FP16 1671* TFLOPS
-    (r"H200.*NVL", "H200 NVL", {"fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T}),
-    # same datasheet: H200 SXM FP32 67, TF32 989*, BF16/FP16 1979* TFLOPS (* with sparsity)
-    (r"H200", "H200 SXM", {"fp32": 67 * T, "tf32": 494.5 * T, "bf16": 989.5 * T, "fp16": 989.5 * T}),
-    # NVIDIA H100 Tensor Core GPU datasheet (2023): H100 NVL FP32 60, TF32 835*, BF16/FP16 1671*
-    (r"H100.*NVL", "H100 NVL", {"fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T}),
-    # same datasheet: H100 PCIe FP32 51, TF32 756*, BF16/FP16 1513* TFLOPS
-    (r"H100.*PCIe", "H100 PCIe", {"fp32": 51 * T, "tf32": 378 * T, "bf16": 756.5 * T, "fp16": 756.5 * T}),
-    # same datasheet: H100 SXM FP32 67, TF32 989*, BF16/FP16 1979* TFLOPS
-    (r"H100", "H100 SXM", {"fp32": 67 * T, "tf32": 494.5 * T, "bf16": 989.5 * T, "fp16": 989.5 * T}),
-    # NVIDIA A100 Tensor Core GPU datasheet (2021): FP32 19.5, TF32 156 (312*), BF16/FP16 312 (624*)
-    (r"A100", "A100", {"fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T, "fp16": 312 * T}),
-    # NVIDIA L40S datasheet (2023): FP32 91.6, TF32 183 (366*), BF16/FP16 362.05 (733*) TFLOPS
-    (r"L40S", "L40S", {"fp32": 91.6 * T, "tf32": 183 * T, "bf16": 362.05 * T, "fp16": 362.05 * T}),
-    # NVIDIA Ada Lovelace GPU architecture whitepaper v1.0, RTX 4090: FP32 82.6; tensor FP16/BF16
-    # with FP32 accumulate (what training uses) 165.2 dense; TF32 82.6 dense
-    (r"RTX 4090", "RTX 4090", {"fp32": 82.6 * T, "tf32": 82.6 * T, "bf16": 165.2 * T, "fp16": 165.2 * T}),
-    # NVIDIA V100 Tensor Core GPU datasheet (2020): PCIe FP32 14, tensor FP16 112; no bf16, no tf32
-    (r"V100.*PCI", "V100 PCIe", {"fp32": 14 * T, "fp16": 112 * T}),
-    # same datasheet: V100 SXM2 FP32 15.7, tensor FP16 125 TFLOPS
-    (r"V100", "V100 SXM2", {"fp32": 15.7 * T, "fp16": 125 * T}),
-]
+# Dense peaks in FLOP/s per GPU (no 2:4 sparsity), from the one GPU table `dptrain.plan.specs.SPECS`
+# (sources there): (pattern matched against torch.cuda.get_device_name, first match wins; name; {dtype: peak})
+PEAKS: list[tuple[str, str, dict[str, float]]] = [(s.pattern, s.name, s.peaks) for s in SPECS]
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     from dptrain.metrics.top import add_top_parser
 
     add_top_parser(sub)
+    from dptrain.plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 

@@ -90,13 +90,13 @@ def outside_activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precisio
 
 
 def activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str,
-                     checkpointing: str = "none", n_layers: int | None = None) -> int:
-    """Bytes saved for backward by one micro-batch over `n_layers` blocks (default: all) plus
-    the parts outside the blocks, with `checkpointing` none/selective (all kept) or full."""
+                     checkpointing: str = "none", n_layers: int | None = None, outside: bool = True) -> int:
+    """Bytes saved for backward by one micro-batch over `n_layers` blocks (default: all) plus,
+    with `outside`, the parts outside the blocks; `checkpointing` none/selective (all kept) or full."""
     layers = cfg.n_layers if n_layers is None else n_layers
     block = block_activation_bytes(cfg, batch=batch, seq=seq, precision=precision)
     if checkpointing == "full":
         blocks = layers * 4 * batch * seq * cfg.dim + (block if layers else 0)
     else:
         blocks = layers * block
-    return blocks + outside_activation_bytes(cfg, batch=batch, seq=seq, precision=precision)
+    return blocks + (outside_activation_bytes(cfg, batch=batch, seq=seq, precision=precision) if outside else 0)

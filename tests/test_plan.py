@@ -14,7 +14,7 @@ import torch
 from dptrain.cli import main
 from dptrain.metrics import mfu
 from dptrain.models.llama import LlamaConfig, LlamaLM
-from dptrain.plan import memory, specs
+from dptrain.plan import memory, specs, timing
 from dptrain.plan.llama import activation_bytes, param_counts
 
 CONFIGS = [
@@ -152,3 +152,26 @@ def test_one_gpu_table_feeds_mfu_and_plan():
     assert required <= set(specs.gpu_keys())
     for s in specs.SPECS:
         assert s.memory_gb > 0 and s.pcie_gbps > 0 and {"fp32", "fp16"} <= set(s.peaks)
+
+
+@pytest.mark.timeout(30)
+def test_alpha_beta_formulas_and_flops_model():
+    link = timing.Link(bandwidth=1e9, alpha=0.0)
+    assert timing.all_reduce_time(4e9, 4, link) == pytest.approx(2 * 3 / 4 * 4.0)
+    assert timing.gather_time(4e9, 4, link) == pytest.approx(3 / 4 * 4.0)
+    assert timing.all_reduce_time(4e9, 1, link) == 0.0
+    assert timing.all_reduce_time(0, 3, timing.Link(1e9, 1e-5)) == pytest.approx(4e-5)
+    assert timing.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    cfg = LlamaConfig(**CONFIGS[2])
+    with torch.device("meta"):
+        model = LlamaLM(cfg)
+    lay = memory.Layout(strategy="ddp", dp_shard=1, tp=1, pp=1, micro_batch=2, seq=32, precision="bf16", optimizer="adam")
+    h100 = specs.gpu_spec("H100")
+    t = timing.step_time(cfg, lay, h100, gpus=1, nodes=1, interconnect="nvlink", accum=1, efficiency=0.5)
+    assert t["flops_per_token"] == model.flops_per_token(32)
+    assert t["compute"] == pytest.approx(64 * t["flops_per_token"] / (989.5e12 * 0.5)) and t["dp_comm"] == 0
+    assert t["mfu"] == pytest.approx(0.5)  # one GPU, no communication: the stated efficiency
+    t2 = timing.step_time(cfg, lay, h100, gpus=2, nodes=2, interconnect="ethernet", accum=1, efficiency=0.5)
+    assert t2["dp_comm"] == pytest.approx(timing.all_reduce_time(4 * param_counts(cfg).total, 2, timing.Link(12.5e9, 30e-6)))
+    assert main(["plan", "--gpus", "4", "--nodes", "3"]) == 2
+    assert main(["plan", "--gpus", "2", "--interconnect", "carrier-pigeon"]) == 2

@@ -7,6 +7,7 @@ import sys
 
 from dptrain.plan.memory import GB, OPTIMIZERS, PRECISIONS, Layout, layout_memory, zero_states
 from dptrain.plan.specs import GpuSpec, gpu_spec
+from dptrain.plan.timing import INTERCONNECT_CHOICES, step_time
 
 LLAMA = "dptrain.models.llama:build_llama"
 
@@ -19,6 +20,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--params", type=float, help="a model given only by its parameter count: ZeRO stages 0-3")
     plan.add_argument("--optimizer", default="adam", help=f"--params: {', '.join(OPTIMIZERS)} (default adam)")
     plan.add_argument("--precision", default="fp16", help=f"--params: {', '.join(PRECISIONS)} (default fp16)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
+    plan.add_argument("--interconnect", default="ib", help="between nodes: ib or ethernet; inside: nvlink or pcie (default ib)")
+    plan.add_argument("--efficiency", type=float, default=0.4,
+                      help="achieved share of the dense peak for compute (a stated assumption; default 0.4)")
     plan.set_defaults(func=cmd_plan)
 
 
@@ -31,6 +36,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         spec = gpu_spec(args.gpu_type)
         if args.gpus < 1:
             raise ValueError(f"--gpus {args.gpus} must be >= 1")
+        if args.nodes < 1 or args.gpus % args.nodes:
+            raise ValueError(f"--nodes {args.nodes} must be >= 1 and divide --gpus {args.gpus}")
+        if args.interconnect not in INTERCONNECT_CHOICES:
+            raise ValueError(f"unknown interconnect {args.interconnect!r} (valid: {', '.join(INTERCONNECT_CHOICES)})")
+        if not 0 < args.efficiency <= 1:
+            raise ValueError(f"--efficiency {args.efficiency} must be in (0, 1]")
         if args.params is not None:
             if args.items:
                 raise ValueError(f"--params plans a bare parameter count; drop {' '.join(args.items)!r}")
@@ -96,4 +107,11 @@ def _layout_report(args: argparse.Namespace, spec: GpuSpec) -> str:
                  f"{'fits' if mem['total'] <= spec.memory_gb * GB else 'does NOT fit'}")
     if mem["host"]:
         lines.append(f"  host (cpu_offload): {mem['host'] / GB:.3f} GB per rank")
+    t = step_time(model, lay, spec, gpus=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
+                  accum=resolved.grad_accum_steps, efficiency=args.efficiency)
+    lines.append(f"time per step (alpha-beta model, compute at {args.efficiency:g} x the dense peak, an assumption; "
+                 f"{args.nodes} node(s), {args.interconnect}): compute {t['compute']:.4g} s, data-parallel "
+                 f"comm {t['dp_comm']:.4g} s (overlapped with backward), tensor-parallel comm {t['tp_comm']:.4g} s")
+    lines.append(f"  step {t['step']:.4g} s, {t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s'] / args.gpus:,.0f} "
+                 f"per GPU), MFU {t['mfu']:.1%}")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import itertools
 import json
 import os
@@ -90,6 +91,12 @@ def worker(a: argparse.Namespace) -> None:
                 run["exposed_comm_s"].append(w["exposed_comm_s"])
     if rank == 0:
         _report(a, runs, n_params=n_params, world=world)
+    # Free the DDP reducers (and the hooks' futures) while the process group still exists: a reducer
+    # freed after destroy_process_group can deadlock gloo's teardown (the trainer does the same).
+    for run in runs:
+        run.clear()
+    runs.clear()
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -4,6 +4,7 @@ run of each compression on gloo, fp16 against the single-process reference, and 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -114,7 +115,12 @@ def _hook_ranks(rank: int, steps: int) -> dict:
             ddp((x, y)).backward()  # DDP's forward: the hook runs in this backward
             local.append([p.grad.clone() for p in plain.parameters()])
             reduced.append([p.grad.clone() for p in ddp.module.parameters()])
-        return {"local": local, "reduced": reduced, "state": hook.state_dict()}
+        result = {"local": local, "reduced": reduced, "state": hook.state_dict()}
+        # Free DDP's reducer and the hook's futures while the group exists: freed after
+        # destroy_process_group, they can deadlock gloo's teardown (seen once in CI)
+        del ddp, hook
+        gc.collect()
+        return result
     finally:
         dist.destroy_process_group()
 

@@ -97,7 +97,8 @@ def test_a_slowed_rank_is_named_as_the_straggler_with_the_slow_part(tmp_path, wh
     assert [(s["steps"], s["rank"], s["cause"]) for s in found] == [([1, 4], 1, where), ([5, 8], 1, where)]
     assert found[-1]["others_wait_s"] > 0.015  # rank 0 waits at the probe for the slow rank's ~20 ms
     (split,) = [r for r in _records(tmp_path, "step_split") if r["steps"] == [5, 8]]
-    assert split["ranks"][0]["wait"] > 0.015 and split["ranks"][1]["wait"] < 0.005
+    # rank 0 waits for the slow rank; the slow rank waits far less (its own jitter; under CI load up to ~7 ms)
+    assert split["ranks"][0]["wait"] > 0.015 and split["ranks"][1]["wait"] < split["ranks"][0]["wait"] / 2
 
 
 @pytest.mark.timeout(60)

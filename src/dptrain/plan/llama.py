@@ -29,8 +29,11 @@ dtype, 4 bytes) per block plus one block's full set while it is recomputed in ba
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dptrain.models.llama import LlamaConfig
+if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
+    from dptrain.models.llama import LlamaConfig
+
 
 HALF = ("bf16", "fp16")
 

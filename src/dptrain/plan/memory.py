@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dptrain.models.llama import LlamaConfig
 from dptrain.plan.llama import ParamCounts, activation_bytes, param_counts
+
+if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
+    from dptrain.models.llama import LlamaConfig
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum")
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -19,11 +19,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dptrain.models.llama import LlamaConfig
 from dptrain.plan.llama import param_counts
 from dptrain.plan.memory import Layout
 from dptrain.plan.specs import GpuSpec
+
+if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
+    from dptrain.models.llama import LlamaConfig
 
 # Inter-node links, bytes/s per GPU per direction, and α per collective step (stated assumptions:
 # the nominal line rate of one NIC per GPU; α a typical order of magnitude, not measured here).

@@ -94,7 +94,10 @@ def test_a_slowed_rank_is_named_as_the_straggler_with_the_slow_part(tmp_path, wh
     env = {"SLOW_RANK": "1", "SLOW_WHERE": where, "SLOW_S": "0.005" if where == "data" else "0.02"}
     run_ranks(train, 2, str(tmp_path), SLOW, timeout=60, env=env)
     found = _records(tmp_path, "straggler")
-    assert [(s["steps"], s["rank"], s["cause"]) for s in found] == [([1, 4], 1, where), ([5, 8], 1, where)]
+    # The steady window must name rank 1 and the slow part; the first (warm-up: the first steps' own
+    # costs can hide a 20 ms delay on a quiet machine) may too, and nothing else may be named
+    named = [(tuple(s["steps"]), s["rank"], s["cause"]) for s in found]
+    assert ((5, 8), 1, where) in named and set(named) <= {((1, 4), 1, where), ((5, 8), 1, where)}, named
     assert found[-1]["others_wait_s"] > 0.015  # rank 0 waits at the probe for the slow rank's ~20 ms
     (split,) = [r for r in _records(tmp_path, "step_split") if r["steps"] == [5, 8]]
     # rank 0 waits for the slow rank; the slow rank waits far less (its own jitter; under CI load up to ~7 ms)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 from diag_helpers import dptrain
 
 from dptrain.diagnostics.commcheck import SIZES, slow_links
+from dptrain.plan.calibrate import link_from_sweep
 from dptrain.diagnostics.doctor import arch_supported, check_environment, check_network
 
 
@@ -53,8 +55,9 @@ def test_slow_links_and_the_rank_they_share():
 
 
 @pytest.mark.timeout(90)
-def test_doctor_comm_sweeps_all_reduce_sizes_over_two_ranks():
-    r = dptrain("doctor", "--comm", "--nproc-per-node", "2", timeout=80)
+def test_doctor_comm_sweeps_all_reduce_sizes_over_two_ranks(tmp_path):
+    sweep = tmp_path / "comm.json"
+    r = dptrain("doctor", "--comm", "--nproc-per-node", "2", "--json", str(sweep), timeout=80)
     assert r.returncode == 0, r.stderr[-3000:]
     table = r.stdout[r.stdout.index("all-reduce, 2 ranks, gloo"):]
     rows = re.findall(r"^\s+(\d+ [KM]iB)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", table, re.M)
@@ -63,6 +66,10 @@ def test_doctor_comm_sweeps_all_reduce_sizes_over_two_ranks():
     for _, us, algbw, busbw in rows:
         assert float(us) > 0 and float(busbw) == pytest.approx(float(algbw), abs=1e-3)  # 2(n-1)/n = 1 at n=2
     assert "rank 0 (" in table and "<-> rank 1" in table
+    doc = json.loads(sweep.read_text())  # what `dptrain plan --comm FILE` fits alpha and beta to
+    assert doc["ranks"] == 2 and doc["backend"] == "gloo" and [row["bytes"] for row in doc["all_reduce"]] == SIZES
+    assert [f"{row['seconds'] * 1e6:.1f}" for row in doc["all_reduce"]] == [us for _, us, *_ in rows]
+    assert link_from_sweep(doc).bandwidth > 0
 
 
 FAKE_SMI = """#!/bin/sh

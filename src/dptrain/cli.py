@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check this machine for distributed training (versions, GPUs, network, env)")
     doctor.add_argument("--comm", action="store_true", help="also run an all-reduce bandwidth/latency sweep across ranks")
     doctor.add_argument("--nproc-per-node", type=int, help="ranks for --comm (default: every GPU, else 2 on the CPU)")
+    doctor.add_argument("--json", metavar="FILE", help="--comm: also write the sweep to FILE (JSON) for `dptrain plan --comm FILE`")
     doctor.set_defaults(func=cmd_doctor)
 
     gen = sub.add_parser("generate", help="sample text from a trained language model")
@@ -301,7 +302,13 @@ def _check_nproc_option(argv: list[str]) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node={args.nproc_per_node} is not valid; use a positive integer")
-    return _doctor().run_doctor(comm=args.comm, nproc=args.nproc_per_node)
+    if args.json and not args.comm:
+        raise ConfigError(f"--json {args.json} writes the --comm sweep; add --comm")
+    if args.json:
+        from dptrain.launch_checks import check_dir_writable
+
+        check_dir_writable(Path(args.json).resolve().parent, what="--json's directory")
+    return _doctor().run_doctor(comm=args.comm, nproc=args.nproc_per_node, json_path=args.json)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:

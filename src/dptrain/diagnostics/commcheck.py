@@ -13,9 +13,13 @@ rank in every slow pair is named as the slow rank.
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import socket
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -123,7 +127,21 @@ def _size(b: int) -> str:
     return f"{b // 2**20} MiB" if b >= 2**20 else f"{b // 2**10} KiB"
 
 
-def main() -> int:
+def write_json(path: str, rows: list[dict[str, float]], bw: dict[tuple[int, int], float], hosts: list[str],
+               backend: str) -> None:
+    """The sweep as JSON (what `dptrain plan --comm FILE` fits alpha and beta to), written atomically."""
+    doc = {"kind": "dptrain.commcheck", "ranks": len(hosts), "backend": backend, "hosts": hosts,
+           "all_reduce": rows, "p2p_gbps": [{"ranks": list(p), "gbps": v} for p, v in bw.items()],
+           "p2p_bytes": P2P_BYTES}
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dptrain.diagnostics.commcheck")
+    parser.add_argument("--json", help="also write the results to this file (rank 0)")
+    args = parser.parse_args(argv)
     env = DistEnv.from_env()
     device = bind_device(env, "cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -134,6 +152,9 @@ def main() -> int:
         bw = ping_pong(link_pairs(dist.get_world_size()), device)
         if env.is_main:
             print(format_results(rows, bw, hosts, backend), flush=True)
+            if args.json:
+                write_json(args.json, rows, bw, hosts, backend)
+                print(f"wrote {args.json}", flush=True)
     return 0
 
 

@@ -199,7 +199,7 @@ def report(nproc: int | None = None) -> tuple[str, list[str]]:
     return "\n".join(out) + "\n", warnings
 
 
-def run_doctor(*, comm: bool, nproc: int | None) -> int:
+def run_doctor(*, comm: bool, nproc: int | None, json_path: str | None = None) -> int:
     """`dptrain doctor [--comm]`: print the report; with --comm also run the all-reduce sweep."""
     text, _ = report(nproc)
     print(text, end="", flush=True)
@@ -210,6 +210,7 @@ def run_doctor(*, comm: bool, nproc: int | None) -> int:
 
     n = nproc or local_world_size(LaunchConfig())
     print(f"\n== communication check: all-reduce sweep over {n} ranks (torchrun)", flush=True)
-    argv = launch.torchrun_args(LaunchConfig(), nproc_per_node=n, module="dptrain.diagnostics.commcheck", module_args=[])
+    argv = launch.torchrun_args(LaunchConfig(), nproc_per_node=n, module="dptrain.diagnostics.commcheck",
+                                 module_args=["--json", os.path.abspath(json_path)] if json_path else [])
     sys.stdout.flush()
     return launch.run_torchrun(argv, restarts=False)

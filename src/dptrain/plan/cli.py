@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dptrain.plan.memory import GB, OPTIMIZERS, PRECISIONS, Layout, layout_memory, zero_states
+from dptrain.plan.llama import param_counts
+from dptrain.plan.memory import GB, OPTIMIZERS, PRECISIONS, zero_states
+from dptrain.plan.predict import predict, scaling
 from dptrain.plan.specs import GpuSpec, gpu_spec
-from dptrain.plan.timing import INTERCONNECT_CHOICES, step_time
+from dptrain.plan.timing import INTERCONNECT_CHOICES
 
-LLAMA = "dptrain.models.llama:build_llama"
+# Llama 3 paper (Dubey et al. 2024, table 4): 38-43% BF16 MFU training on 8K-16K H100s. The lower end.
+DEFAULT_EFFICIENCY = 0.38
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,8 +25,16 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--precision", default="fp16", help=f"--params: {', '.join(PRECISIONS)} (default fp16)")
     plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
     plan.add_argument("--interconnect", default="ib", help="between nodes: ib or ethernet; inside: nvlink or pcie (default ib)")
-    plan.add_argument("--efficiency", type=float, default=0.4,
-                      help="achieved share of the dense peak for compute (a stated assumption; default 0.4)")
+    plan.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
+                      help=f"achieved share of the dense peak for compute (a stated assumption; default "
+                           f"{DEFAULT_EFFICIENCY}: the Llama 3 paper's 38-43%% BF16 MFU on H100s, its lower end)")
+    plan.add_argument("--calibrate", metavar="RUN_DIR",
+                      help="take the efficiency from a finished `dptrain run` (its run directory's metrics.jsonl)")
+    plan.add_argument("--comm", metavar="FILE",
+                      help="data-parallel link: alpha and beta fitted to `dptrain doctor --comm --json FILE` "
+                           "(default: the interconnect's datasheet figures)")
+    plan.add_argument("--scaling", action="store_true",
+                      help="also predict 1, 2, 4, ... --gpus ranks: step time, tokens/s and scaling efficiency")
     plan.set_defaults(func=cmd_plan)
 
 
@@ -33,7 +44,7 @@ def _gb(x: float) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     try:
-        spec = gpu_spec(args.gpu_type)
+        spec = gpu_spec("H100" if args.gpu_type.lower() == "cpu" else args.gpu_type)  # an unknown name fails here
         if args.gpus < 1:
             raise ValueError(f"--gpus {args.gpus} must be >= 1")
         if args.nodes < 1 or args.gpus % args.nodes:
@@ -42,6 +53,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown interconnect {args.interconnect!r} (valid: {', '.join(INTERCONNECT_CHOICES)})")
         if not 0 < args.efficiency <= 1:
             raise ValueError(f"--efficiency {args.efficiency} must be in (0, 1]")
+        if args.gpu_type.lower() == "cpu" and args.gpus > args.nodes and not args.comm:
+            raise ValueError("--gpu-type cpu with more than one rank per host needs --comm FILE (the gloo link of "
+                             "this machine: `dptrain doctor --comm --json FILE`)")
+        if args.gpu_type.lower() == "cpu" and args.nodes > 1 and not args.comm:
+            raise ValueError("--gpu-type cpu across --nodes needs --comm FILE (a sweep over that link)")
+        comm = _comm_link(args.comm)
+        efficiency = _efficiency(args)
         if args.params is not None:
             if args.items:
                 raise ValueError(f"--params plans a bare parameter count; drop {' '.join(args.items)!r}")
@@ -50,8 +68,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"dptrain plan: error: {e}", file=sys.stderr)
         return 2
-    print(_layout_report(args, spec))
+    print(_layout_report(args, comm=comm, efficiency=efficiency))
     return 0
+
+
+def _comm_link(path: str | None):  # noqa: ANN202 (Link: plan.timing)
+    if path is None:
+        return None
+    from dptrain.plan.calibrate import link_from_sweep, load_sweep
+
+    return link_from_sweep(load_sweep(path))
+
+
+def _efficiency(args: argparse.Namespace) -> tuple[float, str]:
+    """(efficiency, where it comes from)."""
+    if args.calibrate is None:
+        return args.efficiency, "an assumption (--efficiency)"
+    from dptrain.plan.calibrate import efficiency_from_run
+
+    eff, steps = efficiency_from_run(args.calibrate)
+    return eff, f"calibrated: median of {steps} steps of {args.calibrate}"
 
 
 def _zero_table(args: argparse.Namespace, spec: GpuSpec) -> str:
@@ -66,35 +102,13 @@ def _zero_table(args: argparse.Namespace, spec: GpuSpec) -> str:
     return "\n".join(lines)
 
 
-def _layout(cfg, resolved, *, seq: int) -> Layout:  # noqa: ANN001 (Config, Resolved: imported lazily)
-    p, dims = cfg.parallel, resolved.dims
-    optimizer = cfg.optim.name if cfg.optim.name != "sgd" or not cfg.optim.momentum else "sgd-momentum"
-    shard = resolved.dp_world_size if p.strategy == "zero1" else dims.dp_shard
-    return Layout(strategy=p.strategy, dp_shard=shard, tp=dims.tp, pp=dims.pp,
-                  micro_batch=resolved.micro_batch_size, seq=seq, precision=cfg.precision.dtype,
-                  optimizer=optimizer, checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload,
-                  bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view,
-                  pp_microbatches=p.pp_microbatches or dims.pp, pp_schedule=p.pp_schedule, pp_layers=p.pp_layers)
-
-
-def _layout_report(args: argparse.Namespace, spec: GpuSpec) -> str:
+def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, str]) -> str:  # noqa: ANN001
     from dptrain.cli import _load
-    from dptrain.config.fields import ConfigError
-    from dptrain.config.resolve import resolve
-    from dptrain.models.llama import LlamaConfig
 
     cfg = _load(args.items, extra=[])
-    if cfg.model.factory != LLAMA:
-        raise ConfigError(f"dptrain plan has exact formulas for the built-in LLaMA ({LLAMA}) only, not "
-                          f"model.factory={cfg.model.factory!r}; give --params N for its model states")
-    if cfg.parallel.strategy not in ("ddp", "zero1", "zero2", "fsdp"):
-        raise ConfigError(f"dptrain plan covers parallel.strategy ddp, zero1, zero2, fsdp, not {cfg.parallel.strategy!r}")
-    resolved = resolve(cfg, world_size=args.gpus, cuda_available=True)
-    model = LlamaConfig(**cfg.model.kwargs)
-    seq = int(cfg.data.kwargs.get("seq_len", model.max_seq_len))
-    lay = _layout(cfg, resolved, seq=seq)
-    mem = layout_memory(model, lay)
-    from dptrain.plan.llama import param_counts
+    pr = predict(cfg, gpus=args.gpus, nodes=args.nodes, gpu_type=args.gpu_type, interconnect=args.interconnect,
+                 comm=comm, efficiency=efficiency[0])
+    model, lay, mem, t, spec, seq = pr.model, pr.layout, pr.memory, pr.time, pr.spec, pr.layout.seq
 
     lines = [f"{param_counts(model).total:,} parameters; {cfg.parallel.strategy}"
              f"{' + cpu_offload' if lay.cpu_offload else ''} on {args.gpus} x {spec.name}: dp_shard {lay.dp_shard}, "
@@ -107,11 +121,29 @@ def _layout_report(args: argparse.Namespace, spec: GpuSpec) -> str:
                  f"{'fits' if mem['total'] <= spec.memory_gb * GB else 'does NOT fit'}")
     if mem["host"]:
         lines.append(f"  host (cpu_offload): {mem['host'] / GB:.3f} GB per rank")
-    t = step_time(model, lay, spec, gpus=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
-                  accum=resolved.grad_accum_steps, efficiency=args.efficiency)
-    lines.append(f"time per step (alpha-beta model, compute at {args.efficiency:g} x the dense peak, an assumption; "
-                 f"{args.nodes} node(s), {args.interconnect}): compute {t['compute']:.4g} s, data-parallel "
-                 f"comm {t['dp_comm']:.4g} s (overlapped with backward), tensor-parallel comm {t['tp_comm']:.4g} s")
+    link = "measured, " + args.comm if comm else f"{args.interconnect} datasheet"
+    lines.append(f"time per step (alpha-beta model; compute at {efficiency[0]:.3g} x the dense peak, {efficiency[1]}; "
+                 f"{args.nodes} node(s), data-parallel link {link}):")
+    lines.append(f"  compute {t['compute']:.4g} s, data-parallel comm {t['dp_comm']:.4g} s of which exposed "
+                 f"{t['exposed_comm']:.4g} s, tensor-parallel comm {t['tp_comm']:.4g} s")
     lines.append(f"  step {t['step']:.4g} s, {t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s'] / args.gpus:,.0f} "
                  f"per GPU), MFU {t['mfu']:.1%}")
+    if args.scaling:
+        lines += _scaling_lines(args, cfg, comm=comm, efficiency=efficiency[0])
     return "\n".join(lines)
+
+
+def _scaling_lines(args: argparse.Namespace, cfg, *, comm, efficiency: float) -> list[str]:  # noqa: ANN001
+    rows = scaling(cfg, gpus=args.gpus, nodes=args.nodes, gpu_type=args.gpu_type, interconnect=args.interconnect,
+                   comm=comm, efficiency=efficiency)
+    lines = ["scaling (the config resolved at each world size; efficiency = tokens/s per rank / tokens/s at 1 rank):",
+             f"  {'ranks':>5} {'nodes':>5} {'global':>7} {'micro x accum':>13} {'step s':>9} {'tokens/s':>11} "
+             f"{'per rank':>9} {'exposed comm s':>14} {'efficiency':>10}"]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"  {r['ranks']:>5} {r['nodes']:>5} refused: {r['refused']}")
+            continue
+        lines.append(f"  {r['ranks']:>5} {r['nodes']:>5} {r['global_batch']:>7} {r['micro_accum']:>13} "
+                     f"{r['step']:>9.4g} {r['tokens_per_s']:>11,.0f} {r['tokens_per_s'] / r['ranks']:>9,.0f} "
+                     f"{r['exposed_comm']:>14.4g} {r['efficiency']:>10.1%}")
+    return lines

@@ -80,6 +80,9 @@ class Layout:
     pp_microbatches: int = 1
     pp_schedule: str = "1f1b"
     pp_layers: tuple[int, ...] | None = None
+    grad_dtype: str | None = None  # ddp/zero1: the dtype gradients travel in (grad_compression fp16/bf16)
+    param_dtype: str | None = None  # zero2/fsdp: fsdp_param_dtype (gathers; null: the parameters' fp32)
+    reduce_dtype: str | None = None  # zero2/fsdp: fsdp_reduce_dtype (reduce-scatters; null: param_dtype)
 
 
 def stage_layers(n_layers: int, pp: int, pp_layers: tuple[int, ...] | None) -> list[int]:

@@ -1,19 +1,30 @@
-"""α-β time model of one optimizer step of the built-in LLaMA (a prediction; not yet calibrated).
+"""α-β time model of one optimizer step of the built-in LLaMA (a prediction).
 
 - Compute: training FLOPs per token (`LlamaLM.flops_per_token`: 6*N + 12*L*d*T, N the
   non-embedding parameters) x the tokens a rank's model replica processes per step / (tp * pp),
-  at the GPU's dense peak for the precision (fp32 as tf32) x `efficiency`. `efficiency` is an assumption the
-  user states (`--efficiency`, default 0.4, not calibrated against a measurement yet). Full
-  activation checkpointing adds one forward: x 4/3.
+  at the device's dense peak for the precision (fp32 as tf32) x `efficiency`. `efficiency` is
+  stated by the user (`--efficiency`) or calibrated from a finished run (`--calibrate RUN_DIR`,
+  plan/calibrate.py). Full activation checkpointing adds one forward: x 4/3; selective
+  (dptrain's op-level policy keeps every matmul output) recomputes no matmul: x 1.
 - Pipeline bubble: the compute time / (1 - (p-1)/(m+p-1)), m micro-batches per schedule.
 - Collectives over N ranks, S bytes, link bandwidth B (bytes/s, one direction), latency α per
   step: ring all-reduce 2(N-1)·α + 2(N-1)/N·S/B; all-gather and reduce-scatter (N-1)·α + (N-1)/N·S/B.
-  Gradients are fp32 (dptrain's autocast); ddp/zero1 all-reduce them (zero1 then all-gathers the
-  updated parameters), zero2 reduce-scatters them and all-gathers the parameters once, fsdp
-  all-gathers twice (forward, backward) and reduce-scatters. Tensor parallelism: per block 2
-  all-reduces forward and 2 backward of the [micro-batch, seq, d] activation (the compute dtype).
-- Overlap (stated assumption): data-parallel traffic hides behind the backward pass (2/3 of the
-  compute), only what exceeds it adds to the step; tensor-parallel traffic is not overlapped.
+  The data-parallel link is the datasheet's (plan/specs.py, INTERCONNECTS) or fitted to a
+  `dptrain doctor --comm --json` sweep (`--comm FILE`).
+- What each strategy sends per optimizer step (gradients fp32 under dptrain's autocast, or the
+  compression's dtype for fp16/bf16; FSDP gathers in `fsdp_param_dtype` and reduces in
+  `fsdp_reduce_dtype` when set): ddp all-reduces the gradients once, in DDP's buckets (the first
+  1 MiB, then `bucket_cap_mb` each, in reverse parameter order); zero1 as ddp, then all-gathers
+  the updated parameters after the optimizer step; zero2 all-gathers the parameters once and fsdp
+  twice (forward, backward) per micro-step, and both reduce-scatter on the last micro-step.
+- Overlap. On a GPU the collectives run beside the compute: DDP's bucket k starts when backward
+  has produced its gradients (backward, 2/3 of the last micro-step's compute, produces them at an
+  even rate) and the link is free; what runs past the end of backward is exposed. FSDP prefetches
+  one unit ahead: the first unit's all-gather and the last unit's reduce-scatter are exposed, and
+  whatever of the rest exceeds the compute. zero1's parameter all-gather follows the optimizer
+  step: exposed. On the CPU (`--gpu-type cpu`) gloo's collectives need the cores the compute is
+  using: nothing overlaps, every collective adds to the step. Tensor-parallel traffic is not
+  overlapped.
 """
 
 from __future__ import annotations
@@ -29,10 +40,13 @@ if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --
     from dptrain.models.llama import LlamaConfig
 
 # Inter-node links, bytes/s per GPU per direction, and α per collective step (stated assumptions:
-# the nominal line rate of one NIC per GPU; α a typical order of magnitude, not measured here).
+# the nominal line rate of one NIC per GPU -- 400 Gb/s InfiniBand NDR, 100 Gb/s Ethernet; α a
+# typical order of magnitude, not measured here: give `--comm FILE` for a measured link).
 INTERCONNECTS = {"ib": (400e9 / 8, 10e-6), "ethernet": (100e9 / 8, 30e-6)}
 INTRA_ALPHA = {"nvlink": 5e-6, "pcie": 10e-6}
 INTERCONNECT_CHOICES = ("nvlink", "pcie", "ib", "ethernet")
+FIRST_BUCKET_BYTES = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES: DDP's first bucket
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -69,9 +83,63 @@ def links(spec: GpuSpec, *, nodes: int, interconnect: str, spans_nodes: bool) ->
     return Link(spec.nvlink_gbps * 1e9 / 2, INTRA_ALPHA["nvlink"])
 
 
+def ddp_buckets(nbytes: float, cap_mb: float) -> list[float]:
+    """DDP's bucket sizes for `nbytes` of gradients, in the order they fill during backward."""
+    caps, left = [], float(nbytes)
+    cap: float = FIRST_BUCKET_BYTES
+    while left > 0:
+        caps.append(min(cap, left))
+        left -= caps[-1]
+        cap = cap_mb * 2**20
+    return caps
+
+
+def bucket_overlap(buckets: list[float], n: int, link: Link, *, backward: float) -> tuple[float, float]:
+    """(seconds on the link, seconds exposed past the end of backward) for DDP's buckets, each
+    all-reduced once backward has produced it (an even rate over `backward` seconds) and the link is
+    free."""
+    total, done, free, busy = sum(buckets), 0.0, 0.0, 0.0
+    for size in buckets:
+        done += size
+        ready = backward * done / total if total else 0.0
+        t = all_reduce_time(size, n, link)
+        free = max(free, ready) + t
+        busy += t
+    return busy, max(0.0, free - backward)
+
+
+def _dp_comm(c, lay: Layout, *, dp: int, link: Link, compute_micro: float, accum: int,  # noqa: ANN001
+             overlap: bool) -> tuple[float, float]:
+    """(seconds the data-parallel collectives take, seconds of them exposed) per optimizer step."""
+    replica = c.total / (lay.tp * lay.pp)  # parameters of one replica's share of the model
+    grad_b = DTYPE_BYTES.get(lay.grad_dtype or "fp32", 4)
+    if lay.strategy in ("ddp", "zero1"):
+        buckets = ddp_buckets(grad_b * replica, lay.bucket_cap_mb)
+        busy, exposed = bucket_overlap(buckets, dp, link, backward=2 / 3 * compute_micro)
+        if not overlap:
+            exposed = busy
+        if lay.strategy == "zero1":  # the updated parameters, after the optimizer step
+            gather = gather_time(4 * replica, dp, link)
+            busy, exposed = busy + gather, exposed + gather
+        return busy, exposed
+    param_b = DTYPE_BYTES.get(lay.param_dtype or "fp32", 4)
+    reduce_b = DTYPE_BYTES.get(lay.reduce_dtype or lay.param_dtype or "fp32", 4)
+    gathers = 2 if lay.strategy == "fsdp" else 1
+    units = c.n_layers / lay.pp + 1  # the blocks and the root (embedding, norm, head)
+    per_micro = gathers * gather_time(param_b * replica, dp, link)
+    last_rs = gather_time(reduce_b * replica, dp, link)
+    busy = accum * per_micro + last_rs
+    if not overlap:
+        return busy, busy
+    first = gather_time(param_b * replica / units, dp, link) + gather_time(reduce_b * replica / units, dp, link)
+    exposed = accum * max(first, per_micro - compute_micro) + max(0.0, last_rs - 2 / 3 * compute_micro)
+    return busy, exposed
+
+
 def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
-              accum: int, efficiency: float) -> dict[str, float]:
-    """Predicted seconds per optimizer step, its parts, and tokens/s over all GPUs."""
+              accum: int, efficiency: float, comm: Link | None = None) -> dict[str, float]:
+    """Predicted seconds per optimizer step, its parts, and tokens/s over all GPUs. `comm`: a
+    measured data-parallel link (plan/calibrate.py) instead of the datasheet's."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
     c = param_counts(cfg)
@@ -87,19 +155,13 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
     compute /= 1 - bubble_fraction(lay.pp, m)
     dp = gpus // (lay.tp * lay.pp)
     per_node = max(1, gpus // nodes)
-    dp_link = links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node)
-    shard = 4 * c.total / (lay.tp * lay.pp)  # fp32 bytes of one replica's share of the model
-    if lay.strategy == "ddp":
-        dp_comm = all_reduce_time(shard, dp, dp_link)
-    elif lay.strategy == "zero1":
-        dp_comm = all_reduce_time(shard, dp, dp_link) + gather_time(shard, dp, dp_link)
-    else:
-        gathers = 2 if lay.strategy == "fsdp" else 1
-        dp_comm = accum * (gathers + 1) * gather_time(shard, dp, dp_link)
+    overlap = spec.key != "cpu"
+    dp_link = comm or links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node)
+    dp_comm, exposed = _dp_comm(c, lay, dp=dp, link=dp_link, compute_micro=compute / accum, accum=accum,
+                                overlap=overlap) if dp > 1 else (0.0, 0.0)
     act = (2 if lay.precision != "fp32" else 4) * lay.micro_batch * lay.seq * cfg.dim
-    tp_link = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False)
+    tp_link = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False) if lay.tp > 1 else dp_link
     tp_comm = accum * 4 * cfg.n_layers / lay.pp * all_reduce_time(act, lay.tp, tp_link)
-    exposed = max(0.0, dp_comm - 2 / 3 * compute)
     step = compute + exposed + tp_comm
-    return {"compute": compute, "dp_comm": dp_comm, "tp_comm": tp_comm, "step": step,
+    return {"compute": compute, "dp_comm": dp_comm, "exposed_comm": exposed, "tp_comm": tp_comm, "step": step,
             "tokens_per_s": tokens * dp / step, "flops_per_token": fpt, "mfu": tokens * dp * fpt / step / gpus / peak}

@@ -9,8 +9,8 @@ import pytest
 from diag_helpers import dptrain
 
 from dptrain.diagnostics.commcheck import SIZES, slow_links
-from dptrain.plan.calibrate import link_from_sweep
 from dptrain.diagnostics.doctor import arch_supported, check_environment, check_network
+from dptrain.plan.calibrate import link_from_sweep
 
 
 @pytest.mark.timeout(60)

@@ -103,3 +103,12 @@ def activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str,
     else:
         blocks = layers * block
     return blocks + (outside_activation_bytes(cfg, batch=batch, seq=seq, precision=precision) if outside else 0)
+
+
+def param_shapes(cfg: LlamaConfig) -> list[tuple[int, ...]]:
+    """Every parameter's shape, in `LlamaLM(cfg).parameters()` order (a tied head is not repeated)."""
+    assert cfg.n_kv_heads is not None and cfg.ffn_hidden is not None
+    d, f = cfg.dim, cfg.ffn_hidden
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    block = [(d,), (q, d), (kv, d), (kv, d), (d, q), (d,), (f, d), (d, f), (f, d)]
+    return [(cfg.vocab_size, d), *block * cfg.n_layers, (d,), *([] if cfg.tie_embeddings else [(cfg.vocab_size, d)])]

@@ -81,6 +81,8 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_layers: tuple[int, ...] | None = None
     grad_dtype: str | None = None  # ddp/zero1: the dtype gradients travel in (grad_compression fp16/bf16)
+    grad_compression: str = "none"  # ddp: none, fp16, bf16, powersgd, onebit (parallel.grad_compression)
+    powersgd_rank: int = 8
     param_dtype: str | None = None  # zero2/fsdp: fsdp_param_dtype (gathers; null: the parameters' fp32)
     reduce_dtype: str | None = None  # zero2/fsdp: fsdp_reduce_dtype (reduce-scatters; null: param_dtype)
 

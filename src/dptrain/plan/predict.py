@@ -42,6 +42,7 @@ def layout_of(cfg: Config, resolved: Resolved, *, seq: int) -> Layout:
                   bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view,
                   pp_microbatches=p.pp_microbatches or dims.pp, pp_schedule=p.pp_schedule, pp_layers=p.pp_layers,
                   grad_dtype=p.grad_compression if p.grad_compression in ("fp16", "bf16") else None,
+                  grad_compression=p.grad_compression, powersgd_rank=p.powersgd_rank,
                   param_dtype=p.fsdp_param_dtype, reduce_dtype=p.fsdp_reduce_dtype)
 
 

@@ -17,6 +17,9 @@
   1 MiB, then `bucket_cap_mb` each, in reverse parameter order); zero1 as ddp, then all-gathers
   the updated parameters after the optimizer step; zero2 all-gathers the parameters once and fsdp
   twice (forward, backward) per micro-step, and both reduce-scatter on the last micro-step.
+  PowerSGD and onebit change what a DDP bucket costs (`compression_cost`); their warm-up steps
+  (plain all-reduce before `powersgd_start_step` / `onebit_start_step`) are not modelled: the
+  prediction is the steady state.
 - Overlap. On a GPU the collectives run beside the compute: DDP's bucket k starts when backward
   has produced its gradients (backward, 2/3 of the last micro-step's compute, produces them at an
   even rate) and the link is free; what runs past the end of backward is exposed. FSDP prefetches
@@ -29,10 +32,12 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dptrain.plan.llama import param_counts
+from dptrain.plan.llama import param_counts, param_shapes
 from dptrain.plan.memory import Layout
 from dptrain.plan.specs import GpuSpec
 
@@ -94,28 +99,56 @@ def ddp_buckets(nbytes: float, cap_mb: float) -> list[float]:
     return caps
 
 
-def bucket_overlap(buckets: list[float], n: int, link: Link, *, backward: float) -> tuple[float, float]:
-    """(seconds on the link, seconds exposed past the end of backward) for DDP's buckets, each
-    all-reduced once backward has produced it (an even rate over `backward` seconds) and the link is
-    free."""
+def bucket_overlap(buckets: list[float], n: int, link: Link, *, backward: float,
+                   seconds: Callable[[float], float] | None = None) -> tuple[float, float]:
+    """(seconds on the link, seconds exposed past the end of backward) for DDP's buckets, each sent
+    once backward has produced it (an even rate over `backward` seconds) and the link is free.
+    `seconds(bucket bytes)`: what sending one bucket takes (default: a ring all-reduce of it)."""
+    cost = seconds or (lambda size: all_reduce_time(size, n, link))
     total, done, free, busy = sum(buckets), 0.0, 0.0, 0.0
     for size in buckets:
         done += size
         ready = backward * done / total if total else 0.0
-        t = all_reduce_time(size, n, link)
+        t = cost(size)
         free = max(free, ready) + t
         busy += t
     return busy, max(0.0, free - backward)
 
 
-def _dp_comm(c, lay: Layout, *, dp: int, link: Link, compute_micro: float, accum: int,  # noqa: ANN001
+def compression_cost(cfg: LlamaConfig, lay: Layout, n: int, link: Link) -> Callable[[float], float] | None:
+    """Seconds to send one DDP bucket of `b` fp32 gradient bytes under `lay.grad_compression`
+    (None: plain all-reduce). The model's totals are spread evenly over the buckets.
+
+    - powersgd (torch's powerSGD_hook, rank r, min_compression_rate 2): an m x n gradient (its
+      shape[0] x the rest) whose r(m+n)*2 < mn travels as P (m x r) and Q (n x r), fp32; the others
+      uncompressed. Three all-reduces per bucket: the uncompressed tensors, P, Q.
+    - onebit (parallel/onebit.py): ceil(numel/8) bytes of signs + 4 per tensor from every rank, by
+      all_gather: the ring moves n times that message.
+    """
+    if lay.grad_compression not in ("powersgd", "onebit"):
+        return None
+    shapes = param_shapes(cfg)
+    numel = sum(math.prod(s) for s in shapes)
+    if lay.grad_compression == "onebit":
+        per_elem = (numel / 8 + 4 * len(shapes)) / (4 * numel)  # message bytes per fp32 gradient byte
+        return lambda b: gather_time(n * b * per_elem, n, link)
+    r, sent = lay.powersgd_rank, 0
+    for s in shapes:
+        rows, cols = s[0], math.prod(s[1:]) if len(s) > 1 else 1
+        sent += r * (rows + cols) if len(s) > 1 and r * (rows + cols) * 2 < rows * cols else rows * cols
+    ratio = sent / numel
+    return lambda b: all_reduce_time(b * ratio, n, link) + 2 * all_reduce_time(0.0, n, link)
+
+
+def _dp_comm(cfg: LlamaConfig, c, lay: Layout, *, dp: int, link: Link, compute_micro: float, accum: int,  # noqa: ANN001
              overlap: bool) -> tuple[float, float]:
     """(seconds the data-parallel collectives take, seconds of them exposed) per optimizer step."""
     replica = c.total / (lay.tp * lay.pp)  # parameters of one replica's share of the model
     grad_b = DTYPE_BYTES.get(lay.grad_dtype or "fp32", 4)
     if lay.strategy in ("ddp", "zero1"):
         buckets = ddp_buckets(grad_b * replica, lay.bucket_cap_mb)
-        busy, exposed = bucket_overlap(buckets, dp, link, backward=2 / 3 * compute_micro)
+        busy, exposed = bucket_overlap(buckets, dp, link, backward=2 / 3 * compute_micro,
+                                       seconds=compression_cost(cfg, lay, dp, link))
         if not overlap:
             exposed = busy
         if lay.strategy == "zero1":  # the updated parameters, after the optimizer step
@@ -157,7 +190,7 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
     per_node = max(1, gpus // nodes)
     overlap = spec.key != "cpu"
     dp_link = comm or links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node)
-    dp_comm, exposed = _dp_comm(c, lay, dp=dp, link=dp_link, compute_micro=compute / accum, accum=accum,
+    dp_comm, exposed = _dp_comm(cfg, c, lay, dp=dp, link=dp_link, compute_micro=compute / accum, accum=accum,
                                 overlap=overlap) if dp > 1 else (0.0, 0.0)
     act = (2 if lay.precision != "fp32" else 4) * lay.micro_batch * lay.seq * cfg.dim
     tp_link = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False) if lay.tp > 1 else dp_link

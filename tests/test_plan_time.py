@@ -164,3 +164,21 @@ def test_powersgd_and_onebit_shrink_what_a_bucket_costs():
     onebit = timing.compression_cost(cfg, _lay(grad_compression="onebit"), 4, link)
     assert onebit(4 * numel) == pytest.approx(timing.gather_time(4 * (numel / 8 + 4 * len(shapes)), 4, link))
     assert timing.compression_cost(cfg, _lay(grad_compression="fp16"), 2, link) is None
+
+
+@pytest.mark.timeout(60)
+def test_this_cpu_as_a_device(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert calibrate.threads_per_rank(1, 2) == 2 and calibrate.threads_per_rank(4, 2) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert calibrate.threads_per_rank(4, 2) == 3  # what the user set wins, as in `dptrain run`
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 2)
+    real = calibrate.cpu_spec(ranks_per_host=1, seconds=0.05)
+    assert real.key == "cpu" and real.peaks["fp32"] > 0
+    from dptrain.metrics import mfu
+
+    monkeypatch.setattr(mfu, "cpu_matmul_peak", lambda **kw: 1e10)
+    one, four = calibrate.cpu_spec(ranks_per_host=1), calibrate.cpu_spec(ranks_per_host=4)
+    assert one.peaks["fp32"] == 1e10 and "1 rank(s) x 1 thread(s)" in one.name
+    assert four.peaks["fp32"] == 0.5e10 and "4 rank(s) x 1 thread(s)" in four.name  # 4 x 1 thread on 2 cores

@@ -13,6 +13,10 @@ Prints ONE table:
    table below).
 3. `dp` (nn.DataParallel, one process) against `ddp` (one process per GPU) on the same model and
    global batch: tokens/s of each and the ratio. Skipped with one GPU (there is nothing to split).
+4. `dptrain plan`'s memory per rank against `torch.cuda.max_memory_allocated` (the largest
+   `cuda_peak_mb` in diagnostics.jsonl) for ddp and fsdp of a 0.3B LLaMA, fp32 and bf16, on every
+   GPU: the prediction without its stated framework allowance (the CUDA context and workspaces are
+   not allocations), and the ratio (the issue's bar: within 10%).
 
 Without a CUDA GPU it stops at once with exit status 1 and says why. Every run has its own time
 limit, so the script ends within about 5 minutes even when a step hangs.
@@ -91,6 +95,39 @@ def model_args(kw: dict) -> list[str]:
     return [f"model.kwargs.{k}={v}" for k, v in kw.items()] + [f"data.kwargs.seq_len={kw['max_seq_len']}"]
 
 
+LLAMA_300M = {"dim": 1024, "n_layers": 16, "n_heads": 16, "max_seq_len": 1024}
+
+
+def plan_memory_rows(root: Path, *, base: list[str], n: int, name: str) -> list[tuple[str, str, str]]:
+    """Check 4: predicted memory per rank vs the measured CUDA peak."""
+    import re
+
+    from dptrain.config.load import load_config
+    from dptrain.plan import memory, predict, specs
+
+    key = next((s.key for s in specs.SPECS if re.search(s.pattern, name, re.IGNORECASE)), None)
+    if key is None:
+        return [("plan memory vs max_memory_allocated", "skipped", f"{name!r} is not in plan/specs.py")]
+    rows = []
+    for strategy in ("ddp", "fsdp"):
+        for dtype in ("fp32", "bf16"):
+            items = [*base, *model_args(LLAMA_300M), f"parallel.strategy={strategy}", f"precision.dtype={dtype}",
+                     f"launch.nproc_per_node={n}", "train.max_steps=6", "train.micro_batch_size=4",
+                     "train.grad_accum_steps=1", "diagnostics.memory_every_steps=1"]
+            out = root / f"plan-{strategy}-{dtype}"
+            r = dptrain_run(out, items, timeout=90)
+            diag = out / "diagnostics.jsonl"
+            peaks = [rec["cuda_peak_mb"] * 2**20 for rec in map(json.loads, diag.read_text().splitlines())
+                     if "cuda_peak_mb" in rec] if diag.exists() else []
+            cfg = load_config(None, [i for i in items if not i.startswith(("parallel.device", "parallel.backend"))])
+            pr = predict.predict(cfg, gpus=n, nodes=1, gpu_type=key, interconnect="nvlink", comm=None, efficiency=0.38)
+            want = pr.memory["total"] - memory.FRAMEWORK_OVERHEAD
+            detail = (f"measured {max(peaks) / 1e9:.3f} GB, predicted {want / 1e9:.3f} GB ({want / max(peaks) - 1:+.1%})"
+                      if peaks else f"no cuda_peak_mb sample\n{r['tail']}")
+            rows.append((f"plan memory, {strategy} {dtype}, {n} GPU(s)", f"exit {r['rc']}", detail))
+    return rows
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="directory for the runs (default: a temporary one)")
@@ -141,6 +178,7 @@ def main(argv: list[str]) -> int:
                  if dp.get("tokens_per_s") and ddp.get("tokens_per_s") else "ratio n/a")
         rows.append((f"dp vs ddp, {n} GPUs", f"exit {dp['rc']}/{ddp['rc']}",
                      f"{ratio}: dp {dp.get('tokens_per_s', 0):,.0f}, ddp {ddp.get('tokens_per_s', 0):,.0f} tokens/s"))
+    rows += plan_memory_rows(root, base=base, n=n, name=name)
     width = max(len(r[0]) for r in rows)
     print(f"\ndptrain GPU check: {n} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}; runs in {root}")
     for what, status, detail in rows:

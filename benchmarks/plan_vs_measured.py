@@ -11,7 +11,7 @@ two-host rows are predictions. Runs are interleaved over `--rounds` (a load spik
 alike); each round's time is the median step after `--warmup`; the table gives the median of the
 round medians and their range.
 
-    python benchmarks/plan_validation.py --steps 20 --rounds 3 --json plan_validation.json
+    python benchmarks/plan_vs_measured.py --steps 20 --rounds 3 --json plan_vs_measured.json
 """
 
 from __future__ import annotations
@@ -105,13 +105,13 @@ def main() -> int:
     if ranks[0] != 1:
         raise SystemExit("--ranks must start with 1: the efficiency is calibrated on the 1-rank run")
     if rates and (why := unavailable_reason()):
-        print(f"plan_validation: two-host rows skipped: {why}", file=sys.stderr)
+        print(f"plan_vs_measured: two-host rows skipped: {why}", file=sys.stderr)
         rates = []
     variants = args.variants.split(",")
     if unknown := [v for v in variants if v not in VARIANTS]:
         raise SystemExit(f"--variants: unknown {unknown} (valid: {', '.join(VARIANTS)})")
     items = [f"train.max_steps={args.steps}", *RECIPE, *args.items]
-    with tempfile.TemporaryDirectory(prefix="plan_validation_") as tmp_s:
+    with tempfile.TemporaryDirectory(prefix="plan_vs_measured_") as tmp_s:
         tmp = Path(tmp_s)
         links = {}
         for n in ranks[1:]:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dptrain.plan.memory import GB, OPTIMIZERS, PRECISIONS, Layout, layout_memory, zero_states
+from dptrain.plan.memory import GB, OPTIMIZERS, PRECISIONS, layout_memory, zero_states
+from dptrain.plan.offload import offload_time
+from dptrain.plan.presets import PRESETS, preset
+from dptrain.plan.recommend import load_plan_config, recommend
+from dptrain.plan.search import layout_from_config
 from dptrain.plan.specs import GpuSpec, gpu_spec
 from dptrain.plan.timing import INTERCONNECT_CHOICES, step_time
 
@@ -24,6 +28,15 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--interconnect", default="ib", help="between nodes: ib or ethernet; inside: nvlink or pcie (default ib)")
     plan.add_argument("--efficiency", type=float, default=0.4,
                       help="achieved share of the dense peak for compute (a stated assumption; default 0.4)")
+    plan.add_argument("--model", help=f"a model preset for the built-in LLaMA ({', '.join(PRESETS)}): sets "
+                      "model.kwargs and data.kwargs.seq_len; CONFIG and overrides apply on top")
+    plan.add_argument("--recommend", action="store_true",
+                      help="search every layout, rank those that fit by predicted step time, say why the others not")
+    plan.add_argument("--top", type=int, default=10, help="--recommend: layouts to list (default 10)")
+    plan.add_argument("--global-batch", type=int,
+                      help="--recommend: sequences per optimizer step (default: the config's global batch)")
+    plan.add_argument("--write", metavar="RECIPE.yaml",
+                      help="write the best layout as a config `dptrain run` accepts (implies --recommend)")
     plan.set_defaults(func=cmd_plan)
 
 
@@ -42,11 +55,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown interconnect {args.interconnect!r} (valid: {', '.join(INTERCONNECT_CHOICES)})")
         if not 0 < args.efficiency <= 1:
             raise ValueError(f"--efficiency {args.efficiency} must be in (0, 1]")
+        if args.top < 1:
+            raise ValueError(f"--top {args.top} must be >= 1")
+        if args.model is not None:
+            preset(args.model)
         if args.params is not None:
+            if args.model is not None:
+                raise ValueError(f"--params plans a bare parameter count; drop --model {args.model}")
             if args.items:
                 raise ValueError(f"--params plans a bare parameter count; drop {' '.join(args.items)!r}")
             print(_zero_table(args, spec))
             return 0
+        if args.recommend or args.write:
+            return recommend(args, spec)
     except ValueError as e:
         print(f"dptrain plan: error: {e}", file=sys.stderr)
         return 2
@@ -66,24 +87,12 @@ def _zero_table(args: argparse.Namespace, spec: GpuSpec) -> str:
     return "\n".join(lines)
 
 
-def _layout(cfg, resolved, *, seq: int) -> Layout:  # noqa: ANN001 (Config, Resolved: imported lazily)
-    p, dims = cfg.parallel, resolved.dims
-    optimizer = cfg.optim.name if cfg.optim.name != "sgd" or not cfg.optim.momentum else "sgd-momentum"
-    shard = resolved.dp_world_size if p.strategy == "zero1" else dims.dp_shard
-    return Layout(strategy=p.strategy, dp_shard=shard, tp=dims.tp, pp=dims.pp,
-                  micro_batch=resolved.micro_batch_size, seq=seq, precision=cfg.precision.dtype,
-                  optimizer=optimizer, checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload,
-                  bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view,
-                  pp_microbatches=p.pp_microbatches or dims.pp, pp_schedule=p.pp_schedule, pp_layers=p.pp_layers)
-
-
 def _layout_report(args: argparse.Namespace, spec: GpuSpec) -> str:
-    from dptrain.cli import _load
     from dptrain.config.fields import ConfigError
     from dptrain.config.resolve import resolve
     from dptrain.models.llama import LlamaConfig
 
-    cfg = _load(args.items, extra=[])
+    cfg = load_plan_config(args.items, model=args.model)
     if cfg.model.factory != LLAMA:
         raise ConfigError(f"dptrain plan has exact formulas for the built-in LLaMA ({LLAMA}) only, not "
                           f"model.factory={cfg.model.factory!r}; give --params N for its model states")
@@ -92,7 +101,7 @@ def _layout_report(args: argparse.Namespace, spec: GpuSpec) -> str:
     resolved = resolve(cfg, world_size=args.gpus, cuda_available=True)
     model = LlamaConfig(**cfg.model.kwargs)
     seq = int(cfg.data.kwargs.get("seq_len", model.max_seq_len))
-    lay = _layout(cfg, resolved, seq=seq)
+    lay = layout_from_config(cfg, resolved, seq=seq)
     mem = layout_memory(model, lay)
     from dptrain.plan.llama import param_counts
 
@@ -114,4 +123,9 @@ def _layout_report(args: argparse.Namespace, spec: GpuSpec) -> str:
                  f"comm {t['dp_comm']:.4g} s (overlapped with backward), tensor-parallel comm {t['tp_comm']:.4g} s")
     lines.append(f"  step {t['step']:.4g} s, {t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s'] / args.gpus:,.0f} "
                  f"per GPU), MFU {t['mfu']:.1%}")
+    if off := offload_time(lay, spec, host_bytes=mem["host"], accum=resolved.grad_accum_steps):
+        step = t["step"] + off
+        lines.append(f"  with cpu_offload's host copies and host optimizer step (+{off:.4g} s, plan/offload.py): step "
+                     f"{step:.4g} s, {t['tokens_per_s'] * t['step'] / step / args.gpus:,.0f} tokens/s per GPU, "
+                     f"MFU {t['mfu'] * t['step'] / step:.1%}")
     return "\n".join(lines)

@@ -107,10 +107,25 @@ def recommend(args: argparse.Namespace, spec: GpuSpec) -> int:
     return 0
 
 
-def _row(i: int, r: Ranked, gpus: int) -> str:
+def distinct(ranked: list[Ranked]) -> list[tuple[Ranked, str]]:
+    """The ranked layouts with their labels, a `selective` one folded into the `none` one just before
+    it when both predictions are the same (the planner counts selective as none)."""
+    rows: list[tuple[Ranked, str]] = []
+    for r in ranked:
+        if rows and r.cand.checkpointing == "selective":
+            prev = rows[-1][0]
+            if (dataclasses.replace(prev.cand, checkpointing="selective") == r.cand and prev.step_s == r.step_s
+                    and prev.memory == r.memory):
+                rows[-1] = (prev, prev.cand.label().replace("ckpt=none", "ckpt=none|selective"))
+                continue
+        rows.append((r, r.cand.label()))
+    return rows
+
+
+def _row(i: int, r: Ranked, label: str, gpus: int) -> str:
     t = r.time
     exposed = r.step_s - t["compute"]
-    return (f"{i:>3}  {r.cand.label():<50}{r.memory['total'] / GB:>8.1f}  yes {r.step_s:>9.4g}{t['compute']:>9.4g}"
+    return (f"{i:>3}  {label:<58}{r.memory['total'] / GB:>8.1f}  yes {r.step_s:>9.4g}{t['compute']:>9.4g}"
             f"{exposed:>9.3g}{result_tokens(r) / gpus:>12,.0f}{r.mfu:>7.1%}")
 
 
@@ -132,13 +147,13 @@ def report(args: argparse.Namespace, spec: GpuSpec, cfg: Config, model: LlamaCon
              f"{args.efficiency:g} x the dense peak (an assumption)",
              f"searched {total:,} layouts in {elapsed:.1f} s: {n_fit:,} fit, {len(result.rejected) - n_mem:,} refused "
              f"by dptrain's config checks, {n_mem:,} do not fit {spec.memory_gb:g} GB",
-             f"{'#':>3}  {'layout (mb = micro-batch x accumulation)':<50}{'GB/rank':>8}  fits{'step s':>10}"
+             f"{'#':>3}  {'layout (mb = micro-batch x accumulation)':<58}{'GB/rank':>8}  fits{'step s':>10}"
              f"{'compute':>9}{'+comm':>9}{'tok/s/GPU':>12}{'MFU':>7}"]
-    lines += [_row(i, r, args.gpus) for i, r in enumerate(result.ranked[:args.top], 1)]
+    lines += [_row(i, r, label, args.gpus) for i, (r, label) in enumerate(distinct(result.ranked)[:args.top], 1)]
     if not result.ranked:
         lines.append("  (none fits)")
     lines.append("+comm: exposed communication (and cpu_offload's copies and host optimizer step, plan/offload.py); "
-                 "selective checkpointing is counted as none (memory and time)")
+                 "selective checkpointing is counted as none (memory and time): such pairs share a row")
     if result.rejected:
         lines.append("rejected, by reason (count: reason; examples):")
     for reason, items in rejected_groups(result.rejected):
@@ -181,7 +196,7 @@ def write_recipe(path: Path, winner: Ranked, *, args: argparse.Namespace, spec: 
     cfg = recipe_config(winner, gpus=args.gpus, nodes=args.nodes)
     header = (f"# dptrain plan --recommend on {args.gpus} x {spec.name} ({args.nodes} node(s), {args.interconnect}): "
               f"{winner.cand.label()}\n# predicted: {winner.memory['total'] / GB:.1f} GB per rank, step "
-              f"{winner.step_s:.3f} s, MFU {winner.mfu:.1%}\n")
+              f"{winner.step_s:.4g} s, MFU {winner.mfu:.1%}\n")
     path.write_text(header + dump_yaml(cfg), encoding="utf-8")
     back = load_config(path)
     if back != cfg:

@@ -18,7 +18,7 @@ from dptrain.config.load import load_config
 from dptrain.config.resolve import resolve
 from dptrain.models.llama import LlamaConfig, LlamaLM
 from dptrain.parallel.tensor import tp_problem
-from dptrain.plan import offload, presets, search, specs
+from dptrain.plan import extra_time, presets, search, specs
 from dptrain.plan.llama import param_counts
 from dptrain.plan.memory import GB, layout_memory
 from dptrain.plan.recommend import load_plan_config
@@ -52,11 +52,15 @@ def test_search_ranks_by_predicted_time_and_lists_layout_memory():
         assert r.memory == layout_memory(model, lay) and r.memory["total"] <= spec.memory_gb * GB
         t = step_time(model, lay, spec, gpus=4, nodes=2, interconnect="ib", accum=resolved.grad_accum_steps,
                       efficiency=0.4)
-        assert r.step_s == t["step"] + offload.offload_time(lay, spec, host_bytes=r.memory["host"],
-                                                             accum=resolved.grad_accum_steps)
+        assert r.time == t and r.step_s >= t["step"]
+        off = extra_time.offload_time(lay, spec, host_bytes=r.memory["host"], accum=resolved.grad_accum_steps)
+        regather = extra_time.pipeline_regather_time(model, lay, spec, gpus=4, nodes=2, interconnect="ib",
+                                                     accum=resolved.grad_accum_steps)
+        assert r.step_s == extra_time.adjusted_step(t, offload=off, regather=regather)
+        assert (off > 0) == r.cand.cpu_offload
+        assert (regather > 0) == (r.cand.strategy == "fsdp" and r.cand.pp > 1 and r.cand.dp > 1)
         assert (r.cand.tp, r.cand.pp, r.cand.dp) == (resolved.dims.tp, resolved.dims.pp, resolved.dp_world_size)
-    offloaded = [r for r in result.ranked if r.cand.cpu_offload]
-    assert offloaded and all(r.offload_s > 0 for r in offloaded)  # offload is not free
+    assert any(r.cand.cpu_offload for r in result.ranked) and any(r.extra["regather"] for r in result.ranked)
 
 
 @pytest.mark.timeout(120)
@@ -88,19 +92,19 @@ def test_rejections_name_the_memory_or_dptrains_own_message():
 
 
 @pytest.mark.timeout(300)
-def test_write_recipe_is_trained_by_dptrain_run(tmp_path):
+def test_write_recipe_is_trained_by_dptrain_run(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    argv = [sys.executable, "-m", "dptrain", "plan", *TINY, "optim.lr=0.002", "train.max_steps=2", "--gpus", "2",
-            "--gpu-type", "A100-40GB", "--write", str(recipe)]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
+    argv = ["plan", *TINY, "optim.lr=0.002", "train.max_steps=2", "--gpus", "2", "--gpu-type", "A100-40GB",
+            "--write", str(recipe)]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
     written = load_config(recipe)
     base = load_config(None, [*TINY, "optim.lr=0.002", "train.max_steps=2"])
     model = LlamaConfig(**base.model.kwargs)
     result, _ = _search(base, model, specs.gpu_spec("A100-40GB"), gpus=2, global_batch=8)
     best = result.ranked[0]
-    assert f"wrote {recipe}: {best.cand.label()}" in r.stdout
+    assert f"wrote {recipe}: {best.cand.label()}" in stdout
     assert written.parallel == best.cfg.parallel and written.train == best.cfg.train  # the chosen layout
     assert written.optim.lr == 0.002 and written.launch.nproc_per_node == 2  # the user's other fields kept
     out = tmp_path / "run"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dptrain.plan.extra_time import with_extras
 from dptrain.plan.memory import GB, OPTIMIZERS, PRECISIONS, layout_memory, zero_states
-from dptrain.plan.offload import offload_time
 from dptrain.plan.presets import PRESETS, preset
 from dptrain.plan.recommend import load_plan_config, recommend
 from dptrain.plan.search import layout_from_config
@@ -123,9 +123,10 @@ def _layout_report(args: argparse.Namespace, spec: GpuSpec) -> str:
                  f"comm {t['dp_comm']:.4g} s (overlapped with backward), tensor-parallel comm {t['tp_comm']:.4g} s")
     lines.append(f"  step {t['step']:.4g} s, {t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s'] / args.gpus:,.0f} "
                  f"per GPU), MFU {t['mfu']:.1%}")
-    if off := offload_time(lay, spec, host_bytes=mem["host"], accum=resolved.grad_accum_steps):
-        step = t["step"] + off
-        lines.append(f"  with cpu_offload's host copies and host optimizer step (+{off:.4g} s, plan/offload.py): step "
-                     f"{step:.4g} s, {t['tokens_per_s'] * t['step'] / step / args.gpus:,.0f} tokens/s per GPU, "
-                     f"MFU {t['mfu'] * t['step'] / step:.1%}")
+    x = with_extras(model, lay, spec, t, host_bytes=mem["host"], gpus=args.gpus, nodes=args.nodes,
+                    interconnect=args.interconnect, accum=resolved.grad_accum_steps)
+    if x["offload"] or x["regather"]:
+        lines.append(f"  with what step_time does not count yet (plan/extra_time.py: cpu_offload {x['offload']:.4g} s, "
+                     f"fsdp re-gathers under pp {x['regather']:.4g} s of traffic): step {x['step']:.4g} s, "
+                     f"{x['tokens_per_s'] / args.gpus:,.0f} tokens/s per GPU, MFU {x['mfu']:.1%}")
     return "\n".join(lines)

@@ -130,8 +130,8 @@ def _row(i: int, r: Ranked, label: str, gpus: int) -> str:
 
 
 def result_tokens(r: Ranked) -> float:
-    """Tokens per second over all GPUs for the step time including offload."""
-    return r.time["tokens_per_s"] * r.time["step"] / r.step_s
+    """Tokens per second over all GPUs at the adjusted step time (plan/extra_time.py)."""
+    return r.extra["tokens_per_s"]
 
 
 def report(args: argparse.Namespace, spec: GpuSpec, cfg: Config, model: LlamaConfig, result: SearchResult, *,
@@ -152,7 +152,7 @@ def report(args: argparse.Namespace, spec: GpuSpec, cfg: Config, model: LlamaCon
     lines += [_row(i, r, label, args.gpus) for i, (r, label) in enumerate(distinct(result.ranked)[:args.top], 1)]
     if not result.ranked:
         lines.append("  (none fits)")
-    lines.append("+comm: exposed communication (and cpu_offload's copies and host optimizer step, plan/offload.py); "
+    lines.append("+comm: exposed communication, cpu_offload's copies and host optimizer step (plan/extra_time.py); "
                  "selective checkpointing is counted as none (memory and time): such pairs share a row")
     if result.rejected:
         lines.append("rejected, by reason (count: reason; examples):")

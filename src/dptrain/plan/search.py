@@ -11,7 +11,7 @@ Each candidate is turned into the Config it stands for and checked by dptrain it
 on the model built once on the meta device; a refused one is rejected with dptrain's message.
 The accepted ones get `layout_memory` (plan/memory.py) and are rejected when the worst stage's
 total exceeds the device's memory; those that fit are ranked by predicted step time
-(`timing.step_time` plus plan/offload.py's cost of cpu_offload), ties by memory. Host memory for
+(`timing.step_time` plus plan/extra_time.py: cpu_offload, fsdp's re-gathers under pp), ties by memory. Host memory for
 cpu_offload is not checked against the host's size (unknown here).
 """
 
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dptrain.plan.extra_time import with_extras
 from dptrain.plan.memory import GB, Layout, layout_memory
-from dptrain.plan.offload import offload_time
 from dptrain.plan.specs import GpuSpec
 from dptrain.plan.timing import step_time
 
@@ -67,15 +67,17 @@ class Ranked:
     cfg: Config
     memory: dict[str, float]
     time: dict[str, float]
-    offload_s: float
+    """`timing.step_time`'s result."""
+    extra: dict[str, float]
+    """`extra_time.with_extras`: offload and regather seconds, the adjusted step, tokens_per_s, mfu."""
 
     @property
     def step_s(self) -> float:
-        return self.time["step"] + self.offload_s
+        return self.extra["step"]
 
     @property
     def mfu(self) -> float:
-        return self.time["mfu"] * self.time["step"] / self.step_s
+        return self.extra["mfu"]
 
 
 @dataclass(frozen=True)
@@ -212,8 +214,9 @@ def search(base: Config, model: LlamaConfig, spec: GpuSpec, *, gpus: int, nodes:
             continue
         t = step_time(model, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect,
                       accum=resolved.grad_accum_steps, efficiency=efficiency)
-        off = offload_time(lay, spec, host_bytes=mem["host"], accum=resolved.grad_accum_steps)
-        ranked.append(Ranked(cand, cfg, mem, t, off))
+        extra = with_extras(model, lay, spec, t, host_bytes=mem["host"], gpus=gpus, nodes=nodes,
+                            interconnect=interconnect, accum=resolved.grad_accum_steps)
+        ranked.append(Ranked(cand, cfg, mem, t, extra))
     ranked.sort(key=_rank_key)
     return SearchResult(ranked, rejected, global_batch, seq)
 

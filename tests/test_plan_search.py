@@ -125,7 +125,8 @@ def test_presets_have_the_published_parameter_counts():
     with torch.device("meta"):
         llama3 = LlamaLM(LlamaConfig(**presets.preset("llama3-8b").kwargs))
     assert sum(t.numel() for t in llama3.parameters()) == 8_030_261_248
-    code = "import sys, dptrain.plan.presets; assert 'torch' not in sys.modules"
+    code = ("import sys, dptrain.plan.presets, dptrain.plan.search, dptrain.plan.recommend, dptrain.plan.cli; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
 
 
@@ -156,3 +157,20 @@ def test_bad_input_exits_2_naming_the_value(capsys, tmp_path):
         assert main(["plan", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert all(n in err for n in names), (argv, err)
+
+
+@pytest.mark.timeout(120)
+def test_the_issues_llama7b_layout_is_accepted_and_reported_as_the_search_ranks_it(capsys):
+    # DP8 x PP4 x TP2 fsdp + cpu_offload on 64 H100s (8 x 8): the single-layout report and the search agree
+    fixed = ["precision.dtype=bf16", "parallel.strategy=fsdp", "parallel.cpu_offload=true", "parallel.tp=2",
+             "parallel.pp=4", "train.global_batch_size=1024", "train.micro_batch_size=128", "parallel.pp_microbatches=64"]
+    assert main(["plan", "--model", "llama2-7b", "--gpus", "64", "--nodes", "8", *fixed]) == 0
+    out = capsys.readouterr().out
+    assert "6,738,415,616 parameters; fsdp + cpu_offload on 64 x H100 SXM: dp_shard 8, tp 2, pp 4" in out
+    cfg = load_plan_config(["precision.dtype=bf16"], model="llama2-7b")
+    model = LlamaConfig(**cfg.model.kwargs)
+    result, _ = _search(cfg, model, specs.gpu_spec("H100"), gpus=64, nodes=8, global_batch=1024)
+    want = search.Candidate("fsdp", True, 2, 4, 8, micro_batch=128, accum=1, pp_microbatches=64, checkpointing="none")
+    r = next(r for r in result.ranked if r.cand == want)
+    assert f"{r.memory['total'] / GB:.3f}  of 80 GB: fits" in out
+    assert f"step {r.step_s:.4g} s" in out and f"MFU {r.mfu:.1%}" in out

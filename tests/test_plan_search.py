@@ -152,6 +152,8 @@ def test_bad_input_exits_2_naming_the_value(capsys, tmp_path):
         (["--recommend", "--global-batch", "0"], ["--global-batch 0"]),
         (["--write", str(tmp_path / "nope" / "r.yaml")], ["nope"]),
         (["--params", "1e9", "--model", "llama3-8b"], ["--model llama3-8b"]),
+        (["--params", "1e9", "--recommend"], ["--params", "--recommend"]),
+        (["--global-batch", "64"], ["--global-batch 64", "--recommend"]),
     ]
     for argv, names in cases:
         assert main(["plan", *argv]) == 2, argv

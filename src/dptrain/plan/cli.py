@@ -59,7 +59,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--top {args.top} must be >= 1")
         if args.model is not None:
             preset(args.model)
+        if args.global_batch is not None and not (args.recommend or args.write):
+            raise ValueError(f"--global-batch {args.global_batch} applies to --recommend / --write; add one, or set "
+                             "train.global_batch_size for a single layout")
         if args.params is not None:
+            if args.recommend or args.write:
+                raise ValueError("--params plans a bare parameter count; --recommend / --write need the built-in "
+                                 "LLaMA (a CONFIG or --model)")
             if args.model is not None:
                 raise ValueError(f"--params plans a bare parameter count; drop --model {args.model}")
             if args.items:

@@ -90,6 +90,13 @@ def test_the_cpu_overlaps_nothing_a_gpu_hides_buckets_behind_backward():
     half = timing.step_time(cfg, _lay(grad_dtype="fp16"), cpu, gpus=2, nodes=1, interconnect="nvlink", accum=1,
                             efficiency=0.5, comm=link)
     assert half["dp_comm"] < 0.6 * c["dp_comm"]  # fp16 gradients: half the bytes, the same alphas
+    fsdp = timing.step_time(cfg, _lay(strategy="fsdp", dp_shard=2), cpu, gpus=2, nodes=1, interconnect="nvlink",
+                            accum=4, efficiency=0.5, comm=link)
+    bf16 = timing.step_time(cfg, _lay(strategy="fsdp", dp_shard=2, param_dtype="bf16", reduce_dtype="fp32"), cpu,
+                            gpus=2, nodes=1, interconnect="nvlink", accum=4, efficiency=0.5, comm=link)
+    gather = timing.gather_time(4 * n, 2, link)
+    assert fsdp["dp_comm"] == pytest.approx(4 * 2 * gather + gather)  # 2 gathers per micro-step, 1 reduce-scatter
+    assert bf16["dp_comm"] == pytest.approx(4 * 2 * timing.gather_time(2 * n, 2, link) + gather)
 
 
 @pytest.mark.timeout(30)

@@ -7,7 +7,9 @@ import sys
 
 from dptrain.plan.llama import param_counts
 from dptrain.plan.memory import GB, OPTIMIZERS, PRECISIONS, zero_states
-from dptrain.plan.predict import predict, scaling
+from dptrain.plan.predict import device_spec, predict, scaling
+from dptrain.plan.presets import PRESETS, preset
+from dptrain.plan.recommend import load_plan_config, recommend
 from dptrain.plan.specs import GpuSpec, gpu_spec
 from dptrain.plan.timing import INTERCONNECT_CHOICES
 
@@ -35,6 +37,15 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                            "(default: the interconnect's datasheet figures)")
     plan.add_argument("--scaling", action="store_true",
                       help="also predict 1, 2, 4, ... --gpus ranks: step time, tokens/s and scaling efficiency")
+    plan.add_argument("--model", help=f"a model preset for the built-in LLaMA ({', '.join(PRESETS)}): sets "
+                      "model.kwargs and data.kwargs.seq_len; CONFIG and overrides apply on top")
+    plan.add_argument("--recommend", action="store_true",
+                      help="search every layout, rank those that fit by predicted step time, say why the others not")
+    plan.add_argument("--top", type=int, default=10, help="--recommend: layouts to list (default 10)")
+    plan.add_argument("--global-batch", type=int,
+                      help="--recommend: sequences per optimizer step (default: the config's global batch)")
+    plan.add_argument("--write", metavar="RECIPE.yaml",
+                      help="write the best layout as a config `dptrain run` accepts (implies --recommend)")
     plan.set_defaults(func=cmd_plan)
 
 
@@ -44,7 +55,8 @@ def _gb(x: float) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     try:
-        spec = gpu_spec("H100" if args.gpu_type.lower() == "cpu" else args.gpu_type)  # an unknown name fails here
+        if args.gpu_type.lower() != "cpu":
+            gpu_spec(args.gpu_type)  # an unknown name fails here, before any config is read
         if args.gpus < 1:
             raise ValueError(f"--gpus {args.gpus} must be >= 1")
         if args.nodes < 1 or args.gpus % args.nodes:
@@ -53,6 +65,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown interconnect {args.interconnect!r} (valid: {', '.join(INTERCONNECT_CHOICES)})")
         if not 0 < args.efficiency <= 1:
             raise ValueError(f"--efficiency {args.efficiency} must be in (0, 1]")
+        if args.top < 1:
+            raise ValueError(f"--top {args.top} must be >= 1")
+        if args.model is not None:
+            preset(args.model)
+        if args.global_batch is not None and not (args.recommend or args.write):
+            raise ValueError(f"--global-batch {args.global_batch} applies to --recommend / --write; add one, or set "
+                             "train.global_batch_size for a single layout")
         if args.gpu_type.lower() == "cpu" and args.gpus > args.nodes and not args.comm:
             raise ValueError("--gpu-type cpu with more than one rank per host needs --comm FILE (the gloo link of "
                              "this machine: `dptrain doctor --comm --json FILE`)")
@@ -61,10 +80,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         comm = _comm_link(args.comm)
         efficiency = _efficiency(args)
         if args.params is not None:
+            if args.recommend or args.write:
+                raise ValueError("--params plans a bare parameter count; --recommend / --write need the built-in "
+                                 "LLaMA (a CONFIG or --model)")
+            if args.model is not None:
+                raise ValueError(f"--params plans a bare parameter count; drop --model {args.model}")
             if args.items:
                 raise ValueError(f"--params plans a bare parameter count; drop {' '.join(args.items)!r}")
-            print(_zero_table(args, spec))
+            print(_zero_table(args, device_spec(args.gpu_type, ranks_per_host=args.gpus // args.nodes)))
             return 0
+        if args.recommend or args.write:
+            return recommend(args, comm=comm, efficiency=efficiency)
     except ValueError as e:
         print(f"dptrain plan: error: {e}", file=sys.stderr)
         return 2
@@ -83,7 +109,9 @@ def _comm_link(path: str | None):  # noqa: ANN202 (Link: plan.timing)
 def _efficiency(args: argparse.Namespace) -> tuple[float, str]:
     """(efficiency, where it comes from)."""
     if args.calibrate is None:
-        return args.efficiency, "an assumption (--efficiency)"
+        if args.efficiency == DEFAULT_EFFICIENCY:
+            return args.efficiency, "assumed: the Llama 3 paper's lowest BF16 MFU on H100s"
+        return args.efficiency, "assumed (--efficiency)"
     from dptrain.plan.calibrate import efficiency_from_run
 
     eff, steps = efficiency_from_run(args.calibrate)
@@ -103,9 +131,7 @@ def _zero_table(args: argparse.Namespace, spec: GpuSpec) -> str:
 
 
 def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, str]) -> str:  # noqa: ANN001
-    from dptrain.cli import _load
-
-    cfg = _load(args.items, extra=[])
+    cfg = load_plan_config(args.items, model=args.model)
     pr = predict(cfg, gpus=args.gpus, nodes=args.nodes, gpu_type=args.gpu_type, interconnect=args.interconnect,
                  comm=comm, efficiency=efficiency[0])
     model, lay, mem, t, spec, seq = pr.model, pr.layout, pr.memory, pr.time, pr.spec, pr.layout.seq
@@ -125,9 +151,12 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, s
     lines.append(f"time per step (alpha-beta model; compute at {efficiency[0]:.3g} x the dense peak, {efficiency[1]}; "
                  f"{args.nodes} node(s), data-parallel link {link}):")
     lines.append(f"  compute {t['compute']:.4g} s, data-parallel comm {t['dp_comm']:.4g} s of which exposed "
-                 f"{t['exposed_comm']:.4g} s, tensor-parallel comm {t['tp_comm']:.4g} s")
+                 f"{t['exposed_comm']:.4g} s, tensor-parallel comm {t['tp_comm']:.4g} s, pipeline transfers (exposed) "
+                 f"{t['pp_comm']:.4g} s")
     lines.append(f"  step {t['step']:.4g} s, {t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s'] / args.gpus:,.0f} "
                  f"per GPU), MFU {t['mfu']:.1%}")
+    if t["offload"]:
+        lines.append(f"  of which cpu_offload's host copies and optimizer step: {t['offload']:.4g} s")
     if args.scaling:
         lines += _scaling_lines(args, cfg, comm=comm, efficiency=efficiency[0])
     return "\n".join(lines)

@@ -31,8 +31,8 @@ def device_spec(gpu_type: str, *, ranks_per_host: int) -> GpuSpec:
     return cpu_spec(ranks_per_host=ranks_per_host)
 
 
-def layout_of(cfg: Config, resolved: Resolved, *, seq: int) -> Layout:
-    """The Layout a resolved config runs."""
+def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int) -> Layout:
+    """The `Layout` a resolved config runs (what plan/memory.py and plan/timing.py read)."""
     p, dims = cfg.parallel, resolved.dims
     optimizer = cfg.optim.name if cfg.optim.name != "sgd" or not cfg.optim.momentum else "sgd-momentum"
     shard = resolved.dp_world_size if p.strategy == "zero1" else dims.dp_shard
@@ -71,7 +71,7 @@ def predict(cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: 
     resolved = resolve(cfg, world_size=gpus, cuda_available=gpu_type.lower() != "cpu")
     spec = device_spec(gpu_type, ranks_per_host=gpus // nodes)
     model = LlamaConfig(**cfg.model.kwargs)
-    lay = layout_of(cfg, resolved, seq=int(cfg.data.kwargs.get("seq_len", model.max_seq_len)))
+    lay = layout_from_config(cfg, resolved, seq=int(cfg.data.kwargs.get("seq_len", model.max_seq_len)))
     t = step_time(model, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect,
                   accum=resolved.grad_accum_steps, efficiency=efficiency, comm=comm if gpus > 1 else None)
     return Prediction(model, resolved, lay, spec, layout_memory(model, lay), t)

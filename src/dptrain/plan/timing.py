@@ -6,7 +6,9 @@
   stated by the user (`--efficiency`) or calibrated from a finished run (`--calibrate RUN_DIR`,
   plan/calibrate.py). Full activation checkpointing adds one forward: x 4/3; selective
   (dptrain's op-level policy keeps every matmul output) recomputes no matmul: x 1.
-- Pipeline bubble: the compute time / (1 - (p-1)/(m+p-1)), m micro-batches per schedule.
+- Pipeline bubble: the compute time / (1 - (p-1)/(m+p-1)), m micro-batches per schedule; the
+  fill and drain's stage-to-stage transfers are exposed (`pipeline_p2p_time`). Not modelled: the
+  lower efficiency of small kernels when m splits the micro-batch finely (pp rows are optimistic).
 - Collectives over N ranks, S bytes, link bandwidth B (bytes/s, one direction), latency α per
   step: ring all-reduce 2(N-1)·α + 2(N-1)/N·S/B; all-gather and reduce-scatter (N-1)·α + (N-1)/N·S/B.
   The data-parallel link is the datasheet's (plan/specs.py, INTERCONNECTS) or fitted to a
@@ -16,7 +18,9 @@
   `fsdp_reduce_dtype` when set): ddp all-reduces the gradients once, in DDP's buckets (the first
   1 MiB, then `bucket_cap_mb` each, in reverse parameter order); zero1 as ddp, then all-gathers
   the updated parameters after the optimizer step; zero2 all-gathers the parameters once and fsdp
-  twice (forward, backward) per micro-step, and both reduce-scatter on the last micro-step.
+  twice (forward, backward) per micro-step (under pp once per pipeline micro-batch: `fsdp_gathers`),
+  and both reduce-scatter on the last micro-step. cpu_offload adds its host copies and the
+  optimizer step on the host (`offload_time`).
   PowerSGD and onebit change what a DDP bucket costs (`compression_cost`); their warm-up steps
   (plain all-reduce before `powersgd_start_step` / `onebit_start_step`) are not modelled: the
   prediction is the steady state.
@@ -157,9 +161,8 @@ def _dp_comm(cfg: LlamaConfig, c, lay: Layout, *, dp: int, link: Link, compute_m
         return busy, exposed
     param_b = DTYPE_BYTES.get(lay.param_dtype or "fp32", 4)
     reduce_b = DTYPE_BYTES.get(lay.reduce_dtype or lay.param_dtype or "fp32", 4)
-    gathers = 2 if lay.strategy == "fsdp" else 1
     units = c.n_layers / lay.pp + 1  # the blocks and the root (embedding, norm, head)
-    per_micro = gathers * gather_time(param_b * replica, dp, link)
+    per_micro = fsdp_gathers(lay) * gather_time(param_b * replica, dp, link)
     last_rs = gather_time(reduce_b * replica, dp, link)
     busy = accum * per_micro + last_rs
     if not overlap:
@@ -167,6 +170,56 @@ def _dp_comm(cfg: LlamaConfig, c, lay: Layout, *, dp: int, link: Link, compute_m
     first = gather_time(param_b * replica / units, dp, link) + gather_time(reduce_b * replica / units, dp, link)
     exposed = accum * max(first, per_micro - compute_micro) + max(0.0, last_rs - 2 / 3 * compute_micro)
     return busy, exposed
+
+
+def fsdp_gathers(lay: Layout) -> float:
+    """All-gathers of the parameters per micro-step. zero2: 1 (kept from forward to backward); fsdp:
+    2 (forward, backward). fsdp under pp: torch.distributed.pipelining runs the stage once per
+    pipeline micro-batch and keeps reshard-after-backward off until the last one
+    (`PipelineStage.backward_maybe_with_nosync`), so each forward after a reshard gathers again:
+    1F1B on the worst (first) stage min(m, pp) warm-up forwards + m backwards = m + min(m, pp) - 1
+    per schedule, gpipe m + 1."""
+    if lay.strategy != "fsdp":
+        return 1
+    if lay.pp == 1:
+        return 2
+    m = max(1, lay.pp_microbatches)
+    return m + 1 if lay.pp_schedule == "gpipe" else m + min(m, lay.pp) - 1
+
+
+# cpu_offload's optimizer step on the host, parameters per second per rank: an assumption. torch's
+# foreach AdamW reached 1.3e8/s on one core of this machine; 5e8 supposes about four host cores per GPU.
+HOST_OPTIMIZER_PARAMS_PER_S = 5e8
+
+
+def offload_time(c, lay: Layout, spec: GpuSpec, *, accum: int) -> float:  # noqa: ANN001 (ParamCounts)
+    """Seconds `cpu_offload` (FSDP2's CPUOffloadPolicy, zero2/fsdp) adds per step, not overlapped (an
+    upper bound: FSDP2 issues the copies with its all-gathers): the rank's fp32 parameter shard
+    copied in before every all-gather, its gradient shard copied out once, over the host link (PCIe,
+    half the datasheet's bidirectional figure), and the optimizer step on the host."""
+    if not lay.cpu_offload or lay.strategy not in ("zero2", "fsdp"):
+        return 0.0
+    params = c.total / (lay.tp * lay.pp) / max(1, lay.dp_shard)
+    copies = accum * fsdp_gathers(lay) * 4 * params + 4 * params
+    on_link = copies / (spec.pcie_gbps * 1e9 / 2) if spec.pcie_gbps else 0.0  # the CPU as device: no copies
+    return on_link + params / HOST_OPTIMIZER_PARAMS_PER_S
+
+
+def pipeline_p2p_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
+                      accum: int, comm: Link | None = None) -> float:
+    """Exposed seconds of the activations and their gradients sent between pipeline stages: one
+    [micro-batch / m, seq, dim] tensor in the compute dtype per pipeline micro-batch and boundary,
+    each way. The steady state overlaps with other micro-batches' compute; the fill and the drain do
+    not: 2 (pp - 1) transfers per schedule are exposed. The stages sit on one node while tp * pp
+    fits one, else the inter-node link carries them."""
+    if lay.pp == 1:
+        return 0.0
+    m = max(1, lay.pp_microbatches)
+    nbytes = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch / m * lay.seq * cfg.dim
+    per_node = max(1, gpus // nodes)
+    link = comm if comm and lay.tp * lay.pp > per_node else links(
+        spec, nodes=nodes, interconnect=interconnect, spans_nodes=lay.tp * lay.pp > per_node)
+    return accum * 2 * (lay.pp - 1) * (link.alpha + nbytes / link.bandwidth)
 
 
 def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
@@ -195,6 +248,11 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
     act = (2 if lay.precision != "fp32" else 4) * lay.micro_batch * lay.seq * cfg.dim
     tp_link = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False) if lay.tp > 1 else dp_link
     tp_comm = accum * 4 * cfg.n_layers / lay.pp * all_reduce_time(act, lay.tp, tp_link)
-    step = compute + exposed + tp_comm
-    return {"compute": compute, "dp_comm": dp_comm, "exposed_comm": exposed, "tp_comm": tp_comm, "step": step,
+    offload = offload_time(c, lay, spec, accum=accum)
+    pp_comm = pipeline_p2p_time(cfg, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect, accum=accum,
+                                comm=comm)
+    step = compute + exposed + tp_comm + offload + pp_comm
+    return {"compute": compute, "dp_comm": dp_comm, "exposed_comm": exposed, "tp_comm": tp_comm, "pp_comm": pp_comm,
+            "offload": offload,
+            "step": step,
             "tokens_per_s": tokens * dp / step, "flops_per_token": fpt, "mfu": tokens * dp * fpt / step / gpus / peak}

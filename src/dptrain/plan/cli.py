@@ -77,6 +77,17 @@ def _layout(cfg, resolved, *, seq: int) -> Layout:  # noqa: ANN001 (Config, Reso
                   pp_microbatches=p.pp_microbatches or dims.pp, pp_schedule=p.pp_schedule, pp_layers=p.pp_layers)
 
 
+def memory_lines(mem: dict[str, float], spec: GpuSpec) -> list[str]:
+    """The per-rank memory table of a layout report, and whether it fits `spec`."""
+    lines = [f"  {key:<12}{mem[key] / GB:>10.3f}" for key in ("params", "grads", "optimizer", "activations",
+                                                              "temporary", "overhead")]
+    lines.append(f"  {'total':<12}{mem['total'] / GB:>10.3f}  of {spec.memory_gb:g} GB: "
+                 f"{'fits' if mem['total'] <= spec.memory_gb * GB else 'does NOT fit'}")
+    if mem["host"]:
+        lines.append(f"  host (cpu_offload): {mem['host'] / GB:.3f} GB per rank")
+    return lines
+
+
 def _layout_report(args: argparse.Namespace, spec: GpuSpec) -> str:
     from dptrain.cli import _load
     from dptrain.config.fields import ConfigError
@@ -84,12 +95,13 @@ def _layout_report(args: argparse.Namespace, spec: GpuSpec) -> str:
     from dptrain.models.llama import LlamaConfig
 
     cfg = _load(args.items, extra=[])
-    if cfg.model.factory != LLAMA:
-        raise ConfigError(f"dptrain plan has exact formulas for the built-in LLaMA ({LLAMA}) only, not "
-                          f"model.factory={cfg.model.factory!r}; give --params N for its model states")
     if cfg.parallel.strategy not in ("ddp", "zero1", "zero2", "fsdp"):
         raise ConfigError(f"dptrain plan covers parallel.strategy ddp, zero1, zero2, fsdp, not {cfg.parallel.strategy!r}")
     resolved = resolve(cfg, world_size=args.gpus, cuda_available=True)
+    if cfg.model.factory != LLAMA:
+        from dptrain.plan.measured import measured_report
+
+        return measured_report(args, spec, cfg, resolved)
     model = LlamaConfig(**cfg.model.kwargs)
     seq = int(cfg.data.kwargs.get("seq_len", model.max_seq_len))
     lay = _layout(cfg, resolved, seq=seq)
@@ -100,13 +112,8 @@ def _layout_report(args: argparse.Namespace, spec: GpuSpec) -> str:
              f"{' + cpu_offload' if lay.cpu_offload else ''} on {args.gpus} x {spec.name}: dp_shard {lay.dp_shard}, "
              f"tp {lay.tp}, pp {lay.pp}; micro-batch {lay.micro_batch} x {seq} tokens, {lay.precision}, "
              f"{lay.optimizer}, activation checkpointing {lay.checkpointing}",
-             f"memory per rank (GB = 1e9 bytes; the worst pipeline stage: {int(mem['stage'])}):"]
-    for key in ("params", "grads", "optimizer", "activations", "temporary", "overhead"):
-        lines.append(f"  {key:<12}{mem[key] / GB:>10.3f}")
-    lines.append(f"  {'total':<12}{mem['total'] / GB:>10.3f}  of {spec.memory_gb:g} GB: "
-                 f"{'fits' if mem['total'] <= spec.memory_gb * GB else 'does NOT fit'}")
-    if mem["host"]:
-        lines.append(f"  host (cpu_offload): {mem['host'] / GB:.3f} GB per rank")
+             f"memory per rank (GB = 1e9 bytes; the worst pipeline stage: {int(mem['stage'])}):",
+             *memory_lines(mem, spec)]
     t = step_time(model, lay, spec, gpus=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
                   accum=resolved.grad_accum_steps, efficiency=args.efficiency)
     lines.append(f"time per step (alpha-beta model, compute at {args.efficiency:g} x the dense peak, an assumption; "

@@ -32,11 +32,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dptrain.config.fields import ConfigError
+
 if TYPE_CHECKING:  # the planner's CLI imports this module; torch is imported inside the functions
     import torch
     from torch import nn
 
     from dptrain.config import DataConfig, ModelConfig
+
+
+class MeasureError(ConfigError):
+    """The model (or its data) could not be built or run on fake tensors; names the factory."""
 
 
 @dataclass(frozen=True)
@@ -225,13 +231,23 @@ def _is_fake(t: torch.Tensor) -> bool:
 def measure_model(*, model: ModelConfig, data: DataConfig, micro_batch: int, precision: str,
                   loss: str | None = None, collate: str | None = None, seed: int = 0) -> ModelProfile:
     """Build `model.factory` on fake tensors and measure one fake micro-batch (module docstring).
-    Errors of the factory, the data factory or the forward propagate (the CLI names the factory)."""
+    Any error of the data factory, the model factory or the forward and backward is a
+    `MeasureError` naming the factory and the step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dptrain.build import build_model
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    batch, seq_len = fake_batch(data=data, collate=collate, micro_batch=micro_batch, mode=mode)
-    with mode:
-        module = build_model(model, seed=seed)
-        return profile_module(module, batch, micro_batch=micro_batch, precision=precision, loss=loss, factory=model.factory, seq_len=seq_len)
+    step = f"building model.factory {model.factory!r} on fake tensors"
+    try:
+        with mode:
+            module = build_model(model, seed=seed)
+        step = f"building one micro-batch from data.factory {data.factory!r}"
+        batch, seq_len = fake_batch(data=data, collate=collate, micro_batch=micro_batch, mode=mode)
+        with mode:
+            step = f"running model.factory {model.factory!r} forward and backward on fake tensors"
+            return profile_module(module, batch, micro_batch=micro_batch, precision=precision, loss=loss,
+                                  factory=model.factory, seq_len=seq_len)
+    except Exception as e:  # noqa: BLE001 - whatever the user's code raised, said with where it was
+        raise MeasureError(f"dptrain plan measures models other than the built-in LLaMA on fake tensors; "
+                           f"{step} failed: {type(e).__name__}: {e}") from e

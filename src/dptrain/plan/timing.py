@@ -27,6 +27,7 @@ from dptrain.plan.specs import GpuSpec
 
 if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
     from dptrain.models.llama import LlamaConfig
+    from dptrain.plan.measure import ModelProfile
 
 # Inter-node links, bytes/s per GPU per direction, and α per collective step (stated assumptions:
 # the nominal line rate of one NIC per GPU; α a typical order of magnitude, not measured here).
@@ -103,3 +104,38 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
     step = compute + exposed + tp_comm
     return {"compute": compute, "dp_comm": dp_comm, "tp_comm": tp_comm, "step": step,
             "tokens_per_s": tokens * dp / step, "flops_per_token": fpt, "mfu": tokens * dp * fpt / step / gpus / peak}
+
+
+def dp_comm_time(strategy: str, nbytes: float, dp: int, link: Link, *, accum: int) -> float:
+    """Data-parallel traffic of one optimizer step over `dp` ranks for `nbytes` of gradients (the
+    module docstring's rules): ddp all-reduces once, zero1 also all-gathers the parameters, zero2
+    reduce-scatters and all-gathers per micro-step, fsdp all-gathers twice and reduce-scatters."""
+    if strategy == "ddp":
+        return all_reduce_time(nbytes, dp, link)
+    if strategy == "zero1":
+        return all_reduce_time(nbytes, dp, link) + gather_time(nbytes, dp, link)
+    gathers = 2 if strategy == "fsdp" else 1
+    return accum * (gathers + 1) * gather_time(nbytes, dp, link)
+
+
+def profile_step_time(prof: ModelProfile, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
+                      accum: int, efficiency: float) -> dict[str, float]:
+    """`step_time` for a measured model (plan/measure.py; tp = pp = 1): compute is the measured
+    training FLOPs of one micro-batch (full checkpointing: the blocks' forward once more) x `accum`
+    at the dense peak x `efficiency`; data-parallel traffic `dp_comm_time` of the parameter bytes
+    (gradients in each parameter's dtype), overlapped with backward as in `step_time`. Samples/s,
+    and tokens/s when the dataset has a `seq_len`."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+    dtype = lay.precision if lay.precision != "fp32" else "tf32"
+    peak = spec.peaks.get(dtype) or spec.peaks["fp32"]
+    flops = accum * prof.training_flops(lay.checkpointing)  # per rank per step
+    compute = flops / (peak * efficiency)
+    per_node = max(1, gpus // nodes)
+    link = links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node)
+    dp_comm = dp_comm_time(lay.strategy, prof.param_bytes, gpus, link, accum=accum)
+    step = compute + max(0.0, dp_comm - 2 / 3 * compute)
+    samples = lay.micro_batch * accum * gpus / step
+    return {"compute": compute, "dp_comm": dp_comm, "tp_comm": 0.0, "step": step, "samples_per_s": samples,
+            "tokens_per_s": samples * prof.seq_len if prof.seq_len else 0.0, "flops_per_step": flops,
+            "mfu": flops / step / peak}

@@ -1,0 +1,191 @@
+"""`dptrain plan` for users' models (plan/measure.py, memory.profile_memory, timing.profile_step_time,
+plan/measured.py): the fake-tensor measurement against the same measurement on real tensors and
+against plan/llama.py's formulas, no real allocation for a 20B model, memory predicted vs measured
+on 2 gloo ranks, and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from dptrain.build import build_datasets, build_model
+from dptrain.cli import main
+from dptrain.config import DataConfig, ModelConfig
+from dptrain.models.llama import LlamaConfig
+from dptrain.plan import memory, specs, timing
+from dptrain.plan.llama import activation_bytes, param_counts
+from dptrain.plan.measure import MeasureError, measure_model, profile_module
+
+MLP = ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs={"in_dim": 16, "hidden": 48, "depth": 3})
+REGRESSION = DataConfig(factory="dptrain.models.toy:build_regression_data", kwargs={"n": 32})
+CNN = ModelConfig(factory="plan_models:build_cnn", kwargs={})
+IMAGES = DataConfig(factory="plan_models:build_images", kwargs={})
+LLAMA_KW = {"vocab_size": 256, "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32}
+LLAMA = ModelConfig(factory="dptrain.models.llama:build_llama", kwargs=LLAMA_KW)
+TOKENS = DataConfig(factory="plan_models:build_tokens", kwargs={"seq_len": 24})
+CASES = {"mlp": (MLP, REGRESSION), "cnn": (CNN, IMAGES), "llama": (LLAMA, TOKENS)}
+
+
+def _real(model_cfg: ModelConfig, data_cfg: DataConfig, *, micro_batch: int, precision: str):
+    """The same measurement on a real model (seeded as the fake one) and a real batch of the first sample."""
+    model = build_model(model_cfg, seed=0)
+    train, _ = build_datasets(data_cfg)
+    batch = default_collate([train[0]] * micro_batch)
+    return profile_module(model, batch, micro_batch=micro_batch, precision=precision, factory=model_cfg.factory,
+                          seq_len=getattr(train, "seq_len", None))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fake_measurement_equals_the_real_one(case, precision):
+    model_cfg, data_cfg = CASES[case]
+    fake = measure_model(model=model_cfg, data=data_cfg, micro_batch=3, precision=precision)
+    real = _real(model_cfg, data_cfg, micro_batch=3, precision=precision)
+    if case == "cnn" and precision != "fp32":
+        # batch norm on bf16 input: the CPU kernel saves its mean and invstd in fp32, PyTorch's meta
+        # kernel (fake tensors) in the input's dtype: 2 x 8 channels x 2 bytes less per block
+        assert [r - f for r, f in zip(real.block_recompute_bytes, fake.block_recompute_bytes, strict=True)] == [32, 32, 32]
+        real = dataclasses.replace(real, saved_bytes=real.saved_bytes - 96,
+                                   block_recompute_bytes=fake.block_recompute_bytes)
+    assert fake == real  # every count, exactly: parameters, saved bytes per block, FLOPs, FSDP units
+    assert fake.saved_bytes > 0 and fake.flops > 0 and len(fake.block_recompute_bytes) == 3
+    assert fake.activation_bytes("full") < fake.activation_bytes("none")
+    assert fake.training_flops("full") == fake.flops + fake.block_forward_flops > fake.flops
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_llama_measured_equals_the_formulas(precision):
+    cfg = LlamaConfig(**LLAMA_KW)
+    B, T = 3, 24
+    prof = measure_model(model=LLAMA, data=TOKENS, micro_batch=B, precision=precision)
+    counts = param_counts(cfg)
+    assert prof.params == prof.trainable == counts.total and prof.param_bytes == 4 * counts.total
+    assert prof.largest_unit_bytes == 4 * counts.largest_unit and prof.units == cfg.n_layers
+    assert prof.activation_bytes("none") == activation_bytes(cfg, batch=B, seq=T, precision=precision)
+    # full checkpointing: plan/llama.py counts the recomputed block's input (fp32 [B, T, d]) a second time
+    full = activation_bytes(cfg, batch=B, seq=T, precision=precision, checkpointing="full")
+    assert prof.activation_bytes("full") == full - 4 * B * T * cfg.dim
+    # measured FLOPs vs the 6N + 12 L d T model (counts the norms' and the head's N, not the SDPA's causal half)
+    model_flops = B * T * (6 * (counts.total - counts.embedding) + 12 * cfg.n_layers * cfg.dim * T)
+    assert prof.flops == pytest.approx(model_flops, rel=0.10)
+    lay = memory.Layout(strategy="fsdp", dp_shard=4, tp=1, pp=1, micro_batch=B, seq=T, precision=precision,
+                        optimizer="adamw")
+    assert memory.profile_memory(prof, lay) | {"stage": 0} == {**memory.layout_memory(cfg, lay), "stage": 0}
+
+
+@pytest.mark.timeout(90)
+def test_a_20b_parameter_model_is_measured_without_allocating():
+    proc = psutil.Process(os.getpid())
+    huge = ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs={"in_dim": 16, "hidden": 16384, "depth": 76})
+    before, t0 = proc.memory_info().rss, time.perf_counter()
+    prof = measure_model(model=huge, data=REGRESSION, micro_batch=8, precision="bf16")
+    seconds, grown = time.perf_counter() - t0, proc.memory_info().rss - before
+    h = 16384  # Linear(16, h), 75 x Linear(h, h), Linear(h, 4), with biases
+    assert prof.params == 17 * h + 75 * (h * h + h) + 4 * h + 4 > 2e10
+    assert prof.param_bytes == 4 * prof.params  # 80 GB of fp32 weights, more than this machine has
+    assert prof.activation_bytes() > 2 * prof.params  # autocast's bf16 copy of every weight
+    assert grown < 300e6, f"RSS grew by {grown / 1e6:.0f} MB"
+    assert seconds < 60, seconds
+    mem = memory.profile_memory(prof, memory.Layout(strategy="fsdp", dp_shard=64, tp=1, pp=1, micro_batch=8, seq=0,
+                                                    precision="bf16", optimizer="adamw"))
+    assert mem["params"] == mem["grads"] == prof.param_bytes / 64 and mem["optimizer"] == 2 * prof.param_bytes / 64
+
+
+def _states_and_activations(rank: int, strategies: list[str], micro_batch: int) -> dict[str, dict[str, int]]:
+    """Per strategy: this rank's bytes of parameters, gradients and AdamW state after one real step
+    of the MLP, and (ddp) the bytes autograd saved in that step's forward."""
+    import torch.distributed as dist
+    from test_plan import _local_bytes
+
+    from dptrain import api
+
+    api.init_distributed(device="cpu")
+    out = {}
+    try:
+        for strategy in strategies:
+            model = build_model(MLP, seed=0)
+            pm = api.parallelize(model, strategy=strategy, device=torch.device("cpu"))
+            opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
+            train, _ = build_datasets(REGRESSION)
+            batch = default_collate([train[i] for i in range(micro_batch)])
+            saved = profile_module(pm.module, batch, micro_batch=micro_batch, precision="fp32").saved_bytes
+            opt.step()
+            inner = getattr(opt, "optim", opt)
+            params = list(pm.module.parameters())
+            out[strategy] = {
+                "params": sum(_local_bytes(p) for p in params),
+                "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+                "optimizer": sum(_local_bytes(v) for s in inner.state.values() for v in s.values() if v.dim() > 0),
+                **({"activations": saved} if strategy == "ddp" else {}),
+            }
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_measured_model_memory_predicted_vs_measured_on_2_ranks():
+    from mp import run_ranks
+
+    strategies = ["ddp", "zero1", "zero2", "fsdp"]
+    measured = run_ranks(_states_and_activations, 2, strategies, 4, timeout=100)
+    prof = measure_model(model=MLP, data=REGRESSION, micro_batch=4, precision="fp32")
+    for strategy in strategies:
+        lay = memory.Layout(strategy=strategy, dp_shard=2, tp=1, pp=1, micro_batch=4, seq=0, precision="fp32",
+                            optimizer="adamw")
+        mem = memory.profile_memory(prof, lay)
+        for rank in range(2):
+            for key, got in measured[rank][strategy].items():
+                assert mem[key] == pytest.approx(got, rel=0.10), (strategy, rank, key, got, mem[key])
+
+
+@pytest.mark.timeout(60)
+def test_profile_step_time_follows_the_alpha_beta_rules():
+    prof = measure_model(model=MLP, data=REGRESSION, micro_batch=4, precision="bf16")
+    h100 = specs.gpu_spec("H100")
+    lay = memory.Layout(strategy="ddp", dp_shard=1, tp=1, pp=1, micro_batch=4, seq=0, precision="bf16",
+                        optimizer="adamw")
+    one = timing.profile_step_time(prof, lay, h100, gpus=1, nodes=1, interconnect="nvlink", accum=2, efficiency=0.5)
+    assert one["compute"] == pytest.approx(2 * prof.flops / (989.5e12 * 0.5)) and one["dp_comm"] == 0
+    assert one["mfu"] == pytest.approx(0.5) and one["samples_per_s"] == pytest.approx(8 / one["step"])
+    eth = timing.profile_step_time(prof, lay, h100, gpus=4, nodes=4, interconnect="ethernet", accum=2, efficiency=0.5)
+    assert eth["dp_comm"] == pytest.approx(timing.all_reduce_time(prof.param_bytes, 4, timing.Link(12.5e9, 30e-6)))
+    assert eth["step"] == pytest.approx(eth["compute"] + max(0.0, eth["dp_comm"] - 2 / 3 * eth["compute"]))
+    fsdp = dataclasses.replace(lay, strategy="fsdp", dp_shard=4)
+    t = timing.profile_step_time(prof, fsdp, h100, gpus=4, nodes=4, interconnect="ethernet", accum=2, efficiency=0.5)
+    assert t["dp_comm"] == pytest.approx(2 * 3 * timing.gather_time(prof.param_bytes, 4, timing.Link(12.5e9, 30e-6)))
+
+
+MLP_ARGS = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={hidden: 64, depth: 2}",
+            "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={n: 64}"]
+
+
+@pytest.mark.timeout(60)
+def test_cli_reports_a_measured_model_and_names_a_broken_factory(capsys):
+    assert main(["plan", "--gpus", "2", "--gpu-type", "L40S", *MLP_ARGS, "parallel.strategy=fsdp",
+                 "precision.dtype=bf16"]) == 0
+    out = capsys.readouterr().out
+    prof = measure_model(model=ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs={"hidden": 64, "depth": 2}),
+                         data=REGRESSION, micro_batch=16, precision="bf16")  # global 32 over 2 ranks
+    assert "measured on fake tensors" in out and f"{prof.params:,} parameters" in out
+    assert "fsdp on 2 x L40S" in out and "fits" in out and "samples/s" in out and "MFU" in out
+    lay = memory.Layout(strategy="fsdp", dp_shard=2, tp=1, pp=1, micro_batch=16, seq=0, precision="bf16",
+                        optimizer="adamw")
+    assert f"{memory.profile_memory(prof, lay)['total'] / 1e9:>10.3f}" in out
+    assert main(["plan", "--gpus", "2", "model.factory=bad_factories:raising_model", "model.kwargs={}",
+                 *MLP_ARGS[2:]]) == 2
+    err = capsys.readouterr().err
+    assert "'bad_factories:raising_model'" in err and "user bug: cannot build 4 layers" in err
+    assert main(["plan", "--gpus", "2", *MLP_ARGS, "parallel.strategy=fsdp", "parallel.tp=2"]) == 2
+    assert "tp=2" in capsys.readouterr().err
+    with pytest.raises(MeasureError, match="data.factory 'bad_factories:raising_data'"):
+        measure_model(model=MLP, data=DataConfig(factory="bad_factories:raising_data", kwargs={}), micro_batch=2,
+                      precision="fp32")

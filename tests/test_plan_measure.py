@@ -60,6 +60,18 @@ def test_fake_measurement_equals_the_real_one(case, precision):
     assert fake.training_flops("full") == fake.flops + fake.block_forward_flops > fake.flops
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+def test_hugging_face_models_fake_equals_real(name):
+    pytest.importorskip("transformers", reason="transformers is not installed (the optional extra)")
+    # dict batches with labels (the token rule: num_items_in_batch), tied embeddings, T5's two stacks
+    model_cfg = ModelConfig(factory=f"test_hf_models:tiny_{name}", kwargs={})
+    data_cfg = DataConfig(factory="test_hf_models:hf_batches", kwargs={"seq2seq": name == "t5"})
+    fake = measure_model(model=model_cfg, data=data_cfg, micro_batch=4, precision="bf16")
+    assert fake == _real(model_cfg, data_cfg, micro_batch=4, precision="bf16")
+    assert fake.units == (4 if name == "t5" else 2) and fake.saved_bytes > 0 and fake.flops > 0
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_llama_measured_equals_the_formulas(precision):

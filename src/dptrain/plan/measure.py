@@ -249,5 +249,6 @@ def measure_model(*, model: ModelConfig, data: DataConfig, micro_batch: int, pre
             return profile_module(module, batch, micro_batch=micro_batch, precision=precision, loss=loss,
                                   factory=model.factory, seq_len=seq_len)
     except Exception as e:  # noqa: BLE001 - whatever the user's code raised, said with where it was
-        raise MeasureError(f"dptrain plan measures models other than the built-in LLaMA on fake tensors; "
+        raise MeasureError(f"dptrain plan has formulas for the built-in LLaMA and measures other models on fake "
+                           f"tensors; "
                            f"{step} failed: {type(e).__name__}: {e}") from e

@@ -201,22 +201,30 @@ def test_profile_step_time_follows_the_alpha_beta_rules():
     assert t["dp_comm"] == pytest.approx(2 * 3 * timing.gather_time(prof.param_bytes, 4, timing.Link(12.5e9, 30e-6)))
 
 
-MLP_ARGS = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={hidden: 64, depth: 2}",
+MLP_KW = {"in_dim": 16, "hidden": 2048, "depth": 4}
+MLP_ARGS = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={in_dim: 16, hidden: 2048, depth: 4}",
             "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={n: 64}"]
 
 
 @pytest.mark.timeout(60)
 def test_cli_reports_a_measured_model_and_names_a_broken_factory(capsys):
     assert main(["plan", "--gpus", "2", "--gpu-type", "L40S", *MLP_ARGS, "parallel.strategy=fsdp",
-                 "precision.dtype=bf16"]) == 0
+                 "precision.dtype=bf16", "train.micro_batch_size=8", "train.grad_accum_steps=2"]) == 0
     out = capsys.readouterr().out
-    prof = measure_model(model=ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs={"hidden": 64, "depth": 2}),
-                         data=REGRESSION, micro_batch=16, precision="bf16")  # global 32 over 2 ranks
-    assert "measured on fake tensors" in out and f"{prof.params:,} parameters" in out
-    assert "fsdp on 2 x L40S" in out and "fits" in out and "samples/s" in out and "MFU" in out
-    lay = memory.Layout(strategy="fsdp", dp_shard=2, tp=1, pp=1, micro_batch=16, seq=0, precision="bf16",
+    prof = measure_model(model=ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs=MLP_KW), data=REGRESSION,
+                         micro_batch=8, precision="bf16")
+    assert "measured on fake tensors" in out and f"{prof.params:,} parameters" in out and prof.params > 12e6
+    assert "fsdp on 2 x L40S" in out and "micro-batch 8 samples" in out and "samples/s" in out and "MFU" in out
+    lay = memory.Layout(strategy="fsdp", dp_shard=2, tp=1, pp=1, micro_batch=8, seq=0, precision="bf16",
                         optimizer="adamw")
-    assert f"{memory.profile_memory(prof, lay)['total'] / 1e9:>10.3f}" in out
+    mem = memory.profile_memory(prof, lay)
+    for key in ("params", "grads", "optimizer", "activations", "temporary", "total"):
+        assert f"  {key:<12}{mem[key] / 1e9:>10.3f}" in out, key
+    assert mem["activations"] > 0.02e9 and "fits" in out
+    assert f"checkpointing none {prof.activation_bytes('none') / 1e9:.4g} GB, full" in out
+    t = timing.profile_step_time(prof, lay, specs.gpu_spec("L40S"), gpus=2, nodes=1, interconnect="ib", accum=2,
+                                 efficiency=0.4)
+    assert f"step {t['step']:.4g} s" in out
     assert main(["plan", "--gpus", "2", "model.factory=bad_factories:raising_model", "model.kwargs={}",
                  *MLP_ARGS[2:]]) == 2
     err = capsys.readouterr().err

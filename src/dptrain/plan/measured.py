@@ -38,6 +38,12 @@ def measured_report(args: argparse.Namespace, spec: GpuSpec, cfg: Any, resolved:
              f"checkpointing {lay.checkpointing}",
              "memory per rank (GB = 1e9 bytes; activations: the bytes autograd saves for backward, measured):",
              *memory_lines(mem, spec)]
+    if prof.block_recompute_bytes:
+        lines.append(f"  saved for backward: {prof.outside_bytes / 1e9:.4g} GB outside the blocks, "
+                     f"{len(prof.block_recompute_bytes)} blocks of up to "
+                     f"{max(prof.block_recompute_bytes) / 1e9:.4g} GB besides their inputs "
+                     f"({prof.block_input_bytes / 1e9:.4g} GB); checkpointing none "
+                     f"{prof.activation_bytes('none') / 1e9:.4g} GB, full {prof.activation_bytes('full') / 1e9:.4g} GB")
     t = profile_step_time(prof, lay, spec, gpus=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
                           accum=resolved.grad_accum_steps, efficiency=args.efficiency)
     lines.append(f"time per step (alpha-beta model, {t['flops_per_step']:.4g} measured FLOPs per rank at "

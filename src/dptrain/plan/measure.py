@@ -66,6 +66,7 @@ class ModelProfile:
     flops: int  # forward + backward of one micro-batch
     block_forward_flops: int
     seq_len: int | None = None  # tokens per sample, when the dataset says (`seq_len`)
+    optimizer_groups: tuple[tuple[int, ...], ...] = ()  # numel of each trainable tensor, by dptrain's groups
 
     def activation_bytes(self, checkpointing: str = "none") -> int:
         """Bytes saved for backward by one micro-batch under `checkpointing`: none/selective all of
@@ -82,16 +83,18 @@ class ModelProfile:
 
 
 def param_stats(model: nn.Module) -> dict[str, Any]:
-    """Parameter count and bytes: all, trainable, by dtype (each tensor once)."""
+    """Parameter count and bytes: all, trainable, by dtype (each tensor once); the trainable
+    tensors' sizes in `dptrain.optim.param_groups`' groups (matrices, then 1-D), for zero1."""
     params = list(model.parameters())  # deduplicated by nn.Module
     by_dtype: dict[str, int] = {}
     for p in params:
         key = str(p.dtype).removeprefix("torch.")
         by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
     train = [p for p in params if p.requires_grad]
+    groups = (tuple(p.numel() for p in train if p.ndim >= 2), tuple(p.numel() for p in train if p.ndim < 2))
     return {"params": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in train),
             "param_bytes": sum(by_dtype.values()), "trainable_bytes": sum(p.numel() * p.element_size() for p in train),
-            "bytes_by_dtype": by_dtype}
+            "bytes_by_dtype": by_dtype, "optimizer_groups": tuple(g for g in groups if g)}
 
 
 def fsdp_unit_bytes(model: nn.Module) -> list[int]:

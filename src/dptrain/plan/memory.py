@@ -116,15 +116,19 @@ def layout_memory(cfg: LlamaConfig, lay: Layout) -> dict[str, float]:
 
 
 def model_states(lay: Layout, *, param_bytes: float, grad_bytes: float, optim_bytes: float,
-                 unit_bytes: float) -> dict[str, float]:
+                 unit_bytes: float, zero1_optim: float | None = None) -> dict[str, float]:
     """Per-rank bytes of parameters, gradients, optimizer state, the strategy's temporary buffers
     and (cpu_offload) the host share, for a rank holding `param_bytes` of parameters before
     data-parallel sharding (`grad_bytes`, `optim_bytes` likewise), the largest FSDP unit
-    `unit_bytes`. Shared by the LLaMA formulas and measured models."""
+    `unit_bytes`. `zero1_optim`: under zero1, the rank's optimizer bytes when known (an uneven
+    partition, `zero1_partition`) instead of an even split. Shared by the LLaMA formulas and
+    measured models."""
     shard = lay.dp_shard if lay.strategy != "ddp" else 1
     params = param_bytes / (shard if lay.strategy in ("zero2", "fsdp") else 1)
     grads = grad_bytes / (shard if lay.strategy in ("zero2", "fsdp") else 1)
     optim = optim_bytes / (shard if lay.strategy != "ddp" else 1)
+    if lay.strategy == "zero1" and zero1_optim is not None:
+        optim = zero1_optim
     if lay.strategy == "zero2":  # FSDP2 without reshard: every unit stays gathered forward to backward
         temp = param_bytes - params + unit_bytes  # gathered parameters + one unsharded gradient (reduce-scatter)
     elif lay.strategy == "fsdp":  # the unit in use and the one prefetched, one unsharded gradient
@@ -157,11 +161,22 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: int,
             "stage": stage, "in_flight": in_flight}
 
 
+def zero1_partition(groups: tuple[tuple[int, ...], ...], ranks: int) -> list[int]:
+    """Elements of optimizer state per rank as ZeroRedundancyOptimizer partitions them: group by
+    group, each tensor (largest first) to the rank with the fewest elements so far."""
+    sizes = [0] * ranks
+    for group in groups:
+        for numel in sorted(group, reverse=True):
+            sizes[sizes.index(min(sizes))] += numel
+    return sizes
+
+
 def profile_memory(prof: ModelProfile, lay: Layout) -> dict[str, float]:
     """Bytes per rank of a measured model (plan/measure.py) under `lay` (ddp/zero1/zero2/fsdp ±
     cpu_offload; tp = pp = 1): model states as `model_states` with the measured parameter bytes
-    (gradients and optimizer states in each parameter's dtype, trainable ones only), the measured
-    activations of one micro-batch under `lay.checkpointing`, the stated overhead."""
+    (gradients and optimizer states in each parameter's dtype, trainable ones only; zero1: the
+    most loaded rank of ZeroRedundancyOptimizer's partition), the measured activations of one
+    micro-batch under `lay.checkpointing`, the stated overhead."""
     if lay.tp != 1 or lay.pp != 1:
         raise ValueError(f"a measured model is planned without tensor or pipeline parallelism (tp={lay.tp}, "
                          f"pp={lay.pp}): the measurement runs the whole, unsplit model")
@@ -169,8 +184,13 @@ def profile_memory(prof: ModelProfile, lay: Layout) -> dict[str, float]:
         raise ValueError(f"the profile was measured at micro-batch {prof.micro_batch}, {prof.precision}, not "
                          f"{lay.micro_batch}, {lay.precision}")
     k = optimizer_bytes(lay.optimizer, master=False)  # per 4-byte parameter: the states are zeros_like(param)
+    zero1 = None
+    if lay.strategy == "zero1" and prof.optimizer_groups and prof.trainable:  # the worst rank's share
+        per_element = k * prof.trainable_bytes / prof.trainable / 4
+        zero1 = per_element * max(zero1_partition(prof.optimizer_groups, lay.dp_shard))
     states = model_states(lay, param_bytes=prof.param_bytes, grad_bytes=prof.trainable_bytes,
-                          optim_bytes=k * prof.trainable_bytes / 4, unit_bytes=prof.largest_unit_bytes)
+                          optim_bytes=k * prof.trainable_bytes / 4, unit_bytes=prof.largest_unit_bytes,
+                          zero1_optim=zero1)
     acts = float(prof.activation_bytes(lay.checkpointing))
     total = states["params"] + states["grads"] + states["optimizer"] + acts + states["temporary"] + FRAMEWORK_OVERHEAD
     return {**states, "activations": acts, "overhead": FRAMEWORK_OVERHEAD, "total": total, "stage": 0, "in_flight": 1}

@@ -13,7 +13,7 @@ from dptrain.cli import main
 from dptrain.models.llama import LlamaConfig
 from dptrain.plan import calibrate, predict, specs, timing
 from dptrain.plan.cli import DEFAULT_EFFICIENCY
-from dptrain.plan.llama import param_counts
+from dptrain.plan.llama import param_counts, param_shapes
 from dptrain.plan.memory import Layout
 
 SIZES = [4 * 2**10 * 4**i for i in range(8)]
@@ -160,17 +160,15 @@ def test_powersgd_and_onebit_shrink_what_a_bucket_costs():
     cfg = LlamaConfig(vocab_size=256, dim=512, n_layers=4, n_heads=8, max_seq_len=128)
     link = timing.Link(bandwidth=1e8, alpha=0.0)
     lay = _lay(strategy="ddp", grad_compression="powersgd", powersgd_rank=4)
-    cost = timing.compression_cost(cfg, lay, 2, link)
-    from dptrain.plan.llama import param_shapes
-
+    cost = timing.compression_cost(param_shapes(cfg), lay, 2, link)
     shapes = param_shapes(cfg)
     numel = sum(math.prod(s) for s in shapes)
     sent = sum(4 * (s[0] + math.prod(s[1:])) if len(s) == 2 and 8 * (s[0] + s[1]) < s[0] * s[1] else math.prod(s)
                for s in shapes)
     assert cost(4 * numel) == pytest.approx(timing.all_reduce_time(4 * sent, 2, link))
-    onebit = timing.compression_cost(cfg, _lay(grad_compression="onebit"), 4, link)
+    onebit = timing.compression_cost(param_shapes(cfg), _lay(grad_compression="onebit"), 4, link)
     assert onebit(4 * numel) == pytest.approx(timing.gather_time(4 * (numel / 8 + 4 * len(shapes)), 4, link))
-    assert timing.compression_cost(cfg, _lay(grad_compression="fp16"), 2, link) is None
+    assert timing.compression_cost(param_shapes(cfg), _lay(grad_compression="fp16"), 2, link) is None
 
 
 @pytest.mark.timeout(60)

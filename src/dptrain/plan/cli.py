@@ -7,7 +7,7 @@ import sys
 
 from dptrain.plan.llama import param_counts
 from dptrain.plan.memory import GB, OPTIMIZERS, PRECISIONS, zero_states
-from dptrain.plan.predict import device_spec, predict, scaling
+from dptrain.plan.predict import LLAMA, device_spec, predict, scaling
 from dptrain.plan.presets import PRESETS, preset
 from dptrain.plan.recommend import load_plan_config, recommend
 from dptrain.plan.specs import GpuSpec, gpu_spec
@@ -130,8 +130,23 @@ def _zero_table(args: argparse.Namespace, spec: GpuSpec) -> str:
     return "\n".join(lines)
 
 
+def memory_lines(mem: dict[str, float], spec: GpuSpec) -> list[str]:
+    """The per-rank memory table of a layout report, and whether it fits `spec`."""
+    lines = [f"  {key:<12}{mem[key] / GB:>10.3f}" for key in ("params", "grads", "optimizer", "activations",
+                                                              "temporary", "overhead")]
+    lines.append(f"  {'total':<12}{mem['total'] / GB:>10.3f}  of {spec.memory_gb:g} GB: "
+                 f"{'fits' if mem['total'] <= spec.memory_gb * GB else 'does NOT fit'}")
+    if mem["host"]:
+        lines.append(f"  host (cpu_offload): {mem['host'] / GB:.3f} GB per rank")
+    return lines
+
+
 def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, str]) -> str:  # noqa: ANN001
     cfg = load_plan_config(args.items, model=args.model)
+    if cfg.model.factory != LLAMA:
+        from dptrain.plan.measured import measured_report
+
+        return measured_report(args, cfg, comm=comm, efficiency=efficiency)
     pr = predict(cfg, gpus=args.gpus, nodes=args.nodes, gpu_type=args.gpu_type, interconnect=args.interconnect,
                  comm=comm, efficiency=efficiency[0])
     model, lay, mem, t, spec, seq = pr.model, pr.layout, pr.memory, pr.time, pr.spec, pr.layout.seq
@@ -140,26 +155,29 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, s
              f"{' + cpu_offload' if lay.cpu_offload else ''} on {args.gpus} x {spec.name}: dp_shard {lay.dp_shard}, "
              f"tp {lay.tp}, pp {lay.pp}; micro-batch {lay.micro_batch} x {seq} tokens, {lay.precision}, "
              f"{lay.optimizer}, activation checkpointing {lay.checkpointing}",
-             f"memory per rank (GB = 1e9 bytes; the worst pipeline stage: {int(mem['stage'])}):"]
-    for key in ("params", "grads", "optimizer", "activations", "temporary", "overhead"):
-        lines.append(f"  {key:<12}{mem[key] / GB:>10.3f}")
-    lines.append(f"  {'total':<12}{mem['total'] / GB:>10.3f}  of {spec.memory_gb:g} GB: "
-                 f"{'fits' if mem['total'] <= spec.memory_gb * GB else 'does NOT fit'}")
-    if mem["host"]:
-        lines.append(f"  host (cpu_offload): {mem['host'] / GB:.3f} GB per rank")
-    link = "measured, " + args.comm if comm else f"{args.interconnect} datasheet"
-    lines.append(f"time per step (alpha-beta model; compute at {efficiency[0]:.3g} x the dense peak, {efficiency[1]}; "
-                 f"{args.nodes} node(s), data-parallel link {link}):")
-    lines.append(f"  compute {t['compute']:.4g} s, data-parallel comm {t['dp_comm']:.4g} s of which exposed "
-                 f"{t['exposed_comm']:.4g} s, tensor-parallel comm {t['tp_comm']:.4g} s, pipeline transfers (exposed) "
-                 f"{t['pp_comm']:.4g} s")
-    lines.append(f"  step {t['step']:.4g} s, {t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s'] / args.gpus:,.0f} "
-                 f"per GPU), MFU {t['mfu']:.1%}")
-    if t["offload"]:
-        lines.append(f"  of which cpu_offload's host copies and optimizer step: {t['offload']:.4g} s")
+             f"memory per rank (GB = 1e9 bytes; the worst pipeline stage: {int(mem['stage'])}):",
+             *memory_lines(mem, spec)]
+    lines += time_lines(args, t, comm=comm, efficiency=efficiency)
     if args.scaling:
         lines += _scaling_lines(args, cfg, comm=comm, efficiency=efficiency[0])
     return "\n".join(lines)
+
+
+def time_lines(args: argparse.Namespace, t: dict[str, float], *, comm, efficiency: tuple[float, str]) -> list[str]:  # noqa: ANN001
+    """The time part of a layout report (`step_time` / `profile_step_time`'s result)."""
+    link = "measured, " + args.comm if comm else f"{args.interconnect} datasheet"
+    lines = [f"time per step (alpha-beta model; compute at {efficiency[0]:.3g} x the dense peak, {efficiency[1]}; "
+             f"{args.nodes} node(s), data-parallel link {link}):",
+             f"  compute {t['compute']:.4g} s, data-parallel comm {t['dp_comm']:.4g} s of which exposed "
+             f"{t['exposed_comm']:.4g} s, tensor-parallel comm {t['tp_comm']:.4g} s, pipeline transfers (exposed) "
+             f"{t['pp_comm']:.4g} s"]
+    rate = f"{t['samples_per_s']:,.1f} samples/s, " if "samples_per_s" in t else ""
+    if t["tokens_per_s"]:
+        rate += f"{t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s'] / args.gpus:,.0f} per GPU), "
+    lines.append(f"  step {t['step']:.4g} s, {rate}MFU {t['mfu']:.1%}")
+    if t["offload"]:
+        lines.append(f"  of which cpu_offload's host copies and optimizer step: {t['offload']:.4g} s")
+    return lines
 
 
 def _scaling_lines(args: argparse.Namespace, cfg, *, comm, efficiency: float) -> list[str]:  # noqa: ANN001

@@ -1,4 +1,4 @@
-"""Memory per rank: model states by ZeRO stage, and the built-in LLaMA's layouts.
+"""Memory per rank: model states by ZeRO stage, the built-in LLaMA's layouts and measured models.
 
 Conventions (bytes per parameter; GB = 1e9 bytes):
 
@@ -24,6 +24,7 @@ from dptrain.plan.llama import ParamCounts, activation_bytes, param_counts
 
 if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
     from dptrain.models.llama import LlamaConfig
+    from dptrain.plan.measure import ModelProfile
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -119,25 +120,40 @@ def layout_memory(cfg: LlamaConfig, lay: Layout) -> dict[str, float]:
     return worst
 
 
-def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: int, first: bool,
-                  last: bool, stage: int) -> dict[str, float]:
-    n = _rank_params(c, layers=layers, first=first, last=last, tp=lay.tp)
-    k = optimizer_bytes(lay.optimizer, master=False)
+def model_states(lay: Layout, *, param_bytes: float, grad_bytes: float, optim_bytes: float,
+                 unit_bytes: float, zero1_optim: float | None = None) -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients, optimizer state, the strategy's temporary buffers
+    and (cpu_offload) the host share, for a rank holding `param_bytes` of parameters before
+    data-parallel sharding (`grad_bytes`, `optim_bytes` likewise), the largest FSDP unit
+    `unit_bytes`. `zero1_optim`: under zero1, the rank's optimizer bytes when known (an uneven
+    partition, `zero1_partition`) instead of an even split. Shared by the LLaMA formulas and
+    measured models."""
     shard = lay.dp_shard if lay.strategy != "ddp" else 1
-    params = 4 * n / (shard if lay.strategy in ("zero2", "fsdp") else 1)
-    grads = 4 * n / (shard if lay.strategy in ("zero2", "fsdp") else 1)
-    optim = k * n / (shard if lay.strategy != "ddp" else 1)
-    unit = 4 * (max(c.block_linear // lay.tp + c.block - c.block_linear,
-                    (c.embedding + c.head) // lay.tp + c.final_norm))
+    params = param_bytes / (shard if lay.strategy in ("zero2", "fsdp") else 1)
+    grads = grad_bytes / (shard if lay.strategy in ("zero2", "fsdp") else 1)
+    optim = optim_bytes / (shard if lay.strategy != "ddp" else 1)
+    if lay.strategy == "zero1" and zero1_optim is not None:
+        optim = zero1_optim
     if lay.strategy == "zero2":  # FSDP2 without reshard: every unit stays gathered forward to backward
-        temp = 4 * n - params + unit  # gathered parameters + one unsharded gradient (reduce-scatter)
+        temp = param_bytes - params + unit_bytes  # gathered parameters + one unsharded gradient (reduce-scatter)
     elif lay.strategy == "fsdp":  # the unit in use and the one prefetched, one unsharded gradient
-        temp = 3 * unit
+        temp = 3 * unit_bytes
     else:  # DDP: one bucket under all-reduce; without bucket views the buckets copy every gradient
         temp = lay.bucket_cap_mb * 2**20 + (0 if lay.gradient_as_bucket_view else grads)
     host = 0.0
     if lay.cpu_offload and lay.strategy in ("zero2", "fsdp"):
         host, params, grads, optim = params + grads + optim, 0.0, 0.0, 0.0
+    return {"params": params, "grads": grads, "optimizer": optim, "temporary": temp, "host": host}
+
+
+def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: int, first: bool,
+                  last: bool, stage: int) -> dict[str, float]:
+    n = _rank_params(c, layers=layers, first=first, last=last, tp=lay.tp)
+    k = optimizer_bytes(lay.optimizer, master=False)
+    unit = 4 * (max(c.block_linear // lay.tp + c.block - c.block_linear,
+                    (c.embedding + c.head) // lay.tp + c.final_norm))
+    states = model_states(lay, param_bytes=4 * n, grad_bytes=4 * n, optim_bytes=k * n, unit_bytes=unit)
+    params, grads, optim, temp, host = (states[key] for key in ("params", "grads", "optimizer", "temporary", "host"))
     m = max(1, lay.pp_microbatches)
     in_flight = m if lay.pp_schedule == "gpipe" or lay.pp == 1 else min(m, lay.pp - stage)
     per_micro = activation_bytes(cfg, batch=math.ceil(lay.micro_batch / m), seq=lay.seq, precision=lay.precision,
@@ -148,3 +164,38 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: int,
     return {"params": params, "grads": grads, "optimizer": optim, "activations": acts,
             "temporary": temp, "overhead": FRAMEWORK_OVERHEAD, "total": total, "host": host,
             "stage": stage, "in_flight": in_flight}
+
+
+def zero1_partition(groups: tuple[tuple[int, ...], ...], ranks: int) -> list[int]:
+    """Elements of optimizer state per rank as ZeroRedundancyOptimizer partitions them: group by
+    group, each tensor (largest first) to the rank with the fewest elements so far."""
+    sizes = [0] * ranks
+    for group in groups:
+        for numel in sorted(group, reverse=True):
+            sizes[sizes.index(min(sizes))] += numel
+    return sizes
+
+
+def profile_memory(prof: ModelProfile, lay: Layout) -> dict[str, float]:
+    """Bytes per rank of a measured model (plan/measure.py) under `lay` (ddp/zero1/zero2/fsdp ±
+    cpu_offload; tp = pp = 1): model states as `model_states` with the measured parameter bytes
+    (gradients and optimizer states in each parameter's dtype, trainable ones only; zero1: the
+    most loaded rank of ZeroRedundancyOptimizer's partition), the measured activations of one
+    micro-batch under `lay.checkpointing`, the stated overhead."""
+    if lay.tp != 1 or lay.pp != 1:
+        raise ValueError(f"a measured model is planned without tensor or pipeline parallelism (tp={lay.tp}, "
+                         f"pp={lay.pp}): the measurement runs the whole, unsplit model")
+    if lay.micro_batch != prof.micro_batch or lay.precision != prof.precision:
+        raise ValueError(f"the profile was measured at micro-batch {prof.micro_batch}, {prof.precision}, not "
+                         f"{lay.micro_batch}, {lay.precision}")
+    k = optimizer_bytes(lay.optimizer, master=False)  # per 4-byte parameter: the states are zeros_like(param)
+    zero1 = None
+    if lay.strategy == "zero1" and prof.optimizer_groups and prof.trainable:  # the worst rank's share
+        per_element = k * prof.trainable_bytes / prof.trainable / 4
+        zero1 = per_element * max(zero1_partition(prof.optimizer_groups, lay.dp_shard))
+    states = model_states(lay, param_bytes=prof.param_bytes, grad_bytes=prof.trainable_bytes,
+                          optim_bytes=k * prof.trainable_bytes / 4, unit_bytes=prof.largest_unit_bytes,
+                          zero1_optim=zero1)
+    acts = float(prof.activation_bytes(lay.checkpointing))
+    total = states["params"] + states["grads"] + states["optimizer"] + acts + states["temporary"] + FRAMEWORK_OVERHEAD
+    return {**states, "activations": acts, "overhead": FRAMEWORK_OVERHEAD, "total": total, "stage": 0, "in_flight": 1}

@@ -47,6 +47,7 @@ from dptrain.plan.specs import GpuSpec
 
 if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
     from dptrain.models.llama import LlamaConfig
+    from dptrain.plan.measure import ModelProfile
 
 # Inter-node links, bytes/s per GPU per direction, and α per collective step (stated assumptions:
 # the nominal line rate of one NIC per GPU -- 400 Gb/s InfiniBand NDR, 100 Gb/s Ethernet; α a
@@ -119,7 +120,8 @@ def bucket_overlap(buckets: list[float], n: int, link: Link, *, backward: float,
     return busy, max(0.0, free - backward)
 
 
-def compression_cost(cfg: LlamaConfig, lay: Layout, n: int, link: Link) -> Callable[[float], float] | None:
+def compression_cost(shapes: list[tuple[int, ...]] | None, lay: Layout, n: int,
+                     link: Link) -> Callable[[float], float] | None:
     """Seconds to send one DDP bucket of `b` fp32 gradient bytes under `lay.grad_compression`
     (None: plain all-reduce). The model's totals are spread evenly over the buckets.
 
@@ -129,9 +131,8 @@ def compression_cost(cfg: LlamaConfig, lay: Layout, n: int, link: Link) -> Calla
     - onebit (parallel/onebit.py): ceil(numel/8) bytes of signs + 4 per tensor from every rank, by
       all_gather: the ring moves n times that message.
     """
-    if lay.grad_compression not in ("powersgd", "onebit"):
-        return None
-    shapes = param_shapes(cfg)
+    if lay.grad_compression not in ("powersgd", "onebit") or not shapes:
+        return None  # shapes None: a measured model's tensors are not known by shape (sent uncompressed)
     numel = sum(math.prod(s) for s in shapes)
     if lay.grad_compression == "onebit":
         per_elem = (numel / 8 + 4 * len(shapes)) / (4 * numel)  # message bytes per fp32 gradient byte
@@ -144,30 +145,29 @@ def compression_cost(cfg: LlamaConfig, lay: Layout, n: int, link: Link) -> Calla
     return lambda b: all_reduce_time(b * ratio, n, link) + 2 * all_reduce_time(0.0, n, link)
 
 
-def _dp_comm(cfg: LlamaConfig, c, lay: Layout, *, dp: int, link: Link, compute_micro: float, accum: int,  # noqa: ANN001
-             overlap: bool) -> tuple[float, float]:
-    """(seconds the data-parallel collectives take, seconds of them exposed) per optimizer step."""
-    replica = c.total / (lay.tp * lay.pp)  # parameters of one replica's share of the model
+def _dp_comm(lay: Layout, *, params: float, units: float, shapes: list[tuple[int, ...]] | None, dp: int, link: Link,
+             compute_micro: float, accum: int, overlap: bool) -> tuple[float, float]:
+    """(seconds the data-parallel collectives take, seconds of them exposed) per optimizer step, for
+    `params` parameters per replica (the rank's stage and tensor-parallel share) in `units` FSDP units."""
     grad_b = DTYPE_BYTES.get(lay.grad_dtype or "fp32", 4)
     if lay.strategy in ("ddp", "zero1"):
-        buckets = ddp_buckets(grad_b * replica, lay.bucket_cap_mb)
+        buckets = ddp_buckets(grad_b * params, lay.bucket_cap_mb)
         busy, exposed = bucket_overlap(buckets, dp, link, backward=2 / 3 * compute_micro,
-                                       seconds=compression_cost(cfg, lay, dp, link))
+                                       seconds=compression_cost(shapes, lay, dp, link))
         if not overlap:
             exposed = busy
         if lay.strategy == "zero1":  # the updated parameters, after the optimizer step
-            gather = gather_time(4 * replica, dp, link)
+            gather = gather_time(4 * params, dp, link)
             busy, exposed = busy + gather, exposed + gather
         return busy, exposed
     param_b = DTYPE_BYTES.get(lay.param_dtype or "fp32", 4)
     reduce_b = DTYPE_BYTES.get(lay.reduce_dtype or lay.param_dtype or "fp32", 4)
-    units = c.n_layers / lay.pp + 1  # the blocks and the root (embedding, norm, head)
-    per_micro = fsdp_gathers(lay) * gather_time(param_b * replica, dp, link)
-    last_rs = gather_time(reduce_b * replica, dp, link)
+    per_micro = fsdp_gathers(lay) * gather_time(param_b * params, dp, link)
+    last_rs = gather_time(reduce_b * params, dp, link)
     busy = accum * per_micro + last_rs
     if not overlap:
         return busy, busy
-    first = gather_time(param_b * replica / units, dp, link) + gather_time(reduce_b * replica / units, dp, link)
+    first = gather_time(param_b * params / units, dp, link) + gather_time(reduce_b * params / units, dp, link)
     exposed = accum * max(first, per_micro - compute_micro) + max(0.0, last_rs - 2 / 3 * compute_micro)
     return busy, exposed
 
@@ -192,14 +192,14 @@ def fsdp_gathers(lay: Layout) -> float:
 HOST_OPTIMIZER_PARAMS_PER_S = 5e8
 
 
-def offload_time(c, lay: Layout, spec: GpuSpec, *, accum: int) -> float:  # noqa: ANN001 (ParamCounts)
+def offload_time(replica_params: float, lay: Layout, spec: GpuSpec, *, accum: int) -> float:
     """Seconds `cpu_offload` (FSDP2's CPUOffloadPolicy, zero2/fsdp) adds per step, not overlapped (an
     upper bound: FSDP2 issues the copies with its all-gathers): the rank's fp32 parameter shard
     copied in before every all-gather, its gradient shard copied out once, over the host link (PCIe,
     half the datasheet's bidirectional figure), and the optimizer step on the host."""
     if not lay.cpu_offload or lay.strategy not in ("zero2", "fsdp"):
         return 0.0
-    params = c.total / (lay.tp * lay.pp) / max(1, lay.dp_shard)
+    params = replica_params / max(1, lay.dp_shard)
     copies = accum * fsdp_gathers(lay) * 4 * params + 4 * params
     on_link = copies / (spec.pcie_gbps * 1e9 / 2) if spec.pcie_gbps else 0.0  # the CPU as device: no copies
     return on_link + params / HOST_OPTIMIZER_PARAMS_PER_S
@@ -243,12 +243,14 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
     per_node = max(1, gpus // nodes)
     overlap = spec.key != "cpu"
     dp_link = comm or links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node)
-    dp_comm, exposed = _dp_comm(cfg, c, lay, dp=dp, link=dp_link, compute_micro=compute / accum, accum=accum,
+    replica = c.total / (lay.tp * lay.pp)  # parameters of one replica's share of the model
+    dp_comm, exposed = _dp_comm(lay, params=replica, units=c.n_layers / lay.pp + 1, shapes=param_shapes(cfg),
+                                dp=dp, link=dp_link, compute_micro=compute / accum, accum=accum,
                                 overlap=overlap) if dp > 1 else (0.0, 0.0)
     act = (2 if lay.precision != "fp32" else 4) * lay.micro_batch * lay.seq * cfg.dim
     tp_link = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False) if lay.tp > 1 else dp_link
     tp_comm = accum * 4 * cfg.n_layers / lay.pp * all_reduce_time(act, lay.tp, tp_link)
-    offload = offload_time(c, lay, spec, accum=accum)
+    offload = offload_time(replica, lay, spec, accum=accum)
     pp_comm = pipeline_p2p_time(cfg, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect, accum=accum,
                                 comm=comm)
     step = compute + exposed + tp_comm + offload + pp_comm
@@ -256,3 +258,30 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
             "offload": offload,
             "step": step,
             "tokens_per_s": tokens * dp / step, "flops_per_token": fpt, "mfu": tokens * dp * fpt / step / gpus / peak}
+
+
+def profile_step_time(prof: ModelProfile, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
+                      accum: int, efficiency: float, comm: Link | None = None) -> dict[str, float]:
+    """`step_time` for a measured model (plan/measure.py; tp = pp = 1): compute is the measured
+    training FLOPs of one micro-batch (full checkpointing: the blocks' forward once more) x `accum`
+    at the dense peak x `efficiency`; the data-parallel traffic and its overlap follow `step_time`'s
+    rules for the measured parameter count (gradients fp32; PowerSGD/onebit not modelled: a measured
+    model's tensors are known by size only). Samples/s, and tokens/s when the dataset has a `seq_len`."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+    dtype = lay.precision if lay.precision != "fp32" else "tf32"
+    peak = spec.peaks.get(dtype) or spec.peaks["fp32"]
+    flops = accum * prof.training_flops(lay.checkpointing)  # per rank per step
+    compute = flops / (peak * efficiency)
+    per_node = max(1, gpus // nodes)
+    link = comm or links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node)
+    dp_comm, exposed = _dp_comm(lay, params=prof.params, units=max(1, prof.units), shapes=None, dp=gpus, link=link,
+                                compute_micro=compute / accum, accum=accum,
+                                overlap=spec.key != "cpu") if gpus > 1 else (0.0, 0.0)
+    offload = offload_time(prof.params, lay, spec, accum=accum)
+    step = compute + exposed + offload
+    samples = lay.micro_batch * accum * gpus / step
+    return {"compute": compute, "dp_comm": dp_comm, "exposed_comm": exposed, "tp_comm": 0.0, "pp_comm": 0.0,
+            "offload": offload, "step": step, "samples_per_s": samples,
+            "tokens_per_s": samples * prof.seq_len if prof.seq_len else 0.0, "flops_per_step": flops,
+            "mfu": flops / step / peak}

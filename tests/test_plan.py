@@ -107,6 +107,18 @@ def test_activation_bytes_match_what_autograd_saves(kw, precision):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_bytes_of_one_sequence_and_one_head(precision):
+    # B = 1: the targets are a view of the ids; one head: the attention output needs no re-laid-out copy
+    dtype = {"bf16": torch.bfloat16}.get(precision)
+    for kw, batch in [(CONFIGS[0], 1), (dict(vocab_size=256, dim=32, n_layers=2, n_heads=1), 2)]:
+        cfg = LlamaConfig(**kw)
+        torch.manual_seed(0)
+        ids = torch.randint(0, cfg.vocab_size, (batch, 17))
+        assert activation_bytes(cfg, batch=batch, seq=16, precision=precision) == _saved_bytes(LlamaLM(cfg), ids, dtype)
+
+
+@pytest.mark.timeout(60)
 def test_ddp_model_states_equal_a_real_adamw_step():
     cfg = LlamaConfig(**CONFIGS[1])
     model = LlamaLM(cfg)

@@ -7,7 +7,8 @@ FFN width f, vocabulary V. Counted from the model's code (tests/test_plan.py che
 that measurement on this CPU):
 
 fp32, per block: 11*B*T*d (block input, the two norms' normalised x and outputs, q, k, v
-at h heads after the GQA repeat, the attention output, its re-laid-out copy, the mid residual)
+at h heads after the GQA repeat, the attention output, its re-laid-out copy (none with one head:
+the transpose is then contiguous), the mid residual)
 + 4*B*T*f (w1, w3, silu outputs and the gated product) elements + 2*B*T (the norms' rsqrt)
 + B*h*T (attention logsumexp), 4 bytes each.
 
@@ -18,11 +19,13 @@ precision, 2 bytes: the cast linear inputs (one copy per linear: 5*B*T*d), q, k,
 every block weight (the block's linear parameters). GQA does not change either count: attention
 saves k and v after the repeat to h heads.
 
-Outside the blocks: the token ids (B*(T+1) int64), targets (B*T int64), the rope tables
+Outside the blocks: the token ids (B*(T+1) int64), targets (B*T int64; a view of the ids, no
+copy, when B = 1), the rope tables
 (max_seq_len*hd fp32: the slices keep the tables alive), the final norm (last block output, normalised x, rsqrt: fp32; its output cast for
 the head under autocast, else fp32), the head weight's half copy under autocast, and the fp32
 log-softmax (B*T*V). Activation checkpointing `full` keeps one block input (B*T*d residual
-dtype, 4 bytes) per block plus one block's full set while it is recomputed in backward;
+dtype, 4 bytes) per block plus one block's full set, less that input, while it is recomputed in
+backward;
 `selective` is counted as `none` (an upper bound: the op-level policy is not modelled).
 """
 
@@ -75,17 +78,18 @@ def block_activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision:
     assert cfg.n_kv_heads is not None and cfg.ffn_hidden is not None
     bt, d, f = batch * seq, cfg.dim, cfg.ffn_hidden
     small = 2 * bt + batch * cfg.n_heads * seq  # rsqrt x 2, logsumexp: fp32
+    relaid = 1 if cfg.n_heads > 1 else 0  # one head: the attention output's transpose is already contiguous
     if precision not in HALF:
-        return 4 * (11 * bt * d + 4 * bt * f + small)
+        return 4 * ((10 + relaid) * bt * d + 4 * bt * f + small)
     full = 4 * (4 * bt * d + small)
-    half = 2 * (10 * bt * d + 4 * bt * f + param_counts(cfg).block_linear)
+    half = 2 * ((9 + relaid) * bt * d + 4 * bt * f + param_counts(cfg).block_linear)
     return full + half
 
 
 def outside_activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str) -> int:
     """Bytes saved outside the blocks: ids, targets, rope tables, final norm, head, log-softmax."""
     bt, d, v = batch * seq, cfg.dim, cfg.vocab_size
-    ids = 8 * (batch * (seq + 1) + bt)
+    ids = 8 * (batch * (seq + 1) + (bt if batch > 1 else 0))  # one sequence: the targets are a view, no copy
     rope = 4 * cfg.max_seq_len * cfg.head_dim  # the cos/sin slices keep the whole tables alive
     norm = 4 * (2 * bt * d + bt)
     head = 2 * (bt * d + v * d) if precision in HALF else 4 * bt * d
@@ -99,7 +103,8 @@ def activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str,
     layers = cfg.n_layers if n_layers is None else n_layers
     block = block_activation_bytes(cfg, batch=batch, seq=seq, precision=precision)
     if checkpointing == "full":
-        blocks = layers * 4 * batch * seq * cfg.dim + (block if layers else 0)
+        kept = 4 * batch * seq * cfg.dim  # a block's fp32 input: the one thing it keeps
+        blocks = layers * kept + (block - kept if layers else 0)  # + one block recomputed (its input counted once)
     else:
         blocks = layers * block
     return blocks + (outside_activation_bytes(cfg, batch=batch, seq=seq, precision=precision) if outside else 0)

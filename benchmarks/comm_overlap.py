@@ -21,7 +21,6 @@ import copy
 import gc
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -123,13 +122,10 @@ def _report(a: argparse.Namespace, runs: list[dict], *, n_params: int, world: in
 
 
 def main(argv: list[str]) -> int:
-    a = _args(argv)
-    if "RANK" in os.environ:
-        worker(a)
-        return 0
-    from dptrain.launch import run_torchrun
+    from dptrain.bench.harness import under_torchrun
 
-    return run_torchrun(["--nproc-per-node", str(a.nproc), "--standalone", __file__, *argv], restarts=False)
+    a = _args(argv)
+    return under_torchrun(lambda: worker(a), script=__file__, argv=argv, nproc=a.nproc)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from dptrain.bench.harness import run_step
+
 OFF = ["diagnostics.hang_timeout_s=0", "diagnostics.straggler_every_steps=0", "diagnostics.drift_every_steps=0",
        "diagnostics.memory_every_steps=0", "diagnostics.nonfinite=off", "diagnostics.preflight=false"]
 VARIANTS = {
@@ -54,12 +56,6 @@ def build(variant: list[str], model: str, steps: int):
     trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-diag-overhead-"))
     trainer.setup()  # outputs, model, data, diagnostics armed: as `dptrain run`
     return trainer
-
-
-def step(trainer) -> None:
-    """One step of `dptrain run`: the optimizer step and the whole step boundary."""
-    if trainer.end_step(trainer.train_step()):
-        raise RuntimeError("preempted during the benchmark")
 
 
 def micro_benchmarks(watchdog) -> dict[str, str]:
@@ -97,13 +93,13 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for tr in trainers.values():  # warm-up
         for _ in range(3):
-            step(tr)
+            run_step(tr)  # one step of `dptrain run`: the optimizer step and the whole step boundary
     for _ in range(a.rounds):
         for name, tr in trainers.items():
             dist.barrier()
             for _ in range(a.steps):
                 t0 = time.perf_counter()
-                step(tr)
+                run_step(tr)
                 times[name].append(time.perf_counter() - t0)
     watchdog = trainers["watchdog"].diag.watchdog
     micro_costs = micro_benchmarks(watchdog)

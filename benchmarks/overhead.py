@@ -49,6 +49,7 @@ def _sha(model: torch.nn.Module) -> str:
 def worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    from dptrain.bench.harness import run_step
     from dptrain.bench.raw_ddp import RawDDP
     from dptrain.config.load import load_config
     from dptrain.distributed.process_group import process_group
@@ -70,10 +71,7 @@ def worker(a: argparse.Namespace) -> None:
         trainer.setup()
 
         def dptrain_step() -> torch.Tensor:
-            loss = trainer.train_step()
-            if trainer.end_step(loss):  # the same step boundary as `dptrain run`
-                raise RuntimeError("preempted during the benchmark")
-            return loss
+            return run_step(trainer)  # the same step boundary as `dptrain run`
         rank = dist.get_rank()
         # The raw loop (dptrain/bench/raw_ddp.py, shared with `dptrain bench`): the same initial
         # weights, the same micro-batches, the same optimizer and schedule, plain PyTorch DDP.
@@ -110,13 +108,10 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str]) -> int:
-    a = _args(argv)
-    if "RANK" in os.environ:
-        worker(a)
-        return 0
-    from dptrain.launch import run_torchrun
+    from dptrain.bench.harness import under_torchrun
 
-    return run_torchrun(["--nproc-per-node", str(a.nproc), "--standalone", __file__, *argv], restarts=False)
+    a = _args(argv)
+    return under_torchrun(lambda: worker(a), script=__file__, argv=argv, nproc=a.nproc)
 
 
 if __name__ == "__main__":

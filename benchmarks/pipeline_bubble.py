@@ -62,6 +62,7 @@ def measure(a: argparse.Namespace, *, schedule: str, m: int) -> tuple[float, flo
     rank, in seconds (the bubble as a fraction)."""
     import torch.distributed as dist
 
+    from dptrain.bench.harness import run_step
     from dptrain.config.load import load_config
     from dptrain.trainer import Trainer
 
@@ -87,8 +88,7 @@ def measure(a: argparse.Namespace, *, schedule: str, m: int) -> tuple[float, flo
         busy[0] = inside[0] = 0.0
         dist.barrier()
         t = time.perf_counter()
-        if trainer.end_step(trainer.train_step()):
-            raise RuntimeError("preempted during the benchmark")
+        run_step(trainer)  # end_step(train_step()), as `dptrain run`
         if i >= a.warmup:  # the first steps are warm-up (shape inference, buffers, allocator)
             steps.append(time.perf_counter() - t)
             busies.append(busy[0])
@@ -127,13 +127,10 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str]) -> int:
-    a = _args(argv)
-    if "RANK" in os.environ:
-        worker(a)
-        return 0
-    from dptrain.launch import run_torchrun
+    from dptrain.bench.harness import under_torchrun
 
-    return run_torchrun(["--nproc-per-node", str(a.pp), "--standalone", __file__, *argv], restarts=False)
+    a = _args(argv)
+    return under_torchrun(lambda: worker(a), script=__file__, argv=argv, nproc=a.pp)
 
 
 if __name__ == "__main__":

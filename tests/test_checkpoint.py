@@ -103,12 +103,22 @@ def test_crash_between_data_files_and_marker_is_ignored_and_resume_is_exact(tmp_
     assert mf.inspect_dir(step6).valid  # rewritten and committed by the resumed run
 
 
+DAMAGED_RUN = ["train.max_steps=6", "checkpoint.every_steps=3", "parallel.strategy=fsdp"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> Path:
+    """A finished 2-rank FSDP run with checkpoints at steps 3 and 6; each damage test works on a copy."""
+    run = tmp_path_factory.mktemp("fsdp") / "run"
+    run_ranks(fit, 2, run, DAMAGED_RUN)
+    return run
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_damaged_shard_is_refused_named_and_the_previous_checkpoint_used(tmp_path, capfd, damage):
-    run = tmp_path / "run"
-    over = ["train.max_steps=6", "checkpoint.every_steps=3", "parallel.strategy=fsdp"]
-    run_ranks(fit, 2, run, over)
+def test_damaged_shard_is_refused_named_and_the_previous_checkpoint_used(fsdp_run, tmp_path, capfd, damage):
+    run, over = tmp_path / "run", DAMAGED_RUN
+    shutil.copytree(fsdp_run, run)
     expected_losses, expected_sha = losses(run), weights_sha(run)
     shard = run / "checkpoints" / "step_000006" / "dcp" / "__1_0.distcp"
     sha = mf.sha256_file(shard)

@@ -7,7 +7,6 @@ and must end with the same per-step losses (float.hex) and the same final weight
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -17,33 +16,24 @@ from pathlib import Path
 
 import psutil
 import pytest
+from run_helpers import TOY_RUN, subprocess_env
 from safetensors.torch import load_file
 
 from dptrain.checkpoint import manifest as mf
 
 ROOT = Path(__file__).resolve().parents[1]
-TOY = [
-    "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
-    "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
-    "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every_steps=1", "train.eval_every_steps=0",
-    "train.loss=slow_loss:slow_loss", "train.max_steps=30", "log.progress=false", "checkpoint.every_steps=5",
-]
-
-
-def _env() -> dict[str, str]:
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path}
+TOY = [*TOY_RUN, "train.loss=slow_loss:slow_loss", "train.max_steps=30", "checkpoint.every_steps=5"]
 
 
 def dptrain(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dptrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env(), cwd=ROOT)
+                          timeout=timeout, env=subprocess_env(), cwd=ROOT)
 
 
 def start(out: Path, *overrides: str, flags: tuple[str, ...] = ()) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dptrain", "run", *TOY, *overrides, "--nproc-per-node", "2",
                              "--out", str(out), *flags],
-                            env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def logged_steps(out: Path) -> list[int]:

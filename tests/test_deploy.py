@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_checkpoint_e2e import TOY, _env
+from run_helpers import subprocess_env
+from test_checkpoint_e2e import TOY
 
 from dptrain import launch
 from dptrain.config import ConfigError
@@ -30,7 +31,7 @@ SMALL = ["train.micro_batch_size=1", "train.max_steps=50", "log.name=tiny"]
 
 def manifest(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dptrain", "manifest", *args], capture_output=True, text=True,
-                          timeout=120, env=_env(), cwd=ROOT)
+                          timeout=120, env=subprocess_env(), cwd=ROOT)
 
 
 def kubeflow_docs(*args: str) -> list[dict]:
@@ -232,7 +233,7 @@ def test_dptrain_run_in_a_simulated_single_replica_pytorchjob_pod(tmp_path):
     """A one-pod job (Master only, nprocPerNode 2): `dptrain run` without --nproc-per-node or launch
     flags takes the layout from the operator's variables and trains on 2 workers, rendezvous at
     MASTER_ADDR:MASTER_PORT (here 127.0.0.1: the pod's own name resolves to itself in a cluster)."""
-    env = {**_env(), **operator_env(job="demo", replica="Master", index=0, nnodes=1, nproc=2, port=_free_port())}
+    env = {**subprocess_env(), **operator_env(job="demo", replica="Master", index=0, nnodes=1, nproc=2, port=_free_port())}
     env.update({"MASTER_ADDR": "127.0.0.1", "PET_MASTER_ADDR": "127.0.0.1"})
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, "train.max_steps=4", "--out", str(out)],

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_checkpoint_e2e import TOY, _env, dptrain, logged_steps, losses, wait_for_step, weights
+from run_helpers import subprocess_env
+from test_checkpoint_e2e import TOY, dptrain, logged_steps, losses, wait_for_step, weights
 
 from dptrain.checkpoint import manifest as mf
 
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def start(out: Path, *overrides: str) -> subprocess.Popen:
     """`dptrain run` in a process group of its own (a terminal's foreground job), stdout+stderr piped."""
     return subprocess.Popen([sys.executable, "-m", "dptrain", "run", *TOY, *overrides, "--nproc-per-node", "2",
-                             "--out", str(out)], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                             "--out", str(out)], env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -179,7 +180,7 @@ def test_waiting_for_a_node_that_never_arrives_says_who_is_awaited(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**_env(), "DPTRAIN_WAIT_REPORT_S": "2"}
+    env = {**subprocess_env(), "DPTRAIN_WAIT_REPORT_S": "2"}
     proc = subprocess.Popen([sys.executable, "-m", "dptrain", "run", *TOY, "--nproc-per-node", "1", "launch.nnodes=2",
                              "launch.node_rank=0", f"launch.rdzv_endpoint=127.0.0.1:{port}", "--out", str(tmp_path / "r")],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

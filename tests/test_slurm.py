@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_checkpoint_e2e import TOY, _env, logged_steps
+from run_helpers import subprocess_env
+from test_checkpoint_e2e import TOY, logged_steps
 
 from dptrain.config.load import load_config
 from dptrain.deploy.slurm import CONFIG_NAME
@@ -96,7 +97,7 @@ def slurm(tmp_path_factory) -> Iterator[dict[str, str]]:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
     (d / "slurm.conf").write_text(_slurm_conf(d, socket.gethostname()))
-    env = {**_env(), "SLURM_CONF": str(d / "slurm.conf")}
+    env = {**subprocess_env(), "SLURM_CONF": str(d / "slurm.conf")}
     try:
         subprocess.run(["munged", f"--socket={d}/munge.socket", f"--key-file={key}", f"--pid-file={d}/munged.pid",
                         f"--log-file={d}/munged.log", f"--seed-file={d}/munge.seed", "--force"],
@@ -126,7 +127,7 @@ def _write_script(tmp: Path, out: Path, *overrides: str, name: str) -> Path:
     r = subprocess.run([sys.executable, "-m", "dptrain", "manifest", "slurm", *TOY, *overrides, "--nnodes", "1",
                         "--nproc-per-node", "2", "--gpus-per-node", "0", "--cpus-per-task", str(os.cpu_count() or 1),
                         "--out", str(out), "--job-name", name, "--dptrain", f"{sys.executable} -m dptrain",
-                        "-o", str(script)], capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+                        "-o", str(script)], capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=ROOT)
     assert r.returncode == 0, r.stderr
     return script
 
@@ -209,7 +210,7 @@ def _simulate(tmp_path: Path, *, exit_code: int, sleep: float = 0, term_batch_af
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "dptrain", "manifest", "slurm", *TOY, "train.micro_batch_size=1", "--nnodes", "2",
                         "--nproc-per-node", "4", "--out", str(out), "--dptrain", str(stubs / "fake-dptrain"),
-                        "-o", str(tmp_path / "job.sh")], capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+                        "-o", str(tmp_path / "job.sh")], capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=ROOT)
     assert r.returncode == 0, r.stderr
     log = tmp_path / "stub"
     env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(log), "STUB_EXIT": str(exit_code),

@@ -4,28 +4,19 @@ link, one node (one worker) per namespace, through torchrun's c10d rendezvous. N
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from run_helpers import TOY_RUN, subprocess_env
 
 from dptrain.testing.netns import Cluster, dptrain_argv, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster: {REASON}")
-TOY = [
-    "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
-    "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
-    "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every_steps=1", "train.eval_every_steps=0",
-    "train.max_steps=4", "log.progress=false", "--nproc-per-node", "1",
-]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+TOY = [*TOY_RUN, "train.max_steps=4", "--nproc-per-node", "1"]
 
 
 def link_bytes(c: Cluster, node: int) -> int:
@@ -39,8 +30,9 @@ def link_bytes(c: Cluster, node: int) -> int:
 def test_dptrain_run_across_two_namespaces(tmp_path):
     out = tmp_path / "run"
     with Cluster(rate="1gbit") as c:
-        procs = [c.popen(i, dptrain_argv([*TOY, *c.launch_overrides(i), "--out", str(out)]), cwd=ROOT, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        procs = [c.popen(i, dptrain_argv([*TOY, *c.launch_overrides(i), "--out", str(out)]), cwd=ROOT,
+                         env=subprocess_env(tests=False), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
         try:
             logs = [p.communicate(timeout=120)[0] for p in procs]
         finally:
@@ -71,6 +63,7 @@ def test_cluster_is_removed_on_exit():
 @pytest.mark.timeout(200)
 def test_two_host_benchmark_runs():
     r = subprocess.run([sys.executable, "benchmarks/two_host.py", "--rates", "100mbit", "--steps", "3", "--warmup", "1",
-                        "--rounds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=190, env=_env())
+                        "--rounds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=190,
+                       env=subprocess_env(tests=False))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| 100mbit | raw-ddp |" in r.stdout and "1.00x" in r.stdout

@@ -15,8 +15,6 @@ stay on the device, and the preemption flag is agreed without blocking (checkpoi
 from __future__ import annotations
 
 import gc
-import math
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dptrain import __version__
 from dptrain.build import build_datasets, build_loss_fn, build_model_meta, import_object, to_device
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.rundir import write_atomically
@@ -39,12 +36,12 @@ from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.distributed.process_group import bind_device, process_group
+from dptrain.evaluation import evaluate
 from dptrain.loss import items_per_rank, takes_num_items
-from dptrain.metrics import strict_json
 from dptrain.metrics.meters import RunMeters
-from dptrain.metrics.monitor import Monitor, build_monitor
-from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
+from dptrain.metrics.records import Records
 from dptrain.optim import build_scheduler
+from dptrain.outputs import RunOutputs
 from dptrain.parallel import ParallelModel, parallelize, unwrap
 from dptrain.parallel.comm_hooks import build_comm_hook
 from dptrain.parallel.materialize import make_materializer
@@ -71,30 +68,33 @@ class Trainer:
         apply_backend_flags(cfg.train, self.device)  # CUDA: TF32, cudnn.benchmark (speed.py)
         self.state = TrainState()
         self.log_window = LogWindow()
+        self.out = RunOutputs(env=self.env, run_dir=self.run_dir)  # console, metrics.jsonl, monitor, summary, final/
         self.ckpt = CheckpointManager(cfg=cfg, run_dir=self.run_dir, env=self.env, resume=resume, trust=trust_checkpoint)
         # Watchdog, pre-flight, non-finite policy, stragglers, drift, memory: idle until start().
         self.diag = Diagnostics(cfg.diagnostics, env=self.env, run_dir=self.run_dir,
-                                pg_timeout_s=cfg.parallel.timeout_s, say=self._say)
+                                pg_timeout_s=cfg.parallel.timeout_s, say=self.out.say)
 
     # ---------------------------------------------------------------- building
     def setup(self) -> None:
         """Open the outputs, build model, optimizer and data, resume if a checkpoint says so, arm the
         diagnostics. Call it inside the process group (`fit` does); afterwards
         `end_step(train_step())` is one step of `dptrain run` (benchmarks call exactly that)."""
-        self._open_outputs()
+        cfg = self.cfg
+        self.out.open(log=cfg.log, max_steps=cfg.train.max_steps, res=self.res, strategy=cfg.parallel.strategy,
+                      precision=cfg.precision.dtype, device=self.device, diag=self.diag)
         self._build()
         self.checkpoint_state = self._checkpoint_state()
         self.ckpt.maybe_resume(self.checkpoint_state)  # model, optimizer, schedule, scaler, RNG, data position
         self.batches: Iterator[Any] = iter(self.loader)  # starts at the (resumed) global step
         self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled(),
                         mesh=self.mesh)
-        # fp16: the scale before the next step, on the device (see _count_fp16_skip)
-        self._scale_prev = (torch.full((), self.scaler.get_scale(), device=self.device)
-                            if self.scaler.is_enabled() else None)
         self.last_loss: float | None = None
         self._config_written = False  # RUN_DIR/config.yaml: written after the first step (end_step)
-        self.train_time = 0.0
-        self._window_start = time.perf_counter()
+        # What log records and the summary say, the throughput clock, the fp16 skip count: metrics/records.py
+        self.records = Records(res=self.res, strategy=cfg.parallel.strategy, precision=cfg.precision.dtype,
+                               state=self.state, scaler=self.scaler, device=self.device, meters=self.meters,
+                               tokens_per_sample=self.tokens_per_sample,
+                               bytes_per_token=getattr(self.val_ds, "bytes_per_token", 1))
 
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint saves, as named Stateful objects (the manager never sees the Trainer)."""
@@ -118,7 +118,7 @@ class Trainer:
         # bit-identical to the eager seeded build. A model that cannot be built so is built eagerly.
         model, eager_reason = build_model_meta(cfg.model, seed=cfg.train.seed)
         if eager_reason and self.env.is_main:
-            self._say(f"dptrain: {eager_reason}")
+            self.out.say(f"dptrain: {eager_reason}")
         # Before any wrapper's own collectives: all ranks agree on world size, config and model.
         self.diag.preflight(model, config=to_dict(cfg))
         # One mesh per run: every group and data-parallel rank below comes from it.
@@ -221,31 +221,11 @@ class Trainer:
                                         phase=self.diag.phase)
 
     # ---------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean validation loss over the same fixed samples every time, split evenly over data-parallel ranks."""
-        if self.val_ds is None:
-            return None
-        mb, world = self.res.micro_batch_size, self.res.dp_world_size
-        n_batches = min(self.cfg.train.eval_batches, len(self.val_ds) // (mb * world))
-        if n_batches == 0:
-            return None
-        self.model.eval()
-        per_rank = n_batches * mb
-        first = self.mesh.dp_rank * per_rank
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        for b in range(n_batches):
-            self.diag.phase("eval")
-            idx = range(first + b * mb, first + (b + 1) * mb)
-            batch = (self.collate or torch.utils.data.default_collate)([self.val_ds[i] for i in idx])
-            batch = to_device(batch, self.device)
-            if isinstance(self.plan, PipelineModel):  # the schedule's forward-only path; loss on every stage
-                total += self.plan.eval_loss(batch, context=lambda: autocast(self.cfg.precision, self.device)).double()
-                continue
-            with autocast(self.cfg.precision, self.device), self.plan.loss_context():  # loss parallelism (tp)
-                total += self.loss_fn(self.model, batch).double()
-        self.model.train()
-        return collectives.all_reduce_mean([total.item() / n_batches], device=self.device, group=self.mesh.dp_group)[0]
+        return evaluate(self.plan, self.val_ds, loss_fn=self.loss_fn, collate=self.collate, precision=self.cfg.precision,
+                        eval_batches=self.cfg.train.eval_batches, micro_batch_size=self.res.micro_batch_size,
+                        dp_world_size=self.res.dp_world_size, mesh=self.mesh, device=self.device, phase=self.diag.phase)
 
     # ---------------------------------------------------------------- the run
     def fit(self) -> dict[str, Any]:
@@ -258,16 +238,12 @@ class Trainer:
                 summary = self._loop()
                 if not summary.get("preempted"):
                     self.diag.phase("save")
-                    self._save_final()
+                    self.out.save_final(self.plan)
                     self.ckpt.save_final(self.checkpoint_state)
                 finished = True
             finally:
                 self.close(wait=finished)
-            if self.env.is_main:
-                (self.run_dir / "summary.json").write_text(strict_json.dumps(summary, indent=2) + "\n")
-                self.console.close()
-                if self.cfg.log.progress:
-                    print_summary(summary, run_dir=self.run_dir)
+            self.out.finish(summary, progress=self.cfg.log.progress)  # rank 0: summary.json, the table
             collectives.barrier()
             # Drop the DDP wrapper and the mesh while their process groups still exist: a reducer or
             # a process group freed after destroy_process_group can deadlock gloo's teardown (here,
@@ -283,55 +259,12 @@ class Trainer:
         `wait`; a failing run abandons it instead). `fit` calls it; so do the benchmarks."""
         self.ckpt.close(wait=wait)
         self.diag.close()
-        if getattr(self, "monitor", None) is not None:
-            self.monitor.close(finished=wait)
-
-    def _open_outputs(self) -> None:
-        self.jsonl: JsonlSink | None = None
-        self.console = ConsoleSink(max_steps=self.cfg.train.max_steps, enabled=self.env.is_main and self.cfg.log.progress)
-        # TensorBoard (rank 0), Prometheus and the status file for `dptrain top` (every rank): metrics/monitor.py
-        self.monitor: Monitor = build_monitor(self.cfg.log, env=self.env, run_dir=self.run_dir, device=self.device,
-                                              diag=self.diag)
-        if not self.env.is_main:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = JsonlSink(self.run_dir / "metrics.jsonl")
-        res = self.res
-        self.console.message(
-            f"dptrain {__version__}: strategy={self.cfg.parallel.strategy} world_size={res.world_size} "
-            f"device={self.device.type} backend={res.backend} precision={self.cfg.precision.dtype}\n"
-            f"layout: {res.dims.describe()}\n"
-            f"batch: global {res.global_batch_size} = micro {res.micro_batch_size} x accum "
-            f"{res.grad_accum_steps} x dp {res.dp_world_size}; {res.lr_rule}\n"
-            + (f"pipeline: {res.pipeline}\n" if res.pipeline else "")
-            + f"run dir: {self.run_dir}"
-        )
-        if self.env.launched:
-            self.console.message(
-                f"rendezvous store: {self.env.master_addr}:{self.env.master_port} (torch.distributed's TCPStore is "
-                "unauthenticated and listens on all interfaces: keep it on a trusted network)"
-            )
-
-    def _say(self, text: str) -> None:
-        """A diagnostics finding: on the console, or on stderr when the progress display is off."""
-        console = getattr(self, "console", None)
-        if console is not None and console.enabled:
-            console.message(text)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def _log(self, record: dict[str, Any]) -> None:
-        if self.jsonl is not None:
-            self.jsonl.write(record)
-        self.console.write(record)
-        self.monitor.write(record)  # every rank: its own step time and throughput
+        self.out.close(finished=wait)
 
     def _eval_and_log(self) -> float | None:
         val = self.evaluate()
         if val is not None:
-            bpb = self._bits_per_byte(val)
-            self._log({"step": self.state.step, "val_loss": val, **({"val_bpb": bpb} if bpb else {})})
-            self.console.message(f"step {self.state.step}: val loss {val:.4f}" + (f"  ({bpb:.3f} bits/byte)" if bpb else ""))
+            self.out.log_eval(step=self.state.step, val=val, bpb=self.records.bits_per_byte(val))
         return val
 
     def _loop(self) -> dict[str, Any]:
@@ -339,16 +272,17 @@ class Trainer:
         # A resumed run evaluated at its start already (the record is kept in metrics.jsonl).
         initial_val = self._eval_and_log() if state.step == 0 else self.ckpt.initial_val_loss
         t0, first_step = time.perf_counter(), state.step
-        self._window_start = t0
+        self.records.window_start = t0
         preempted = False
         while state.step < self.cfg.train.max_steps:
             if self.end_step(self.train_step()):  # True after a SIGTERM: the step is saved, stop now
                 preempted = True
                 break
         final_val = None if preempted else self._eval_and_log()
-        times = {"wall_s": time.perf_counter() - t0, "train_s": self.train_time}
-        summary = self._summary(last_loss=self.last_loss, initial_val=initial_val, final_val=final_val, times=times,
-                                steps_here=state.step - first_step)
+        times = {"wall_s": time.perf_counter() - t0, "train_s": self.records.train_time}
+        summary = self.records.summary(last_loss=self.last_loss, initial_val=initial_val, final_val=final_val,
+                                       times=times, steps_here=state.step - first_step, diag=self.diag,
+                                       resumed_from=self.ckpt.resumed_from)
         if preempted:
             summary["preempted"] = True
             summary["interrupted"] = self.ckpt.interrupted  # Ctrl-C (exit 130) rather than SIGTERM (143)
@@ -369,8 +303,7 @@ class Trainer:
         self.log_window.add(loss)
         state.step += 1
         state.samples_seen += self.res.global_batch_size
-        if self._scale_prev is not None:
-            self._count_fp16_skip()
+        self.records.count_fp16_skip()  # fp16: on the device, no sync
         accum = self.res.grad_accum_steps
         self.meters.step_done(micro_steps=accum, sync_steps=accum if cfg.parallel.sync_each_micro_step else 1)
         self.diag.on_step_end(state.step)
@@ -379,18 +312,9 @@ class Trainer:
         every = cfg.train.eval_every_steps
         if every and state.step % every == 0 and state.step < cfg.train.max_steps:
             self._eval_and_log()
-            self._window_start = time.perf_counter()  # evaluation time is not training throughput
+            self.records.restart_window()  # evaluation time is not training throughput
         self.diag.phase("checkpoint", collective="all_reduce (preemption flags, started one step earlier)")
         return self.ckpt.maybe_save(self.checkpoint_state, step=state.step)
-
-    def _count_fp16_skip(self) -> None:
-        """The scaler skipped this step's optimizer.step() iff it lowered the scale (fp16 overflow).
-        Compared on the device: `get_scale()` would be a host-device sync every step."""
-        scale = self.scaler._scale  # the device tensor behind get_scale(); set by the first scale()
-        if scale is None or self._scale_prev is None:
-            return
-        self.state.count_skip(scale < self._scale_prev)
-        self._scale_prev = scale.clone()  # update() changes the scale in place
 
     def _log_step(self) -> None:
         """A log line: the one host-device sync of the interval (loss mean over ranks)."""
@@ -400,77 +324,12 @@ class Trainer:
             local = self.plan.reduce_loss(local.clone())  # the loss lives on the last stage
         self.last_loss = last_loss = collectives.all_reduce_mean([local.item()],
                                                                  device=self.device, group=self.mesh.dp_group)[0]
-        elapsed = time.perf_counter() - self._window_start
-        self.train_time += elapsed
         window_steps = window.steps
-        record = self._throughput(window.steps, elapsed)
-        record.update(self.meters.record(record))  # comm means over the window, per-rank rates, MFU
-        record.update(step=state.step, loss=last_loss, lr=self.step_lr,
-                      grad_norm=float(self.grad_norm), samples_seen=state.samples_seen)
-        if self.scaler.is_enabled():
-            state.sync()
-            record.update(loss_scale=self.scaler.get_scale(), skipped_steps=state.skipped_steps)
-        self._log(record)
+        self.out.log(self.records.log_record(loss=last_loss, window_steps=window_steps, lr=self.step_lr,
+                                             grad_norm=self.grad_norm))
         window.reset()
         self.diag.logged_loss(last_loss, step=state.step, window_steps=window_steps)  # loud if not finite
-        self._window_start = time.perf_counter()
-
-    def _summary(
-        self, *, last_loss: float | None, initial_val: float | None, final_val: float | None,
-        times: dict[str, float], steps_here: int,
-    ) -> dict[str, Any]:
-        """summary.json; throughput counts the steps trained in this process (a resumed run's own)."""
-        cfg, res, state = self.cfg, self.res, self.state
-        throughput = self._throughput(steps_here, times["train_s"])
-        summary: dict[str, Any] = {
-            "steps": state.step,
-            "final_loss": last_loss,
-            "initial_val_loss": initial_val,
-            "final_val_loss": final_val,
-            "world_size": res.world_size,
-            "strategy": cfg.parallel.strategy,
-            "precision": cfg.precision.dtype,
-            "global_batch_size": res.global_batch_size,
-            "samples_seen": state.samples_seen,
-            **times,
-            **throughput,
-            **self.meters.summary(throughput),  # communication, per-rank rates, MFU
-            "dptrain_version": __version__,
-            "torch_version": torch.__version__,
-            **self.diag.summary(),
-        }
-        if self.ckpt.resumed_from is not None:
-            summary["resumed_from"] = str(self.ckpt.resumed_from)
-        if final_val is not None and (bpb := self._bits_per_byte(final_val)) is not None:
-            summary["final_val_bpb"] = bpb
-        if self.scaler.is_enabled():
-            state.sync()
-            summary["skipped_steps"] = state.skipped_steps
-        return summary
-
-    def _bits_per_byte(self, loss: float) -> float | None:
-        """Bits per byte for byte-level token data (TokenChunks), else None."""
-        if not self.tokens_per_sample or getattr(self.val_ds, "bytes_per_token", 1) != 1:
-            return None
-        return loss / math.log(2)
-
-    def _throughput(self, steps: int, seconds: float) -> dict[str, float]:
-        samples = steps * self.res.global_batch_size / max(seconds, 1e-9)
-        out = {"samples_per_s": samples, "step_time_s": seconds / max(steps, 1)}
-        if self.tokens_per_sample:
-            out["tokens_per_s"] = samples * self.tokens_per_sample
-        return out
-
-    def _save_final(self) -> None:
-        """Consolidated weights under the plain module's names, whatever the strategy; for a Hugging Face
-        model also its config, so that final/ loads with `from_pretrained` (checkpoint/hf.py)."""
-        from dptrain.checkpoint.hf import save_pretrained_config
-        from dptrain.checkpoint.storage import save_safetensors
-
-        state = self.plan.full_state_dict()  # collective under FSDP: every rank calls it
-        if self.env.is_main:
-            save_safetensors(state, self.run_dir / "final" / "model.safetensors")
-            save_pretrained_config(self.module, state, self.run_dir / "final")  # HF models: + config.json
+        self.records.restart_window()
 
     @property
     def module(self) -> nn.Module:

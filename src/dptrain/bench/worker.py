@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dptrain.bench.harness import run_step
 from dptrain.bench.raw_ddp import RawDDP
 from dptrain.config import ConfigError, resolve
 from dptrain.config.load import load_config
@@ -83,13 +84,8 @@ def _trainer_runner(spec: dict[str, Any], cfg: Any, env: DistEnv) -> Runner:
     trainer = Trainer(cfg, out_dir=spec["run_dir"], env=env)
     trainer.setup()
 
-    def step() -> torch.Tensor:
-        loss = trainer.train_step()
-        if trainer.end_step(loss):  # the same step boundary as `dptrain run`
-            raise RuntimeError("preempted during the benchmark")
-        return loss
-
-    return Runner(spec, step=step, group=trainer.mesh.dp_group, trainer=trainer)
+    # the same step boundary as `dptrain run`
+    return Runner(spec, step=lambda: run_step(trainer), group=trainer.mesh.dp_group, trainer=trainer)
 
 
 def build_runners(specs: list[dict[str, Any]], *, env: DistEnv, device: torch.device, total_steps: int,

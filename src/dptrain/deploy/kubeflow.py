@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dptrain.config import ConfigError
+from dptrain.deploy.nodes import NodeLayout, check_at_least, check_layout
 
 PORT = 23456
 """The operator's default `pytorchjob-port`: MASTER_PORT / PET_MASTER_PORT and the rendezvous port."""
@@ -27,14 +28,11 @@ _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
-class JobSpec:
-    """What the PyTorchJob is made of, besides the config text."""
+class JobSpec(NodeLayout):
+    """What the PyTorchJob is made of, besides the config text (and the node layout)."""
 
     name: str
     image: str
-    nnodes: int
-    nproc_per_node: int
-    gpus_per_node: int
     pvc: str
     pvc_size: str | None = None
     storage_class: str | None = None
@@ -56,12 +54,8 @@ def check_spec(spec: JobSpec) -> None:
         raise ConfigError(f"--pvc={spec.pvc!r} is not a valid claim name; use lowercase letters, digits and '-'")
     if not spec.image.strip():
         raise ConfigError("--image is empty; name the container image that has dptrain installed")
-    for flag, value, low in (("--nnodes", spec.nnodes, 1), ("--nproc-per-node", spec.nproc_per_node, 1),
-                             ("--gpus-per-node", spec.gpus_per_node, 0)):
-        if value < low:
-            raise ConfigError(f"{flag}={value} is not valid; it must be an integer >= {low}")
-    if spec.max_restarts is not None and spec.max_restarts < 0:
-        raise ConfigError(f"--max-restarts={spec.max_restarts} is not valid; it must be an integer >= 0")
+    check_layout(spec)
+    check_at_least(("--max-restarts", spec.max_restarts, 0))
 
 
 def _container(spec: JobSpec) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from dptrain.config import ConfigError
+from dptrain.deploy.nodes import NodeLayout, check_at_least, check_layout
 
 CONFIG_NAME = "slurm-config.yaml"
 """The config the script writes into the run directory and hands to every node's `dptrain run`."""
@@ -37,14 +38,12 @@ _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")
 
 
 @dataclass(frozen=True)
-class SlurmSpec:
-    """The allocation and the command; `sbatch` holds extra `#SBATCH` options (`--account=x`)."""
+class SlurmSpec(NodeLayout):
+    """The allocation (the node layout and the rest) and the command; `sbatch` holds extra `#SBATCH`
+    options (`--account=x`)."""
 
     job_name: str
     run_dir: str
-    nnodes: int
-    nproc_per_node: int
-    gpus_per_node: int
     cpus_per_task: int | None = None
     time: str | None = None
     partition: str | None = None
@@ -55,12 +54,8 @@ class SlurmSpec:
 
 def check_spec(spec: SlurmSpec) -> None:
     """The numbers and words of the script, before it is written."""
-    for flag, value, low in (("--nnodes", spec.nnodes, 1), ("--nproc-per-node", spec.nproc_per_node, 1),
-                             ("--gpus-per-node", spec.gpus_per_node, 0), ("--signal-seconds", spec.signal_s, 1)):
-        if value < low:
-            raise ConfigError(f"{flag}={value} is not valid; it must be an integer >= {low}")
-    if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
-        raise ConfigError(f"--cpus-per-task={spec.cpus_per_task} is not valid; it must be an integer >= 1")
+    check_layout(spec)
+    check_at_least(("--signal-seconds", spec.signal_s, 1), ("--cpus-per-task", spec.cpus_per_task, 1))
     if spec.time is not None and not _TIME.match(spec.time):
         raise ConfigError(f"--time={spec.time!r} is not valid; use Slurm's forms: minutes, HH:MM:SS, D-HH:MM:SS")
     if not re.match(r"^[A-Za-z0-9._-]+$", spec.job_name):

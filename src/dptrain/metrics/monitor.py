@@ -5,7 +5,7 @@ every rank from the `log` section:
 - a Prometheus exporter (`log.prometheus_port`, every rank, port + local rank);
 - the per-rank status file for `dptrain top` (`log.status_every_s`, every rank).
 
-Every rank builds the log record at a log step (trainer._log_step); rank 0 alone writes it to
+Every rank builds the log record at a log step (metrics/records.py); rank 0 alone writes it to
 metrics.jsonl, and each rank hands its own to these sinks. `check_monitoring` runs in the launcher,
 before any worker starts: the optional packages are installed and the ports are free.
 """

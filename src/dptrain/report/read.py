@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 EVENT_KINDS = ("straggler", "nonfinite", "nonfinite_loss", "memory_leak", "drift", "watchdog_died", "gpu0_context")
+WINDOW_KINDS = ("straggler", "memory_leak")
+"""Findings about a window of steps (`steps`: first and last): shown at the window's last step."""
 
 
 @dataclasses.dataclass
@@ -123,10 +125,10 @@ def _diagnostic_events(diag: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = r.get("kind")
         if kind not in EVENT_KINDS or (kind == "drift" and r.get("ok", True)):
             continue  # a passing drift check is not news
-        step = r.get("step")
+        # a finding over a window of steps (straggler, memory leak) stands at the window's last step
+        steps = r.get("steps") or [0, 0]
+        step = steps[-1] if kind in WINDOW_KINDS else r.get("step")
         if kind == "straggler":
-            steps = r.get("steps") or [0, 0]
-            step = steps[-1]
             text = (f"rank {r.get('rank')} on {r.get('host')}: {_ms(r.get('busy_s'))} ms/step of data + compute vs "
                     f"{_ms(r.get('others_busy_s'))} ms for the others (steps {steps[0]}-{steps[-1]}; slow: {r.get('cause')})")
         elif kind == "nonfinite":
@@ -134,7 +136,6 @@ def _diagnostic_events(diag: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "nonfinite_loss":
             text = f"logged loss is {r.get('loss')} (policy {r.get('policy')})"
         elif kind == "memory_leak":
-            step = (r.get("steps") or [0, 0])[-1]
             text = (f"rank {r.get('rank')}: {r.get('memory')} grows {r.get('mb_per_step', 0):.2f} MiB/step "
                     f"(+{r.get('growth_mb', 0):.0f} MiB)")
         elif kind == "drift":

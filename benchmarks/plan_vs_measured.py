@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from dptrain.config.load import load_config  # noqa: E402
-from dptrain.plan.calibrate import efficiency_from_run, link_from_sweep, load_sweep  # noqa: E402
+from dptrain.plan.calibrate import calibrated_efficiency, link_from_sweep, load_sweep  # noqa: E402
 from dptrain.plan.predict import predict  # noqa: E402
 from dptrain.testing.netns import Cluster, dptrain_argv, unavailable_reason  # noqa: E402
 
@@ -139,7 +139,7 @@ def main() -> int:
                             statistics.median(step_times(out, args.warmup)))
                 print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in medians.items()), file=sys.stderr,
                       flush=True)
-            effs = [efficiency_from_run(tmp / f"run1-{r}", skip=args.warmup)[0] for r in range(args.rounds)]
+            effs = [calibrated_efficiency(tmp / f"run1-{r}", cpu=True, skip=args.warmup)[0] for r in range(args.rounds)]
         finally:
             for c in clusters.values():
                 c.destroy()

@@ -75,6 +75,34 @@ def efficiency_from_run(run_dir: str | Path, *, skip: int = 3) -> tuple[float, i
     return statistics.median(shares), len(shares)
 
 
+def run_ranks_per_host(run_dir: Path) -> int:
+    """Ranks per host of a finished run: its config's launch.nproc_per_node, else its world size."""
+    import yaml
+
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+    nproc = ((cfg or {}).get("launch") or {}).get("nproc_per_node")
+    return int(nproc) if isinstance(nproc, int) or (isinstance(nproc, str) and nproc.isdigit()) \
+        else int(summary.get("world_size", 1))
+
+
+def calibrated_efficiency(run_dir: str | Path, *, cpu: bool, skip: int = 3) -> tuple[float, str]:
+    """(efficiency, where it comes from) of a run directory for the time model. On the CPU the run's
+    own peak (measured in the run, summary.json) and this process's measurement of the same
+    configuration differ by their noise: the efficiency is rescaled by their ratio, so that
+    efficiency x this process's peak is the compute rate the run achieved, and other rank counts
+    scale from it by this process's own measurements."""
+    eff, steps = efficiency_from_run(run_dir, skip=skip)
+    source = f"calibrated: median of {steps} steps of {run_dir}"
+    summary_path = Path(run_dir) / "summary.json"
+    if cpu and summary_path.is_file() and (run_peak := json.loads(summary_path.read_text()).get("peak_flops")):
+        rph = run_ranks_per_host(Path(run_dir))
+        here = cpu_spec(ranks_per_host=rph).peaks["fp32"]
+        eff *= run_peak / here
+        source += f", its peak {run_peak / 1e9:.1f} GFLOP/s per rank against {here / 1e9:.1f} measured here ({rph} rank(s))"
+    return eff, source
+
+
 def threads_per_rank(nproc: int, cores: int | None = None) -> int:
     """The OMP threads `dptrain run` gives each of `nproc` ranks on this machine (launch.py)."""
     env = os.environ.get("OMP_NUM_THREADS")

@@ -112,10 +112,9 @@ def _efficiency(args: argparse.Namespace) -> tuple[float, str]:
         if args.efficiency == DEFAULT_EFFICIENCY:
             return args.efficiency, "assumed: the Llama 3 paper's lowest BF16 MFU on H100s"
         return args.efficiency, "assumed (--efficiency)"
-    from dptrain.plan.calibrate import efficiency_from_run
+    from dptrain.plan.calibrate import calibrated_efficiency
 
-    eff, steps = efficiency_from_run(args.calibrate)
-    return eff, f"calibrated: median of {steps} steps of {args.calibrate}"
+    return calibrated_efficiency(args.calibrate, cpu=args.gpu_type.lower() == "cpu")
 
 
 def _zero_table(args: argparse.Namespace, spec: GpuSpec) -> str:

@@ -2,12 +2,14 @@
 gloo, and two "hosts" over a rate-limited link (dptrain.testing.netns; needs root).
 
 What the prediction is given, all measured here and nothing taken from the runs it predicts:
-- the compute efficiency, calibrated on the 1-rank run only (`dptrain plan --calibrate RUN_DIR`);
+- the compute efficiency, calibrated on the `--calibrate-on` rank run only (`dptrain plan
+  --calibrate RUN_DIR`; default the 2-rank run: one thread per rank, as every other setup but the
+  1-rank one, which runs two threads);
 - the CPU's matmul peak at the threads each rank gets (`--gpu-type cpu`);
 - alpha and beta of each link from `dptrain doctor --comm --json` over that link (for two hosts: the
   same all-reduce sweep, run by torchrun across the two namespaces).
-The 1-rank row therefore checks only that the calibration round-trips; the 2-rank, 4-rank and
-two-host rows are predictions. Runs are interleaved over `--rounds` (a load spike hits every setup
+The calibration row therefore checks only that the calibration round-trips; the others are
+predictions. Runs are interleaved over `--rounds` (a load spike hits every setup
 alike); each round's time is the median step after `--warmup`; the table gives the median of the
 round medians and their range.
 
@@ -93,7 +95,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=4, help="steps left out of each run's median")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--ranks", default="1,2,4", help="loopback world sizes; the first is calibrated on (must be 1)")
+    p.add_argument("--ranks", default="1,2,4", help="loopback world sizes")
+    p.add_argument("--calibrate-on", type=int, default=2, help="the loopback world size the efficiency comes from")
     p.add_argument("--rates", default="100mbit", help="two-host link rates (tc units); empty: skip")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"two-host gradient compressions ({', '.join(VARIANTS)})")
     p.add_argument("--timeout", type=float, default=600)
@@ -102,8 +105,8 @@ def main() -> int:
     args = p.parse_args()
     ranks = [int(n) for n in args.ranks.split(",")]
     rates = [r for r in args.rates.split(",") if r]
-    if ranks[0] != 1:
-        raise SystemExit("--ranks must start with 1: the efficiency is calibrated on the 1-rank run")
+    if args.calibrate_on not in ranks:
+        raise SystemExit(f"--calibrate-on {args.calibrate_on} is not one of --ranks {args.ranks}")
     if rates and (why := unavailable_reason()):
         print(f"plan_vs_measured: two-host rows skipped: {why}", file=sys.stderr)
         rates = []
@@ -139,7 +142,8 @@ def main() -> int:
                             statistics.median(step_times(out, args.warmup)))
                 print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in medians.items()), file=sys.stderr,
                       flush=True)
-            effs = [calibrated_efficiency(tmp / f"run1-{r}", cpu=True, skip=args.warmup)[0] for r in range(args.rounds)]
+            effs = [calibrated_efficiency(tmp / f"run{args.calibrate_on}-{r}", cpu=True, skip=args.warmup)[0]
+                    for r in range(args.rounds)]
         finally:
             for c in clusters.values():
                 c.destroy()
@@ -163,7 +167,8 @@ def main() -> int:
                      "predicted_s": pr.time["step"], "compute_s": pr.time["compute"],
                      "exposed_comm_s": pr.time["exposed_comm"], "error": pr.time["step"] / measured - 1,
                      "link_gbps": link.bandwidth / 1e9 if link else None, "alpha_us": link.alpha * 1e6 if link else None})
-    print(f"efficiency calibrated on the 1-rank runs: {eff:.3f} (per round: {', '.join(f'{e:.3f}' for e in effs)})")
+    print(f"efficiency calibrated on the {args.calibrate_on}-rank runs: {eff:.3f} "
+          f"(per round: {', '.join(f'{e:.3f}' for e in effs)})")
     print("| setup | ranks | link fitted (GB/s, alpha us) | measured step s [range] | predicted s (compute + "
           "exposed comm) | error |")
     print("|---|---|---|---|---|---|")

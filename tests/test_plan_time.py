@@ -184,6 +184,7 @@ def test_this_cpu_as_a_device(monkeypatch):
     from dptrain.metrics import mfu
 
     monkeypatch.setattr(mfu, "cpu_matmul_peak", lambda **kw: 1e10)
+    monkeypatch.setattr(calibrate, "_PEAKS", {})
     one, four = calibrate.cpu_spec(ranks_per_host=1), calibrate.cpu_spec(ranks_per_host=4)
     assert one.peaks["fp32"] == 1e10 and "1 rank(s) x 1 thread(s)" in one.name
     assert four.peaks["fp32"] == 0.5e10 and "4 rank(s) x 1 thread(s)" in four.name  # 4 x 1 thread on 2 cores

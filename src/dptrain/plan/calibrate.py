@@ -112,23 +112,38 @@ def threads_per_rank(nproc: int, cores: int | None = None) -> int:
 
 
 def cpu_spec(*, ranks_per_host: int, seconds: float = 0.3) -> GpuSpec:
-    """This CPU as a device: memory, and matmul peaks measured at the threads one rank gets."""
+    """This CPU as a device: memory, and the fp32 matmul peak at the threads one rank gets (the
+    median of three timings, measured once per thread count in a process: every prediction of a
+    plan uses the same figure)."""
     import psutil
-    import torch
-
-    from dptrain.metrics.mfu import cpu_matmul_peak
 
     cores = os.cpu_count() or 1
     threads = threads_per_rank(ranks_per_host, cores)
     share = min(1.0, cores / (ranks_per_host * threads))  # oversubscribed: the ranks split the cores
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        fp32 = cpu_matmul_peak(seconds=seconds) * share
-    finally:
-        torch.set_num_threads(before)
+    fp32 = matmul_peak(threads, seconds) * share
     name = (f"CPU ({cores} cores, {ranks_per_host} rank(s) x {threads} thread(s), measured fp32 matmul peak "
             f"{fp32 / 1e9:.1f} GFLOP/s per rank)")
     # autocast on the CPU: the same fp32 peak is used for bf16/fp16 (not measured separately)
     peaks = {"fp32": fp32, "tf32": fp32, "bf16": fp32, "fp16": fp32}
     return GpuSpec("cpu", "", name, psutil.virtual_memory().total / 1e9 / ranks_per_host, peaks, 0, 0)
+
+
+_PEAKS: dict[tuple[int, float], float] = {}
+
+
+def matmul_peak(threads: int, seconds: float) -> float:
+    """FLOP/s of fp32 matmuls on `threads` threads (`metrics.mfu.cpu_matmul_peak`, the figure a run's
+    MFU uses), the median of three timings; cached per process."""
+    key = (threads, seconds)
+    if key not in _PEAKS:
+        import torch
+
+        from dptrain.metrics import mfu
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            _PEAKS[key] = statistics.median(mfu.cpu_matmul_peak(seconds=seconds) for _ in range(3))
+        finally:
+            torch.set_num_threads(before)
+    return _PEAKS[key]

@@ -103,7 +103,7 @@ def plan_memory_rows(root: Path, *, base: list[str], n: int, name: str) -> list[
     import re
 
     from dptrain.config.load import load_config
-    from dptrain.plan import memory, predict, specs
+    from dptrain.plan import predict, specs
 
     key = next((s.key for s in specs.SPECS if re.search(s.pattern, name, re.IGNORECASE)), None)
     if key is None:
@@ -121,7 +121,7 @@ def plan_memory_rows(root: Path, *, base: list[str], n: int, name: str) -> list[
                      if "cuda_peak_mb" in rec] if diag.exists() else []
             cfg = load_config(None, [i for i in items if not i.startswith(("parallel.device", "parallel.backend"))])
             pr = predict.predict(cfg, gpus=n, nodes=1, gpu_type=key, interconnect="nvlink", comm=None, efficiency=0.38)
-            want = pr.memory["total"] - memory.FRAMEWORK_OVERHEAD
+            want = pr.memory["total"] - pr.memory["overhead"]
             detail = (f"measured {max(peaks) / 1e9:.3f} GB, predicted {want / 1e9:.3f} GB ({want / max(peaks) - 1:+.1%})"
                       if peaks else f"no cuda_peak_mb sample\n{r['tail']}")
             rows.append((f"plan memory, {strategy} {dtype}, {n} GPU(s)", f"exit {r['rc']}", detail))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,8 +126,10 @@ def move_aside(run_dir: Path, checkpoint_dirs: list[Path], *, names: tuple[str, 
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` so that it is whole or absent, never empty or torn (a full disk)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write `text` to `path` so that it is whole or absent, never empty or torn (a full disk). The
+    temporary name is this process's own: the launchers of several nodes sharing a run directory
+    (one filesystem) may write the same file at once, and each replace is then whole."""
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w") as f:
             f.write(text)

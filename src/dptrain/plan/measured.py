@@ -31,7 +31,7 @@ def measured_report(args: argparse.Namespace, cfg: Any, *, comm: Link | None, ef
     prof = measure_model(model=cfg.model, data=cfg.data, micro_batch=resolved.micro_batch_size,
                          precision=cfg.precision.dtype, loss=cfg.train.loss, collate=cfg.data.collate,
                          seed=cfg.train.seed)
-    lay = layout_from_config(cfg, resolved, seq=prof.seq_len or 0)
+    lay = layout_from_config(cfg, resolved, seq=prof.seq_len or 0, cpu=spec.key == "cpu")
     mem = profile_memory(prof, lay)
     dtypes = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in prof.bytes_by_dtype.items())
     sample = f"{lay.micro_batch} samples" + (f" x {prof.seq_len} tokens" if prof.seq_len else "")

@@ -86,6 +86,7 @@ class Layout:
     powersgd_rank: int = 8
     param_dtype: str | None = None  # zero2/fsdp: fsdp_param_dtype (gathers; null: the parameters' fp32)
     reduce_dtype: str | None = None  # zero2/fsdp: fsdp_reduce_dtype (reduce-scatters; null: param_dtype)
+    overhead: float = FRAMEWORK_OVERHEAD  # the stated allowance; 0 on the CPU (no CUDA context)
 
 
 def stage_layers(n_layers: int, pp: int, pp_layers: tuple[int, ...] | None) -> list[int]:
@@ -160,9 +161,9 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: int,
                                  checkpointing=lay.checkpointing, n_layers=layers,
                                  outside=last)
     acts = in_flight * per_micro / lay.tp  # tp: an approximation (sequence parallel, split heads/FFN)
-    total = params + grads + optim + acts + temp + FRAMEWORK_OVERHEAD
+    total = params + grads + optim + acts + temp + lay.overhead
     return {"params": params, "grads": grads, "optimizer": optim, "activations": acts,
-            "temporary": temp, "overhead": FRAMEWORK_OVERHEAD, "total": total, "host": host,
+            "temporary": temp, "overhead": lay.overhead, "total": total, "host": host,
             "stage": stage, "in_flight": in_flight}
 
 
@@ -197,5 +198,5 @@ def profile_memory(prof: ModelProfile, lay: Layout) -> dict[str, float]:
                           optim_bytes=k * prof.trainable_bytes / 4, unit_bytes=prof.largest_unit_bytes,
                           zero1_optim=zero1)
     acts = float(prof.activation_bytes(lay.checkpointing))
-    total = states["params"] + states["grads"] + states["optimizer"] + acts + states["temporary"] + FRAMEWORK_OVERHEAD
-    return {**states, "activations": acts, "overhead": FRAMEWORK_OVERHEAD, "total": total, "stage": 0, "in_flight": 1}
+    total = states["params"] + states["grads"] + states["optimizer"] + acts + states["temporary"] + lay.overhead
+    return {**states, "activations": acts, "overhead": lay.overhead, "total": total, "stage": 0, "in_flight": 1}

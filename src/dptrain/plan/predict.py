@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dptrain.plan.memory import Layout, layout_memory
+from dptrain.plan.memory import FRAMEWORK_OVERHEAD, Layout, layout_memory
 from dptrain.plan.specs import GpuSpec, gpu_spec
 from dptrain.plan.timing import Link, step_time
 
@@ -31,7 +31,7 @@ def device_spec(gpu_type: str, *, ranks_per_host: int) -> GpuSpec:
     return cpu_spec(ranks_per_host=ranks_per_host)
 
 
-def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int) -> Layout:
+def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int, cpu: bool = False) -> Layout:
     """The `Layout` a resolved config runs (what plan/memory.py and plan/timing.py read)."""
     p, dims = cfg.parallel, resolved.dims
     optimizer = cfg.optim.name if cfg.optim.name != "sgd" or not cfg.optim.momentum else "sgd-momentum"
@@ -43,7 +43,8 @@ def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int) -> Layout:
                   pp_microbatches=p.pp_microbatches or dims.pp, pp_schedule=p.pp_schedule, pp_layers=p.pp_layers,
                   grad_dtype=p.grad_compression if p.grad_compression in ("fp16", "bf16") else None,
                   grad_compression=p.grad_compression, powersgd_rank=p.powersgd_rank,
-                  param_dtype=p.fsdp_param_dtype, reduce_dtype=p.fsdp_reduce_dtype)
+                  param_dtype=p.fsdp_param_dtype, reduce_dtype=p.fsdp_reduce_dtype,
+                  overhead=0.0 if cpu else FRAMEWORK_OVERHEAD)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def predict(cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: 
     resolved = resolve(cfg, world_size=gpus, cuda_available=gpu_type.lower() != "cpu")
     spec = device_spec(gpu_type, ranks_per_host=gpus // nodes)
     model = LlamaConfig(**cfg.model.kwargs)
-    lay = layout_from_config(cfg, resolved, seq=int(cfg.data.kwargs.get("seq_len", model.max_seq_len)))
+    lay = layout_from_config(cfg, resolved, seq=int(cfg.data.kwargs.get("seq_len", model.max_seq_len)),
+                             cpu=spec.key == "cpu")
     t = step_time(model, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect,
                   accum=resolved.grad_accum_steps, efficiency=efficiency, comm=comm if gpus > 1 else None)
     return Prediction(model, resolved, lay, spec, layout_memory(model, lay), t)

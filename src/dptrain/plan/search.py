@@ -198,7 +198,7 @@ def search(base: Config, model: LlamaConfig, spec: GpuSpec, *, gpus: int, nodes:
         if resolved is None or why is not None:
             rejected.append(Rejected(cand, why or ""))
             continue
-        lay = layout_from_config(cfg, resolved, seq=seq)
+        lay = layout_from_config(cfg, resolved, seq=seq, cpu=spec.key == "cpu")
         mem = layout_memory(model, lay)
         if mem["total"] > spec.memory_gb * GB:
             rejected.append(Rejected(cand, f"memory per rank {mem['total'] / GB:.1f} GB > {spec.name}'s "

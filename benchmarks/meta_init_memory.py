@@ -84,9 +84,13 @@ def worker(a: argparse.Namespace) -> None:
     params = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters()) / 2**20
     sd = full_state_dict(model)
     digest = hashlib.sha256(b"".join(sd[k].contiguous().view(torch.uint8).numpy().tobytes() for k in sorted(sd)))
-    print(json.dumps({"mode": a.mode, "rank": env.rank, "peak_mib": round(peak, 1), "rss_after_mib": round(now, 1),
-                      "param_mib": round(params, 1), "seconds": round(seconds, 2),
-                      "sha256": digest.hexdigest()[:16] if env.rank == 0 else None}), flush=True)
+    row = {"mode": a.mode, "rank": env.rank, "peak_mib": round(peak, 1), "rss_after_mib": round(now, 1),
+           "param_mib": round(params, 1), "seconds": round(seconds, 2),
+           "sha256": digest.hexdigest()[:16] if env.rank == 0 else None}
+    rows: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(rows, row)  # rank 0 prints every row: ranks' lines never interleave
+    if env.rank == 0:
+        print("\n".join(json.dumps(r) for r in rows), flush=True)
     del model, sd
     gc.collect()
     destroy_process_group()

@@ -14,14 +14,11 @@ from dptrain.plan.timing import Link, profile_step_time
 
 def measured_report(args: argparse.Namespace, cfg: Any, *, comm: Link | None, efficiency: tuple[float, str]) -> str:
     """The layout report of `cfg` (a Config) on `args.gpus` ranks for a measured model."""
-    from dptrain.config.resolve import resolve
     from dptrain.plan.cli import memory_lines, time_lines
     from dptrain.plan.measure import measure_model
-    from dptrain.plan.predict import device_spec, layout_from_config
+    from dptrain.plan.predict import device_spec, layout_from_config, resolve_for_plan
 
-    if cfg.parallel.strategy not in ("ddp", "zero1", "zero2", "fsdp"):
-        raise ConfigError(f"dptrain plan covers parallel.strategy ddp, zero1, zero2, fsdp, not {cfg.parallel.strategy!r}")
-    resolved = resolve(cfg, world_size=args.gpus, cuda_available=args.gpu_type.lower() != "cpu")
+    resolved = resolve_for_plan(cfg, gpus=args.gpus, gpu_type=args.gpu_type)
     spec = device_spec(args.gpu_type, ranks_per_host=args.gpus // args.nodes)
     dims = resolved.dims
     if dims.tp > 1 or dims.pp > 1:

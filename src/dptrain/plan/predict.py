@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dptrain.plan.memory import FRAMEWORK_OVERHEAD, Layout, layout_memory
+from dptrain.plan.memory import FRAMEWORK_OVERHEAD, STRATEGIES, Layout, layout_memory
 from dptrain.plan.specs import GpuSpec, gpu_spec
 from dptrain.plan.timing import Link, step_time
 
@@ -47,6 +47,17 @@ def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int, cpu: bool =
                   overhead=0.0 if cpu else FRAMEWORK_OVERHEAD)
 
 
+def resolve_for_plan(cfg: Config, *, gpus: int, gpu_type: str) -> Resolved:
+    """`cfg` resolved as `dptrain run` would on `gpus` ranks of `gpu_type`; ConfigError for a strategy
+    the planner does not cover, or whatever dptrain itself refuses."""
+    from dptrain.config.fields import ConfigError
+    from dptrain.config.resolve import resolve
+
+    if cfg.parallel.strategy not in STRATEGIES:
+        raise ConfigError(f"dptrain plan covers parallel.strategy {', '.join(STRATEGIES)}, not {cfg.parallel.strategy!r}")
+    return resolve(cfg, world_size=gpus, cuda_available=gpu_type.lower() != "cpu")
+
+
 @dataclass(frozen=True)
 class Prediction:
     model: LlamaConfig
@@ -61,15 +72,12 @@ def predict(cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: 
             efficiency: float) -> Prediction:
     """Memory and time per step of `cfg` on `gpus` ranks over `nodes` (ConfigError if dptrain refuses it)."""
     from dptrain.config.fields import ConfigError
-    from dptrain.config.resolve import resolve
     from dptrain.models.llama import LlamaConfig
 
     if cfg.model.factory != LLAMA:
         raise ConfigError(f"dptrain plan has exact formulas for the built-in LLaMA ({LLAMA}) only, not "
                           f"model.factory={cfg.model.factory!r}; give --params N for its model states")
-    if cfg.parallel.strategy not in ("ddp", "zero1", "zero2", "fsdp"):
-        raise ConfigError(f"dptrain plan covers parallel.strategy ddp, zero1, zero2, fsdp, not {cfg.parallel.strategy!r}")
-    resolved = resolve(cfg, world_size=gpus, cuda_available=gpu_type.lower() != "cpu")
+    resolved = resolve_for_plan(cfg, gpus=gpus, gpu_type=gpu_type)
     spec = device_spec(gpu_type, ranks_per_host=gpus // nodes)
     model = LlamaConfig(**cfg.model.kwargs)
     lay = layout_from_config(cfg, resolved, seq=int(cfg.data.kwargs.get("seq_len", model.max_seq_len)),

@@ -122,7 +122,7 @@ def _report(a: argparse.Namespace, runs: list[dict], *, n_params: int, world: in
 
 
 def main(argv: list[str]) -> int:
-    from dptrain.bench.harness import under_torchrun
+    from dptrain.tools.bench.harness import under_torchrun
 
     a = _args(argv)
     return under_torchrun(lambda: worker(a), script=__file__, argv=argv, nproc=a.nproc)

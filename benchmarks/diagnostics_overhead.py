@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dptrain.bench.harness import run_step
+from dptrain.tools.bench.harness import run_step
 
 OFF = ["diagnostics.hang_timeout_s=0", "diagnostics.straggler_every_steps=0", "diagnostics.drift_every_steps=0",
        "diagnostics.memory_every_steps=0", "diagnostics.nonfinite=off", "diagnostics.preflight=false"]
@@ -47,7 +47,7 @@ MICRO = {"toy": 16, "llama": 8}
 
 def build(variant: list[str], model: str, steps: int):
     from dptrain.config.load import load_config
-    from dptrain.trainer import Trainer
+    from dptrain.train.trainer import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = load_config(None, [*MODELS[model], f"train.micro_batch_size={MICRO[model]}", "train.grad_accum_steps=1",

@@ -52,12 +52,12 @@ def worker(a: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
     from dptrain.api import parallelize
-    from dptrain.build import build_model, build_model_meta, import_object
     from dptrain.config import ModelConfig, ParallelConfig
     from dptrain.distributed.env import DistEnv
     from dptrain.distributed.process_group import destroy_process_group, init_process_group
     from dptrain.parallel import apply_strategy, full_state_dict
     from dptrain.parallel.materialize import make_materializer
+    from dptrain.train.build import build_model, build_model_meta, import_object
 
     cpu = torch.device("cpu")
     env = DistEnv.from_env()

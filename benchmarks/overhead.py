@@ -5,7 +5,7 @@
 Starts itself under torchrun. On every rank it builds the same LLaMA-style model twice (same
 seed): one trained by dptrain's whole per-step path, `trainer.end_step(trainer.train_step())` (DDP
 strategy, default diagnostics on, logging every 10 steps, the preemption agreement: exactly what
-`dptrain run` does per step), one by the loop the field's guides teach (dptrain/bench/raw_ddp.py,
+`dptrain run` does per step), one by the loop the field's guides teach (dptrain/tools/bench/raw_ddp.py,
 shared with `dptrain bench`: DDP, `no_sync` on all but the last micro-step, loss / accum, backward,
 clip, step, zero_grad). Steps alternate between the two so both see the same machine noise. Prints
 the median step time of each, their ratio and the median ratio of back-to-back step pairs
@@ -49,11 +49,11 @@ def _sha(model: torch.nn.Module) -> str:
 def worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from dptrain.bench.harness import run_step
-    from dptrain.bench.raw_ddp import RawDDP
     from dptrain.config.load import load_config
     from dptrain.distributed.process_group import process_group
-    from dptrain.trainer import Trainer
+    from dptrain.tools.bench.harness import run_step
+    from dptrain.tools.bench.raw_ddp import RawDDP
+    from dptrain.train.trainer import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = load_config(None, [
@@ -73,7 +73,7 @@ def worker(a: argparse.Namespace) -> None:
         def dptrain_step() -> torch.Tensor:
             return run_step(trainer)  # the same step boundary as `dptrain run`
         rank = dist.get_rank()
-        # The raw loop (dptrain/bench/raw_ddp.py, shared with `dptrain bench`): the same initial
+        # The raw loop (dptrain/tools/bench/raw_ddp.py, shared with `dptrain bench`): the same initial
         # weights, the same micro-batches, the same optimizer and schedule, plain PyTorch DDP.
         raw_loop = RawDDP(cfg, device=dev, steps=a.steps)
         raw, raw_step = raw_loop.ddp, raw_loop.step
@@ -108,7 +108,7 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from dptrain.bench.harness import under_torchrun
+    from dptrain.tools.bench.harness import under_torchrun
 
     a = _args(argv)
     return under_torchrun(lambda: worker(a), script=__file__, argv=argv, nproc=a.nproc)

@@ -62,9 +62,9 @@ def measure(a: argparse.Namespace, *, schedule: str, m: int) -> tuple[float, flo
     rank, in seconds (the bubble as a fraction)."""
     import torch.distributed as dist
 
-    from dptrain.bench.harness import run_step
     from dptrain.config.load import load_config
-    from dptrain.trainer import Trainer
+    from dptrain.tools.bench.harness import run_step
+    from dptrain.train.trainer import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
     micro = m * a.rows
@@ -77,7 +77,7 @@ def measure(a: argparse.Namespace, *, schedule: str, m: int) -> tuple[float, flo
     ])
     trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-bubble-"))
     trainer.setup()
-    plan: Any = trainer.plan
+    plan: Any = trainer.parallel
     busy, inside = [0.0], [0.0]
     for stage in plan.stages:
         stage.forward_one_chunk = _timed(stage.forward_one_chunk, busy)
@@ -94,7 +94,7 @@ def measure(a: argparse.Namespace, *, schedule: str, m: int) -> tuple[float, flo
             busies.append(busy[0])
             insides.append(inside[0])
     trainer.close()
-    trainer.model = trainer.plan.release()
+    trainer.model = trainer.parallel.release()
     trainer.mesh.release()
     bubbles = [1 - b / i for b, i in zip(busies, insides, strict=True)]
     return statistics.median(steps), statistics.median(insides), statistics.median(busies), statistics.median(bubbles)
@@ -127,7 +127,7 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from dptrain.bench.harness import under_torchrun
+    from dptrain.tools.bench.harness import under_torchrun
 
     a = _args(argv)
     return under_torchrun(lambda: worker(a), script=__file__, argv=argv, nproc=a.pp)

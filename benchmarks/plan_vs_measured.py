@@ -1,5 +1,5 @@
 """`dptrain plan`'s step time predicted vs measured on this machine: 1, 2 and 4 ranks on loopback
-gloo, and two "hosts" over a rate-limited link (dptrain.testing.netns; needs root).
+gloo, and two "hosts" over a rate-limited link (dptrain.tools.netns; needs root).
 
 What the prediction is given, all measured here and nothing taken from the runs it predicts:
 - the compute efficiency, calibrated on the `--calibrate-on` rank run only (`dptrain plan
@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from dptrain.config.load import load_config  # noqa: E402
-from dptrain.plan.calibrate import calibrated_efficiency, link_from_sweep, load_sweep  # noqa: E402
-from dptrain.plan.predict import predict  # noqa: E402
-from dptrain.testing.netns import Cluster, dptrain_argv, unavailable_reason  # noqa: E402
+from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason  # noqa: E402
+from dptrain.tools.plan.calibrate import calibrated_efficiency, link_from_sweep, load_sweep  # noqa: E402
+from dptrain.tools.plan.predict import predict  # noqa: E402
 
 RECIPE = ["train.eval_every_steps=0", "log.progress=false", "checkpoint.every_steps=0", "train.log_every_steps=1"]
 # Over the slow link, each compression too (from step 2: a short run would otherwise stay uncompressed)

@@ -58,7 +58,7 @@ def job(rank: int, items: list[str], steps: int) -> dict:
 
     from dptrain.config.load import load_config
     from dptrain.distributed.process_group import process_group
-    from dptrain.trainer import Trainer
+    from dptrain.train.trainer import Trainer
 
     cfg = load_config(None, [*MODEL, f"train.max_steps={steps}", *items])
     trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-speed-"))
@@ -74,7 +74,7 @@ def job(rank: int, items: list[str], steps: int) -> dict:
         trainer.close()
         peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])  # KiB -> MiB
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        trainer.model = trainer.plan.release()
+        trainer.model = trainer.parallel.release()
         trainer.mesh.release()
     return {"times": times, "peak_rss_mb": float(peak)}
 

@@ -1,6 +1,6 @@
 """Two "hosts" over a rate-limited link: raw DDP against each gradient compression.
 
-Builds one two-namespace cluster per bandwidth (dptrain.testing.netns: a veth pair with `tc tbf`
+Builds one two-namespace cluster per bandwidth (dptrain.tools.netns: a veth pair with `tc tbf`
 on both ends), runs `dptrain run` on the built-in LM recipe across it (one node, one worker per
 namespace, c10d rendezvous) for every variant, and prints a Markdown table: median step time
 (and its spread over rounds), tokens/s, the throughput ratio to raw DDP at the same bandwidth,
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from dptrain.testing.netns import Cluster, dptrain_argv, unavailable_reason  # noqa: E402
+from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason  # noqa: E402
 
 DEFAULT_VARIANTS = [
     "raw-ddp=parallel.strategy=ddp",

@@ -89,7 +89,7 @@ def mlp_wider_on_rank1(**kwargs) -> nn.Module:
 def train(rank: int, out_dir: str, overrides: list[str]) -> dict:
     """Run `Trainer.fit()` on this rank (for tests/mp.run_ranks) and return its summary."""
     from dptrain.config.load import load_config
-    from dptrain.trainer import Trainer
+    from dptrain.train.trainer import Trainer
 
     cfg = load_config(None, [*TOY, "log.progress=false", *overrides])
     return Trainer(cfg, out_dir=out_dir).fit()

@@ -3,7 +3,7 @@
     python tests/parity_table.py            # the toy MLP ladder + the LLaMA rungs
     python tests/parity_table.py --quick    # W=2 only
 
-Each rung trains with `dptrain.trainer.Trainer` on W forked gloo ranks (strategy single runs in
+Each rung trains with `dptrain.train.trainer.Trainer` on W forked gloo ranks (strategy single runs in
 this process) and is compared with the plain-PyTorch single-process reference of
 `tests/test_parity.py`. "ok" means within the test's tolerance (assert_close rtol/atol).
 """

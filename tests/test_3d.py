@@ -106,12 +106,12 @@ def _materialised_state(rank: int, strategy: str, layout: dict[str, int]) -> dic
 
     import test_mesh
 
-    from dptrain.build import build_model_meta
     from dptrain.config import ParallelConfig
     from dptrain.config.fields import ModelConfig
     from dptrain.distributed.mesh import ParallelDims, ParallelMesh
     from dptrain.parallel.materialize import make_materializer
     from dptrain.parallel.pipeline import parallelize_pipeline
+    from dptrain.train.build import build_model_meta
 
     def body() -> dict[str, torch.Tensor]:
         dims = ParallelDims.resolve(**layout, world_size=_world(layout))
@@ -208,7 +208,7 @@ def test_resume_dp2_pp2_tp2_as_dp4_tp2_then_dp2_then_single(tmp_path):
     run = tmp_path / "run"
     from test_checkpoint import fit
 
-    from dptrain.cli import main
+    from dptrain.cli.main import main
 
     run_ranks(fit, 8, run, chain_items("dp2xpp2xtp2", 1), timeout=200)
     step1 = run / "checkpoints" / "step_000001"

@@ -1,5 +1,5 @@
 """Every class of bad input is refused before launch: exit 2, one clean message naming the value,
-no traceback. Most cases call `dptrain.cli.main` in this process (fast); a subprocess only where
+no traceback. Most cases call `dptrain.cli.main.main` in this process (fast); a subprocess only where
 the point is what a real launch prints (one copy of a factory's traceback, not one per rank).
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.cli import main
+from dptrain.cli.main import main
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config, load_yaml, parse_override, resolve_scalar
 from dptrain.config.resolve import _torch_build_has_gpu
@@ -186,7 +186,7 @@ def test_run_and_checkpoint_directories(capsys, monkeypatch, tmp_path, where, na
         locked.mkdir(mode=0o500)
         out = locked / "run"
         if os.geteuid() == 0:  # root writes anywhere: answer the access check as for a user
-            import dptrain.launch_checks as lc
+            import dptrain.launch.checks as lc
 
             real = os.access
             monkeypatch.setattr(lc.os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
@@ -287,7 +287,7 @@ def test_ckpt_launch_and_doctor_arguments(capsys, tmp_path, argv, named):
 
 @pytest.mark.timeout(60)
 def test_launch_leaves_the_scripts_own_arguments_alone():
-    from dptrain.cli import _check_nproc_option
+    from dptrain.cli.main import _check_nproc_option
 
     _check_nproc_option(["--nnodes", "1", "train.py", "--nproc-per-node", "0"])  # the script's, not torchrun's
     with pytest.raises(ConfigError, match="'x'"):
@@ -297,7 +297,7 @@ def test_launch_leaves_the_scripts_own_arguments_alone():
 # ------------------------------------------------------------------ refusals and fast commands stay light
 FAST = """
 import sys
-from dptrain.cli import main
+from dptrain.cli.main import main
 rc = main({argv!r})
 heavy = sorted(m for m in {heavy!r} if m in sys.modules)
 print("RESULT", rc, heavy)
@@ -370,7 +370,7 @@ def test_generate_reports_progress_and_slides_past_the_context(monkeypatch):
     import io
     import itertools
 
-    import dptrain.generate as gen
+    import dptrain.cli.generate as gen
     from dptrain.models.llama import build_llama
 
     model = build_llama(dim=16, n_layers=1, n_heads=2, max_seq_len=8)

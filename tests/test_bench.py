@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.bench import plan, report
-from dptrain.cli import main
+from dptrain.cli.main import main
 from dptrain.config.load import load_config
+from dptrain.tools.bench import plan, report
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.kwargs.dim=32", "model.kwargs.n_layers=1", "model.kwargs.max_seq_len=32", "data.kwargs.seq_len=32",

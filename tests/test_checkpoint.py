@@ -17,7 +17,7 @@ import torch
 
 from dptrain.checkpoint import manifest as mf
 from dptrain.config.load import load_config
-from dptrain.trainer import Trainer
+from dptrain.train.trainer import Trainer
 from mp import RankError, run_ranks
 
 TOY = [
@@ -236,7 +236,7 @@ def test_export_consolidates_sharded_checkpoints_without_a_process_group(tmp_pat
 
     from safetensors.torch import load_file
 
-    from dptrain.checkpoint.cli import cmd_export
+    from dptrain.cli.ckpt import cmd_export
 
     run = tmp_path / "run"
     run_ranks(fit, 2, run, ["train.max_steps=2", "parallel.strategy=fsdp"])

@@ -55,7 +55,7 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float =
 def worker(proc: subprocess.Popen, rank: int) -> psutil.Process:
     for child in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if "dptrain.worker" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
+            if "dptrain.launch.worker" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
                 return child
         except psutil.NoSuchProcess:
             continue

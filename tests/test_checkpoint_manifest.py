@@ -206,7 +206,7 @@ def _run_dir_with_checkpoint(tmp_path: Path, overrides: list[str]) -> Path:
 
 @pytest.mark.timeout(30)
 def test_resume_keeps_the_global_batch_and_re_derives_accumulation(tmp_path):
-    from dptrain.checkpoint.cli import prepare_resume
+    from dptrain.cli.ckpt import prepare_resume
     from dptrain.config import ConfigError, resolve
     from dptrain.config.load import load_config
 

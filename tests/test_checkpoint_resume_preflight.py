@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.checkpoint.cli import prepare_resume
-from dptrain.cli import main
+from dptrain.cli.ckpt import prepare_resume
+from dptrain.cli.main import main
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config
 

@@ -126,7 +126,7 @@ def test_a_checkpoint_written_before_format_versions_resumes_exactly(tmp_path, f
 
 @pytest.mark.timeout(60)
 def test_an_unknown_format_version_is_refused_naming_it(tmp_path):
-    from dptrain.checkpoint.cli import prepare_resume
+    from dptrain.cli.ckpt import prepare_resume
 
     run = tmp_path / "run"
     plain_run(run, until=3)
@@ -170,7 +170,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_committed_
 def fit_counting_syncs(rank: int, out: Path, overrides: list[str], log_every: int) -> dict[str, list[str]]:
     """fit(), recording every .item(), .tolist() and GradScaler.get_scale() that dptrain's own code
     calls inside train_step/end_step, split by whether the step is a logging step."""
-    from dptrain.trainer import Trainer
+    from dptrain.train.trainer import Trainer
 
     where: list[str | None] = [None]
     seen: dict[str, list[str]] = {"log": [], "other": []}

@@ -44,8 +44,8 @@ def test_run_two_processes_writes_the_run_directory(tmp_path):
     assert summary["final_val_loss"] < summary["initial_val_loss"]
     assert {"final_loss", "wall_s"} <= summary.keys()
     # the consolidated weights carry the plain module's names
-    from dptrain.build import build_model
     from dptrain.config.load import load_config
+    from dptrain.train.build import build_model
 
     cfg = load_config(out / "config.yaml")
     names = set(build_model(cfg.model, seed=0).state_dict())
@@ -123,7 +123,7 @@ def test_launch_runs_a_users_own_loop():
 
 @pytest.mark.timeout(30)
 def test_readme_config_reference_matches_the_code():
-    from dptrain.cli import config_reference
+    from dptrain.cli.main import config_reference
 
     readme = (ROOT / "README.md").read_text()
     start = readme.index("<!-- config-reference:start -->\n") + len("<!-- config-reference:start -->\n")
@@ -134,7 +134,7 @@ def test_readme_config_reference_matches_the_code():
 
 @pytest.mark.timeout(30)
 def test_launch_fills_in_only_the_torchrun_defaults_the_user_left_out():
-    from dptrain.launch import user_script_args
+    from dptrain.launch.torchrun import user_script_args
 
     assert user_script_args(["train.py", "--lr", "1"], default_nproc=2) == [
         "--nproc-per-node", "2", "--standalone", "train.py", "--lr", "1"]
@@ -147,7 +147,7 @@ def test_launch_fills_in_only_the_torchrun_defaults_the_user_left_out():
 
 @pytest.mark.timeout(30)
 def test_launch_reads_restarts_only_from_torchrun_options_before_the_script():
-    from dptrain.cli import _wants_restarts
+    from dptrain.cli.main import _wants_restarts
 
     assert not _wants_restarts(["--nproc-per-node", "2", "train.py", "--max-restarts", "3"])  # the script's own flag
     assert not _wants_restarts(["--standalone", "train.py", "--max_restarts=3"])
@@ -158,7 +158,7 @@ def test_launch_reads_restarts_only_from_torchrun_options_before_the_script():
 
 @pytest.mark.timeout(30)
 def test_launch_checks_nproc_only_before_the_script_told_apart_by_torchruns_parser():
-    from dptrain.cli import _check_nproc_option
+    from dptrain.cli.main import _check_nproc_option
     from dptrain.config import ConfigError
 
     # --standalone takes no value: s.py is the script, and its own --nproc-per-node is not torchrun's
@@ -218,10 +218,10 @@ def test_run_failure_report_names_the_raising_rank_and_its_traceback(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_launch_runs_plain_scripts_under_record_and_leaves_other_commands_alone():
-    from dptrain.launch import record_failures
+    from dptrain.launch.torchrun import record_failures
 
     assert record_failures(["--nproc-per-node", "2", "--standalone", "t.py", "--lr", "1"]) == [
-        "--nproc-per-node", "2", "--standalone", "--module", "dptrain.record_script", "t.py", "--lr", "1"]
+        "--nproc-per-node", "2", "--standalone", "--module", "dptrain.launch.record_script", "t.py", "--lr", "1"]
     for given in (["--standalone", "-m", "pkg.train"], ["--no-python", "bash", "x.py"], ["--run-path", "t.py"],
                   ["--standalone", "train.sh"], ["--standalone"]):
         assert record_failures(given) == given

@@ -203,8 +203,8 @@ def test_dptrain_run_exits_2_before_launch():
 
 # ------------------------------------------------------------------ 2-rank runs
 def fit(rank: int, out: Path, overrides: list[str]) -> dict:
-    from dptrain.parallel.plan import ParallelModel
-    from dptrain.trainer import Trainer
+    from dptrain.parallel.model import ParallelModel
+    from dptrain.train.trainer import Trainer
 
     registered: list[str] = []  # DDP's own record of the hook it calls (this forked rank only)
     real = ParallelModel.register_comm_hook

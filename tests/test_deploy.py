@@ -19,11 +19,11 @@ import yaml
 from run_helpers import subprocess_env
 from test_checkpoint_e2e import TOY
 
-from dptrain import launch
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config
-from dptrain.deploy.cluster_env import cluster_launch
-from dptrain.deploy.kubeflow import schema_problems
+from dptrain.launch import torchrun as launch
+from dptrain.launch.cluster_env import cluster_launch
+from dptrain.tools.deploy.kubeflow import schema_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["train.micro_batch_size=1", "train.max_steps=50", "log.name=tiny"]
@@ -190,7 +190,7 @@ def _argv(env: dict[str, str], *user_overrides: str) -> list[str]:
     found = cluster_launch(env)
     assert found is not None
     cfg = load_config(None, [*found.overrides, *user_overrides])
-    return launch.torchrun_args(cfg.launch, nproc_per_node=int(cfg.launch.nproc_per_node), module="dptrain.worker",
+    return launch.torchrun_args(cfg.launch, nproc_per_node=int(cfg.launch.nproc_per_node), module="dptrain.launch.worker",
                                 module_args=["RUN"])
 
 
@@ -199,11 +199,11 @@ def test_operator_environment_becomes_the_torchrun_argv():
     worker1 = operator_env(job="llm", replica="Worker", index=1, nnodes=3, nproc=8)
     assert shlex.join(_argv(worker1)) == (
         "--nproc-per-node 8 --nnodes 3 --rdzv-backend c10d --rdzv-endpoint llm-master-0:23456 --rdzv-id dptrain "
-        "--node-rank 2 --max-restarts 0 --module dptrain.worker RUN")
+        "--node-rank 2 --max-restarts 0 --module dptrain.launch.worker RUN")
     master = operator_env(job="llm", replica="Master", index=0, nnodes=3, nproc=8, elastic=4)
     assert shlex.join(_argv(master)) == (
         "--nproc-per-node 8 --nnodes 3 --rdzv-backend c10d --rdzv-endpoint llm-master-0:23456 --rdzv-id dptrain "
-        "--node-rank 0 --max-restarts 4 --module dptrain.worker RUN")
+        "--node-rank 0 --max-restarts 4 --module dptrain.launch.worker RUN")
     # the command line's own overrides win over the environment
     assert _argv(worker1, "launch.nproc_per_node=2")[:2] == ["--nproc-per-node", "2"]
 

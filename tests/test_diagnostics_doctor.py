@@ -9,8 +9,8 @@ import pytest
 from diag_helpers import dptrain
 
 from dptrain.diagnostics.commcheck import SIZES, slow_links
-from dptrain.diagnostics.doctor import arch_supported, check_environment, check_network
-from dptrain.plan.calibrate import link_from_sweep
+from dptrain.tools.doctor import arch_supported, check_environment, check_network
+from dptrain.tools.plan.calibrate import link_from_sweep
 
 
 @pytest.mark.timeout(60)
@@ -89,8 +89,8 @@ def test_gpu_topology_pcie_width_and_gpu0_contexts_from_nvidia_smi(tmp_path, mon
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    from dptrain.diagnostics.doctor import check_topology
     from dptrain.diagnostics.memory import gpu0_pids
+    from dptrain.tools.doctor import check_topology
 
     lines, warnings = check_topology()
     assert "GPU0     X      NV18    0-15" in "\n".join(lines)

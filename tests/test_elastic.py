@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 
 from dptrain.config import ConfigError, resolve
 from dptrain.config.load import load_config
-from dptrain.elastic import config_for_world, worker_config
-from dptrain.launch import torchrun_args
-from dptrain.testing.netns import Cluster, dptrain_argv, unavailable_reason
+from dptrain.launch.elastic import config_for_world, worker_config
+from dptrain.launch.torchrun import torchrun_args
+from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 REASON = unavailable_reason()
@@ -87,7 +87,7 @@ def test_nnodes_range_reaches_torchrun_with_the_rendezvous_settings():
     cfg = load_config(None, ["launch.nnodes=1:2", "launch.rdzv_endpoint=h0:29500", "launch.max_restarts=3",
                              "launch.rdzv_conf=last_call_timeout=2,join_timeout=60"])
     assert cfg.launch.nnodes == "1:2"  # YAML 1.2 scalars: not the base-60 integer 62
-    argv = torchrun_args(cfg.launch, nproc_per_node=1, module="dptrain.worker", module_args=[])
+    argv = torchrun_args(cfg.launch, nproc_per_node=1, module="dptrain.launch.worker", module_args=[])
     assert argv[argv.index("--nnodes") + 1] == "1:2" and argv[argv.index("--rdzv-backend") + 1] == "c10d"
     assert argv[argv.index("--rdzv-conf") + 1] == "last_call_timeout=2,join_timeout=60"
     assert argv[argv.index("--max-restarts") + 1] == "3"

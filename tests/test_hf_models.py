@@ -5,7 +5,7 @@ dptrain's real `Trainer(cfg).fit()` on 2 forked gloo ranks under ddp, zero2 and 
 
 Every case asserts the loss falls. Llama and GPT-2 under ddp and fsdp (and Llama under zero2) also
 match a single-process reference of plain PyTorch on the same global batches with plain SGD, as
-the parity ladder (test_parity.py) does: the token rule (`num_items_in_batch`, dptrain/loss.py)
+the parity ladder (test_parity.py) does: the token rule (`num_items_in_batch`, dptrain/train/loss.py)
 makes the step's gradient the global batch's token mean even with padded rows. The losses are
 printed as a table row (`pytest -s`) for the README.
 
@@ -31,9 +31,9 @@ import torch  # noqa: E402
 from test_parity import SEED, assert_weights_close, train  # noqa: E402
 from torch.utils.data import Dataset, default_collate  # noqa: E402
 
-from dptrain.build import build_model_meta  # noqa: E402
 from dptrain.config import ModelConfig  # noqa: E402
 from dptrain.data import GlobalBatchSampler  # noqa: E402
+from dptrain.train.build import build_model_meta  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 64, 32, 2, 2, 16
 STEPS, GLOBAL_BATCH = 8, 8
@@ -182,7 +182,7 @@ def test_hf_meta_build_falls_back_with_a_reason(model: str) -> None:
 def test_loss_rule_follows_what_the_forward_does_with_num_items() -> None:
     """Llama and GPT-2 pass num_items_in_batch to their loss_function (token rule); T5's forward takes
     **kwargs but returns a plain token mean (sample rule, else accumulation would not divide it)."""
-    from dptrain.loss import forward_loss, takes_num_items
+    from dptrain.train.loss import forward_loss, takes_num_items
 
     assert takes_num_items(forward_loss, tiny_llama()) and takes_num_items(forward_loss, tiny_gpt2())
     assert not takes_num_items(forward_loss, tiny_t5())

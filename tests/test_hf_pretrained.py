@@ -35,7 +35,7 @@ def tiny_llama_tied() -> torch.nn.Module:
 
 
 def _fit_and_probe(rank: int, items: list[str], out_dir: str) -> torch.Tensor:
-    from dptrain.trainer import Trainer
+    from dptrain.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, items), out_dir=out_dir)
     trainer.fit()

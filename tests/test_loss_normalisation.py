@@ -1,4 +1,4 @@
-"""Token-level loss normalisation (dptrain/loss.py) and mapping batches.
+"""Token-level loss normalisation (dptrain/train/loss.py) and mapping batches.
 
 With ignored labels (-100) the global batch's loss is the mean over its valid tokens, not the mean
 of micro-batch means. The parity test pads every sample to a different length and masks a prompt,
@@ -31,8 +31,8 @@ from torch.utils.data import Dataset, default_collate
 
 from dptrain import to_device
 from dptrain.data import GlobalBatchSampler
-from dptrain.loss import count_targets, forward_loss, items_per_rank, takes_num_items
 from dptrain.models.llama import build_llama
+from dptrain.train.loss import count_targets, forward_loss, items_per_rank, takes_num_items
 
 PADDED_FACTORY = "test_loss_normalisation:padded_tokens"
 

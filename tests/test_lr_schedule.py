@@ -15,7 +15,7 @@ import torch
 
 from dptrain.config.deepspeed import from_deepspeed
 from dptrain.config.load import build_config
-from dptrain.optim import build_scheduler, lr_lambda
+from dptrain.train.optim import build_scheduler, lr_lambda
 
 
 def _trained_lrs(optim_cfg, *, max_steps: int, peak: float, steps: int) -> list[float]:

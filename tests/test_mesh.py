@@ -90,14 +90,14 @@ def _nested_step(rank: int, strategy: str) -> dict:
     from test_layout import Nested
     from torch.distributed.fsdp import FSDPModule
 
-    from dptrain.parallel import full_state_dict, parallelize
+    from dptrain.parallel import full_state_dict, parallelize_model
 
     def body() -> dict:
         torch.manual_seed(0)
         model = Nested()
         cfg = ParallelConfig(strategy=strategy)
         mesh = ParallelMesh.build(ParallelDims.resolve(dp_shard=2, world_size=2), device_type="cpu")
-        plan = parallelize(model, cfg=cfg, mesh=mesh, device=CPU)
+        plan = parallelize_model(model, cfg=cfg, mesh=mesh, device=CPU)
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         opt = plan.optimizer(torch.optim.SGD, lr=0.5)
         x, y = _nested_data()
@@ -139,7 +139,7 @@ def _materialize_order(rank: int, strategy: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from dptrain.models.toy import build_mlp
-    from dptrain.parallel import parallelize, unwrap
+    from dptrain.parallel import parallelize_model, unwrap
 
     seen: dict = {}
 
@@ -160,7 +160,7 @@ def _materialize_order(rank: int, strategy: str) -> dict:
         dims = ParallelDims.resolve(**({"dp_shard": -1} if strategy == "fsdp" else {"dp_replicate": -1}),
                                     world_size=dist.get_world_size())
         mesh = ParallelMesh.build(dims, device_type="cpu")
-        plan = parallelize(model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=CPU, materialize=materialize)
+        plan = parallelize_model(model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=CPU, materialize=materialize)
         local = [(p.to_local() if isinstance(p, DTensor) else p) for p in unwrap(plan).parameters()]
         seen["values"] = sorted({float(v) for t in local for v in t.reshape(-1).tolist()})
         seen["on_cpu"] = all(t.device == CPU for t in local)
@@ -244,7 +244,7 @@ def test_prepare_model_refuses_zero1_naming_the_api_that_does_it():
 # ------------------------------------------------------------------ FSDP2 mixed precision policy
 def _mp_dtypes(rank: int, param_dtype: str | None) -> dict:
     from dptrain.models.toy import build_mlp
-    from dptrain.parallel import parallelize, unwrap
+    from dptrain.parallel import parallelize_model, unwrap
 
     def body() -> dict:
         torch.manual_seed(0)
@@ -253,7 +253,7 @@ def _mp_dtypes(rank: int, param_dtype: str | None) -> dict:
         model.layers[0].fc.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
         mesh = ParallelMesh.build(ParallelDims.resolve(dp_shard=2, world_size=2), device_type="cpu")
         cfg = ParallelConfig(strategy="fsdp", fsdp_param_dtype=param_dtype, fsdp_reduce_dtype="fp32" if param_dtype else None)
-        plan = parallelize(model, cfg=cfg, mesh=mesh, device=CPU)
+        plan = parallelize_model(model, cfg=cfg, mesh=mesh, device=CPU)
         plan.module((torch.randn(4, 4), torch.zeros(4, 2))).backward()
         out = {"compute": seen[0], "params": {p.dtype for p in unwrap(plan).parameters()},
                "grads": {p.grad.dtype for p in unwrap(plan).parameters()}}

@@ -21,12 +21,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dptrain.api import parallelize
-from dptrain.build import build_model, build_model_meta
 from dptrain.config import ModelConfig, ParallelConfig
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.process_group import destroy_process_group, init_process_group
 from dptrain.parallel import apply_strategy, full_state_dict, unwrap
 from dptrain.parallel.materialize import check_init_contract, local_chunk, make_materializer, materialize
+from dptrain.train.build import build_model, build_model_meta
 from mp import run_ranks
 
 SEED = 1234

@@ -108,7 +108,7 @@ def test_ring_bytes_and_interval_union():
 
 
 def _fit(rank: int, items: list[str], out: str) -> dict[str, Any]:
-    from dptrain.trainer import Trainer
+    from dptrain.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, items), out_dir=out)
     summary = trainer.fit()
@@ -148,14 +148,14 @@ def _count_fsdp(rank: int, strategy: str) -> dict[str, float]:
 
     from dptrain.config import ParallelConfig
     from dptrain.distributed.mesh import ParallelDims, ParallelMesh
-    from dptrain.parallel import parallelize
+    from dptrain.parallel import parallelize_model
 
     dist.init_process_group("gloo")
     try:
         mesh = ParallelMesh.build(ParallelDims.resolve(dp_shard=2, world_size=2), device_type="cpu")
         torch.manual_seed(0)
         model = build_llama(dim=12, n_layers=2, n_heads=2, ffn_hidden=21, vocab_size=31, max_seq_len=8)
-        plan = parallelize(model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=torch.device("cpu"))
+        plan = parallelize_model(model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=torch.device("cpu"))
         want = comm.fsdp_comm_bytes(model, shard=2, reshard_after_forward=strategy == "fsdp")
         sent = {"gather": 0.0, "scatter": 0.0}
         real_ag, real_rs = dist.all_gather_single, dist.reduce_scatter_single

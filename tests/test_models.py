@@ -9,7 +9,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from dptrain.generate import generate, generate_bytes, import_object, load_model_from_run
+from dptrain.cli.generate import generate, generate_bytes, import_object, load_model_from_run
 from dptrain.models import LlamaLM, build_llama, build_mlp, build_regression_data
 
 pytestmark = pytest.mark.timeout(60)

@@ -22,7 +22,7 @@ import torch
 from diag_helpers import TP_LLAMA, dptrain
 from monitor_helpers import PROMETHEUS, SCRAPE_S, Prometheus, free_port_pair
 
-from dptrain import cli
+from dptrain.cli import main as cli
 from dptrain.metrics.monitor import DASHBOARD
 from dptrain.metrics.prometheus import PrometheusExporter, metric_name
 from mp import find_free_port, run_ranks
@@ -212,7 +212,7 @@ def test_console_log_holds_what_rank0_printed(finished_run):
 
 @pytest.mark.timeout(300)
 def test_top_renders_finished_run(finished_run, capsys, tmp_path):
-    from dptrain.metrics.top import render_text
+    from dptrain.cli.top import render_text
 
     run, _ = finished_run
     frame = render_text(run)
@@ -237,7 +237,7 @@ def test_top_renders_finished_run(finished_run, capsys, tmp_path):
 # ---------------------------------------------------------------------------- Prometheus + Grafana
 def _train_held(rank: int, out_dir: str, port: int) -> dict:
     from dptrain.config.load import load_config
-    from dptrain.trainer import Trainer
+    from dptrain.train.trainer import Trainer
 
     cfg = load_config(None, [*LM, "log.progress=false", "train.max_steps=8", "train.loss=monitor_helpers:held_loss",
                              f"log.prometheus_port={port}", "log.prometheus_addr=127.0.0.1", "log.status_every_s=0.5",
@@ -273,7 +273,7 @@ def _check_live(prom: Prometheus, run: Path, results: dict[str, Any]) -> None:
     results["records"] = records
     results["dashboard"] = {expr: prom.query(_substitute(expr)) for _, expr in _dashboard_exprs()}
     results["rank_values"] = prom.api("label/rank/values", **{"match[]": "dptrain_step"})
-    from dptrain.metrics.top import render_text
+    from dptrain.cli.top import render_text
 
     results["top"] = render_text(run)
     results["top_later"] = render_text(run, now=time.time() + 60)  # as if a minute passed without news

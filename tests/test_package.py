@@ -15,7 +15,7 @@ def test_import_is_light() -> None:
     code = (
         "import sys, dptrain; "
         "heavy = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.distributed.fsdp', "
-        "'torch.distributed.checkpoint', 'dptrain.trainer'))]; "
+        "'torch.distributed.checkpoint', 'dptrain.train.trainer'))]; "
         "print(','.join(heavy))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -2,7 +2,7 @@
 
 Reference: a single process of plain PyTorch (no dptrain training code) that takes, at every
 step, the mean loss over the whole global batch (the samples `GlobalBatchSampler` assigns to
-that step), backward, plain `torch.optim.SGD`. Candidate: `dptrain.trainer.Trainer(cfg).fit()`
+that step), backward, plain `torch.optim.SGD`. Candidate: `dptrain.train.trainer.Trainer(cfg).fit()`
 on W forked gloo ranks. The final weights (`final/model.safetensors`) must agree to float32
 round-off. Plain SGD, not Adam: Adam is nearly scale-invariant and would hide a missing loss
 division or a sum-instead-of-mean gradient reduction.
@@ -26,7 +26,7 @@ from dptrain.config.load import load_config
 from dptrain.data import GlobalBatchSampler
 from dptrain.models.llama import build_llama
 from dptrain.models.toy import build_mlp, build_regression_data
-from dptrain.trainer import Trainer
+from dptrain.train.trainer import Trainer
 from mp import run_ranks
 
 SEED = 1234

@@ -144,11 +144,11 @@ def test_stage_layer_counts():
 def test_stages_keep_plain_names_and_eager_weights():
     """Stages cut from the meta model and materialised one by one hold exactly the eager build's
     tensors under the plain names; together they cover the model once."""
-    from dptrain.build import build_model_meta
     from dptrain.config.fields import ModelConfig
     from dptrain.models.llama import build_llama
     from dptrain.parallel.materialize import make_materializer
     from dptrain.parallel.pipeline import split_llama, stage_ids
+    from dptrain.train.build import build_model_meta
 
     torch.manual_seed(7)
     eager = build_llama(**PP_LLAMA).state_dict()
@@ -192,7 +192,7 @@ def _resolve(*items: str, world_size: int = 2):
     (("parallel.pp=2", "parallel.strategy=zero1"), 4, ["zero1", "rank 0"]),
     (("parallel.pp=2", "model.kwargs.tie_embeddings=true"), 2, ["tie_embeddings", "first"]),
     (("parallel.pp=2", "parallel.pp_microbatches=0"), 2, ["parallel.pp_microbatches=0 is not valid"]),
-    (("parallel.pp=2", "train.loss=dptrain.loss:forward_loss"), 2, ["train.loss='dptrain.loss:forward_loss'", "last stage"]),
+    (("parallel.pp=2", "train.loss=dptrain.train.loss:forward_loss"), 2, ["train.loss='dptrain.train.loss:forward_loss'", "last stage"]),
 ])
 def test_pipeline_refusals(items, world, named):
     with pytest.raises(ConfigError) as err:
@@ -240,7 +240,7 @@ def _loaded_state_rank(rank: int, items: list[str], out_dir: str, resume: str) -
 
     from dptrain.checkpoint.state import param_names
     from dptrain.distributed.process_group import process_group
-    from dptrain.trainer import Trainer
+    from dptrain.train.trainer import Trainer
 
     t = Trainer(load_config(None, items), out_dir=out_dir, resume=resume)
     with process_group(t.env, backend=t.res.backend, device=t.device, timeout_s=60):
@@ -250,7 +250,7 @@ def _loaded_state_rank(rank: int, items: list[str], out_dir: str, resume: str) -
         optim = {f"state.{names[i]}.{k}": v.clone() for i, st in t.optimizer.state_dict()["state"].items()
                  for k, v in st.items() if isinstance(v, torch.Tensor)}
         t.close()
-        t.model = t.plan.release()
+        t.model = t.parallel.release()
         t.mesh.release()
         del t
         gc.collect()
@@ -269,7 +269,7 @@ def test_resume_pipeline_checkpoint_at_dp2_and_single(tmp_path, capsys):
     from safetensors.torch import load_file
 
     from dptrain.checkpoint.storage import load_full_model_state
-    from dptrain.cli import main
+    from dptrain.cli.main import main
     from mp import run_ranks
 
     items = pp_items(strategy="ddp", world_size=2, accum=2, schedule="1f1b") + RESUME
@@ -310,7 +310,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def _resume_rank(rank: int, items: list[str], out_dir: str, resume: str) -> dict:
-    from dptrain.trainer import Trainer
+    from dptrain.train.trainer import Trainer
 
     return Trainer(load_config(None, items), out_dir=out_dir, resume=resume).fit()
 

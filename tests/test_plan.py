@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from dptrain.cli import main
+from dptrain.cli.main import main
 from dptrain.metrics import mfu
 from dptrain.models.llama import LlamaConfig, LlamaLM
-from dptrain.plan import memory, specs, timing
-from dptrain.plan.llama import activation_bytes, param_counts
+from dptrain.tools.plan import memory, specs, timing
+from dptrain.tools.plan.llama import activation_bytes, param_counts
 
 CONFIGS = [
     dict(vocab_size=256, dim=64, n_layers=1, n_heads=4),

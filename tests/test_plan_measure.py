@@ -14,13 +14,13 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from dptrain.build import build_datasets, build_model
-from dptrain.cli import main
+from dptrain.cli.main import main
 from dptrain.config import DataConfig, ModelConfig, OptimConfig
 from dptrain.models.llama import LlamaConfig
-from dptrain.plan import memory, specs, timing
-from dptrain.plan.llama import activation_bytes, param_counts
-from dptrain.plan.measure import MeasureError, measure_model, profile_module
+from dptrain.tools.plan import memory, specs, timing
+from dptrain.tools.plan.llama import activation_bytes, param_counts
+from dptrain.tools.plan.measure import MeasureError, measure_model, profile_module
+from dptrain.train.build import build_datasets, build_model
 
 MLP = ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs={"in_dim": 16, "hidden": 48, "depth": 3})
 REGRESSION = DataConfig(factory="dptrain.models.toy:build_regression_data", kwargs={"n": 32})

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain.cli import main
+from dptrain.cli.main import main
+from dptrain.cli.plan import DEFAULT_EFFICIENCY
 from dptrain.config.fields import ConfigError
 from dptrain.config.load import load_config
 from dptrain.config.resolve import resolve
 from dptrain.models.llama import LlamaConfig, LlamaLM
 from dptrain.parallel.tensor import tp_problem
-from dptrain.plan import presets, search, specs, timing
-from dptrain.plan.cli import DEFAULT_EFFICIENCY
-from dptrain.plan.llama import param_counts
-from dptrain.plan.memory import GB, layout_memory
-from dptrain.plan.recommend import load_plan_config
-from dptrain.plan.timing import step_time
+from dptrain.tools.plan import presets, search, specs, timing
+from dptrain.tools.plan.llama import param_counts
+from dptrain.tools.plan.memory import GB, layout_memory
+from dptrain.tools.plan.recommend import load_plan_config
+from dptrain.tools.plan.timing import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.kwargs.dim=32", "model.kwargs.n_layers=2", "model.kwargs.n_heads=2", "model.kwargs.max_seq_len=32",
@@ -123,7 +123,7 @@ def test_presets_have_the_published_parameter_counts():
     with torch.device("meta"):
         llama3 = LlamaLM(LlamaConfig(**presets.preset("llama3-8b").kwargs))
     assert sum(t.numel() for t in llama3.parameters()) == 8_030_261_248
-    code = ("import sys, dptrain.plan.presets, dptrain.plan.search, dptrain.plan.recommend, dptrain.plan.cli; "
+    code = ("import sys, dptrain.tools.plan.presets, dptrain.tools.plan.search, dptrain.tools.plan.recommend, dptrain.cli.plan; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
 

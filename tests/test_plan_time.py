@@ -9,12 +9,12 @@ import math
 
 import pytest
 
-from dptrain.cli import main
+from dptrain.cli.main import main
+from dptrain.cli.plan import DEFAULT_EFFICIENCY
 from dptrain.models.llama import LlamaConfig
-from dptrain.plan import calibrate, predict, specs, timing
-from dptrain.plan.cli import DEFAULT_EFFICIENCY
-from dptrain.plan.llama import param_counts, param_shapes
-from dptrain.plan.memory import Layout
+from dptrain.tools.plan import calibrate, predict, specs, timing
+from dptrain.tools.plan.llama import param_counts, param_shapes
+from dptrain.tools.plan.memory import Layout
 
 SIZES = [4 * 2**10 * 4**i for i in range(8)]
 

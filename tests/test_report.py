@@ -47,7 +47,7 @@ def rank1_slow_loss(model, batch):
 
 
 def _fit_rank(rank: int, out_dir: str) -> dict:
-    from dptrain.trainer import Trainer
+    from dptrain.train.trainer import Trainer
 
     return Trainer(load_config(None, ITEMS), out_dir=out_dir).fit()
 
@@ -116,7 +116,7 @@ def _assert_loads(result: dict, expected: set[str]) -> None:
 
 @pytest.mark.timeout(300)
 def test_report_of_a_finished_two_rank_run(run_dir: Path, tmp_path: Path) -> None:
-    from dptrain.report import build_report
+    from dptrain.tools.report import build_report
 
     page = build_report(run_dir, out_dir=tmp_path / "report")
     text = page.read_text()
@@ -134,7 +134,7 @@ def test_report_of_a_finished_two_rank_run(run_dir: Path, tmp_path: Path) -> Non
 @pytest.mark.timeout(300)
 def test_report_of_a_run_still_going(run_dir: Path, tmp_path: Path) -> None:
     """metrics.jsonl cut in the middle of a line, no summary.json, diagnostics.jsonl cut too."""
-    from dptrain.report import build_report
+    from dptrain.tools.report import build_report
 
     live = tmp_path / "live"
     shutil.copytree(run_dir, live)
@@ -154,7 +154,7 @@ def test_report_of_a_run_still_going(run_dir: Path, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_report_of_a_run_that_has_written_nothing_yet(tmp_path: Path) -> None:
-    from dptrain.report import build_report
+    from dptrain.tools.report import build_report
 
     (tmp_path / "run").mkdir()
     page = build_report(tmp_path / "run")
@@ -165,7 +165,7 @@ def test_report_of_a_run_that_has_written_nothing_yet(tmp_path: Path) -> None:
 
 
 def test_read_jsonl_skips_a_half_written_line(tmp_path: Path) -> None:
-    from dptrain.report.read import read_jsonl
+    from dptrain.tools.report.read import read_jsonl
 
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n\n{"step": 2, "loss": null, "loss_nonfinite": "nan"}\n[1]\n{"step": 3, "lo')
@@ -174,7 +174,7 @@ def test_read_jsonl_skips_a_half_written_line(tmp_path: Path) -> None:
 
 
 def test_cli_report_errors(tmp_path: Path, monkeypatch, capsys) -> None:
-    from dptrain.cli import main
+    from dptrain.cli.main import main
 
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
@@ -198,7 +198,7 @@ def test_cli_report_on_the_run(run_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_the_browser_check_catches_a_missing_image(run_dir: Path, tmp_path: Path) -> None:
     """Guard: the Chromium check fails a page whose image is gone (so its passing means something)."""
-    from dptrain.report import build_report
+    from dptrain.tools.report import build_report
 
     page = build_report(run_dir, out_dir=tmp_path / "report")
     (page.parent / "memory.png").unlink()
@@ -211,8 +211,8 @@ def test_the_browser_check_catches_a_missing_image(run_dir: Path, tmp_path: Path
 
 def test_mfu_and_cuda_memory_get_their_own_axes(tmp_path: Path) -> None:
     """Records as a GPU run with the MFU meter writes them (mfu is a fraction; CUDA memory per rank)."""
-    from dptrain.report import plots
-    from dptrain.report.read import read_run
+    from dptrain.tools.report import plots
+    from dptrain.tools.report.read import read_run
 
     run = tmp_path / "gpu_run"
     run.mkdir()

@@ -23,7 +23,7 @@ from run_helpers import subprocess_env
 from test_checkpoint_e2e import TOY, logged_steps
 
 from dptrain.config.load import load_config
-from dptrain.deploy.slurm import CONFIG_NAME
+from dptrain.tools.deploy.slurm import CONFIG_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from dptrain.config import ConfigError, resolve
 from dptrain.config.load import load_config
-from dptrain.trainer import Trainer
+from dptrain.train.trainer import Trainer
 from mp import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def test_profile_steps_refused_before_launch(value: str, message: str) -> None:
 
 
 def test_profile_steps_accepts_a_range_and_one_step() -> None:
-    from dptrain.config.speed import parse_profile_steps
+    from dptrain.config.speed_checks import parse_profile_steps
 
     assert parse_profile_steps("10-12") == (10, 12)
     assert parse_profile_steps("4") == (4, 4)
@@ -221,7 +221,7 @@ def test_compile_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cuda_flags_only_on_cuda() -> None:
-    from dptrain.speed import backend_flags
+    from dptrain.train.backend import backend_flags
 
     train = load_config(None, []).train
     assert backend_flags(train, torch.device("cpu")) == {}

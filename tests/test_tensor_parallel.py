@@ -166,7 +166,7 @@ def test_tp_refusals_before_launch(capsys, tmp_path, overrides, named):
 @pytest.mark.timeout(60)
 def test_sequence_length_is_not_checked_without_sequence_parallelism(tmp_path):
     from dptrain.config.load import load_config
-    from dptrain.launch_checks import check_model, check_tensor_parallel
+    from dptrain.launch.checks import check_model, check_tensor_parallel
 
     cfg = load_config(None, ["model.kwargs.dim=32", "parallel.sequence_parallel=false"])
     model = check_model(cfg.model)
@@ -242,7 +242,7 @@ def test_export_of_a_tp_checkpoint_has_the_plain_names(tp2_saved, tmp_path):
 
     from safetensors.torch import load_file
 
-    from dptrain.checkpoint.cli import cmd_export
+    from dptrain.cli.ckpt import cmd_export
 
     run = tmp_path / "run"
     shutil.copytree(tp2_saved, run)

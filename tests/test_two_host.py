@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from run_helpers import TOY_RUN, subprocess_env
 
-from dptrain.testing.netns import Cluster, dptrain_argv, unavailable_reason
+from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 REASON = unavailable_reason()

@@ -2,7 +2,7 @@
 
     python tests/tp_parity_table.py
 
-Each rung trains the tiny LLaMA with `dptrain.trainer.Trainer` on forked gloo ranks (the layouts of
+Each rung trains the tiny LLaMA with `dptrain.train.trainer.Trainer` on forked gloo ranks (the layouts of
 `tests/test_tensor_parallel.py`) and is compared with the single-process SGD reference of
 `tests/test_parity.py` at the data-parallel rungs' tolerance.
 """

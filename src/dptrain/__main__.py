@@ -2,6 +2,6 @@
 
 import sys
 
-from dptrain.cli import main
+from dptrain.cli.main import main
 
 sys.exit(main())

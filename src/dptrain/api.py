@@ -90,7 +90,7 @@ def parallelize(
 
     from dptrain.config.layout import resolve_layout
     from dptrain.distributed.mesh import ParallelMesh
-    from dptrain.parallel import parallelize as apply_plan
+    from dptrain.parallel import parallelize_model
 
     cfg = ParallelConfig(strategy=strategy, bucket_cap_mb=bucket_cap_mb, cpu_offload=cpu_offload,
                          dp_replicate=dp_replicate, dp_shard=dp_shard, activation_checkpointing=activation_checkpointing,
@@ -102,7 +102,7 @@ def parallelize(
     dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
     device = device or torch.device("cpu")
     mesh = ParallelMesh.build(dims, device_type=device.type)
-    return apply_plan(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
+    return parallelize_model(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
 
 
 def prepare_model(

@@ -33,7 +33,7 @@ from dptrain.config.fields import (
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf
 from dptrain.config.pipeline import describe_pipeline, validate_pipeline
-from dptrain.config.speed import validate_compile, validate_fsdp_tuning, validate_speed
+from dptrain.config.speed_checks import validate_compile, validate_fsdp_tuning, validate_speed
 
 if TYPE_CHECKING:
     from dptrain.distributed.mesh import ParallelDims

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dptrain.config import DiagnosticsConfig, hang_timeout
-from dptrain.config.speed import parse_profile_steps
+from dptrain.config.speed_checks import parse_profile_steps
 from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
 from dptrain.diagnostics.memory import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
 from dptrain.diagnostics.nonfinite import NonFiniteGuard

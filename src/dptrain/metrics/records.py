@@ -1,7 +1,7 @@
 """What a run's log records and its summary say: the throughput clock (training time between log
 lines, evaluation excluded), samples and tokens per second, bits per byte, the meters' fields
 (metrics/meters.py), the fp16 scaler's counters. Built by the trainer after its `_build`; the
-records are handed to dptrain/outputs.py. Nothing here issues a collective; the fp16 counters are
+records are handed to dptrain/train/outputs.py. Nothing here issues a collective; the fp16 counters are
 read off the device only at a log step and at the end, like the loss.
 """
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from dptrain.config import Resolved
     from dptrain.diagnostics import Diagnostics
     from dptrain.metrics.meters import RunMeters
-    from dptrain.train_state import TrainState
+    from dptrain.train.state import TrainState
 
 
 class Records:

@@ -1,7 +1,8 @@
 """Parallelisation: `parallelize(model, cfg=..., mesh=..., device=...)` returns a `ParallelModel`
 that owns everything which differs by wrapper (gradient-sync context, clipping, state dicts,
 optimizer sharding, communication hooks). One small file per technique: `ddp`, `fsdp`, `zero`,
-`activation_checkpointing`, `dp`, `single`; `plan` puts them together in a fixed order.
+`activation_checkpointing`, `dp`, `single`, `tensor`, `pipeline`; `model` puts them together in a fixed
+order (`parallelize_model`); `clip` (global norm) and `wrapped` (unwrap, full state dict) work on any of them.
 
 The free functions `sync_gradients`, `clip_grad_norm_`, `full_state_dict` and `unwrap` accept a
 `ParallelModel` (they delegate to it) or the module it returned (for own loops that keep only the
@@ -19,17 +20,17 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dptrain.config import ParallelConfig
-from dptrain.parallel import clip
-from dptrain.parallel.clip import is_sharded
+from dptrain.parallel import clip, wrapped
 from dptrain.parallel.ddp import apply_ddp
 from dptrain.parallel.dp import apply_dp
 from dptrain.parallel.fsdp import apply_fsdp
-from dptrain.parallel.plan import ParallelModel, parallelize
+from dptrain.parallel.model import ParallelModel, parallelize_model
 from dptrain.parallel.single import apply_single
+from dptrain.parallel.wrapped import is_sharded
 
 __all__ = [
     "ParallelModel",
-    "parallelize",
+    "parallelize_model",
     "apply_strategy",
     "sync_gradients",
     "unwrap",
@@ -56,12 +57,12 @@ def apply_strategy(model: nn.Module, *, cfg: ParallelConfig, device: torch.devic
 
     dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
     mesh = ParallelMesh.build(dims, device_type=device.type)
-    return parallelize(model, cfg=cfg, mesh=mesh, device=device).module
+    return parallelize_model(model, cfg=cfg, mesh=mesh, device=device).module
 
 
 def unwrap(model: Parallelized) -> nn.Module:
     """The user's plain module (inside a DDP/DataParallel wrapper; FSDP2 shards in place)."""
-    return model.plain if isinstance(model, ParallelModel) else clip.unwrap(model)
+    return model.plain if isinstance(model, ParallelModel) else wrapped.unwrap(model)
 
 
 @contextlib.contextmanager
@@ -92,4 +93,4 @@ def clip_grad_norm_(model: Parallelized, max_norm: float | None) -> torch.Tensor
 
 def full_state_dict(model: Parallelized) -> dict[str, torch.Tensor]:
     """Consolidated weights under the plain module's names, on CPU. Collective under FSDP2."""
-    return model.full_state_dict() if isinstance(model, ParallelModel) else clip.full_state_dict(model)
+    return model.full_state_dict() if isinstance(model, ParallelModel) else wrapped.full_state_dict(model)

@@ -33,7 +33,7 @@ The model must also satisfy these rules:
 `check_init_contract` tests what can be checked on the meta model: every tensor is written;
 no hook writes another module's tensors; and the hooks write each tensor as many times as
 construction did, which catches a constructor that initialises weights some other way
-(nanoGPT's `self.apply(self._init_weights)`). `dptrain.build.build_model_meta` also checks that
+(nanoGPT's `self.apply(self._init_weights)`). `dptrain.train.build.build_model_meta` also checks that
 construction on meta left every tensor on meta, in the dtype it was registered with
 (`converted_after_registration`: no `model.to(dtype)` in the factory), and left the CPU RNG
 untouched. A factory that

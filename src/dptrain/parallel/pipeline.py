@@ -2,7 +2,7 @@
 `torch.distributed.pipelining` (PipelineStage + ScheduleGPipe / Schedule1F1B /
 ScheduleInterleaved1F1B): no tracing, no hand-written send/recv.
 
-Split (torchtitan's manual split). The model is built on the meta device; `split_llama` cuts it
+Split (torchtitan's manual split). The model is built on the meta device; `split_llama` (models/llama_parallel.py) cuts it
 into `pp x pp_stages_per_rank` stages by layer ranges (`config/pipeline.py:stage_layer_counts`;
 `parallel.pp_layers` overrides the even split). A stage (`LlamaStage`) holds the model's own
 modules: the embedding on the first stage, its blocks in an `nn.ModuleDict` keyed by their
@@ -42,7 +42,7 @@ parallel/clip.py), squared, summed over the pipeline group. `full_state_dict` ga
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,67 +56,19 @@ from dptrain.config.layout import strategy_mode
 from dptrain.config.pipeline import pipeline_microbatches, stage_layer_counts
 from dptrain.distributed import collectives
 from dptrain.distributed.mesh import ParallelMesh
-from dptrain.models.llama import LlamaLM, rope_tables
+from dptrain.models.llama import LlamaLM
+from dptrain.models.llama_parallel import LlamaStage, split_batch, split_llama
 from dptrain.parallel import fsdp
 from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dptrain.parallel.materialize import Materializer
-from dptrain.parallel.plan import ParallelModel
+from dptrain.parallel.model import ParallelModel
 
 __all__ = ["LlamaStage", "PipelineModel", "parallelize_pipeline", "split_batch", "split_llama", "stage_ids"]
-
-
-class LlamaStage(nn.Module):
-    """One pipeline stage of a `LlamaLM`: its modules under the plain model's names."""
-
-    _no_split_modules = ["TransformerBlock"]  # the FSDP2 / activation-checkpointing units
-
-    def __init__(self, model: LlamaLM, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
-        super().__init__()
-        self.cfg = model.cfg
-        self.tok_emb = model.tok_emb if first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        self.norm = model.norm if last else None
-        self.head = model.head if last else None
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # not a buffer: stays out of state dicts
-
-    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope is None or self._rope[0].device != device:
-            self._rope = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
-        if seq_len > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-        return self._rope[0][:seq_len], self._rope[1][:seq_len]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] (first stage) or hidden states [B, T, D] -> hidden states, or logits [B, T, V] (last)."""
-        if self.tok_emb is not None:
-            self.rope(x.size(1), x.device)  # refuses token ids longer than the model's context
-            x = self.tok_emb(x)
-        # The whole table: each block's attention takes the first T rows for its (gathered) sequence;
-        # x.size(1) here may be a sequence-parallel shard of it (tensor parallelism within the stage).
-        cos, sin = self.rope(self.cfg.max_seq_len, x.device)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin)
-        if self.head is not None:
-            assert self.norm is not None
-            x = self.head(self.norm(x))
-        return x
 
 
 def stage_ids(pp_rank: int, *, pp: int, stages_per_rank: int) -> list[int]:
     """The stages rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (looped, as the interleaved schedule expects)."""
     return [pp_rank + v * pp for v in range(stages_per_rank)]
-
-
-def split_llama(model: LlamaLM, *, stages: Sequence[int], layer_counts: Sequence[int]) -> list[LlamaStage]:
-    """Cut `model` (typically on meta) into the given stages; `layer_counts[s]` blocks for stage s."""
-    if not isinstance(model, LlamaLM):
-        raise TypeError(f"pipeline parallelism splits dptrain's LlamaLM, got {type(model).__name__}")
-    if model.cfg.tie_embeddings:
-        raise ValueError("tied embeddings cannot be split over pipeline stages (first and last stage)")
-    starts = [sum(layer_counts[:s]) for s in range(len(layer_counts))]
-    n = len(layer_counts)
-    return [LlamaStage(model, range(starts[s], starts[s] + layer_counts[s]), first=s == 0, last=s == n - 1)
-            for s in stages]
 
 
 class RankView(nn.Module):
@@ -130,16 +82,6 @@ class RankView(nn.Module):
             setattr(self, name, mods[0] if mods else None)
         layers = {k: m for p in parts for k, m in p.layers.items()}
         self.layers = nn.ModuleDict({k: layers[k] for k in sorted(layers, key=int)})
-
-
-def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input ids, labels aligned with the predictions) of a LlamaLM batch (see LlamaLM.forward)."""
-    if isinstance(batch, Mapping):
-        return batch["input_ids"], batch["labels"]
-    if isinstance(batch, Sequence):
-        ids, labels = batch
-        return ids, labels
-    return batch[:, :-1], batch[:, 1:]
 
 
 class PipelineModel(ParallelModel):
@@ -203,7 +145,7 @@ class PipelineModel(ParallelModel):
         """Forward and backward of the step's micro-batches, one schedule each (the pipeline's
         micro-batch loop). Returns this rank's share of the step's loss: the global batch's loss
         on the last stage's ranks divided over dp, 0 on the other stages (`reduce_loss` sums it)."""
-        from dptrain.loss import items_per_rank
+        from dptrain.train.loss import items_per_rank
 
         pairs = [split_batch(b) for b in micro_batches]
         n = items_per_rank([{"labels": lab} for _, lab in pairs], device=self.device, dp_world_size=self.mesh.dp_size,

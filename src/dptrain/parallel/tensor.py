@@ -1,7 +1,7 @@
 """Tensor parallelism: the matrices of each block split over the `tp` ranks with PyTorch's DTensor
 plans (`torch.distributed.tensor.parallel.parallelize_module`); no collective is written here.
 
-The plan for the built-in `LlamaLM` is torchtitan's (Megatron-LM's column-then-row pairing):
+The plan for the built-in `LlamaLM` (`models/llama_parallel.py`: `llama_tp_plan`) is torchtitan's (Megatron-LM's column-then-row pairing):
 
 | module                    | style                                                     |
 |---------------------------|-----------------------------------------------------------|
@@ -44,77 +44,9 @@ from typing import Any
 
 from torch import nn
 
+from dptrain.models.llama_parallel import apply_llama_tp, is_builtin_llama
+
 TpPlan = Callable[[nn.Module, Any], None]
-
-
-def is_builtin_llama(model: nn.Module) -> bool:
-    from dptrain.models.llama import LlamaLM
-
-    return isinstance(model, LlamaLM)
-
-
-def llama_plan(*, sequence_parallel: bool, loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(root plan, per-block plan) for `LlamaLM`: fully qualified names -> ParallelStyle."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    sp = sequence_parallel
-    stream = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
-    root: dict[str, Any] = {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                use_local_output=not loss_parallel),
-    }
-    block: dict[str, Any] = {
-        # One replicated DTensor input shared by q/k/v (and by w1/w3): their input gradients add up
-        # as partial DTensors and are reduced once per block input, not once per projection (without
-        # it each projection's own from_local boundary all-reduces its gradient: 5 instead of 2 per
-        # block backward, measured by benchmarks/tp_comm.py). Under SP this is also the all-gather
-        # of the sequence. The rope tables (attention's other inputs) are plain tensors: left alone.
-        "attn": PrepareModuleInput(input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)),
-        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(output_layouts=stream),
-        "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-        "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
-        "mlp.w2": RowwiseParallel(output_layouts=stream),
-    }
-    if sp:
-        root["norm"] = SequenceParallel()
-        block.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
-    return root, block
-
-
-def apply_llama_tp(model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = True, loss_parallel: bool = False) -> None:
-    """The built-in plan (module docstring) applied in place to a `LlamaLM`, or to one of its
-    pipeline stages (`LlamaStage`: the blocks it holds, and of tok_emb / norm / head those it has).
-    Between stages under sequence parallelism the activation is this rank's Shard(1) slice of the
-    sequence (a plain local tensor): the pipeline group pairs ranks of the same tp coordinate."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    root, block = llama_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    layers: Any = model.layers  # a ModuleList on LlamaLM; a pipeline stage's ModuleDict keyed by layer index
-    for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
-        parallelize_module(layer, tp_mesh, block)
-    # A pipeline stage holds tok_emb only on the first stage, norm and head only on the last: plan what it has.
-    root = {name: style for name, style in root.items() if getattr(model, name, None) is not None}
-    if root:
-        parallelize_module(model, tp_mesh, root)
-    if loss_parallel:
-        model.register_forward_hook(_local_loss)
-
-
-def _local_loss(module: nn.Module, args: Any, output: Any) -> Any:
-    """The loss computed on vocabulary-sharded logits is a replicated DTensor: hand the caller (the
-    trainer, which mixes it with plain tensors) this rank's copy. `to_local` is differentiable, and
-    a replicated value's gradient is the same on every rank, so backward is unchanged."""
-    from torch.distributed.tensor import DTensor
-
-    return output.to_local() if isinstance(output, DTensor) else output
 
 
 HF_STYLES = ("colwise", "rowwise")
@@ -167,7 +99,7 @@ def apply_hf_tp(model: nn.Module, tp_mesh: Any) -> None:
 
 def load_plan(spec: str) -> TpPlan:
     """The user's `parallel.tp_plan` function from its import path."""
-    from dptrain.build import import_object
+    from dptrain.train.build import import_object
 
     fn = import_object(spec)
     if not callable(fn):

@@ -1,0 +1,152 @@
+"""Byte-level sampling from a trained LM and loading a model back from a run directory."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO, cast
+
+import torch
+from torch import nn
+
+from dptrain.train.build import import_object
+
+DEFAULT_MODEL_FACTORY = "dptrain.models.llama:build_llama"
+
+
+def _max_seq_len(model: nn.Module) -> int | None:
+    cfg = getattr(model, "cfg", None)
+    return getattr(cfg, "max_seq_len", None) or getattr(model, "max_seq_len", None)
+
+
+@torch.no_grad()
+def generate_bytes(
+    model: nn.Module,
+    prompt: bytes | str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+    progress: TextIO | None = None,
+) -> bytes:
+    """Sample exactly ``max_new_tokens`` bytes continuing ``prompt`` (the prompt is not included).
+
+    ``model.logits(idx[1, T]) -> [1, T, V]`` is used; ``temperature <= 0`` means greedy and
+    ``top_k`` of ``None``/``0`` disables top-k filtering. An empty prompt starts from ``b"\\n"``.
+    The model sees at most its context (``max_seq_len``) of the latest bytes: past it, the window
+    slides, so any length can be sampled. With ``progress``, a line every 2 s says how far it is.
+    """
+    data = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
+    data = data or b"\n"
+    device = next(model.parameters()).device
+    # A private generator keeps sampling reproducible without touching the global RNG.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ctx = _max_seq_len(model)
+    idx = torch.tensor([list(data)], dtype=torch.long, device=device)
+    out: list[int] = []
+    # nn.Module's stub types any attribute as Tensor | Module; `logits` is a method of LM models.
+    logits_of = cast(Callable[[torch.Tensor], torch.Tensor], model.logits)
+    was_training = model.training
+    model.eval()
+    last = start = time.monotonic()
+    try:
+        for i in range(max_new_tokens):
+            if progress is not None and time.monotonic() - last >= 2.0:
+                last = time.monotonic()
+                rate = i / (last - start)
+                progress.write(f"generate: {i}/{max_new_tokens} bytes ({rate:.0f}/s, "
+                               f"eta {(max_new_tokens - i) / max(rate, 1e-9):.0f} s)\n")
+                progress.flush()
+            cond = idx if ctx is None else idx[:, -ctx:]
+            logits = logits_of(cond)[0, -1].float()
+            logits = logits[:256]  # only byte ids can be decoded
+            if temperature <= 0:
+                nxt = int(logits.argmax())
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
+            out.append(nxt)
+            idx = torch.cat([idx, idx.new_tensor([[nxt]])], dim=1)
+    finally:
+        model.train(was_training)
+    return bytes(out)
+
+
+def generate(
+    model: nn.Module,
+    prompt: bytes | str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+    progress: TextIO | None = None,
+) -> str:
+    """Sample a continuation of ``prompt`` and decode it as UTF-8 (``errors="replace"``).
+
+    Returns only the generated text. Invalid byte sequences become U+FFFD and valid
+    multi-byte sequences merge, so the string can be shorter than ``max_new_tokens``.
+    """
+    raw = generate_bytes(
+        model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+        progress=progress,
+    )
+    return raw.decode("utf-8", errors="replace")
+
+
+def _fill_shared_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    # safetensors refuses to store aliased tensors, so savers often drop one name of a
+    # tied pair (e.g. head.weight == tok_emb.weight); restore it from its alias.
+    groups: dict[tuple, list[str]] = {}
+    for name, t in model.state_dict().items():
+        if t.numel():  # empty tensors may all report data_ptr 0
+            groups.setdefault((t.data_ptr(), tuple(t.shape)), []).append(name)
+    for names in groups.values():
+        present = [n for n in names if n in state]
+        if present and len(names) > 1:
+            for n in names:
+                state.setdefault(n, state[present[0]])
+
+
+def load_model_from_run(run_dir: str | Path, *, device: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild the model of a finished run from ``config.yaml`` and ``final/model.safetensors``.
+
+    ``config.yaml`` must hold ``model: {factory: "pkg.mod:fn", kwargs: {...}}``; the factory
+    defaults to :data:`DEFAULT_MODEL_FACTORY`. Weights are loaded with ``strict=True``.
+    """
+    from safetensors.torch import load_file
+
+    from dptrain.config import ConfigError
+    from dptrain.config.load import load_yaml
+
+    run_dir = Path(run_dir)
+    cfg = load_yaml((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+    model_cfg = (cfg or {}).get("model") or {}
+    spec = model_cfg.get("factory") or DEFAULT_MODEL_FACTORY
+    factory = import_object(spec)
+    model = factory(**(model_cfg.get("kwargs") or {}))
+    if not callable(getattr(model, "logits", None)):
+        raise ConfigError(
+            f"{str(run_dir)!r} is a run of model.factory={spec!r}, which is not a language model "
+            f"(no logits(idx) method); generate needs a run of {DEFAULT_MODEL_FACTORY!r} or a model with logits()"
+        )
+    state = load_file(str(run_dir / "final" / "model.safetensors"))
+    # Checkpoints taken from a DDP- or compile-wrapped module carry a wrapper prefix.
+    for prefix in ("module.", "_orig_mod."):
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix) :]: v for k, v in state.items()}
+    _fill_shared_keys(model, state)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+        raise ConfigError(
+            f"{str(run_dir / 'final' / 'model.safetensors')!r} does not fit the model {spec!r} built from "
+            f"{str(run_dir / 'config.yaml')!r} ({first}); generate needs the final weights of that language model"
+        ) from None
+    return model.to(device).eval()

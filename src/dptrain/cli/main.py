@@ -1,0 +1,379 @@
+"""The `dptrain` command: parse, build the config, delegate. Exit code 2 means bad input."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from dptrain.config import Config, ConfigError, default_out_dir, local_world_size, resolve, validate
+from dptrain.config.layout import strategy_mode
+from dptrain.config.load import dump_yaml, load_config
+from dptrain.config.nodes import is_elastic, max_nodes
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = _parse(parser, sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    from dptrain.launch.checks import FactoryFailed
+
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"dptrain: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except FactoryFailed as e:
+        print(e.report, end="", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C before any worker or signal handler of the run existed
+        print("\ndptrain: interrupted (Ctrl-C) before training started: nothing to save", file=sys.stderr)
+        return 130
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options and `section.field=value` overrides in any order: `run CFG --out DIR train.max_steps=5`.
+    argparse stops a `nargs="*"` positional at the first option; what it leaves over is appended."""
+    args, extra = parser.parse_known_args(argv)
+    if hasattr(args, "items"):
+        args.items += [a for a in extra if not a.startswith("-")]
+        extra = [a for a in extra if a.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dptrain", description="Data-parallel training of PyTorch models.")
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    run = sub.add_parser("run", help="train a recipe (default: a small LLaMA-style LM on the Python stdlib)")
+    run.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]",
+                     help="a YAML recipe or DeepSpeed-style JSON file, then dotted overrides")
+    run.add_argument("--nproc-per-node", help="workers per node (default: every GPU, else 2 on the CPU)")
+    run.add_argument("--out", help="run directory (default: runs/<recipe>-<timestamp>)")
+    run.add_argument("--max-restarts", type=int, help="elastic restarts of the worker group (torchrun)")
+    run.add_argument("--resume", default="auto", metavar="auto|none|PATH",
+                     help="auto (default): continue from the newest valid checkpoint in the run directory, if any; "
+                          "none: start from scratch; PATH: a step folder, run directory or checkpoint directory")
+    run.add_argument("--trust-checkpoint", action="store_true",
+                     help="allow --resume PATH to load a checkpoint that has no valid manifest (still weights-only)")
+    run.set_defaults(func=cmd_run)
+
+    launch = sub.add_parser("launch", help="run your own script under torchrun with dptrain's defaults",
+                            prefix_chars="\0")  # everything goes to torchrun untouched
+    launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="[torchrun options] SCRIPT [ARGS]")
+    launch.set_defaults(func=cmd_launch)
+
+    cfg = sub.add_parser("config", help="inspect configs")
+    cfg_sub = cfg.add_subparsers(metavar="ACTION")
+    show = cfg_sub.add_parser("show", help="print the fully resolved config, derived values included")
+    show.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]")
+    show.add_argument("--nproc-per-node")
+    show.set_defaults(func=cmd_config_show)
+
+    docs = cfg_sub.add_parser("docs", help="print the config reference (Markdown) from the fields' docstrings")
+    docs.set_defaults(func=cmd_config_docs)
+
+    doctor = sub.add_parser("doctor", help="check this machine for distributed training (versions, GPUs, network, env)")
+    doctor.add_argument("--comm", action="store_true", help="also run an all-reduce bandwidth/latency sweep across ranks")
+    doctor.add_argument("--nproc-per-node", type=int, help="ranks for --comm (default: every GPU, else 2 on the CPU)")
+    doctor.add_argument("--json", metavar="FILE", help="--comm: also write the sweep to FILE (JSON) for `dptrain plan --comm FILE`")
+    doctor.set_defaults(func=cmd_doctor)
+
+    gen = sub.add_parser("generate", help="sample text from a trained language model")
+    gen.add_argument("run_dir")
+    gen.add_argument("--prompt", default="def ")
+    gen.add_argument("--max-new-tokens", type=int, default=300,
+                     help="bytes to sample (>= 1); past the model's context the last max_seq_len bytes are the window")
+    gen.add_argument("--temperature", type=float, default=0.8, help="> 0 samples; 0 is greedy (argmax)")
+    gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes (0: all)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="time dptrain's strategies and compressions against a raw PyTorch DDP loop")
+    bench.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]")
+    bench.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
+    bench.add_argument("--variants", help="comma-separated variants (default: all; raw is always run)")
+    bench.add_argument("--nproc", type=int, help="largest world size N (default: launch.nproc_per_node)")
+    bench.add_argument("--scaling", default="both", help="none, strong, weak or both (default) over world 1..N")
+    bench.add_argument("--out", help="output directory (default: runs/bench-<timestamp>)")
+    bench.set_defaults(func=cmd_bench)
+
+    from dptrain.cli.ckpt import add_ckpt_parser
+
+    add_ckpt_parser(sub)
+    from dptrain.cli.report import add_report_parser
+
+    add_report_parser(sub)
+    from dptrain.cli.manifest import add_manifest_parser
+
+    add_manifest_parser(sub)
+    from dptrain.cli.top import add_top_parser
+
+    add_top_parser(sub)
+    from dptrain.cli.plan import add_plan_parser
+
+    add_plan_parser(sub)
+    return p
+
+
+def _load(items: list[str], *, extra: list[str], run_dir: str | None = None) -> Config:
+    """CONFIG is the one item without '=' (if any, in any position); the rest are overrides. Without CONFIG, an
+    existing `run_dir`'s config.yaml is the base (continuing that run)."""
+    files = [item for item in items if "=" not in item]
+    overrides = [item for item in items if "=" in item]
+    if len(files) > 1:
+        raise ConfigError(f"{files[1]!r} is not an override of the form section.field=value "
+                          f"(only one CONFIG file may be given; {files[0]!r} is the first)")
+    path = files[0] if files else None
+    if path is None and run_dir is not None and (Path(run_dir) / "config.yaml").is_file():
+        path = str(Path(run_dir) / "config.yaml")
+    cfg = load_config(path, [*overrides, *extra])
+    if cfg.launch.nproc_per_node == "auto" and strategy_mode(cfg.parallel).single_process:
+        # one-process strategies: `auto` means one worker (dp drives every GPU from it)
+        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, nproc_per_node=1))
+    return cfg
+
+
+def _flag_overrides(args: argparse.Namespace) -> list[str]:
+    extra = []
+    if getattr(args, "nproc_per_node", None) is not None:
+        extra.append(f"launch.nproc_per_node={args.nproc_per_node}")
+    if getattr(args, "out", None):
+        extra.append(f"log.out_dir={args.out}")
+    if getattr(args, "max_restarts", None) is not None:
+        extra.append(f"launch.max_restarts={args.max_restarts}")
+    return extra
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from dptrain.checkpoint.rundir import PENDING_CONFIG, check_run_dir, write_atomically
+    from dptrain.cli.ckpt import prepare_resume
+    from dptrain.launch.checks import check_dir_writable
+    from dptrain.launch.cluster_env import cluster_launch
+
+    cluster = cluster_launch()  # a Kubeflow pod's PET_* layout: after the file, before the command line's overrides
+    if cluster is not None:
+        print(cluster.describe(), file=sys.stderr)
+        args.items = [*cluster.overrides, *args.items]
+    cfg = _load(args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None)
+    validate(cfg)  # before anything imports torch: a refusal is instant
+    run_dir = Path(default_out_dir(cfg))
+    check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")
+    if cfg.checkpoint.dir is not None:
+        check_dir_writable(cfg.checkpoint.dir, what="checkpoint.dir")  # relative to the working directory
+    nproc = local_world_size(cfg.launch)
+    from dptrain.metrics.monitor import check_monitoring
+
+    check_monitoring(cfg.log, nproc_per_node=nproc)  # packages installed, Prometheus ports free
+    # An existing run: same model, same global batch; accumulation follows a new world size.
+    cfg = prepare_resume(cfg, run_dir=run_dir, resume=args.resume, trust=args.trust_checkpoint,
+                         world_size=nproc * max_nodes(cfg.launch))
+    res = resolve(cfg, world_size=nproc * max_nodes(cfg.launch))  # refuses bad batch arithmetic before any process starts
+    cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=str(run_dir)),
+                              launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc))
+    if is_elastic(cfg.launch):
+        from dptrain.launch.elastic import pin_global_batch
+
+        cfg = pin_global_batch(cfg, res=res)  # workers at another world size keep it (accumulation re-derived)
+        if cfg.launch.max_restarts == 0:
+            print(f"dptrain: warning: launch.nnodes={cfg.launch.nnodes} with launch.max_restarts=0: the first node that "
+                  "leaves ends the run (each node loss costs the survivors one restart; joins cost none)", file=sys.stderr)
+    train = _check_factories(cfg, tp=res.dims.tp)
+    if len(train) < res.global_batch_size:
+        raise ConfigError(
+            f"the training set has {len(train)} samples, fewer than one global batch of {res.global_batch_size}; "
+            "lower train.global_batch_size or use more data"
+        )
+    finished = check_run_dir(cfg, run_dir=run_dir, resume=args.resume)  # never reset or rewrite a run silently
+    if finished is not None:
+        print(finished.message(run_dir=run_dir, max_steps=cfg.train.max_steps), file=sys.stderr)
+        return 0
+    # The workers read this file; RUN_DIR/config.yaml is written only once they have started (a failed start
+    # leaves nothing a corrected command would inherit). Written whole or not at all (a full disk).
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pending = run_dir / PENDING_CONFIG
+    try:
+        write_atomically(pending, dump_yaml(cfg))
+    except OSError as e:
+        raise ConfigError(f"cannot write the run's config to {pending}: {e}") from None
+    worker_args = [str(run_dir), "--config", str(pending), "--resume", args.resume]
+    worker_args += ["--trust-checkpoint"] if args.trust_checkpoint else []
+    from dptrain.metrics.console_log import console_log
+
+    with console_log(run_dir):  # the launcher's lines; rank 0 adds its own (worker.py)
+        return _launch(cfg, res=res, nproc=nproc, run_dir=run_dir, pending=pending, worker_args=worker_args)
+
+
+def _launch(cfg: Config, *, res: Any, nproc: int, run_dir: Path, pending: Path, worker_args: list[str]) -> int:
+    from dptrain.checkpoint.manifest import checkpoint_root
+    from dptrain.launch import torchrun as launch
+
+    try:
+        if res.world_size == 1:
+            from dptrain.launch.worker import main as worker_main
+
+            return worker_main(worker_args)
+        argv = launch.torchrun_args(cfg.launch, nproc_per_node=nproc, module="dptrain.launch.worker", module_args=worker_args)
+        print(launch.describe_rendezvous(cfg.launch), flush=True)
+        return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0, launch_cfg=cfg.launch,
+                                   ckpt_root=checkpoint_root(cfg.checkpoint, run_dir))
+    finally:
+        pending.unlink(missing_ok=True)
+
+
+def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
+    """Import every factory, bind its kwargs, build the model once on the meta device and the data
+    once (which warms caches, e.g. the corpus, before ranks race for them); with tp > 1 check the
+    model can be split. Returns the train set."""
+    from dptrain.data.loader import split_train_val
+    from dptrain.launch.checks import call_factory, check_model, check_signature, check_tensor_parallel
+    from dptrain.train.build import import_object
+
+    for spec in (cfg.train.loss, cfg.data.collate):
+        if spec:
+            import_object(spec)  # a typo in an import path fails here, not in every worker
+    model = check_model(cfg.model)
+    data_fn = import_object(cfg.data.factory)
+    check_signature(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory)
+    train, _ = split_train_val(call_factory(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory))
+    check_tensor_parallel(model, parallel=cfg.parallel, tp=tp, sample=train[0] if len(train) else None)
+    return train
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import time
+
+    from dptrain.tools.bench import parse_options
+    from dptrain.tools.bench.run import run_bench
+
+    cfg = _load(args.items, extra=[])
+    validate(cfg)
+    nproc = args.nproc if args.nproc is not None else local_world_size(cfg.launch)
+    opts = parse_options(steps=args.steps, warmup=args.warmup, nproc=nproc, scaling=args.scaling,
+                         variants=args.variants)
+    out = args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    # check: imports, kwargs, the model on the meta device, the data once (warms the corpus cache)
+    return run_bench(cfg, opts=opts, out_dir=out, check=_check_factories)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from dptrain.config import LaunchConfig
+    from dptrain.launch import torchrun as launch
+
+    if not args.argv:
+        raise ConfigError("dptrain launch needs a script: dptrain launch [torchrun options] SCRIPT [ARGS]")
+    _check_nproc_option(args.argv)
+    argv = launch.user_script_args(args.argv, default_nproc=local_world_size(LaunchConfig()))
+    argv = launch.record_failures(argv)  # the script's traceback reaches torchrun's failure report
+    return launch.run_torchrun(argv, restarts=_wants_restarts(argv))
+
+
+def _wants_restarts(argv: list[str]) -> bool:
+    """Whether torchrun's own --max-restarts (before the script; the script's own is its business) asks
+    for restarts, which need the separate-store setting (launch.RESTART_ENV)."""
+    from dptrain.launch import torchrun as launch
+
+    value = launch.option_value(launch.torchrun_options(argv), "--max-restarts", "--max_restarts")
+    return value is not None and value != "0"
+
+
+def _check_nproc_option(argv: list[str]) -> None:
+    """torchrun's --nproc-per-node must be a positive integer or one of its words (it asserts otherwise).
+    Only torchrun's options count: those before the script, told apart by torchrun's own parser."""
+    from dptrain.launch import torchrun as launch
+
+    value = launch.option_value(launch.torchrun_options(argv), "--nproc-per-node", "--nproc_per_node")
+    if value is not None and value not in ("auto", "cpu", "gpu", "xpu") and not (value.isdigit() and int(value) >= 1):
+        raise ConfigError(f"--nproc-per-node={value!r} is not valid; use a positive integer, auto, cpu or gpu")
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node={args.nproc_per_node} is not valid; use a positive integer")
+    if args.json and not args.comm:
+        raise ConfigError(f"--json {args.json} writes the --comm sweep; add --comm")
+    if args.json:
+        from dptrain.launch.checks import check_dir_writable
+
+        check_dir_writable(Path(args.json).resolve().parent, what="--json's directory")
+    return _doctor().run_doctor(comm=args.comm, nproc=args.nproc_per_node, json_path=args.json)
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    cfg = _load(args.items, extra=_flag_overrides(args))
+    res = resolve(cfg, world_size=local_world_size(cfg.launch) * max_nodes(cfg.launch))
+    print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")
+    d = res.dims
+    print(f"# layout: data-parallel {d.dp_size} (replicate {d.dp_replicate} x shard {d.dp_shard}) x pipeline {d.pp} x "
+          f"tensor {d.tp} = world {d.world_size}\n# batch: global {res.global_batch_size} = micro {res.micro_batch_size} x "
+          f"accum {res.grad_accum_steps} x dp {res.dp_world_size}")
+    if args.items and "=" not in args.items[0]:
+        from dptrain.config.deepspeed import mapping_for_file
+
+        mapping = mapping_for_file(args.items[0])
+        if mapping is not None:
+            print(mapping.report(), end="")
+    return 0
+
+
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    print(config_reference(), end="")
+    return 0
+
+
+def config_reference() -> str:
+    """Markdown tables of every config field: default and docstring."""
+    from dptrain.config import field_docs, to_dict
+
+    defaults = to_dict(Config())
+    lines = []
+    for section in dataclasses.fields(Config):
+        lines += [f"**`{section.name}`**", "", "| field | default | meaning |", "|---|---|---|"]
+        docs = field_docs(type(getattr(Config(), section.name)))
+        for name, doc in docs.items():
+            default = defaults[section.name][name]
+            lines.append(f"| `{section.name}.{name}` | `{default}` | {doc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _doctor():
+    from dptrain.tools import doctor
+
+    return doctor
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import math
+
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} is not valid; use a positive integer")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature={args.temperature} is not valid; use a finite number >= 0 (0: greedy, > 0: sampling)")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k={args.top_k} is not valid; use an integer >= 0 (0: no top-k filtering)")
+    if not (Path(args.run_dir) / "final" / "model.safetensors").is_file():
+        raise ConfigError(f"{args.run_dir!r} holds no final/model.safetensors; pass the directory of a finished run")
+    from dptrain.cli.generate import generate, load_model_from_run
+
+    model = load_model_from_run(args.run_dir)
+    text = generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, seed=args.seed, progress=sys.stderr)
+    print(args.prompt + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

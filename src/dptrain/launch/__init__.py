@@ -1,0 +1,4 @@
+"""The launcher side: the checks made before any worker starts (checks.py), the torchrun command line
+and its exit codes (torchrun.py), the per-rank entry point torchrun starts (worker.py), elastic node
+counts (elastic.py), a cluster's launch environment (cluster_env.py), `dptrain launch` of a user's
+script (record_script.py) and `notebook_launch` (notebook.py)."""

@@ -1,0 +1,252 @@
+"""Turning a config into torchrun arguments, and running torchrun (`torch.distributed.run`).
+
+dptrain never spawns workers itself: `run_torchrun` hands an argv to PyTorch's elastic agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dptrain.config import LaunchConfig
+from dptrain.config.nodes import max_nodes
+
+# torchrun with gloo cannot re-rendezvous after a worker dies while the agent shares its TCP
+# store with the workers (pytorch#135712); a separate store per restart round makes it work.
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun_args(cfg: LaunchConfig, *, nproc_per_node: int, module: str, module_args: list[str]) -> list[str]:
+    """The torchrun argv that runs `python -m module module_args...` on every worker."""
+    from dptrain.config.nodes import node_range, parse_rdzv_conf, torchrun_nnodes
+
+    args = ["--nproc-per-node", str(nproc_per_node), "--nnodes", torchrun_nnodes(cfg)]
+    if node_range(cfg.nnodes) == (1, 1) and cfg.rdzv_endpoint is None:
+        args.append("--standalone")  # picks a free local port; nothing to configure
+    else:
+        if cfg.rdzv_endpoint is None:
+            raise ValueError(
+                f"launch.nnodes={cfg.nnodes} needs launch.rdzv_endpoint=host:port (the node running rank 0)"
+            )
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint, "--rdzv-id", cfg.rdzv_id]
+        args += ["--node-rank", str(cfg.node_rank)]
+        conf = parse_rdzv_conf(cfg.rdzv_conf)
+        if conf:
+            args += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
+    args += ["--max-restarts", str(cfg.max_restarts)]
+    return [*args, "--module", module, *module_args]
+
+
+def describe_rendezvous(cfg: LaunchConfig) -> str:
+    """The line the launcher prints before starting workers: where the rendezvous store listens."""
+    where = (f"c10d rendezvous at {cfg.rdzv_endpoint} (job id {cfg.rdzv_id!r}, {cfg.nnodes} node(s))" if cfg.rdzv_endpoint
+             else "standalone rendezvous on this node (torchrun picks a free port; rank 0 prints it)")
+    return (f"dptrain: {where}. torch.distributed's TCPStore is unauthenticated and listens on all interfaces: "
+            "run only on a trusted network")
+
+
+def run_torchrun(argv: list[str], *, restarts: bool, ckpt_root: Path | None = None,
+                 launch_cfg: LaunchConfig | None = None) -> int:
+    """Run torchrun in this process; the exit code: 0 done, 1 a worker failed (after torchrun's
+    failure report, root-cause rank first: host, exit code, error file, traceback; then dptrain's
+    one-line list of failed ranks), 2 the workers refused their input, 3 the hang watchdog
+    stopped the run, 130 interrupted
+    (Ctrl-C) and 143 preempted (SIGTERM), both with the last finished step checkpointed.
+    `ckpt_root`: where the run's checkpoints go, to say what a second Ctrl-C leaves unsaved;
+    `launch_cfg`: for the lines printed while other nodes are awaited."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
+    from dptrain.diagnostics.watchdog import EXIT_HANG
+
+    if restarts:
+        os.environ.update(RESTART_ENV)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would pin every worker to 1 thread (with a warning); share the cores instead.
+        value = option_value(torchrun_options(argv), "--nproc-per-node", "--nproc_per_node")
+        nproc = int(value) if value and value.isdigit() else 1
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(nproc, 1)))
+    if "--signals-to-handle" in _value_options():  # torchrun handles SIGINT itself unless told not to
+        argv = ["--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT", *argv]
+    args = get_args_parser().parse_args(argv)
+    interrupts = CtrlC(ckpt_root)
+    waiting = NodeWait(launch_cfg) if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None
+    try:
+        run(args)
+    except SignalException as e:  # torchrun itself got SIGTERM/SIGINT: workers were signalled and saved
+        if e.sigval == signal.SIGINT:
+            if interrupts.count == 1:
+                print(f"dptrain: interrupted (Ctrl-C): {last_saved(ckpt_root)}; run the same command to resume",
+                      file=sys.stderr)
+            return EXIT_INTERRUPTED
+        print(f"dptrain: stopped by signal {e.sigval.name}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes == {EXIT_PREEMPTED}:
+            print("dptrain: preempted (SIGTERM): the last finished step is checkpointed", file=sys.stderr)
+            return EXIT_PREEMPTED
+        if codes == {EXIT_INTERRUPTED}:
+            print(f"dptrain: interrupted (Ctrl-C): {last_saved(ckpt_root)}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if codes == {2}:
+            return 2  # the workers refused their input; rank 0 said why (one line, above)
+        failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
+        if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL}:  # a frozen rank is SIGKILLed by the watchdog
+            print(f"dptrain: stopped by the hang watchdog: {failures}; see hang_report.txt in the run directory",
+                  file=sys.stderr)
+            return EXIT_HANG
+        if args.module and args.training_script == "dptrain.launch.record_script" and args.training_script_args:
+            e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
+        # torchrun's own report first: the root-cause rank, host, exit code, error file, traceback
+        print(e.format_msg(), file=sys.stderr)
+        print(f"dptrain: worker(s) failed: {failures}", file=sys.stderr)
+        return 1
+    finally:
+        interrupts.restore()
+        if waiting is not None:
+            waiting.stop()
+    return 0
+
+
+def last_saved(ckpt_root: Path | None) -> str:
+    """What is saved of the run: its newest committed checkpoint (hashes not re-checked here)."""
+    if ckpt_root is None:
+        return "the last finished step is checkpointed"
+    from dptrain.checkpoint import manifest as mf
+
+    committed = [i for i in mf.list_checkpoints(ckpt_root, check_hashes=False) if i.valid]
+    if not committed:
+        return f"no checkpoint was committed under {ckpt_root}"
+    return f"the last committed checkpoint is {committed[-1].path} (step {committed[-1].step})"
+
+
+class CtrlC:
+    """The launcher's SIGINT handler. torchrun's agent handles SIGINT like SIGTERM (it forwards the
+    signal to the workers, which run in sessions of their own, and waits for them); dptrain takes
+    SIGINT out of the signals torchrun handles (`--signals-to-handle`) to count them: the
+    first says what happens and hands over to torchrun's shutdown (the workers finish the step, agree,
+    save, exit 130); the second kills the workers at once and says what was not saved."""
+
+    def __init__(self, ckpt_root: Path | None) -> None:
+        self.ckpt_root, self.count = ckpt_root, 0
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self.count += 1
+        if self.count == 1:
+            print("\ndptrain: Ctrl-C: finishing the current step, saving a checkpoint, then stopping "
+                  "(Ctrl-C again aborts without saving)", file=sys.stderr, flush=True)
+        else:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+            print(f"\ndptrain: second Ctrl-C: workers killed without saving; {last_saved(self.ckpt_root)}",
+                  file=sys.stderr, flush=True)
+        raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+class NodeWait:
+    """While this node's workers have not started (torchrun is still waiting for the other nodes at
+    the rendezvous), print a line every `DPTRAIN_WAIT_REPORT_S` seconds (30) saying who is awaited."""
+
+    def __init__(self, cfg: LaunchConfig) -> None:
+        self.cfg = cfg
+        self.every = float(os.environ.get("DPTRAIN_WAIT_REPORT_S", "30"))
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        threading.Thread(target=self._loop, name="dptrain-node-wait", daemon=True).start()
+
+    def _loop(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.wait(self.every):
+            if me.children():  # the rendezvous completed: this node's workers are running
+                return
+            others = ", ".join(str(r) for r in range(max_nodes(self.cfg)) if r != self.cfg.node_rank)
+            print(f"dptrain: waiting {time.monotonic() - self._t0:.0f}s at the rendezvous {self.cfg.rdzv_endpoint} "
+                  f"(job id {self.cfg.rdzv_id!r}) for the other node(s) of launch.nnodes={self.cfg.nnodes}: this is "
+                  f"node_rank {self.cfg.node_rank}; node_rank(s) {others} have not all joined. Start the same command "
+                  "there with launch.node_rank set, the same rdzv_endpoint and rdzv_id", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def user_script_args(argv: list[str], *, default_nproc: int) -> list[str]:
+    """`dptrain launch` arguments with dptrain's defaults filled in: every local GPU (or 2 CPU
+    workers) and a standalone rendezvous when the user named neither."""
+    out = list(argv)
+    opts = torchrun_options(out)
+    extra: list[str] = []
+    if not any(o.split("=")[0] in ("--nproc-per-node", "--nproc_per_node") for o in opts):
+        extra += ["--nproc-per-node", str(default_nproc)]
+    if not any(o.split("=")[0] in ("--rdzv-endpoint", "--rdzv_endpoint", "--standalone", "--master-addr", "--master_addr", "--nnodes") for o in opts):
+        extra.append("--standalone")
+    return extra + out
+
+
+def record_failures(argv: list[str]) -> list[str]:
+    """Run a plain `.py` script through `dptrain.launch.record_script`, which records an uncaught exception
+    in torchrun's error file (so the failure report holds the traceback). With -m/--module,
+    --no-python or --run-path the user's command runs as given."""
+    at = script_index(argv)
+    opts = argv[:at]
+    if at == len(argv) or not argv[at].endswith(".py") or any(
+            o.split("=")[0] in ("-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path") for o in opts):
+        return argv
+    return [*opts, "--module", "dptrain.launch.record_script", *argv[at:]]
+
+
+def script_index(argv: list[str]) -> int:
+    """Where the script starts in `dptrain launch`'s arguments (len(argv) if there is none): the
+    first argument that is neither an option nor the value of one of torchrun's options that take
+    a value (read off torchrun's own parser)."""
+    return next((i for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or not _takes_value(argv[i - 1]))),
+                len(argv))
+
+
+def torchrun_options(argv: list[str]) -> list[str]:
+    """The torchrun options of `dptrain launch`'s arguments: everything before the script. The
+    script's own arguments (its `--max-restarts`, `--nproc-per-node`) are never read as torchrun's."""
+    return argv[:script_index(argv)]
+
+
+def option_value(opts: list[str], *names: str) -> str | None:
+    """The value of the last of `names` in `opts` (`--name value` or `--name=value`), or None."""
+    value = None
+    for i, a in enumerate(opts):
+        name, eq, v = a.partition("=")
+        if name in names:
+            value = v if eq else (opts[i + 1] if i + 1 < len(opts) else "")
+    return value
+
+
+def _takes_value(opt: str) -> bool:
+    """Whether torchrun's option `opt` consumes the next argument."""
+    return opt in _value_options()
+
+
+@functools.cache
+def _value_options() -> frozenset[str]:
+    """torchrun's options that take a value, read off torchrun's own parser (no copy to keep in step)."""
+    from torch.distributed.run import get_args_parser
+
+    return frozenset(o for a in get_args_parser()._actions if a.nargs != 0 for o in a.option_strings)

@@ -1,0 +1,99 @@
+"""The process torchrun starts on every rank: `python -m dptrain.launch.worker RUN_DIR [--resume X] [--trust-checkpoint]`.
+
+The launcher has already resolved and validated the config and written it to `--config` (RUN_DIR/
+config.pending.yaml); rank 0 writes RUN_DIR/config.yaml once the run has trained its first step.
+Exit codes: 0 done, 130 interrupted (Ctrl-C) and 143 preempted (SIGTERM), both with a checkpoint of the last
+finished step committed; 2 a ConfigError only the run could find (e.g. a loss that is not a scalar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+EXIT_INTERRUPTED = 130  # = dptrain.checkpoint.preempt.EXIT_INTERRUPTED (not imported: it imports torch)
+
+
+def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
+    """Train the run in RUN_DIR on this rank; the exit code. `keep` receives the Trainer so that the
+    caller decides when it (and the process groups its model holds) is destroyed."""
+    p = argparse.ArgumentParser(prog="python -m dptrain.launch.worker")
+    p.add_argument("run_dir")
+    p.add_argument("--config", help="the config to run (default: RUN_DIR/config.yaml)")
+    p.add_argument("--resume", default="auto")
+    p.add_argument("--trust-checkpoint", action="store_true")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    run_dir = Path(args.run_dir)
+    if os.environ.get("RANK", "0") == "0":  # rank 0's console, copied to RUN_DIR/console.log
+        from dptrain.metrics.console_log import console_log
+
+        with console_log(run_dir):
+            return _train(args, run_dir, keep=keep)
+    return _train(args, run_dir, keep=keep)
+
+
+def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int:
+    from dptrain.checkpoint.preempt import EXIT_PREEMPTED
+    from dptrain.config import ConfigError
+    from dptrain.config.load import load_config
+    from dptrain.config.nodes import is_elastic
+    from dptrain.launch.elastic import worker_config
+    from dptrain.train.trainer import Trainer
+
+    cfg = load_config(Path(args.config) if args.config else run_dir / "config.yaml")
+    if is_elastic(cfg.launch) and "WORLD_SIZE" in os.environ:  # the group torchrun formed may be smaller or larger
+        try:
+            cfg = worker_config(cfg, run_dir=run_dir, world_size=int(os.environ["WORLD_SIZE"]),
+                                rank=int(os.environ.get("RANK", "0")),
+                                attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        except ConfigError as e:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"dptrain: error: {e}", file=sys.stderr)
+            return 2
+    trainer = Trainer(cfg, out_dir=run_dir, resume=args.resume, trust_checkpoint=args.trust_checkpoint)
+    if keep is not None:
+        keep.append(trainer)
+    try:
+        summary = trainer.fit()
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed (during setup)
+        if trainer.env.is_main:
+            print("dptrain: interrupted (Ctrl-C) before training started: nothing to save", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ConfigError as e:  # bad input only the run itself could find: one clean line, exit 2
+        trainer.ckpt.record_error(traceback.format_exc())
+        if trainer.env.is_main:
+            print(f"dptrain: error: {e}", file=sys.stderr)
+        return 2
+    except BaseException:
+        trainer.ckpt.record_error(traceback.format_exc())  # for the restart report (attempts.jsonl)
+        raise
+    if summary.get("preempted"):
+        return EXIT_INTERRUPTED if summary.get("interrupted") else EXIT_PREEMPTED
+    return 0
+
+
+def _interrupted_during_setup(signum: int, frame: object) -> None:
+    """Ctrl-C before the run's own handler exists (importing torch, building): nothing to save yet."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, b"dptrain: interrupted (Ctrl-C) before training started: nothing to save\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted_during_setup)  # until the checkpoint manager installs its own
+    # Under `record` (imported after the handler above: it imports torch), an uncaught exception also
+    # goes to torchrun's error file (TORCHELASTIC_ERROR_FILE): torchrun's failure report shows its traceback.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    _trainer: list = []
+    code = record(main)(keep=_trainer) or 0
+    # Everything is written and the process group destroyed; skip the interpreter's teardown. Freeing a
+    # DDP model there drops the last reference to its gloo process group, whose destructor joins a
+    # worker thread that may be waiting for the GIL (seen as a hang of a finished rank under load).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,1 +1,0 @@
-"""Helpers for testing and benchmarking dptrain itself (not needed to train)."""

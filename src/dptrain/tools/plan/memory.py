@@ -1,0 +1,202 @@
+"""Memory per rank: model states by ZeRO stage, the built-in LLaMA's layouts and measured models.
+
+Conventions (bytes per parameter; GB = 1e9 bytes):
+
+- `zero_states` (a model given only by its parameter count, `dptrain plan --params`) follows the
+  ZeRO paper (Rajbhandari et al. 2020, sec. 3.1/5): mixed precision (bf16/fp16) keeps 2-byte
+  parameters and gradients plus K bytes of optimizer state, K = 12 for Adam/AdamW (fp32 master
+  copy, momentum, variance), 8 for SGD with momentum (master + momentum), 4 for plain SGD (the
+  master); fp32 keeps 4-byte parameters and gradients, K = 8 / 4 / 0. Stage 0 (DDP) replicates
+  all; 1 shards the optimizer states over the N data-parallel ranks, 2 also the gradients, 3
+  also the parameters: (2+2+K)Psi, (2+2)Psi + K*Psi/N, 2Psi + (2+K)Psi/N, (2+2+K)Psi/N.
+- `layout_memory` (dptrain's own runs) uses what dptrain allocates: its autocast keeps fp32
+  parameters and gradients under bf16/fp16 too (no separate master copy), so 4 + 4 + K with
+  K = 8 / 4 / 0; the half-precision copies autocast makes are activations (plan/llama.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dptrain.tools.plan.llama import ParamCounts, activation_bytes, param_counts
+
+if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
+    from dptrain.models.llama import LlamaConfig
+    from dptrain.tools.plan.measure import ModelProfile
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum")
+PRECISIONS = ("fp32", "bf16", "fp16")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+GB = 1e9
+# Stated allowance for what no formula here counts: the CUDA context, cuBLAS/cuDNN workspaces and
+# NCCL's buffers (about 0.5-1 GB on recent GPUs; not measured here, no GPU). Allocator
+# fragmentation is not counted.
+FRAMEWORK_OVERHEAD = 1.0 * GB
+
+
+def _choice(value: str, valid: tuple[str, ...], what: str) -> str:
+    if value not in valid:
+        raise ValueError(f"unknown {what} {value!r} (valid: {', '.join(valid)})")
+    return value
+
+
+def optimizer_bytes(optimizer: str, *, master: bool) -> int:
+    """Optimizer-state bytes per parameter (K), with or without the fp32 master copy."""
+    per = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4}[_choice(optimizer, OPTIMIZERS, "optimizer")]
+    return per + (4 if master else 0)
+
+
+def zero_states(*, params: float, gpus: int, optimizer: str, precision: str) -> dict[int, float]:
+    """Model-state bytes per rank for ZeRO stages 0-3 under the paper's convention (docstring)."""
+    if params <= 0:
+        raise ValueError(f"params={params} must be > 0")
+    if gpus < 1:
+        raise ValueError(f"gpus={gpus} must be >= 1")
+    mixed = _choice(precision, PRECISIONS, "precision") != "fp32"
+    p = g = 2 if mixed else 4
+    k = optimizer_bytes(optimizer, master=mixed)
+    n = gpus
+    return {0: (p + g + k) * params, 1: (p + g) * params + k * params / n,
+            2: p * params + (g + k) * params / n, 3: (p + g + k) * params / n}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout of the built-in LLaMA on `gpus` ranks (the resolved config's numbers)."""
+
+    strategy: str
+    dp_shard: int  # ranks the zero1/zero2/fsdp shards span (ddp: 1)
+    tp: int
+    pp: int
+    micro_batch: int  # sequences per rank per micro-step
+    seq: int
+    precision: str
+    optimizer: str
+    checkpointing: str = "none"
+    cpu_offload: bool = False
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    pp_microbatches: int = 1
+    pp_schedule: str = "1f1b"
+    pp_layers: tuple[int, ...] | None = None
+    grad_dtype: str | None = None  # ddp/zero1: the dtype gradients travel in (grad_compression fp16/bf16)
+    grad_compression: str = "none"  # ddp: none, fp16, bf16, powersgd, onebit (parallel.grad_compression)
+    powersgd_rank: int = 8
+    param_dtype: str | None = None  # zero2/fsdp: fsdp_param_dtype (gathers; null: the parameters' fp32)
+    reduce_dtype: str | None = None  # zero2/fsdp: fsdp_reduce_dtype (reduce-scatters; null: param_dtype)
+    overhead: float = FRAMEWORK_OVERHEAD  # the stated allowance; 0 on the CPU (no CUDA context)
+
+
+def stage_layers(n_layers: int, pp: int, pp_layers: tuple[int, ...] | None) -> list[int]:
+    """Blocks per pipeline stage: `pp_layers`, else an even split, the first stages one more."""
+    if pp_layers:
+        return list(pp_layers)
+    return [n_layers // pp + (1 if i < n_layers % pp else 0) for i in range(pp)]
+
+
+def _rank_params(c: ParamCounts, *, layers: int, first: bool, last: bool, tp: int) -> int:
+    """Parameters one rank of a stage holds before data-parallel sharding: block matrices,
+    embedding and head split over tp (the built-in plan), RMSNorm weights replicated."""
+    n = layers * (c.block_linear // tp + (c.block - c.block_linear))
+    if first:
+        n += c.embedding // tp
+    if last:
+        n += c.final_norm + c.head // tp
+    return n
+
+
+def layout_memory(cfg: LlamaConfig, lay: Layout) -> dict[str, float]:
+    """Bytes per rank of the worst pipeline stage: model states (GPU and host), activations,
+    temporary buffers, the stated overhead and the total on the GPU."""
+    c = param_counts(cfg)
+    stages = stage_layers(cfg.n_layers, lay.pp, lay.pp_layers)
+    worst: dict[str, float] = {}
+    for i, layers in enumerate(stages):
+        parts = _stage_memory(cfg, c, lay, layers=layers, first=i == 0, last=i == len(stages) - 1,
+                              stage=i)
+        if not worst or parts["total"] > worst["total"]:
+            worst = parts
+    return worst
+
+
+def model_states(lay: Layout, *, param_bytes: float, grad_bytes: float, optim_bytes: float,
+                 unit_bytes: float, zero1_optim: float | None = None) -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients, optimizer state, the strategy's temporary buffers
+    and (cpu_offload) the host share, for a rank holding `param_bytes` of parameters before
+    data-parallel sharding (`grad_bytes`, `optim_bytes` likewise), the largest FSDP unit
+    `unit_bytes`. `zero1_optim`: under zero1, the rank's optimizer bytes when known (an uneven
+    partition, `zero1_partition`) instead of an even split. Shared by the LLaMA formulas and
+    measured models."""
+    shard = lay.dp_shard if lay.strategy != "ddp" else 1
+    params = param_bytes / (shard if lay.strategy in ("zero2", "fsdp") else 1)
+    grads = grad_bytes / (shard if lay.strategy in ("zero2", "fsdp") else 1)
+    optim = optim_bytes / (shard if lay.strategy != "ddp" else 1)
+    if lay.strategy == "zero1" and zero1_optim is not None:
+        optim = zero1_optim
+    if lay.strategy == "zero2":  # FSDP2 without reshard: every unit stays gathered forward to backward
+        temp = param_bytes - params + unit_bytes  # gathered parameters + one unsharded gradient (reduce-scatter)
+    elif lay.strategy == "fsdp":  # the unit in use and the one prefetched, one unsharded gradient
+        temp = 3 * unit_bytes
+    else:  # DDP: one bucket under all-reduce; without bucket views the buckets copy every gradient
+        temp = lay.bucket_cap_mb * 2**20 + (0 if lay.gradient_as_bucket_view else grads)
+    host = 0.0
+    if lay.cpu_offload and lay.strategy in ("zero2", "fsdp"):
+        host, params, grads, optim = params + grads + optim, 0.0, 0.0, 0.0
+    return {"params": params, "grads": grads, "optimizer": optim, "temporary": temp, "host": host}
+
+
+def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: int, first: bool,
+                  last: bool, stage: int) -> dict[str, float]:
+    n = _rank_params(c, layers=layers, first=first, last=last, tp=lay.tp)
+    k = optimizer_bytes(lay.optimizer, master=False)
+    unit = 4 * (max(c.block_linear // lay.tp + c.block - c.block_linear,
+                    (c.embedding + c.head) // lay.tp + c.final_norm))
+    states = model_states(lay, param_bytes=4 * n, grad_bytes=4 * n, optim_bytes=k * n, unit_bytes=unit)
+    params, grads, optim, temp, host = (states[key] for key in ("params", "grads", "optimizer", "temporary", "host"))
+    m = max(1, lay.pp_microbatches)
+    in_flight = m if lay.pp_schedule == "gpipe" or lay.pp == 1 else min(m, lay.pp - stage)
+    per_micro = activation_bytes(cfg, batch=math.ceil(lay.micro_batch / m), seq=lay.seq, precision=lay.precision,
+                                 checkpointing=lay.checkpointing, n_layers=layers,
+                                 outside=last)
+    acts = in_flight * per_micro / lay.tp  # tp: an approximation (sequence parallel, split heads/FFN)
+    total = params + grads + optim + acts + temp + lay.overhead
+    return {"params": params, "grads": grads, "optimizer": optim, "activations": acts,
+            "temporary": temp, "overhead": lay.overhead, "total": total, "host": host,
+            "stage": stage, "in_flight": in_flight}
+
+
+def zero1_partition(groups: tuple[tuple[int, ...], ...], ranks: int) -> list[int]:
+    """Elements of optimizer state per rank as ZeroRedundancyOptimizer partitions them: group by
+    group, each tensor (largest first) to the rank with the fewest elements so far."""
+    sizes = [0] * ranks
+    for group in groups:
+        for numel in sorted(group, reverse=True):
+            sizes[sizes.index(min(sizes))] += numel
+    return sizes
+
+
+def profile_memory(prof: ModelProfile, lay: Layout) -> dict[str, float]:
+    """Bytes per rank of a measured model (plan/measure.py) under `lay` (ddp/zero1/zero2/fsdp ±
+    cpu_offload; tp = pp = 1): model states as `model_states` with the measured parameter bytes
+    (gradients and optimizer states in each parameter's dtype, trainable ones only; zero1: the
+    most loaded rank of ZeroRedundancyOptimizer's partition), the measured activations of one
+    micro-batch under `lay.checkpointing`, the stated overhead."""
+    if lay.tp != 1 or lay.pp != 1:
+        raise ValueError(f"a measured model is planned without tensor or pipeline parallelism (tp={lay.tp}, "
+                         f"pp={lay.pp}): the measurement runs the whole, unsplit model")
+    if lay.micro_batch != prof.micro_batch or lay.precision != prof.precision:
+        raise ValueError(f"the profile was measured at micro-batch {prof.micro_batch}, {prof.precision}, not "
+                         f"{lay.micro_batch}, {lay.precision}")
+    k = optimizer_bytes(lay.optimizer, master=False)  # per 4-byte parameter: the states are zeros_like(param)
+    zero1 = None
+    if lay.strategy == "zero1" and prof.optimizer_groups and prof.trainable:  # the worst rank's share
+        per_element = k * prof.trainable_bytes / prof.trainable / 4
+        zero1 = per_element * max(zero1_partition(prof.optimizer_groups, lay.dp_shard))
+    states = model_states(lay, param_bytes=prof.param_bytes, grad_bytes=prof.trainable_bytes,
+                          optim_bytes=k * prof.trainable_bytes / 4, unit_bytes=prof.largest_unit_bytes,
+                          zero1_optim=zero1)
+    acts = float(prof.activation_bytes(lay.checkpointing))
+    total = states["params"] + states["grads"] + states["optimizer"] + acts + states["temporary"] + lay.overhead
+    return {**states, "activations": acts, "overhead": lay.overhead, "total": total, "stage": 0, "in_flight": 1}

@@ -1,0 +1,136 @@
+"""Factories named by import path in the config: model, data, loss, collate."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptrain.config import ConfigError, DataConfig, ModelConfig
+from dptrain.data.loader import split_train_val
+from dptrain.train.loss import LossFn, check_scalar, forward_loss
+
+
+def import_object(spec: str) -> Any:
+    """Import `"pkg.mod:attr"` (or `"pkg.mod.attr"`); the attribute part may be dotted."""
+    if ":" in spec:
+        mod_name, attr = spec.split(":", 1)
+    else:
+        mod_name, _, attr = spec.rpartition(".")
+    if not mod_name or not attr:
+        raise ConfigError(f"expected an import path 'package.module:name', got {spec!r}")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import module {mod_name!r} named in {spec!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"module {mod_name!r} has no attribute {attr!r} (from {spec!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_model(cfg: ModelConfig, *, seed: int) -> nn.Module:
+    """Call the model factory under `seed`, so every rank starts from identical weights
+    (FSDP2 does not broadcast parameters; DDP does, but then the seed costs nothing)."""
+    torch.manual_seed(seed)
+    return _call_factory(cfg)
+
+
+def build_model_meta(cfg: ModelConfig, *, seed: int) -> tuple[nn.Module, str | None]:
+    """Build the model on the meta device (no storage) for `dptrain.parallel.materialize` to
+    initialise after sharding, bit-identical to `build_model(cfg, seed=seed)`. Returns
+    `(model, None)`; or, when the factory cannot be built on meta or breaks the init contract
+    (see `dptrain.parallel.materialize`), `(build_model(cfg, seed=seed), reason)`: an eager model
+    as today, and a line for the console saying why. A meta build leaves the global RNG as it
+    found it (`materialize` moves it to where eager construction leaves it); the fallback leaves
+    it where `build_model` does."""
+    # imported here: it loads DTensor, which importing dptrain.train.build should not
+    from dptrain.parallel.materialize import (
+        check_init_contract,
+        converted_after_registration,
+        track_registrations,
+    )
+
+    before = torch.get_rng_state()
+    torch.manual_seed(seed)
+    seeded = torch.get_rng_state()
+    reason: str | None
+    try:
+        with torch.device("meta"), track_registrations() as registered:
+            model = _call_factory(cfg)
+    except Exception as e:  # noqa: BLE001 - any failure on meta means: build it as today
+        reason = f"it raised {type(e).__name__}: {e}"
+    else:
+        reason = (_meta_problem(model, seeded=seeded) or converted_after_registration(model, registered)
+                  or check_init_contract(model))
+    torch.set_rng_state(before)
+    if reason is None:
+        return model, None
+    model = build_model(cfg, seed=seed)  # a ConfigError here is the factory's own problem
+    return model, (f"model.factory {cfg.factory!r} cannot be initialised on the meta device ({reason}); "
+                   "built it eagerly on every rank instead")
+
+
+def _meta_problem(model: nn.Module, *, seeded: torch.Tensor) -> str | None:
+    """Why a model just built under `torch.device("meta")` cannot be replayed exactly, or None."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not t.is_meta:
+            return f"{name!r} was created on {t.device}, not on meta"
+    if not torch.equal(torch.get_rng_state(), seeded):
+        return "its construction drew from the CPU random generator outside the init hooks"
+    return None
+
+
+def _call_factory(cfg: ModelConfig) -> nn.Module:
+    factory = import_object(cfg.factory)
+    try:
+        model = factory(**cfg.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model.factory {cfg.factory!r} rejected model.kwargs {cfg.kwargs}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def build_datasets(cfg: DataConfig) -> tuple[Any, Any | None]:
+    """(train, val or None) from the data factory."""
+    factory = import_object(cfg.factory)
+    try:
+        out = factory(**cfg.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"data.factory {cfg.factory!r} rejected data.kwargs {cfg.kwargs}: {e}") from None
+    return split_train_val(out)
+
+
+def build_loss_fn(spec: str | None) -> LossFn:
+    """`fn(model, batch) -> scalar loss`: the configured one, or `dptrain.train.loss.forward_loss` (the
+    model's own forward). How each micro-step's loss is normalised: `dptrain.train.loss`."""
+    if spec is None:
+        return forward_loss
+    fn = import_object(spec)
+
+    @functools.wraps(fn)  # keeps the signature: `takes_num_items` reads it
+    def checked(model: nn.Module, batch: Any, **kwargs: Any) -> torch.Tensor:
+        return check_scalar(fn(model, batch, **kwargs), model=model, source=f"train.loss={spec!r}")
+
+    return checked
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """`batch` with every tensor moved to `device`, through nested mappings (dicts, Hugging Face's
+    `BatchEncoding`: returned as dicts), lists, tuples and named tuples; other values as they are.
+    Copies from pinned memory are non-blocking."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch

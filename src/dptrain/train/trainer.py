@@ -1,0 +1,337 @@
+"""The training loop. `Trainer(cfg).fit()` is what `dptrain run` executes on every rank.
+
+The optimisation step (`train_step`) is deliberately short and explicit: the step's micro-batches,
+micro-steps that skip the gradient reduction until the last one, each loss normalised so the step's
+gradient is the global batch's (by the number of micro-steps, or by the global batch's valid-token
+count for token-level losses: see dptrain/train/loss.py), scaled backward, unscale, clip, step, update,
+zero_grad. Everything that happens after it is ONE function, `end_step`: counters, fp16 skip
+accounting, logging, diagnostics, evaluation, the preemption agreement and saving. `fit`'s loop and
+every benchmark call `end_step(train_step())`, so a benchmark times exactly what `dptrain run` does
+per step. Apart from the logging interval (and evaluation, drift/memory/straggler checks and saves
+at their own intervals), a step makes no host-device sync: the loss window and the fp16 skip count
+stay on the device, and the preemption flag is agreed without blocking (checkpoint/preempt.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptrain.checkpoint.manager import CheckpointManager
+from dptrain.checkpoint.rundir import write_atomically
+from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, OptimizerState
+from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
+from dptrain.config.layout import strategy_mode
+from dptrain.config.load import dump_yaml
+from dptrain.data import GlobalBatchSampler, build_dataloader
+from dptrain.diagnostics import Diagnostics, apply_collective_checks
+from dptrain.distributed import collectives
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.mesh import ParallelMesh
+from dptrain.distributed.process_group import bind_device, process_group
+from dptrain.metrics.meters import RunMeters
+from dptrain.metrics.records import Records
+from dptrain.parallel import ParallelModel, parallelize_model, unwrap
+from dptrain.parallel.comm_hooks import build_comm_hook
+from dptrain.parallel.materialize import make_materializer
+from dptrain.parallel.pipeline import PipelineModel
+from dptrain.train.backend import apply_backend_flags, compile_backend
+from dptrain.train.build import build_datasets, build_loss_fn, build_model_meta, import_object, to_device
+from dptrain.train.evaluation import evaluate
+from dptrain.train.loss import items_per_rank, takes_num_items
+from dptrain.train.optim import build_scheduler
+from dptrain.train.outputs import RunOutputs
+from dptrain.train.precision import autocast, build_grad_scaler
+from dptrain.train.state import LogWindow, TrainState
+
+__all__ = ["LogWindow", "TrainState", "Trainer"]
+
+
+class Trainer:
+    """Config in, run directory out."""
+
+    def __init__(
+        self, cfg: Config, *, out_dir: str | Path | None = None, env: DistEnv | None = None,
+        resume: str = "auto", trust_checkpoint: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.env = env or DistEnv.from_env()
+        self.res: Resolved = resolve(cfg, world_size=self.env.world_size)
+        self.run_dir = Path(out_dir or default_out_dir(cfg))
+        self.device = bind_device(self.env, self.res.device)  # before anything that allocates
+        apply_backend_flags(cfg.train, self.device)  # CUDA: TF32, cudnn.benchmark (speed.py)
+        self.state = TrainState()
+        self.log_window = LogWindow()
+        self.out = RunOutputs(env=self.env, run_dir=self.run_dir)  # console, metrics.jsonl, monitor, summary, final/
+        self.ckpt = CheckpointManager(cfg=cfg, run_dir=self.run_dir, env=self.env, resume=resume, trust=trust_checkpoint)
+        # Watchdog, pre-flight, non-finite policy, stragglers, drift, memory: idle until start().
+        self.diag = Diagnostics(cfg.diagnostics, env=self.env, run_dir=self.run_dir,
+                                pg_timeout_s=cfg.parallel.timeout_s, say=self.out.say)
+
+    # ---------------------------------------------------------------- building
+    def setup(self) -> None:
+        """Open the outputs, build model, optimizer and data, resume if a checkpoint says so, arm the
+        diagnostics. Call it inside the process group (`fit` does); afterwards
+        `end_step(train_step())` is one step of `dptrain run` (benchmarks call exactly that)."""
+        cfg = self.cfg
+        self.out.open(log=cfg.log, max_steps=cfg.train.max_steps, res=self.res, strategy=cfg.parallel.strategy,
+                      precision=cfg.precision.dtype, device=self.device, diag=self.diag)
+        self._build()
+        self.checkpoint_state = self._checkpoint_state()
+        self.ckpt.maybe_resume(self.checkpoint_state)  # model, optimizer, schedule, scaler, RNG, data position
+        self.batches: Iterator[Any] = iter(self.loader)  # starts at the (resumed) global step
+        self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled(),
+                        mesh=self.mesh)
+        self.last_loss: float | None = None
+        self._config_written = False  # RUN_DIR/config.yaml: written after the first step (end_step)
+        # What log records and the summary say, the throughput clock, the fp16 skip count: metrics/records.py
+        self.records = Records(res=self.res, strategy=cfg.parallel.strategy, precision=cfg.precision.dtype,
+                               state=self.state, scaler=self.scaler, device=self.device, meters=self.meters,
+                               tokens_per_sample=self.tokens_per_sample,
+                               bytes_per_token=getattr(self.val_ds, "bytes_per_token", 1))
+
+    def _checkpoint_state(self) -> CheckpointState:
+        """What a checkpoint saves, as named Stateful objects (the manager never sees the Trainer)."""
+        full = self.parallel.full_checkpoint  # pipeline stages and FSDP2 shards: DCP
+        return CheckpointState(
+            model_parts=[ModelState(m, full=full) for m in self.parallel.model_parts],  # one per pipeline stage
+            optimizers=[OptimizerState(self.model, self.optimizer, full=full)],
+            schedule=self.scheduler,
+            scaler=self.scaler if self.scaler.is_enabled() else None,
+            data=DataPosition(self.sampler, self.state),
+            train=self.state,
+            full=full,
+            per_rank={"log_window": self.log_window,  # error feedback differs per rank:
+                      **({"comm_hook": self.comm_hook} if self.comm_hook is not None else {})},
+            meta={"global_batch_size": self.res.global_batch_size, "grad_accum_steps": self.res.grad_accum_steps},
+        )
+
+    def _build(self) -> None:
+        cfg, res = self.cfg, self.res
+        # On the meta device (no storage); each rank allocates and fills only its part after sharding,
+        # bit-identical to the eager seeded build. A model that cannot be built so is built eagerly.
+        model, eager_reason = build_model_meta(cfg.model, seed=cfg.train.seed)
+        if eager_reason and self.env.is_main:
+            self.out.say(f"dptrain: {eager_reason}")
+        # Before any wrapper's own collectives: all ranks agree on world size, config and model.
+        self.diag.preflight(model, config=to_dict(cfg))
+        # One mesh per run: every group and data-parallel rank below comes from it.
+        self.mesh = ParallelMesh.build(res.dims, device_type=self.device.type)
+        shards_on = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
+        materialize = None if eager_reason else make_materializer(device=shards_on, seed=cfg.train.seed)
+        # parallel.grad_compression: a DDP communication hook (None: none, or FSDP2's reduce dtype)
+        self.comm_hook = build_comm_hook(cfg.parallel, process_group=self.mesh.dp_group, backend=res.backend)
+        # Communication (the DDP hook, metered), throughput per rank, MFU: metrics/meters.py
+        self.meters = RunMeters(mode=strategy_mode(cfg.parallel), mesh=self.mesh, device=self.device,
+                                precision=cfg.precision.dtype, flops_per_token=cfg.train.flops_per_token,
+                                peak_tflops=cfg.log.peak_tflops)
+        self.parallel: ParallelModel = parallelize_model(model, cfg=cfg.parallel, mesh=self.mesh, device=self.device,
+                                               materialize=materialize, compile_backend=compile_backend(cfg.train),
+                                               comm_hook=self.meters.ddp_comm_hook(self.comm_hook))
+        self.model: nn.Module = self.parallel.module  # what to call
+        self.optimizer = self.parallel.build_optimizer(cfg=cfg.optim, lr=res.lr)  # sharded under zero1
+        self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
+        # sharded (found-inf agreed over the world) also under PP: an overflow in one stage skips every stage's step
+        self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=self.parallel.sharded or self.parallel.pipelined)
+        self.loss_fn = build_loss_fn(cfg.train.loss)
+        self.token_loss = takes_num_items(self.loss_fn, self.model)  # token or sample rule: dptrain/train/loss.py
+        self.collate = import_object(cfg.data.collate) if cfg.data.collate else None
+        self.train_ds, self.val_ds = build_datasets(cfg.data)
+        self.sampler = GlobalBatchSampler(
+            dataset_len=len(self.train_ds),
+            global_batch_size=res.global_batch_size,
+            micro_batch_size=res.micro_batch_size,
+            grad_accum_steps=res.grad_accum_steps,
+            dp_rank=self.mesh.dp_rank,
+            dp_world_size=self.mesh.dp_size,
+            seed=cfg.train.seed,
+            shuffle=cfg.data.shuffle,
+            start_step=self.state.step,
+        )
+        self.loader = build_dataloader(
+            self.train_ds, sampler=self.sampler, num_workers=cfg.data.num_workers,
+            pin_memory=cfg.data.pin_memory and self.device.type == "cuda", collate_fn=self.collate,
+            seed=cfg.train.seed, persistent_workers=cfg.data.persistent_workers, prefetch_factor=cfg.data.prefetch_factor,
+        )
+        self.tokens_per_sample = getattr(self.train_ds, "seq_len", None)
+        self.meters.attach(model, cfg=cfg.parallel, seq_len=self.tokens_per_sample)  # bytes, FLOPs, peak
+
+    # ---------------------------------------------------------------- the step
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over `grad_accum_steps` micro-batches. Returns this rank's share of the
+        global batch's loss: its mean over the data-parallel ranks is the global batch's loss."""
+        accum = self.res.grad_accum_steps
+        diag = self.diag  # heartbeats and step-time split; see diagnostics/hub.py
+        diag.phase("data")
+        micro_batches = [to_device(next(self.batches), self.device) for _ in range(accum)]
+        if self.parallel.pipelined:
+            step_loss = self._pipeline_micro_steps(micro_batches)
+        else:
+            step_loss = self._micro_steps(micro_batches)
+        diag.phase("optimizer")
+        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        self.grad_norm = self.parallel.clip_grad_norm_(self.cfg.optim.grad_clip)  # global norm, every dimension
+        if not diag.skip_step(step_loss, self.grad_norm):  # nonfinite=skip: all ranks skip the same step
+            self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
+        self.scaler.update()
+        self.step_lr = float(self.scheduler.get_last_lr()[0])  # the rate this step trained at (a Python float: no sync)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return step_loss
+
+    def _micro_steps(self, micro_batches: list[Any]) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches, reducing gradients only after the last."""
+        accum, diag = len(micro_batches), self.diag
+        # Token rule (dptrain/train/loss.py): the global batch's valid-target count, before any backward;
+        # one all-reduce over the data-parallel group, on the device.
+        n_items = items_per_rank(micro_batches, device=self.device, dp_world_size=self.res.dp_world_size,
+                                 group=self.mesh.dp_group) if self.token_loss else None
+        step_loss = torch.zeros((), device=self.device)
+        for micro, batch in enumerate(micro_batches):
+            # Reduce gradients only after the last micro-step (unless asked to every time).
+            sync = micro == accum - 1 or self.cfg.parallel.sync_each_micro_step
+            with self.parallel.sync_gradients(sync):
+                diag.phase("forward")
+                with autocast(self.cfg.precision, self.device):
+                    if n_items is None:  # sample rule: the mean of equal micro-batch means
+                        loss = self.loss_fn(self.model, batch) / accum
+                    else:  # token rule: this micro-batch's summed token losses / n_items
+                        loss = self.loss_fn(self.model, batch, num_items_in_batch=n_items)
+                diag.phase("backward", sync=sync)  # sync: DDP/FSDP reduce gradients in this backward
+                self.scaler.scale(loss).backward()
+            step_loss += loss.detach()
+        return step_loss
+
+    def _pipeline_micro_steps(self, micro_batches: list[Any]) -> torch.Tensor:
+        """Pipeline parallelism: each micro-batch runs as one schedule over `pp_microbatches` pieces
+        (forward and backward inside it, loss on the last stage, token rule; parallel/pipeline.py).
+        The returned loss is 0 on the stages before the last; logging sums it over the pipeline."""
+        plan = self.parallel
+        assert isinstance(plan, PipelineModel)
+        if self.scaler.is_enabled():  # fp16: the last stage scales its loss; every stage unscales
+            plan.loss_scale = self.scaler.scale
+            self.scaler.scale(torch.zeros((), device=self.device))  # creates the scale on every stage
+        return plan.train_micro_batches(micro_batches, context=lambda: autocast(self.cfg.precision, self.device),
+                                        phase=self.diag.phase)
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self) -> float | None:
+        """Mean validation loss over the same fixed samples every time, split evenly over data-parallel ranks."""
+        return evaluate(self.parallel, self.val_ds, loss_fn=self.loss_fn, collate=self.collate, precision=self.cfg.precision,
+                        eval_batches=self.cfg.train.eval_batches, micro_batch_size=self.res.micro_batch_size,
+                        dp_world_size=self.res.dp_world_size, mesh=self.mesh, device=self.device, phase=self.diag.phase)
+
+    # ---------------------------------------------------------------- the run
+    def fit(self) -> dict[str, Any]:
+        """Train `train.max_steps` steps; write metrics, final weights and the summary; return the summary."""
+        apply_collective_checks(self.cfg.diagnostics)  # must precede the process group
+        with process_group(self.env, backend=self.res.backend, device=self.device, timeout_s=self.cfg.parallel.timeout_s):
+            finished = False
+            try:
+                self.setup()
+                summary = self._loop()
+                if not summary.get("preempted"):
+                    self.diag.phase("save")
+                    self.out.save_final(self.parallel)
+                    self.ckpt.save_final(self.checkpoint_state)
+                finished = True
+            finally:
+                self.close(wait=finished)
+            self.out.finish(summary, progress=self.cfg.log.progress)  # rank 0: summary.json, the table
+            collectives.barrier()
+            # Drop the DDP wrapper and the mesh while their process groups still exist: a reducer or
+            # a process group freed after destroy_process_group can deadlock gloo's teardown (here,
+            # or in a process forked from this one); collect what they leave in reference cycles now.
+            self.model = self.parallel.release()
+            self.mesh.release()
+            gc.collect()
+            self.checkpoint_state = self._checkpoint_state()  # its model parts held the wrapper too
+        return summary
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the diagnostics and the checkpoint manager's background work (collective with
+        `wait`; a failing run abandons it instead). `fit` calls it; so do the benchmarks."""
+        self.ckpt.close(wait=wait)
+        self.diag.close()
+        self.out.close(finished=wait)
+
+    def _eval_and_log(self) -> float | None:
+        val = self.evaluate()
+        if val is not None:
+            self.out.log_eval(step=self.state.step, val=val, bpb=self.records.bits_per_byte(val))
+        return val
+
+    def _loop(self) -> dict[str, Any]:
+        state = self.state
+        # A resumed run evaluated at its start already (the record is kept in metrics.jsonl).
+        initial_val = self._eval_and_log() if state.step == 0 else self.ckpt.initial_val_loss
+        t0, first_step = time.perf_counter(), state.step
+        self.records.window_start = t0
+        preempted = False
+        while state.step < self.cfg.train.max_steps:
+            if self.end_step(self.train_step()):  # True after a SIGTERM: the step is saved, stop now
+                preempted = True
+                break
+        final_val = None if preempted else self._eval_and_log()
+        times = {"wall_s": time.perf_counter() - t0, "train_s": self.records.train_time}
+        summary = self.records.summary(last_loss=self.last_loss, initial_val=initial_val, final_val=final_val,
+                                       times=times, steps_here=state.step - first_step, diag=self.diag,
+                                       resumed_from=self.ckpt.resumed_from)
+        if preempted:
+            summary["preempted"] = True
+            summary["interrupted"] = self.ckpt.interrupted  # Ctrl-C (exit 130) rather than SIGTERM (143)
+        return summary
+
+    # ---------------------------------------------------------------- the step boundary
+    def end_step(self, loss: torch.Tensor) -> bool:
+        """Everything after `train_step` (whose local mean loss is `loss`), once per step, the same in
+        `dptrain run` and in the benchmarks: counters, fp16 skip accounting, logging, diagnostics,
+        evaluation when due, the preemption agreement and saving. True: preempted, the step is
+        saved on every rank, stop now. No host-device sync except at a log step (and the periodic
+        checks, evaluation and saves at their own intervals)."""
+        cfg, state = self.cfg, self.state
+        if not self._config_written:  # the first step trained: only now does the directory hold the run's config
+            self._config_written = True
+            if self.env.is_main:
+                write_atomically(self.run_dir / "config.yaml", dump_yaml(self.cfg))
+        self.log_window.add(loss)
+        state.step += 1
+        state.samples_seen += self.res.global_batch_size
+        self.records.count_fp16_skip()  # fp16: on the device, no sync
+        accum = self.res.grad_accum_steps
+        self.meters.step_done(micro_steps=accum, sync_steps=accum if cfg.parallel.sync_each_micro_step else 1)
+        self.diag.on_step_end(state.step)
+        if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
+            self._log_step()
+        every = cfg.train.eval_every_steps
+        if every and state.step % every == 0 and state.step < cfg.train.max_steps:
+            self._eval_and_log()
+            self.records.restart_window()  # evaluation time is not training throughput
+        self.diag.phase("checkpoint", collective="all_reduce (preemption flags, started one step earlier)")
+        return self.ckpt.maybe_save(self.checkpoint_state, step=state.step)
+
+    def _log_step(self) -> None:
+        """A log line: the one host-device sync of the interval (loss mean over ranks)."""
+        window, state = self.log_window, self.state
+        local = window.loss_sum / window.steps
+        if isinstance(self.parallel, PipelineModel):
+            local = self.parallel.reduce_loss(local.clone())  # the loss lives on the last stage
+        self.last_loss = last_loss = collectives.all_reduce_mean([local.item()],
+                                                                 device=self.device, group=self.mesh.dp_group)[0]
+        window_steps = window.steps
+        self.out.log(self.records.log_record(loss=last_loss, window_steps=window_steps, lr=self.step_lr,
+                                             grad_norm=self.grad_norm))
+        window.reset()
+        self.diag.logged_loss(last_loss, step=state.step, window_steps=window_steps)  # loud if not finite
+        self.records.restart_window()
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's plain module (for inspection after fit)."""
+        return unwrap(self.model)

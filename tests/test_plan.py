@@ -1,4 +1,4 @@
-"""`dptrain plan` (plan/specs.py, plan/llama.py, plan/memory.py, plan/cli.py): the ZeRO paper's
+"""`dptrain plan` (metrics/hardware.py, plan/llama.py, plan/memory.py, plan/cli.py): the ZeRO paper's
 table, exact LLaMA parameter counts against a meta-device build, activation bytes against what
 autograd really saves on this CPU, model-state bytes against a real AdamW step, bad input."""
 

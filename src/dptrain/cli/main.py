@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.config import Config, ConfigError, default_out_dir, local_world_size, resolve, validate
-from dptrain.config.layout import strategy_mode
-from dptrain.config.load import dump_yaml, load_config
+from dptrain.config.load import dump_yaml, load_command_line
 from dptrain.config.nodes import is_elastic, max_nodes
 
 EXIT_BAD_INPUT = 2
@@ -128,24 +127,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(items: list[str], *, extra: list[str], run_dir: str | None = None) -> Config:
-    """CONFIG is the one item without '=' (if any, in any position); the rest are overrides. Without CONFIG, an
-    existing `run_dir`'s config.yaml is the base (continuing that run)."""
-    files = [item for item in items if "=" not in item]
-    overrides = [item for item in items if "=" in item]
-    if len(files) > 1:
-        raise ConfigError(f"{files[1]!r} is not an override of the form section.field=value "
-                          f"(only one CONFIG file may be given; {files[0]!r} is the first)")
-    path = files[0] if files else None
-    if path is None and run_dir is not None and (Path(run_dir) / "config.yaml").is_file():
-        path = str(Path(run_dir) / "config.yaml")
-    cfg = load_config(path, [*overrides, *extra])
-    if cfg.launch.nproc_per_node == "auto" and strategy_mode(cfg.parallel).single_process:
-        # one-process strategies: `auto` means one worker (dp drives every GPU from it)
-        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, nproc_per_node=1))
-    return cfg
-
-
 def _flag_overrides(args: argparse.Namespace) -> list[str]:
     extra = []
     if getattr(args, "nproc_per_node", None) is not None:
@@ -167,7 +148,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cluster is not None:
         print(cluster.describe(), file=sys.stderr)
         args.items = [*cluster.overrides, *args.items]
-    cfg = _load(args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None)
+    cfg = load_command_line(args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None)
     validate(cfg)  # before anything imports torch: a refusal is instant
     run_dir = Path(default_out_dir(cfg))
     check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")
@@ -258,7 +239,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dptrain.tools.bench import parse_options
     from dptrain.tools.bench.run import run_bench
 
-    cfg = _load(args.items, extra=[])
+    cfg = load_command_line(args.items)
     validate(cfg)
     nproc = args.nproc if args.nproc is not None else local_world_size(cfg.launch)
     opts = parse_options(steps=args.steps, warmup=args.warmup, nproc=nproc, scaling=args.scaling,
@@ -312,7 +293,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = _load(args.items, extra=_flag_overrides(args))
+    cfg = load_command_line(args.items, extra=_flag_overrides(args))
     res = resolve(cfg, world_size=local_world_size(cfg.launch) * max_nodes(cfg.launch))
     print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")
     d = res.dims

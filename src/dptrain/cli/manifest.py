@@ -62,12 +62,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _job_config(args: argparse.Namespace, *, out_dir: str | None) -> Config:
     """The config every node runs: file + overrides + the job's layout, validated for its world size."""
-    from dptrain.cli.main import _load
+    from dptrain.config.load import load_command_line
 
     extra = [f"launch.nnodes={args.nnodes}", f"launch.nproc_per_node={args.nproc_per_node}"]
     if args.max_restarts is not None:
         extra.append(f"launch.max_restarts={args.max_restarts}")
-    cfg = _load(args.items, extra=extra)
+    cfg = load_command_line(args.items, extra=extra)
     if out_dir is not None:
         cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=out_dir))
     # the rendezvous endpoint is the cluster's (the first node); a stand-in lets the rest be checked now

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dptrain.metrics.hardware import GpuSpec, gpu_spec
 from dptrain.tools.plan.llama import param_counts
 from dptrain.tools.plan.memory import GB, OPTIMIZERS, PRECISIONS, zero_states
 from dptrain.tools.plan.predict import LLAMA, device_spec, predict, scaling
 from dptrain.tools.plan.presets import PRESETS, preset
 from dptrain.tools.plan.recommend import load_plan_config, recommend
-from dptrain.tools.plan.specs import GpuSpec, gpu_spec
+from dptrain.tools.plan.report_lines import memory_lines, time_lines
 from dptrain.tools.plan.timing import INTERCONNECT_CHOICES
 
 # Llama 3 paper (Dubey et al. 2024, table 4): 38-43% BF16 MFU training on 8K-16K H100s. The lower end.
@@ -21,7 +22,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="memory per rank of a layout (or ZeRO stages 0-3 for --params) and whether it fits")
     plan.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]")
     plan.add_argument("--gpus", type=int, default=1, help="ranks (GPUs) in all (default 1)")
-    plan.add_argument("--gpu-type", default="H100", help="GPU model of plan/specs.py (default H100 = H100-SXM)")
+    plan.add_argument("--gpu-type", default="H100", help="GPU model of metrics/hardware.py (default H100 = H100-SXM)")
     plan.add_argument("--params", type=float, help="a model given only by its parameter count: ZeRO stages 0-3")
     plan.add_argument("--optimizer", default="adam", help=f"--params: {', '.join(OPTIMIZERS)} (default adam)")
     plan.add_argument("--precision", default="fp16", help=f"--params: {', '.join(PRECISIONS)} (default fp16)")
@@ -129,17 +130,6 @@ def _zero_table(args: argparse.Namespace, spec: GpuSpec) -> str:
     return "\n".join(lines)
 
 
-def memory_lines(mem: dict[str, float], spec: GpuSpec) -> list[str]:
-    """The per-rank memory table of a layout report, and whether it fits `spec`."""
-    lines = [f"  {key:<12}{mem[key] / GB:>10.3f}" for key in ("params", "grads", "optimizer", "activations",
-                                                              "temporary", "overhead")]
-    lines.append(f"  {'total':<12}{mem['total'] / GB:>10.3f}  of {spec.memory_gb:g} GB: "
-                 f"{'fits' if mem['total'] <= spec.memory_gb * GB else 'does NOT fit'}")
-    if mem["host"]:
-        lines.append(f"  host (cpu_offload): {mem['host'] / GB:.3f} GB per rank")
-    return lines
-
-
 def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, str]) -> str:  # noqa: ANN001
     cfg = load_plan_config(args.items, model=args.model)
     if cfg.model.factory != LLAMA:
@@ -160,23 +150,6 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, s
     if args.scaling:
         lines += _scaling_lines(args, cfg, comm=comm, efficiency=efficiency[0])
     return "\n".join(lines)
-
-
-def time_lines(args: argparse.Namespace, t: dict[str, float], *, comm, efficiency: tuple[float, str]) -> list[str]:  # noqa: ANN001
-    """The time part of a layout report (`step_time` / `profile_step_time`'s result)."""
-    link = "measured, " + args.comm if comm else f"{args.interconnect} datasheet"
-    lines = [f"time per step (alpha-beta model; compute at {efficiency[0]:.3g} x the dense peak, {efficiency[1]}; "
-             f"{args.nodes} node(s), data-parallel link {link}):",
-             f"  compute {t['compute']:.4g} s, data-parallel comm {t['dp_comm']:.4g} s of which exposed "
-             f"{t['exposed_comm']:.4g} s, tensor-parallel comm {t['tp_comm']:.4g} s, pipeline transfers (exposed) "
-             f"{t['pp_comm']:.4g} s"]
-    rate = f"{t['samples_per_s']:,.1f} samples/s, " if "samples_per_s" in t else ""
-    if t["tokens_per_s"]:
-        rate += f"{t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s'] / args.gpus:,.0f} per GPU), "
-    lines.append(f"  step {t['step']:.4g} s, {rate}MFU {t['mfu']:.1%}")
-    if t["offload"]:
-        lines.append(f"  of which cpu_offload's host copies and optimizer step: {t['offload']:.4g} s")
-    return lines
 
 
 def _scaling_lines(args: argparse.Namespace, cfg, *, comm, efficiency: float) -> list[str]:  # noqa: ANN001

@@ -15,12 +15,14 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from dptrain.config.fields import Config, ConfigError, to_dict
+from dptrain.config.layout import strategy_mode
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -298,3 +300,22 @@ def dump_yaml(cfg: Config, extra: dict[str, Any] | None = None) -> str:
             f"#   {k}: {v}\n" for k, v in extra.items()
         )
     return text
+
+
+def load_command_line(items: list[str], *, extra: Sequence[str] = (), run_dir: str | None = None) -> Config:
+    """The config a `dptrain` command line names: CONFIG is the one item without '=' (if any, in any
+    position); the rest are overrides, then `extra` (from the command's flags). Without CONFIG, an
+    existing `run_dir`'s config.yaml is the base (continuing that run)."""
+    files = [item for item in items if "=" not in item]
+    overrides = [item for item in items if "=" in item]
+    if len(files) > 1:
+        raise ConfigError(f"{files[1]!r} is not an override of the form section.field=value "
+                          f"(only one CONFIG file may be given; {files[0]!r} is the first)")
+    path = files[0] if files else None
+    if path is None and run_dir is not None and (Path(run_dir) / "config.yaml").is_file():
+        path = str(Path(run_dir) / "config.yaml")
+    cfg = load_config(path, [*overrides, *extra])
+    if cfg.launch.nproc_per_node == "auto" and strategy_mode(cfg.parallel).single_process:
+        # one-process strategies: `auto` means one worker (dp drives every GPU from it)
+        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, nproc_per_node=1))
+    return cfg

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dptrain.tools.plan.specs import SPECS
+from dptrain.metrics.hardware import SPECS
 
 T = 1e12
-# Dense peaks in FLOP/s per GPU (no 2:4 sparsity), from the one GPU table `dptrain.tools.plan.specs.SPECS`
+# Dense peaks in FLOP/s per GPU (no 2:4 sparsity), from the one GPU table `dptrain.metrics.hardware.SPECS`
 # (sources there): (pattern matched against torch.cuda.get_device_name, first match wins; name; {dtype: peak})
 PEAKS: list[tuple[str, str, dict[str, float]]] = [(s.pattern, s.name, s.peaks) for s in SPECS]
 

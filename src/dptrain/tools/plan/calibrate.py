@@ -21,7 +21,7 @@ import os
 import statistics
 from pathlib import Path
 
-from dptrain.tools.plan.specs import GpuSpec
+from dptrain.metrics.hardware import GpuSpec
 from dptrain.tools.plan.timing import Link
 
 

@@ -9,12 +9,12 @@ from typing import Any
 
 from dptrain.config.fields import ConfigError
 from dptrain.tools.plan.memory import profile_memory
+from dptrain.tools.plan.report_lines import memory_lines, time_lines
 from dptrain.tools.plan.timing import Link, profile_step_time
 
 
 def measured_report(args: argparse.Namespace, cfg: Any, *, comm: Link | None, efficiency: tuple[float, str]) -> str:
     """The layout report of `cfg` (a Config) on `args.gpus` ranks for a measured model."""
-    from dptrain.cli.plan import memory_lines, time_lines
     from dptrain.tools.plan.measure import measure_model
     from dptrain.tools.plan.predict import device_spec, layout_from_config, resolve_for_plan
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dptrain.metrics.hardware import GpuSpec, gpu_spec
 from dptrain.tools.plan.memory import FRAMEWORK_OVERHEAD, STRATEGIES, Layout, layout_memory
-from dptrain.tools.plan.specs import GpuSpec, gpu_spec
 from dptrain.tools.plan.timing import Link, step_time
 
 if TYPE_CHECKING:  # the planner imports no torch at import time (`dptrain --help` stays fast)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dptrain.metrics.hardware import GpuSpec
 from dptrain.tools.plan.memory import GB
 from dptrain.tools.plan.presets import preset, preset_overrides
 from dptrain.tools.plan.search import (
@@ -23,7 +24,6 @@ from dptrain.tools.plan.search import (
     rejected_groups,
     search,
 )
-from dptrain.tools.plan.specs import GpuSpec
 from dptrain.tools.plan.timing import Link
 
 if TYPE_CHECKING:
@@ -45,12 +45,11 @@ def _merge(into: dict[str, Any], top: dict[str, Any]) -> None:
 def load_plan_config(items: list[str], *, model: str | None) -> Config:
     """CONFIG + overrides as `dptrain run` reads them; with `--model`, the preset's model.kwargs and
     data.kwargs.seq_len are the lowest layer (CONFIG, then the overrides, go on top)."""
-    from dptrain.cli.main import _load
     from dptrain.config.fields import ConfigError
-    from dptrain.config.load import build_config, load_file, parse_override, set_dotted
+    from dptrain.config.load import build_config, load_command_line, load_file, parse_override, set_dotted
 
     if model is None:
-        return _load(items, extra=[])
+        return load_command_line(items)
     files = [item for item in items if "=" not in item]
     if len(files) > 1:
         raise ConfigError(f"{files[1]!r} is not an override of the form section.field=value "

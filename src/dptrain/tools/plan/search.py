@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dptrain.metrics.hardware import GpuSpec
 from dptrain.tools.plan.memory import GB, layout_memory
 from dptrain.tools.plan.predict import layout_from_config
-from dptrain.tools.plan.specs import GpuSpec
 from dptrain.tools.plan.timing import Link, step_time
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@
   lower efficiency of small kernels when m splits the micro-batch finely (pp rows are optimistic).
 - Collectives over N ranks, S bytes, link bandwidth B (bytes/s, one direction), latency α per
   step: ring all-reduce 2(N-1)·α + 2(N-1)/N·S/B; all-gather and reduce-scatter (N-1)·α + (N-1)/N·S/B.
-  The data-parallel link is the datasheet's (plan/specs.py, INTERCONNECTS) or fitted to a
+  The data-parallel link is the datasheet's (metrics/hardware.py, INTERCONNECTS) or fitted to a
   `dptrain doctor --comm --json` sweep (`--comm FILE`).
 - What each strategy sends per optimizer step (gradients fp32 under dptrain's autocast, or the
   compression's dtype for fp16/bf16; FSDP gathers in `fsdp_param_dtype` and reduces in
@@ -41,9 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dptrain.metrics.hardware import GpuSpec
 from dptrain.tools.plan.llama import param_counts, param_shapes
 from dptrain.tools.plan.memory import Layout
-from dptrain.tools.plan.specs import GpuSpec
 
 if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
     from dptrain.models.llama import LlamaConfig

@@ -1,0 +1,71 @@
+"""The package's architecture as checks that can fail (docs/architecture.md explains it; the layer
+contract itself is `lint-imports`, run by .ci/run with pyproject.toml's [tool.importlinter]):
+
+- no private name (`_x`) is imported from another package of dptrain;
+- the top of the package holds only the public face (`__init__`, `__main__`, `api`);
+- the old module names users store in configs and scripts still import, as the same module.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dptrain
+
+pytestmark = pytest.mark.fast
+SRC = Path(dptrain.__file__).resolve().parent
+
+
+def _package(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def _imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("dptrain"):
+            yield node.lineno, node.module, [a.name for a in node.names]
+
+
+def test_no_private_name_is_imported_across_packages():
+    found = []
+    for path in SRC.rglob("*.py"):
+        here = _package(path)
+        for line, module, names in _imports(path):
+            there = module.split(".")[1] if "." in module else ""
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and there != here:
+                found.append(f"{path.relative_to(SRC)}:{line}: from {module} import {', '.join(private)}")
+    assert not found, "private names imported across packages:\n" + "\n".join(found)
+
+
+def test_the_top_of_the_package_is_only_the_public_face():
+    assert sorted(p.name for p in SRC.glob("*.py")) == ["__init__.py", "__main__.py", "api.py"]
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(dptrain.MOVED.items()))
+def test_a_moved_module_still_imports_under_its_old_name(old, new):
+    assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_config_import_paths_of_the_built_in_recipe_resolve():
+    from dptrain.config import Config
+    from dptrain.train.build import import_object
+
+    cfg = Config()
+    assert callable(import_object(cfg.model.factory)) and callable(import_object(cfg.data.factory))
+    assert import_object("dptrain.loss:forward_loss") is import_object("dptrain.train.loss:forward_loss")
+
+
+@pytest.mark.timeout(60)
+def test_python_m_of_an_old_entry_point_runs_the_new_module():
+    """`python -m dptrain.worker` (what older launch scripts and manifests name) still starts the worker."""
+    out = subprocess.run([sys.executable, "-m", "dptrain.worker", "--help"], capture_output=True, text=True, timeout=60,
+                         cwd=SRC.parents[1])
+    assert out.returncode == 0 and "RUN_DIR" in out.stdout.upper() + out.stderr.upper(), out.stderr

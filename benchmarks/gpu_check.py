@@ -107,7 +107,7 @@ def plan_memory_rows(root: Path, *, base: list[str], n: int, name: str) -> list[
 
     key = next((s.key for s in specs.SPECS if re.search(s.pattern, name, re.IGNORECASE)), None)
     if key is None:
-        return [("plan memory vs max_memory_allocated", "skipped", f"{name!r} is not in plan/specs.py")]
+        return [("plan memory vs max_memory_allocated", "skipped", f"{name!r} is not in metrics/hardware.py")]
     rows = []
     for strategy in ("ddp", "fsdp"):
         for dtype in ("fp32", "bf16"):

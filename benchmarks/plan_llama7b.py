@@ -17,10 +17,10 @@ import argparse
 
 from dptrain.cli.main import main
 from dptrain.cli.plan import DEFAULT_EFFICIENCY
+from dptrain.metrics.hardware import gpu_spec
 from dptrain.tools.plan.memory import GB
 from dptrain.tools.plan.recommend import distinct, load_plan_config
 from dptrain.tools.plan.search import rejected_groups, search
-from dptrain.tools.plan.specs import gpu_spec
 
 
 def example(model_name: str, global_batch: int, efficiency: float) -> None:

@@ -34,12 +34,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dptrain.config import Config, ConfigError, ParallelConfig, TrainConfig, resolve_batch, validate
-from dptrain.config.layout import strategy_mode
+from dptrain.config.layout import resolve_layout, strategy_mode
 from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
+from dptrain.distributed.mesh import ParallelMesh
 from dptrain.distributed.process_group import bind_device, destroy_process_group, init_process_group
-from dptrain.parallel import ParallelModel
+from dptrain.parallel import ParallelModel, parallelize_model
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,6 @@ def parallelize(
     The layout arguments mean what the `parallel.*` config fields of the same names mean."""
     import torch.distributed as dist
 
-    from dptrain.config.layout import resolve_layout
-    from dptrain.distributed.mesh import ParallelMesh
-    from dptrain.parallel import parallelize_model
 
     cfg = ParallelConfig(strategy=strategy, bucket_cap_mb=bucket_cap_mb, cpu_offload=cpu_offload,
                          dp_replicate=dp_replicate, dp_shard=dp_shard, activation_checkpointing=activation_checkpointing,

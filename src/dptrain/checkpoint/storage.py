@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dptrain.checkpoint.manifest import CheckpointError
+from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
 from dptrain.parallel import is_sharded, unwrap
 
@@ -176,7 +177,6 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> Non
 def _load_dcp(ckpt_dir: Path, state: CheckpointState) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     sd = _dcp_state(state)  # the current (sharded) tensors: DCP reads into them, resharding
     dcp.load(sd, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
@@ -229,7 +229,6 @@ def load_full_model_state(ckpt_dir: Path, *, fmt: str) -> dict[str, torch.Tensor
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     reader = SafeFileSystemReader(ckpt_dir / DCP_DIR)
     meta = reader.read_metadata()

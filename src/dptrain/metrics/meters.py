@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 from dptrain.config import ParallelConfig
+from dptrain.config.compression import fsdp_reduce_dtype
 from dptrain.config.layout import DataParallelMode
 from dptrain.distributed import collectives
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.metrics import mfu as mfu_lib
 from dptrain.metrics.comm import CommMeter, FixedBytes, bucket_payload, fsdp_comm_bytes, zero1_broadcast_bytes
+from dptrain.parallel.fsdp import DTYPES
 
 CommHookPair = tuple[Any, Callable[..., Any]]
 
@@ -63,8 +65,6 @@ class RunMeters:
         plain module; meta is fine), the peak FLOP/s (measured on CPU: every rank, then the mean)."""
         dims = self.mesh.dims
         if self.mode.wrapper == "fsdp" and dims.tp == 1 and dims.pp == 1:
-            from dptrain.config.compression import fsdp_reduce_dtype
-            from dptrain.parallel.fsdp import DTYPES
 
             fixed = fsdp_comm_bytes(
                 model, shard=dims.dp_shard, replicate=dims.dp_replicate,

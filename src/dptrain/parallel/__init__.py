@@ -20,10 +20,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dptrain.config import ParallelConfig
+from dptrain.config.layout import resolve_layout
+from dptrain.distributed.mesh import ParallelMesh
 from dptrain.parallel import clip, wrapped
-from dptrain.parallel.ddp import apply_ddp
+from dptrain.parallel.ddp import apply_ddp, gradient_sync
 from dptrain.parallel.dp import apply_dp
 from dptrain.parallel.fsdp import apply_fsdp
+from dptrain.parallel.fsdp import gradient_sync as fsdp_sync
 from dptrain.parallel.model import ParallelModel, parallelize_model
 from dptrain.parallel.single import apply_single
 from dptrain.parallel.wrapped import is_sharded
@@ -52,8 +55,6 @@ def apply_strategy(model: nn.Module, *, cfg: ParallelConfig, device: torch.devic
     from the plan (`parallelize(...).build_optimizer`); this returns only DDP's module."""
     import torch.distributed as dist
 
-    from dptrain.config.layout import resolve_layout
-    from dptrain.distributed.mesh import ParallelMesh
 
     dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
     mesh = ParallelMesh.build(dims, device_type=device.type)
@@ -73,12 +74,10 @@ def sync_gradients(model: Parallelized, sync: bool) -> Iterator[None]:
         with model.sync_gradients(sync):
             yield
     elif isinstance(model, DDP):
-        from dptrain.parallel.ddp import gradient_sync
 
         with gradient_sync(model, sync):
             yield
     elif isinstance(model, FSDPModule):
-        from dptrain.parallel.fsdp import gradient_sync as fsdp_sync
 
         with fsdp_sync(model, sync):
             yield

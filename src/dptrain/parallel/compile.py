@@ -18,10 +18,11 @@ import warnings
 
 from torch import nn
 
+from dptrain.parallel.activation_checkpointing import outermost_blocks
+
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor") -> list[nn.Module]:
     """Compile every outermost block of `model` in place with `backend`; returns the blocks."""
-    from dptrain.parallel.activation_checkpointing import outermost_blocks
 
     blocks = outermost_blocks(model)
     if not blocks:

@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dptrain import __version__
+from dptrain.checkpoint.hf import save_pretrained_config
+from dptrain.checkpoint.storage import save_safetensors
 from dptrain.metrics import strict_json
 from dptrain.metrics.monitor import Monitor, build_monitor
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
+from dptrain.parallel import unwrap
 
 if TYPE_CHECKING:
     import torch
@@ -87,9 +90,6 @@ class RunOutputs:
     def save_final(self, plan: ParallelModel) -> None:
         """Consolidated weights under the plain module's names, whatever the strategy; for a Hugging Face
         model also its config, so that final/ loads with `from_pretrained` (checkpoint/hf.py)."""
-        from dptrain.checkpoint.hf import save_pretrained_config
-        from dptrain.checkpoint.storage import save_safetensors
-        from dptrain.parallel import unwrap
 
         state = plan.full_state_dict()  # collective under FSDP: every rank calls it
         if self.env.is_main:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dptrain.metrics import strict_json
-from dptrain.metrics.gpu import GpuSampler, process_memory
 
 if TYPE_CHECKING:  # `dptrain top` imports this module: no torch at import
     import torch
@@ -46,6 +45,7 @@ class StatusWriter:
         self._fixed = {"rank": rank, "local_rank": local_rank, "world_size": world_size,
                        "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),
                        "started": time.time()}
+        from dptrain.metrics.gpu import GpuSampler  # lazy: gpu imports torch; `dptrain top` reads status without it
 
         try:
             self._gpu = GpuSampler.open(device)
@@ -62,6 +62,7 @@ class StatusWriter:
             self._last = {k: record[k] for k in RECORD_KEYS if k in record} | {"logged_step": record.get("step")}
 
     def snapshot(self, *, phase: str | None = None) -> dict[str, Any]:
+        from dptrain.metrics.gpu import process_memory  # lazy: gpu imports torch (see __init__)
 
         step, current = self._position()  # the step being trained (1-based)
         if phase == "done":

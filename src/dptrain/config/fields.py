@@ -66,9 +66,12 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle the global sample order; it is reshuffled every epoch from `train.seed`."""
     persistent_workers: bool = True
-    """With num_workers > 0: keep the worker processes between iterations of the loader (DataLoader's persistent_workers). dptrain iterates its training loader once (the sampler is endless), so this only matters to code that iterates it again; ignored with num_workers=0."""
+    """With num_workers > 0: keep the worker processes between iterations of the loader (DataLoader's
+    persistent_workers). dptrain iterates its training loader once (the sampler is endless), so this only matters to
+    code that iterates it again; ignored with num_workers=0."""
     prefetch_factor: int | None = None
-    """With num_workers > 0: micro-batches each worker loads ahead (DataLoader's prefetch_factor); null: the DataLoader's default (2). Refused with num_workers=0, where nothing loads ahead."""
+    """With num_workers > 0: micro-batches each worker loads ahead (DataLoader's prefetch_factor); null: the
+    DataLoader's default (2). Refused with num_workers=0, where nothing loads ahead."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,9 @@ class TrainConfig:
     max_steps: int = 500
     """Number of optimizer steps to train."""
     global_batch_size: int | None = None
-    """Samples per optimizer step over all ranks = micro_batch_size * grad_accum_steps * dp world size. Any batch field left out is derived from the others (DeepSpeed's rules: accum 1 when only one size is given); none given: global 32, micro 8."""
+    """Samples per optimizer step over all ranks = micro_batch_size * grad_accum_steps * dp world size. Any batch field
+    left out is derived from the others (DeepSpeed's rules: accum 1 when only one size is given); none given: global 32,
+    micro 8."""
     micro_batch_size: int | None = None
     """Samples per forward/backward on one rank (derived when left out; see global_batch_size)."""
     grad_accum_steps: int | None = None
@@ -92,15 +97,21 @@ class TrainConfig:
     loss: str | None = None
     """Import path `pkg.mod:fn(model, batch) -> loss`; by default the model's forward returns the loss."""
     flops_per_token: float | None = None
-    """Training FLOPs per token (forward + backward) for MFU; null: the model's own `flops_per_token(seq_len)` (the built-in LLaMA: 6N + 12*L*d*T), else the 6N approximation (N: parameters less input embeddings)."""
+    """Training FLOPs per token (forward + backward) for MFU; null: the model's own `flops_per_token(seq_len)` (the
+    built-in LLaMA: 6N + 12*L*d*T), else the 6N approximation (N: parameters less input embeddings)."""
     compile: bool = False
-    """torch.compile each block (the FSDP units: `_no_split_modules` classes, else nn.ModuleList members) in place, after tensor parallelism and activation checkpointing and before FSDP2/DDP (torchtitan's order); parameter names and checkpoints are unchanged. The first step(s) include the compilation. Not with parallel.pp > 1."""
+    """torch.compile each block (the FSDP units: `_no_split_modules` classes, else nn.ModuleList members) in place,
+    after tensor parallelism and activation checkpointing and before FSDP2/DDP (torchtitan's order); parameter names and
+    checkpoints are unchanged. The first step(s) include the compilation. Not with parallel.pp > 1."""
     compile_backend: str = "inductor"
-    """train.compile: the torch.compile backend: inductor (generates C++ on the CPU, so it needs a C++ compiler: g++ or $CXX), aot_eager or eager (no code generation; for debugging)."""
+    """train.compile: the torch.compile backend: inductor (generates C++ on the CPU, so it needs a C++ compiler: g++ or
+    $CXX), aot_eager or eager (no code generation; for debugging)."""
     tf32: bool | None = None
-    """CUDA: let fp32 matmuls and cuDNN convolutions use TF32 tensor cores (torch.set_float32_matmul_precision('high'), torch.backends.cudnn.allow_tf32); null: on with CUDA. Ignored on the CPU."""
+    """CUDA: let fp32 matmuls and cuDNN convolutions use TF32 tensor cores (torch.set_float32_matmul_precision('high'),
+    torch.backends.cudnn.allow_tf32); null: on with CUDA. Ignored on the CPU."""
     cudnn_benchmark: bool | None = None
-    """CUDA: torch.backends.cudnn.benchmark (time the convolution algorithms for each new input shape and keep the fastest; results may differ in the last bits between runs); null: on with CUDA. Ignored on the CPU."""
+    """CUDA: torch.backends.cudnn.benchmark (time the convolution algorithms for each new input shape and keep the
+    fastest; results may differ in the last bits between runs); null: on with CUDA. Ignored on the CPU."""
 
 
 @dataclass(frozen=True)
@@ -126,13 +137,16 @@ class OptimConfig:
     warmup_type: str = "linear"
     """Warmup curve: linear or log (DeepSpeed's default: log(step + 1) / log(warmup_steps))."""
     warmup_start_ratio: float = 0.0
-    """Learning rate at the start of warmup as a fraction of the peak (DeepSpeed: warmup_min_lr / warmup_max_lr or warmup_min_ratio)."""
+    """Learning rate at the start of warmup as a fraction of the peak (DeepSpeed: warmup_min_lr / warmup_max_lr or
+    warmup_min_ratio)."""
     schedule: str = "cosine"
     """After warmup: cosine (to min_lr_ratio * lr), linear (likewise) or constant."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak for the cosine and linear schedules."""
     schedule_convention: str = "dptrain"
-    """dptrain: step s trains at the schedule's value for s, linear warmup reaches the peak at step warmup_steps - 1; deepspeed: DeepSpeed's WarmupLR/WarmupDecayLR/WarmupCosineLR formulas exactly (its scheduler steps after the optimizer, so step s trains at its iteration s - 1; warmup at least 2 steps)."""
+    """dptrain: step s trains at the schedule's value for s, linear warmup reaches the peak at step warmup_steps - 1;
+    deepspeed: DeepSpeed's WarmupLR/WarmupDecayLR/WarmupCosineLR formulas exactly (its scheduler steps after the
+    optimizer, so step s trains at its iteration s - 1; warmup at least 2 steps)."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm (over all shards) to this value; null disables clipping."""
 
@@ -140,63 +154,104 @@ class OptimConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     strategy: str = "ddp"
-    """single, dp (legacy nn.DataParallel, GPUs only; written, not yet run on a GPU), ddp, zero1, zero2 or fsdp."""
+    """single, dp, ddp, zero1, zero2 or fsdp. `dp` is torch's legacy nn.DataParallel (one process drives every local
+    GPU; GPUs only; written, not yet run on a GPU), not the data-parallel degree, which is dp_replicate x dp_shard."""
     bucket_cap_mb: float = 5.0
-    """DDP gradient bucket size in MiB (5: measured to hide the most communication behind backward, README "Overlap and buckets"; PyTorch's own default is 25)."""
+    """DDP gradient bucket size in MiB (5: measured to hide the most communication behind backward, README "Overlap and
+    buckets"; PyTorch's own default is 25)."""
     gradient_as_bucket_view: bool = True
     """ddp/zero1: gradients are views into DDP's communication buckets (no copy in or out, less memory)."""
     static_graph: bool = False
-    """ddp/zero1: tell DDP the autograd graph and the set of used parameters are the same every step (it may then reorder buckets and skip per-step bookkeeping); wrong gradients or errors if the model's control flow varies."""
+    """ddp/zero1: tell DDP the autograd graph and the set of used parameters are the same every step (it may then
+    reorder buckets and skip per-step bookkeeping); wrong gradients or errors if the model's control flow varies."""
     sync_each_micro_step: bool = False
     """Reduce gradients on every micro-step instead of only the last (lower memory under FSDP, more traffic)."""
     cpu_offload: bool = False
     """fsdp and zero2: keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
     dp_replicate: int = 1
-    """Data-parallel replicas (DDP, or HSDP's replicate dimension); -1 infers it from the world size. With dp_replicate and dp_shard both 1, the strategy's own dimension takes the world: dp_replicate for ddp/zero1, dp_shard for zero2/fsdp."""
+    """Data-parallel replicas (DDP, or HSDP's replicate dimension); -1 infers it from the world size. With dp_replicate
+    and dp_shard both 1, the strategy's own dimension takes the world: dp_replicate for ddp/zero1, dp_shard for
+    zero2/fsdp."""
     dp_shard: int = 1
-    """Ranks one FSDP2 shard group spans (zero2/fsdp only); dp_replicate > 1 and dp_shard > 1 together = HSDP (replicate across groups, shard within one); -1 infers it."""
+    """Ranks one FSDP2 shard group spans (zero2/fsdp only); dp_replicate > 1 and dp_shard > 1 together = HSDP (replicate
+    across groups, shard within one); -1 infers it."""
     tp: int = 1
-    """Tensor-parallel degree: each block's matrices are split over this many ranks (innermost mesh dimension; the ranks of one tp group see the same batch); -1 infers it. Composes with ddp, zero2 and fsdp (also HSDP); zero1 and pp > 1 are refused. The built-in LLaMA and Hugging Face models with a base_model_tp_plan have a plan; other models need tp_plan."""
+    """Tensor-parallel degree: each block's matrices are split over this many ranks (innermost mesh dimension; the ranks
+    of one tp group see the same batch); -1 infers it. Composes with ddp, zero2 and fsdp (also HSDP); zero1 and pp > 1
+    are refused. The built-in LLaMA and Hugging Face models with a base_model_tp_plan have a plan; other models need
+    tp_plan."""
     tp_plan: str | None = None
-    """Import path `pkg.mod:fn` of a function fn(model, tp_mesh) that applies your model's tensor-parallel plan in place (e.g. torch.distributed.tensor.parallel.parallelize_module); null: the built-in LLaMA plan (q/k/v, w1/w3 and head column-wise, wo, w2 and embedding row-wise)."""
+    """Import path `pkg.mod:fn` of a function fn(model, tp_mesh) that applies your model's tensor-parallel plan in place
+    (e.g. torch.distributed.tensor.parallel.parallelize_module); null: the built-in LLaMA plan (q/k/v, w1/w3 and head
+    column-wise, wo, w2 and embedding row-wise)."""
     sequence_parallel: bool = True
-    """With tp > 1, the built-in LLaMA plan: RMSNorms and the residual stream hold 1/tp of the sequence (each all-reduce becomes a reduce-scatter plus an all-gather); the model's input length must be divisible by tp."""
+    """With tp > 1, the built-in LLaMA plan: RMSNorms and the residual stream hold 1/tp of the sequence (each all-reduce
+    becomes a reduce-scatter plus an all-gather); the model's input length must be divisible by tp."""
     loss_parallel: bool = False
-    """With tp > 1, the built-in LLaMA plan: keep the logits sharded over the vocabulary and compute the cross-entropy on the shards (torch.distributed.tensor.parallel.loss_parallel) instead of gathering [batch, seq, vocab] on every rank."""
+    """With tp > 1, the built-in LLaMA plan: keep the logits sharded over the vocabulary and compute the cross-entropy
+    on the shards (torch.distributed.tensor.parallel.loss_parallel) instead of gathering [batch, seq, vocab] on every
+    rank."""
     pp: int = 1
-    """Pipeline-parallel degree: ranks the model's layers are split over (built-in LLaMA only; see the README's "Pipeline parallelism"); -1 infers it. dp_replicate * dp_shard * tp * pp must equal the world size; at most one of the four may be -1."""
+    """Pipeline-parallel degree: ranks the model's layers are split over (built-in LLaMA only; see the README's
+    "Pipeline parallelism"); -1 infers it. dp_replicate * dp_shard * tp * pp must equal the world size; at most one of
+    the four may be -1."""
     pp_schedule: str = "1f1b"
-    """pp > 1: the pipeline schedule of torch.distributed.pipelining: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward in the steady state; needs pp_microbatches >= pp) or interleaved_1f1b (pp_stages_per_rank >= 2 virtual stages per rank)."""
+    """pp > 1: the pipeline schedule of torch.distributed.pipelining: gpipe (all forwards, then all backwards), 1f1b
+    (one forward, one backward in the steady state; needs pp_microbatches >= pp) or interleaved_1f1b (pp_stages_per_rank
+    >= 2 virtual stages per rank)."""
     pp_microbatches: int | None = None
-    """pp > 1: pipeline micro-batches each micro-batch is split into (train.micro_batch_size must be divisible by it); null: pp. Accumulation runs grad_accum_steps such schedules per optimizer step."""
+    """pp > 1: pipeline micro-batches each micro-batch is split into (train.micro_batch_size must be divisible by it);
+    null: pp. Accumulation runs grad_accum_steps such schedules per optimizer step."""
     pp_stages_per_rank: int = 1
-    """pp > 1: pipeline stages per rank (virtual stages; >= 2 only with pp_schedule=interleaved_1f1b, which needs it). Rank r holds stages r, r + pp, r + 2*pp, ..."""
+    """pp > 1: pipeline stages per rank (virtual stages; >= 2 only with pp_schedule=interleaved_1f1b, which needs it).
+    Rank r holds stages r, r + pp, r + 2*pp, ..."""
     pp_layers: tuple[int, ...] | None = None
-    """pp > 1: transformer blocks per stage, first stage first, e.g. [3, 5] (pp * pp_stages_per_rank entries, each >= 1, summing to the model's n_layers); null: an even split, the first n_layers % stages stages taking one more. The embedding is on the first stage, the final norm and output layer on the last."""
+    """pp > 1: transformer blocks per stage, first stage first, e.g. [3, 5] (pp * pp_stages_per_rank entries, each >= 1,
+    summing to the model's n_layers); null: an even split, the first n_layers % stages stages taking one more. The
+    embedding is on the first stage, the final norm and output layer on the last."""
     activation_checkpointing: str = "none"
-    """Recompute activations in backward, per block (FSDP units): none, full (keep only each block's input) or selective (keep matmul outputs, recompute the rest: op-level SAC)."""
+    """Recompute activations in backward, per block (FSDP units): none, full (keep only each block's input) or selective
+    (keep matmul outputs, recompute the rest: op-level SAC)."""
     fsdp_param_dtype: str | None = None
-    """zero2/fsdp: dtype FSDP2 gathers parameters in for compute (fp32, bf16, fp16; MixedPrecisionPolicy.param_dtype); null keeps the parameters' own dtype."""
+    """zero2/fsdp: dtype FSDP2 gathers parameters in for compute (fp32, bf16, fp16; MixedPrecisionPolicy.param_dtype);
+    null keeps the parameters' own dtype."""
     fsdp_reduce_dtype: str | None = None
-    """zero2/fsdp: dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); null: the gathered parameters' dtype."""
+    """zero2/fsdp: dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); null: the gathered
+    parameters' dtype."""
     grad_compression: str = "none"
-    """Gradient communication compression (README "Gradient compression"): none; fp16 or bf16 (DDP: torch's fp16/bf16_compress_hook; zero2/fsdp: FSDP2's reduce dtype; bf16 needs NCCL); powersgd (torch's PowerSGD hook with error feedback, ddp/zero1 only) or onebit (sign bits packed 8 per byte plus one scale per tensor, with error feedback, ddp/zero1 only). Needs a data-parallel world size >= 2."""
+    """Gradient communication compression (README "Gradient compression"): none; fp16 or bf16 (DDP: torch's
+    fp16/bf16_compress_hook; zero2/fsdp: FSDP2's reduce dtype; bf16 needs NCCL); powersgd (torch's PowerSGD hook with
+    error feedback, ddp/zero1 only) or onebit (sign bits packed 8 per byte plus one scale per tensor, with error
+    feedback, ddp/zero1 only). Needs a data-parallel world size >= 2."""
     powersgd_rank: int = 8
-    """grad_compression=powersgd: the rank of the low-rank approximation P Q^T of each gradient matrix (torch's matrix_approximation_rank; higher is more exact and sends more). 8: measured on the recipe (README "Gradient compression"), the lowest rank within 1% of the uncompressed loss from step 50; rank 1 ends 19% above it."""
+    """grad_compression=powersgd: the rank of the low-rank approximation P Q^T of each gradient matrix (torch's
+    matrix_approximation_rank; higher is more exact and sends more). 8: measured on the recipe (README "Gradient
+    compression"), the lowest rank within 1% of the uncompressed loss from step 50; rank 1 ends 19% above it."""
     powersgd_start_step: int = 50
-    """grad_compression=powersgd: optimizer steps that all-reduce uncompressed before PowerSGD starts (torch's start_powerSGD_iter; torch suggests ~10% of training and no less than the warmup); at least 2, since DDP rebuilds its buckets after the first step and error feedback and warm start keep per-bucket state."""
+    """grad_compression=powersgd: optimizer steps that all-reduce uncompressed before PowerSGD starts (torch's
+    start_powerSGD_iter; torch suggests ~10% of training and no less than the warmup); at least 2, since DDP rebuilds
+    its buckets after the first step and error feedback and warm start keep per-bucket state."""
     onebit_start_step: int = 50
-    """grad_compression=onebit: optimizer steps that all-reduce uncompressed before sign compression starts (the warmup stage of 1-bit Adam; from step 0 the recipe's loss ends 38% higher, from 50 3%); 0 compresses from the first step."""
+    """grad_compression=onebit: optimizer steps that all-reduce uncompressed before sign compression starts (the warmup
+    stage of 1-bit Adam; from step 0 the recipe's loss ends 38% higher, from 50 3%); 0 compresses from the first step.
+    """
     reshard_after_forward: bool | int | None = None
-    """zero2/fsdp: FSDP2's reshard_after_forward for every block: true (free the gathered parameters after forward, gather again in backward), false (keep them until backward), or an integer N, a divisor of dp_shard with 1 < N < dp_shard (after forward keep the parameters sharded over groups of N ranks, so backward's all-gather spans N ranks); null: the strategy's (fsdp true, zero2 false)."""
+    """zero2/fsdp: FSDP2's reshard_after_forward for every block: true (free the gathered parameters after forward,
+    gather again in backward), false (keep them until backward), or an integer N, a divisor of dp_shard with 1 < N <
+    dp_shard (after forward keep the parameters sharded over groups of N ranks, so backward's all-gather spans N ranks);
+    null: the strategy's (fsdp true, zero2 false)."""
     fsdp_forward_prefetch: int = 0
-    """zero2/fsdp: in forward each block explicitly starts the all-gather of the next N blocks (FSDPModule.set_modules_to_forward_prefetch); 0 keeps FSDP2's implicit prefetch (one block ahead, issued when the next block runs)."""
+    """zero2/fsdp: in forward each block explicitly starts the all-gather of the next N blocks
+    (FSDPModule.set_modules_to_forward_prefetch); 0 keeps FSDP2's implicit prefetch (one block ahead, issued when the
+    next block runs)."""
     fsdp_backward_prefetch: int = 0
-    """zero2/fsdp: in backward each block explicitly starts the all-gather of the N blocks before it (FSDPModule.set_modules_to_backward_prefetch); 0 keeps FSDP2's implicit backward prefetch of one block."""
+    """zero2/fsdp: in backward each block explicitly starts the all-gather of the N blocks before it
+    (FSDPModule.set_modules_to_backward_prefetch); 0 keeps FSDP2's implicit backward prefetch of one block."""
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
     backend: str = "auto"
-    """Process-group backend: nccl, gloo or auto (nccl on cuda, gloo on cpu). The nccl path is written, not yet run on a GPU."""
+    """Process-group backend: nccl, gloo or auto (nccl on cuda, gloo on cpu). The nccl path is written, not yet run on a
+    GPU."""
     timeout_s: float = 600.0
     """Collective and init timeout in seconds."""
 
@@ -216,7 +271,8 @@ class LaunchConfig:
     nproc_per_node: int | str = "auto"
     """Worker processes per node: a number, or auto (every local GPU, else 2 on the CPU)."""
     nnodes: int | str = 1
-    """Number of nodes: N, or an elastic range MIN:MAX (e.g. 1:2): the run goes on when nodes leave (down to MIN) or join (up to MAX); see "Elastic node count"."""
+    """Number of nodes: N, or an elastic range MIN:MAX (e.g. 1:2): the run goes on when nodes leave (down to MIN) or
+    join (up to MAX); see "Elastic node count"."""
     node_rank: int = 0
     """This node's rank (multi-node static rendezvous)."""
     rdzv_endpoint: str | None = None
@@ -224,9 +280,11 @@ class LaunchConfig:
     rdzv_id: str = "dptrain"
     """Job id shared by all nodes of one run."""
     max_restarts: int = 0
-    """Elastic restarts torchrun grants the worker group (on each node); a node that leaves costs each survivor one, a node that joins costs none."""
+    """Elastic restarts torchrun grants the worker group (on each node); a node that leaves costs each survivor one, a
+    node that joins costs none."""
     rdzv_conf: str | None = None
-    """torchrun's c10d rendezvous settings as key=seconds,... (join_timeout, last_call_timeout, close_timeout, heartbeat, keep_alive_interval, keep_alive_max_attempt, read_timeout); null: torchrun's defaults."""
+    """torchrun's c10d rendezvous settings as key=seconds,... (join_timeout, last_call_timeout, close_timeout,
+    heartbeat, keep_alive_interval, keep_alive_max_attempt, read_timeout); null: torchrun's defaults."""
 
 
 @dataclass(frozen=True)
@@ -238,15 +296,20 @@ class LogConfig:
     name: str = "default"
     """Recipe name used in the default run directory."""
     peak_tflops: float | None = None
-    """Peak TFLOP/s per device for MFU; null: the GPU's dense datasheet peak for the compute dtype, or on CPU a measured fp32 matmul peak."""
+    """Peak TFLOP/s per device for MFU; null: the GPU's dense datasheet peak for the compute dtype, or on CPU a measured
+    fp32 matmul peak."""
     tensorboard: bool = False
-    """Also write the metrics as TensorBoard scalars to RUN_DIR/tensorboard/ (rank 0; needs `pip install dptrain[monitor]`)."""
+    """Also write the metrics as TensorBoard scalars to RUN_DIR/tensorboard/ (rank 0; needs `pip install
+    dptrain[monitor]`)."""
     prometheus_port: int = 0
-    """Serve Prometheus metrics over HTTP on every rank, at this port + the rank's local rank (0: off; needs `pip install dptrain[monitor]`)."""
+    """Serve Prometheus metrics over HTTP on every rank, at this port + the rank's local rank (0: off; needs `pip
+    install dptrain[monitor]`)."""
     prometheus_addr: str = "0.0.0.0"
-    """Address the Prometheus exporters listen on (0.0.0.0: every interface, for a scraper on another host; 127.0.0.1: this host only)."""
+    """Address the Prometheus exporters listen on (0.0.0.0: every interface, for a scraper on another host; 127.0.0.1:
+    this host only)."""
     status_every_s: float = 1.0
-    """Every rank rewrites RUN_DIR/status/rank<R>.json (step, phase, step time, memory, GPU) this often, from a background thread, for `dptrain top` (0: off)."""
+    """Every rank rewrites RUN_DIR/status/rank<R>.json (step, phase, step time, memory, GPU) this often, from a
+    background thread, for `dptrain top` (0: off)."""
 
 
 @dataclass(frozen=True)
@@ -264,19 +327,24 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class DiagnosticsConfig:
     hang_timeout_s: float | None = None
-    """Seconds without progress before the watchdog writes every rank's stack, names the suspect rank(s) and ends the job (0: off; default: min(300, parallel.timeout_s / 2)). Must be below parallel.timeout_s."""
+    """Seconds without progress before the watchdog writes every rank's stack, names the suspect rank(s) and ends the
+    job (0: off; default: min(300, parallel.timeout_s / 2)). Must be below parallel.timeout_s."""
     check_collectives: bool = False
-    """Check that every rank calls the same collective with the same shapes (TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for debugging; not with ddp/zero1, whose constructor crashes under it)."""
+    """Check that every rank calls the same collective with the same shapes (TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for
+    debugging; not with ddp/zero1, whose constructor crashes under it)."""
     preflight: bool = True
     """At start, check that all ranks agree on world size, config and model (parameter names, shapes, dtypes)."""
     straggler_every_steps: int = 50
-    """Compare ranks' step-time split (data, compute, waiting for others) every N steps (0: off). Only the last 10 steps of each N-step window are timed, each with one barrier before its synchronising backward."""
+    """Compare ranks' step-time split (data, compute, waiting for others) every N steps (0: off). Only the last 10 steps
+    of each N-step window are timed, each with one barrier before its synchronising backward."""
     straggler_margin: float = 0.25
     """A rank whose data + compute time exceeds the median of the other ranks by this fraction is named a straggler."""
     drift_every_steps: int = 100
-    """Compare a checksum of every parameter across data-parallel replicas (the dp_replicate dimension) every N steps (0: off; nothing to compare under zero2/fsdp without dp_replicate > 1)."""
+    """Compare a checksum of every parameter across data-parallel replicas (the dp_replicate dimension) every N steps
+    (0: off; nothing to compare under zero2/fsdp without dp_replicate > 1)."""
     nonfinite: str = "off"
-    """Non-finite loss or gradient norm: skip (all ranks skip the step), error (stop naming step and rank) or off (no per-step check)."""
+    """Non-finite loss or gradient norm: skip (all ranks skip the step), error (stop naming step and rank) or off (no
+    per-step check)."""
     max_consecutive_skips: int = 5
     """nonfinite=skip: stop with an error after this many consecutive skipped steps."""
     memory_every_steps: int = 50
@@ -284,9 +352,13 @@ class DiagnosticsConfig:
     memory_window: int = 10
     """Samples in the linear fit that detects steady memory growth."""
     memory_leak_mb: float = 256.0
-    """Report a leak when the fitted growth over the window exceeds this many MiB (and the fit is steady, R^2 >= 0.9)."""
+    """Report a leak when the fitted growth over the window exceeds this many MiB (and the fit is steady, R^2 >= 0.9).
+    """
     profile_steps: str | None = None
-    """Profile optimizer steps A-B (1-based, inclusive: "10-12"; one step: "10") with torch.profiler: a Chrome trace per rank in RUN_DIR/profile/rank<R>.json (open in chrome://tracing or Perfetto) and, at the end, a table of the top operations on rank 0 with communication time summed apart (also in RUN_DIR/profile/rank<R>_ops.txt). B must not exceed train.max_steps; null: off."""
+    """Profile optimizer steps A-B (1-based, inclusive: "10-12"; one step: "10") with torch.profiler: a Chrome trace per
+    rank in RUN_DIR/profile/rank<R>.json (open in chrome://tracing or Perfetto) and, at the end, a table of the top
+    operations on rank 0 with communication time summed apart (also in RUN_DIR/profile/rank<R>_ops.txt). B must not
+    exceed train.max_steps; null: off."""
 
 
 @dataclass(frozen=True)
@@ -304,7 +376,8 @@ class Config:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a config dataclass (for `config show` and the README)."""
+    """The docstring written under each field of a config dataclass (for `config show` and the config
+    reference), with its lines joined: a docstring may wrap over several source lines."""
     import ast
     import inspect
     import textwrap
@@ -314,7 +387,7 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     for node, nxt in zip(body, body[1:], strict=False):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
     return docs
 
 

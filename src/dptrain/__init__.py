@@ -39,9 +39,25 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "__version__", "Config", "ConfigError", "ParallelModel", "Runtime", "Trainer", "clip_grad_norm_",
-    "full_state_dict", "grad_accum_steps", "init_distributed", "load_config", "micro_steps", "notebook_launch", "parallelize",
-    "prepare_dataloader", "prepare_model", "sync_gradients", "to_device", "unwrap",
+    "__version__",
+    "Config",
+    "ConfigError",
+    "ParallelModel",
+    "Runtime",
+    "Trainer",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "grad_accum_steps",
+    "init_distributed",
+    "load_config",
+    "micro_steps",
+    "notebook_launch",
+    "parallelize",
+    "prepare_dataloader",
+    "prepare_model",
+    "sync_gradients",
+    "to_device",
+    "unwrap",
 ]
 
 
@@ -79,7 +95,7 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def _target(fullname: str) -> str | None:
         for old, new in MOVED.items():
             if fullname == old or fullname.startswith(old + "."):
-                return new + fullname[len(old):]
+                return new + fullname[len(old) :]
         return None
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
@@ -89,8 +105,9 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         real = importlib.util.find_spec(new)
         if real is None:
             return None
-        spec = importlib.util.spec_from_loader(fullname, self, origin=real.origin,
-                                               is_package=real.submodule_search_locations is not None)
+        spec = importlib.util.spec_from_loader(
+            fullname, self, origin=real.origin, is_package=real.submodule_search_locations is not None
+        )
         spec.loader_state = new  # type: ignore[union-attr]
         return spec
 

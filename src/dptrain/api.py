@@ -90,13 +90,22 @@ def parallelize(
     import torch.distributed as dist
 
 
-    cfg = ParallelConfig(strategy=strategy, bucket_cap_mb=bucket_cap_mb, cpu_offload=cpu_offload,
-                         dp_replicate=dp_replicate, dp_shard=dp_shard, activation_checkpointing=activation_checkpointing,
-                         fsdp_param_dtype=fsdp_param_dtype, fsdp_reduce_dtype=fsdp_reduce_dtype)
+    cfg = ParallelConfig(
+        strategy=strategy,
+        bucket_cap_mb=bucket_cap_mb,
+        cpu_offload=cpu_offload,
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        activation_checkpointing=activation_checkpointing,
+        fsdp_param_dtype=fsdp_param_dtype,
+        fsdp_reduce_dtype=fsdp_reduce_dtype,
+    )
     validate(Config(parallel=cfg))
     if not dist.is_initialized():
-        raise RuntimeError("dptrain.parallelize needs the process group: call dptrain.init_distributed() first "
-                           "(without torchrun it makes a world of one)")
+        raise RuntimeError(
+            "dptrain.parallelize needs the process group: call dptrain.init_distributed() first "
+            "(without torchrun it makes a world of one)"
+        )
     dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
     device = device or torch.device("cpu")
     mesh = ParallelMesh.build(dims, device_type=device.type)
@@ -104,8 +113,12 @@ def parallelize(
 
 
 def prepare_model(
-    model: nn.Module, *, strategy: str = "ddp", device: torch.device | None = None,
-    bucket_cap_mb: float = 5.0, cpu_offload: bool = False,
+    model: nn.Module,
+    *,
+    strategy: str = "ddp",
+    device: torch.device | None = None,
+    bucket_cap_mb: float = 5.0,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Apply a strategy (single, dp, ddp, zero2, fsdp) to a plain model and return the module to call.
     zero1 is refused: its optimizer must be sharded too, which a module alone cannot carry; use
@@ -117,14 +130,24 @@ def prepare_model(
             f"plan = dptrain.parallelize(model, strategy={strategy!r}); optimizer = plan.optimizer(torch.optim.AdamW, "
             "lr=...); call plan.module in the loop"
         )
-    return parallelize(model, strategy=strategy, device=device, bucket_cap_mb=bucket_cap_mb,
-                       cpu_offload=cpu_offload).module
+    return parallelize(
+        model, strategy=strategy, device=device, bucket_cap_mb=bucket_cap_mb, cpu_offload=cpu_offload
+    ).module
 
 
 def prepare_dataloader(
-    dataset: Any, *, global_batch_size: int | None = None, micro_batch_size: int | None = None,
-    grad_accum_steps: int | None = None, seed: int = 0, shuffle: bool = True, start_step: int = 0,
-    num_workers: int = 0, pin_memory: bool = False, collate_fn: Any = None, parallel: ParallelModel | None = None,
+    dataset: Any,
+    *,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    grad_accum_steps: int | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    start_step: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    collate_fn: Any = None,
+    parallel: ParallelModel | None = None,
 ) -> DataLoader:
     """A DataLoader yielding this rank's micro-batches in the world-size-invariant global order
     (reshuffled every epoch, no `set_epoch` needed). It never ends: stop after your max step.
@@ -133,18 +156,28 @@ def prepare_dataloader(
     world = parallel.mesh.dp_size if parallel is not None else collectives.world_size()
     dp_rank = parallel.mesh.dp_rank if parallel is not None else collectives.rank()
     g, m, a = resolve_batch(
-        TrainConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps),
+        TrainConfig(
+            global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps
+        ),
         dp_world_size=world,
     )
     try:
         sampler = GlobalBatchSampler(
-            dataset_len=len(dataset), global_batch_size=g, micro_batch_size=m, grad_accum_steps=a,
-            dp_rank=dp_rank, dp_world_size=world, seed=seed, shuffle=shuffle, start_step=start_step,
+            dataset_len=len(dataset),
+            global_batch_size=g,
+            micro_batch_size=m,
+            grad_accum_steps=a,
+            dp_rank=dp_rank,
+            dp_world_size=world,
+            seed=seed,
+            shuffle=shuffle,
+            start_step=start_step,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return build_dataloader(dataset, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                            collate_fn=collate_fn, seed=seed)
+    return build_dataloader(
+        dataset, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn, seed=seed
+    )
 
 
 def grad_accum_steps(loader: DataLoader) -> int:

@@ -98,9 +98,14 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
     try:
         res = resolve(new, world_size=world_size)
     except BatchSizeError as e:
-        raise BatchSizeError(f"cannot keep the checkpoint's global batch of {g} at world size {world_size}: {e}") from None
-    print(f"dptrain: resuming at world size {world_size} (checkpoint: {meta['world_size']}): global batch {g} = "
-          f"micro {res.micro_batch_size} x accum {res.grad_accum_steps} x dp {res.dp_world_size}", file=sys.stderr)
+        raise BatchSizeError(
+            f"cannot keep the checkpoint's global batch of {g} at world size {world_size}: {e}"
+        ) from None
+    print(
+        f"dptrain: resuming at world size {world_size} (checkpoint: {meta['world_size']}): global batch {g} = "
+        f"micro {res.micro_batch_size} x accum {res.grad_accum_steps} x dp {res.dp_world_size}",
+        file=sys.stderr,
+    )
     return new
 
 
@@ -116,7 +121,9 @@ def add_ckpt_parser(sub: Any) -> None:
     ver.add_argument("target", metavar="RUN_DIR_OR_CKPT")
     ver.set_defaults(func=cmd_verify)
     exp = acts.add_parser("export", help="write the consolidated model.safetensors of a checkpoint (any strategy)")
-    exp.add_argument("target", metavar="RUN_DIR_OR_CKPT", help="a step folder, or a run dir (its newest valid checkpoint)")
+    exp.add_argument(
+        "target", metavar="RUN_DIR_OR_CKPT", help="a step folder, or a run dir (its newest valid checkpoint)"
+    )
     exp.add_argument("--out", default="model.safetensors")
     exp.add_argument("--trust-checkpoint", action="store_true", help="export a step folder without a valid manifest")
     exp.set_defaults(func=cmd_export)
@@ -136,8 +143,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for d in folders:
         info = mf.inspect_dir(d)
         meta = info.meta
-        print(f"{info.step:>8}  {info.state:<11}  {_size(d):>10}  {meta.get('world_size', '-'):>5}  "
-              f"{meta.get('strategy', '-'):<8}  {d}" + (f"\n{'':>10}{info.reason}" if info.reason else ""))
+        print(
+            f"{info.step:>8}  {info.state:<11}  {_size(d):>10}  {meta.get('world_size', '-'):>5}  "
+            f"{meta.get('strategy', '-'):<8}  {d}" + (f"\n{'':>10}{info.reason}" if info.reason else "")
+        )
     return 0
 
 
@@ -163,8 +172,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     target = Path(args.target)
     if Path(args.out).is_dir():
-        raise ConfigError(f"ckpt export --out {args.out!r} is a directory; name the file to write, e.g. "
-                          f"{str(Path(args.out) / 'model.safetensors')!r}")
+        raise ConfigError(
+            f"ckpt export --out {args.out!r} is a directory; name the file to write, e.g. "
+            f"{str(Path(args.out) / 'model.safetensors')!r}"
+        )
     choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint)
     if choice.error or choice.path is None:
         print(f"dptrain: error: {choice.error or f'no valid checkpoint under {target}'}", file=sys.stderr)

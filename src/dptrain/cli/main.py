@@ -84,16 +84,24 @@ def _parser() -> argparse.ArgumentParser:
     docs.set_defaults(func=cmd_config_docs)
 
     doctor = sub.add_parser("doctor", help="check this machine for distributed training (versions, GPUs, network, env)")
-    doctor.add_argument("--comm", action="store_true", help="also run an all-reduce bandwidth/latency sweep across ranks")
+    doctor.add_argument(
+        "--comm", action="store_true", help="also run an all-reduce bandwidth/latency sweep across ranks"
+    )
     doctor.add_argument("--nproc-per-node", type=int, help="ranks for --comm (default: every GPU, else 2 on the CPU)")
-    doctor.add_argument("--json", metavar="FILE", help="--comm: also write the sweep to FILE (JSON) for `dptrain plan --comm FILE`")
+    doctor.add_argument(
+        "--json", metavar="FILE", help="--comm: also write the sweep to FILE (JSON) for `dptrain plan --comm FILE`"
+    )
     doctor.set_defaults(func=cmd_doctor)
 
     gen = sub.add_parser("generate", help="sample text from a trained language model")
     gen.add_argument("run_dir")
     gen.add_argument("--prompt", default="def ")
-    gen.add_argument("--max-new-tokens", type=int, default=300,
-                     help="bytes to sample (>= 1); past the model's context the last max_seq_len bytes are the window")
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=300,
+        help="bytes to sample (>= 1); past the model's context the last max_seq_len bytes are the window",
+    )
     gen.add_argument("--temperature", type=float, default=0.8, help="> 0 samples; 0 is greedy (argmax)")
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes (0: all)")
     gen.add_argument("--seed", type=int, default=0)
@@ -148,7 +156,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cluster is not None:
         print(cluster.describe(), file=sys.stderr)
         args.items = [*cluster.overrides, *args.items]
-    cfg = load_command_line(args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None)
+    cfg = load_command_line(
+        args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None
+    )
     validate(cfg)  # before anything imports torch: a refusal is instant
     run_dir = Path(default_out_dir(cfg))
     check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")
@@ -159,18 +169,27 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     check_monitoring(cfg.log, nproc_per_node=nproc)  # packages installed, Prometheus ports free
     # An existing run: same model, same global batch; accumulation follows a new world size.
-    cfg = prepare_resume(cfg, run_dir=run_dir, resume=args.resume, trust=args.trust_checkpoint,
-                         world_size=nproc * max_nodes(cfg.launch))
-    res = resolve(cfg, world_size=nproc * max_nodes(cfg.launch))  # refuses bad batch arithmetic before any process starts
-    cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=str(run_dir)),
-                              launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc))
+    cfg = prepare_resume(
+        cfg, run_dir=run_dir, resume=args.resume, trust=args.trust_checkpoint, world_size=nproc * max_nodes(cfg.launch)
+    )
+    res = resolve(
+        cfg, world_size=nproc * max_nodes(cfg.launch)
+    )  # refuses bad batch arithmetic before any process starts
+    cfg = dataclasses.replace(
+        cfg,
+        log=dataclasses.replace(cfg.log, out_dir=str(run_dir)),
+        launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc),
+    )
     if is_elastic(cfg.launch):
         from dptrain.launch.elastic import pin_global_batch
 
         cfg = pin_global_batch(cfg, res=res)  # workers at another world size keep it (accumulation re-derived)
         if cfg.launch.max_restarts == 0:
-            print(f"dptrain: warning: launch.nnodes={cfg.launch.nnodes} with launch.max_restarts=0: the first node that "
-                  "leaves ends the run (each node loss costs the survivors one restart; joins cost none)", file=sys.stderr)
+            print(
+                f"dptrain: warning: launch.nnodes={cfg.launch.nnodes} with launch.max_restarts=0: the first node that "
+                "leaves ends the run (each node loss costs the survivors one restart; joins cost none)",
+                file=sys.stderr,
+            )
     train = _check_factories(cfg, tp=res.dims.tp)
     if len(train) < res.global_batch_size:
         raise ConfigError(
@@ -206,10 +225,16 @@ def _launch(cfg: Config, *, res: Any, nproc: int, run_dir: Path, pending: Path, 
             from dptrain.launch.worker import main as worker_main
 
             return worker_main(worker_args)
-        argv = launch.torchrun_args(cfg.launch, nproc_per_node=nproc, module="dptrain.launch.worker", module_args=worker_args)
+        argv = launch.torchrun_args(
+            cfg.launch, nproc_per_node=nproc, module="dptrain.launch.worker", module_args=worker_args
+        )
         print(launch.describe_rendezvous(cfg.launch), flush=True)
-        return launch.run_torchrun(argv, restarts=cfg.launch.max_restarts > 0, launch_cfg=cfg.launch,
-                                   ckpt_root=checkpoint_root(cfg.checkpoint, run_dir))
+        return launch.run_torchrun(
+            argv,
+            restarts=cfg.launch.max_restarts > 0,
+            launch_cfg=cfg.launch,
+            ckpt_root=checkpoint_root(cfg.checkpoint, run_dir),
+        )
     finally:
         pending.unlink(missing_ok=True)
 
@@ -242,8 +267,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = load_command_line(args.items)
     validate(cfg)
     nproc = args.nproc if args.nproc is not None else local_world_size(cfg.launch)
-    opts = parse_options(steps=args.steps, warmup=args.warmup, nproc=nproc, scaling=args.scaling,
-                         variants=args.variants)
+    opts = parse_options(
+        steps=args.steps, warmup=args.warmup, nproc=nproc, scaling=args.scaling, variants=args.variants
+    )
     out = args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
     # check: imports, kwargs, the model on the meta device, the data once (warms the corpus cache)
     return run_bench(cfg, opts=opts, out_dir=out, check=_check_factories)
@@ -297,9 +323,12 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     res = resolve(cfg, world_size=local_world_size(cfg.launch) * max_nodes(cfg.launch))
     print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")
     d = res.dims
-    print(f"# layout: data-parallel {d.dp_size} (replicate {d.dp_replicate} x shard {d.dp_shard}) x pipeline {d.pp} x "
-          f"tensor {d.tp} = world {d.world_size}\n# batch: global {res.global_batch_size} = micro {res.micro_batch_size} x "
-          f"accum {res.grad_accum_steps} x dp {res.dp_world_size}")
+    print(
+        f"# layout: data-parallel {d.dp_size} (replicate {d.dp_replicate} x shard {d.dp_shard}) x pipeline {d.pp} x "
+        f"tensor {d.tp} = world {d.world_size}\n"
+        f"# batch: global {res.global_batch_size} = micro {res.micro_batch_size} x accum {res.grad_accum_steps} "
+        f"x dp {res.dp_world_size}"
+    )
     if args.items and "=" not in args.items[0]:
         from dptrain.config.deepspeed import mapping_for_file
 
@@ -342,7 +371,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} is not valid; use a positive integer")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise ConfigError(f"--temperature={args.temperature} is not valid; use a finite number >= 0 (0: greedy, > 0: sampling)")
+        raise ConfigError(
+            f"--temperature={args.temperature} is not valid; use a finite number >= 0 (0: greedy, > 0: sampling)"
+        )
     if args.top_k < 0:
         raise ConfigError(f"--top-k={args.top_k} is not valid; use an integer >= 0 (0: no top-k filtering)")
     if not (Path(args.run_dir) / "final" / "model.safetensors").is_file():
@@ -350,8 +381,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dptrain.cli.generate import generate, load_model_from_run
 
     model = load_model_from_run(args.run_dir)
-    text = generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, seed=args.seed, progress=sys.stderr)
+    text = generate(
+        model,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        progress=sys.stderr,
+    )
     print(args.prompt + text)
     return 0
 

@@ -43,11 +43,20 @@ def add_manifest_parser(sub: Any) -> None:
     sl.add_argument("--time", help="time limit (Slurm's forms: minutes, HH:MM:SS, D-HH:MM:SS)")
     sl.add_argument("--partition")
     sl.add_argument("--cpus-per-task", type=int, help="CPUs for each node's task (all of that node's workers)")
-    sl.add_argument("--signal-seconds", type=int, default=120,
-                    help="send SIGTERM this many seconds before the time limit (dptrain checkpoints, exits 143, requeues)")
+    sl.add_argument(
+        "--signal-seconds",
+        type=int,
+        default=120,
+        help="send SIGTERM this many seconds before the time limit (dptrain checkpoints, exits 143, requeues)",
+    )
     sl.add_argument("--dptrain", default="dptrain", help="the command that runs dptrain on the nodes")
-    sl.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                    help="an extra #SBATCH long option, e.g. --sbatch=--account=proj (repeatable)")
+    sl.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="an extra #SBATCH long option, e.g. --sbatch=--account=proj (repeatable)",
+    )
     sl.set_defaults(func=cmd_slurm)
 
 
@@ -56,7 +65,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, required=True, help="nodes (pods) in the job")
     p.add_argument("--nproc-per-node", type=int, required=True, help="workers per node (usually its GPU count)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs to request per node (default: --nproc-per-node; 0: none)")
-    p.add_argument("--max-restarts", type=int, help="torchrun restarts of the worker group (Kubeflow: an elasticPolicy)")
+    p.add_argument(
+        "--max-restarts", type=int, help="torchrun restarts of the worker group (Kubeflow: an elasticPolicy)"
+    )
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
 
 
@@ -81,7 +92,9 @@ class _BlockDumper(yaml.SafeDumper):
     """Multi-line strings (the embedded config) as literal blocks: the ConfigMap stays readable."""
 
 
-_BlockDumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+_BlockDumper.add_representer(
+    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+)
 
 
 def _write(text: str, output: str | None) -> None:
@@ -105,10 +118,19 @@ def cmd_kubeflow(args: argparse.Namespace) -> int:
 
     base = _job_config(args, out_dir=None)
     name = args.name or base.log.name.lower().replace("_", "-")
-    spec = kubeflow.JobSpec(name=name, image=args.image, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-                            gpus_per_node=_gpus(args), pvc=args.pvc or f"{name}-runs", pvc_size=args.pvc_size,
-                            storage_class=args.storage_class, max_restarts=args.max_restarts,
-                            shm_size=args.shm_size, namespace=args.namespace)
+    spec = kubeflow.JobSpec(
+        name=name,
+        image=args.image,
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        gpus_per_node=_gpus(args),
+        pvc=args.pvc or f"{name}-runs",
+        pvc_size=args.pvc_size,
+        storage_class=args.storage_class,
+        max_restarts=args.max_restarts,
+        shm_size=args.shm_size,
+        namespace=args.namespace,
+    )
     kubeflow.check_spec(spec)
     cfg = dataclasses.replace(base, log=dataclasses.replace(base.log, out_dir=spec.run_dir))
     docs = kubeflow.manifests(spec, config_yaml=dump_yaml(cfg))
@@ -127,10 +149,19 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     base = _job_config(args, out_dir=args.out)
     run_dir = default_out_dir(base)  # fixed now: every attempt of the job uses the same directory
     cfg = dataclasses.replace(base, log=dataclasses.replace(base.log, out_dir=run_dir))
-    spec = slurm.SlurmSpec(job_name=args.job_name or cfg.log.name, run_dir=run_dir, nnodes=args.nnodes,
-                           nproc_per_node=args.nproc_per_node, gpus_per_node=_gpus(args),
-                           cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition,
-                           signal_s=args.signal_seconds, dptrain=args.dptrain, sbatch=args.sbatch)
+    spec = slurm.SlurmSpec(
+        job_name=args.job_name or cfg.log.name,
+        run_dir=run_dir,
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        gpus_per_node=_gpus(args),
+        cpus_per_task=args.cpus_per_task,
+        time=args.time,
+        partition=args.partition,
+        signal_s=args.signal_seconds,
+        dptrain=args.dptrain,
+        sbatch=args.sbatch,
+    )
     slurm.check_spec(spec)
     _write(slurm.sbatch_script(spec, config_yaml=dump_yaml(cfg)), args.output)
     return 0

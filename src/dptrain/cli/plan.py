@@ -19,7 +19,9 @@ DEFAULT_EFFICIENCY = 0.38
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    plan = sub.add_parser("plan", help="memory per rank of a layout (or ZeRO stages 0-3 for --params) and whether it fits")
+    plan = sub.add_parser(
+        "plan", help="memory per rank of a layout (or ZeRO stages 0-3 for --params) and whether it fits"
+    )
     plan.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]")
     plan.add_argument("--gpus", type=int, default=1, help="ranks (GPUs) in all (default 1)")
     plan.add_argument("--gpu-type", default="H100", help="GPU model of metrics/hardware.py (default H100 = H100-SXM)")
@@ -27,26 +29,53 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--optimizer", default="adam", help=f"--params: {', '.join(OPTIMIZERS)} (default adam)")
     plan.add_argument("--precision", default="fp16", help=f"--params: {', '.join(PRECISIONS)} (default fp16)")
     plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
-    plan.add_argument("--interconnect", default="ib", help="between nodes: ib or ethernet; inside: nvlink or pcie (default ib)")
-    plan.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
-                      help=f"achieved share of the dense peak for compute (a stated assumption; default "
-                           f"{DEFAULT_EFFICIENCY}: the Llama 3 paper's 38-43%% BF16 MFU on H100s, its lower end)")
-    plan.add_argument("--calibrate", metavar="RUN_DIR",
-                      help="take the efficiency from a finished `dptrain run` (its run directory's metrics.jsonl)")
-    plan.add_argument("--comm", metavar="FILE",
-                      help="data-parallel link: alpha and beta fitted to `dptrain doctor --comm --json FILE` "
-                           "(default: the interconnect's datasheet figures)")
-    plan.add_argument("--scaling", action="store_true",
-                      help="also predict 1, 2, 4, ... --gpus ranks: step time, tokens/s and scaling efficiency")
-    plan.add_argument("--model", help=f"a model preset for the built-in LLaMA ({', '.join(PRESETS)}): sets "
-                      "model.kwargs and data.kwargs.seq_len; CONFIG and overrides apply on top")
-    plan.add_argument("--recommend", action="store_true",
-                      help="search every layout, rank those that fit by predicted step time, say why the others not")
+    plan.add_argument(
+        "--interconnect", default="ib", help="between nodes: ib or ethernet; inside: nvlink or pcie (default ib)"
+    )
+    plan.add_argument(
+        "--efficiency",
+        type=float,
+        default=DEFAULT_EFFICIENCY,
+        help=f"achieved share of the dense peak for compute (a stated assumption; default "
+        f"{DEFAULT_EFFICIENCY}: the Llama 3 paper's 38-43%% BF16 MFU on H100s, its lower end)",
+    )
+    plan.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="take the efficiency from a finished `dptrain run` (its run directory's metrics.jsonl)",
+    )
+    plan.add_argument(
+        "--comm",
+        metavar="FILE",
+        help="data-parallel link: alpha and beta fitted to `dptrain doctor --comm --json FILE` "
+        "(default: the interconnect's datasheet figures)",
+    )
+    plan.add_argument(
+        "--scaling",
+        action="store_true",
+        help="also predict 1, 2, 4, ... --gpus ranks: step time, tokens/s and scaling efficiency",
+    )
+    plan.add_argument(
+        "--model",
+        help=f"a model preset for the built-in LLaMA ({', '.join(PRESETS)}): sets "
+        "model.kwargs and data.kwargs.seq_len; CONFIG and overrides apply on top",
+    )
+    plan.add_argument(
+        "--recommend",
+        action="store_true",
+        help="search every layout, rank those that fit by predicted step time, say why the others not",
+    )
     plan.add_argument("--top", type=int, default=10, help="--recommend: layouts to list (default 10)")
-    plan.add_argument("--global-batch", type=int,
-                      help="--recommend: sequences per optimizer step (default: the config's global batch)")
-    plan.add_argument("--write", metavar="RECIPE.yaml",
-                      help="write the best layout as a config `dptrain run` accepts (implies --recommend)")
+    plan.add_argument(
+        "--global-batch",
+        type=int,
+        help="--recommend: sequences per optimizer step (default: the config's global batch)",
+    )
+    plan.add_argument(
+        "--write",
+        metavar="RECIPE.yaml",
+        help="write the best layout as a config `dptrain run` accepts (implies --recommend)",
+    )
     plan.set_defaults(func=cmd_plan)
 
 
@@ -71,19 +100,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.model is not None:
             preset(args.model)
         if args.global_batch is not None and not (args.recommend or args.write):
-            raise ValueError(f"--global-batch {args.global_batch} applies to --recommend / --write; add one, or set "
-                             "train.global_batch_size for a single layout")
+            raise ValueError(
+                f"--global-batch {args.global_batch} applies to --recommend / --write; add one, or set "
+                "train.global_batch_size for a single layout"
+            )
         if args.gpu_type.lower() == "cpu" and args.gpus > args.nodes and not args.comm:
-            raise ValueError("--gpu-type cpu with more than one rank per host needs --comm FILE (the gloo link of "
-                             "this machine: `dptrain doctor --comm --json FILE`)")
+            raise ValueError(
+                "--gpu-type cpu with more than one rank per host needs --comm FILE (the gloo link of "
+                "this machine: `dptrain doctor --comm --json FILE`)"
+            )
         if args.gpu_type.lower() == "cpu" and args.nodes > 1 and not args.comm:
             raise ValueError("--gpu-type cpu across --nodes needs --comm FILE (a sweep over that link)")
         comm = _comm_link(args.comm)
         efficiency = _efficiency(args)
         if args.params is not None:
             if args.recommend or args.write:
-                raise ValueError("--params plans a bare parameter count; --recommend / --write need the built-in "
-                                 "LLaMA (a CONFIG or --model)")
+                raise ValueError(
+                    "--params plans a bare parameter count; --recommend / --write need the built-in "
+                    "LLaMA (a CONFIG or --model)"
+                )
             if args.model is not None:
                 raise ValueError(f"--params plans a bare parameter count; drop --model {args.model}")
             if args.items:
@@ -121,9 +156,11 @@ def _efficiency(args: argparse.Namespace) -> tuple[float, str]:
 def _zero_table(args: argparse.Namespace, spec: GpuSpec) -> str:
     states = zero_states(params=args.params, gpus=args.gpus, optimizer=args.optimizer, precision=args.precision)
     names = {0: "0 (DDP)", 1: "1 (optimizer states)", 2: "2 (+ gradients)", 3: "3 (+ parameters)"}
-    lines = [f"model states per GPU: {args.params:g} parameters, {args.gpus} GPUs, {args.optimizer}, "
-             f"{args.precision} (ZeRO paper convention; GB = 1e9 bytes)",
-             f"{'ZeRO stage':<22}{'GB per GPU':>12}  fits {spec.name} ({spec.memory_gb:g} GB)"]
+    lines = [
+        f"model states per GPU: {args.params:g} parameters, {args.gpus} GPUs, {args.optimizer}, "
+        f"{args.precision} (ZeRO paper convention; GB = 1e9 bytes)",
+        f"{'ZeRO stage':<22}{'GB per GPU':>12}  fits {spec.name} ({spec.memory_gb:g} GB)",
+    ]
     for stage, nbytes in states.items():
         lines.append(f"{names[stage]:<22}{_gb(nbytes):>12}  {'yes' if nbytes <= spec.memory_gb * GB else 'no'}")
     lines.append("model states only: activations, buffers and overhead come on top (give a CONFIG for those)")
@@ -136,16 +173,25 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, s
         from dptrain.tools.plan.measured import measured_report
 
         return measured_report(args, cfg, comm=comm, efficiency=efficiency)
-    pr = predict(cfg, gpus=args.gpus, nodes=args.nodes, gpu_type=args.gpu_type, interconnect=args.interconnect,
-                 comm=comm, efficiency=efficiency[0])
+    pr = predict(
+        cfg,
+        gpus=args.gpus,
+        nodes=args.nodes,
+        gpu_type=args.gpu_type,
+        interconnect=args.interconnect,
+        comm=comm,
+        efficiency=efficiency[0],
+    )
     model, lay, mem, t, spec, seq = pr.model, pr.layout, pr.memory, pr.time, pr.spec, pr.layout.seq
 
-    lines = [f"{param_counts(model).total:,} parameters; {cfg.parallel.strategy}"
-             f"{' + cpu_offload' if lay.cpu_offload else ''} on {args.gpus} x {spec.name}: dp_shard {lay.dp_shard}, "
-             f"tp {lay.tp}, pp {lay.pp}; micro-batch {lay.micro_batch} x {seq} tokens, {lay.precision}, "
-             f"{lay.optimizer}, activation checkpointing {lay.checkpointing}",
-             f"memory per rank (GB = 1e9 bytes; the worst pipeline stage: {int(mem['stage'])}):",
-             *memory_lines(mem, spec)]
+    lines = [
+        f"{param_counts(model).total:,} parameters; {cfg.parallel.strategy}"
+        f"{' + cpu_offload' if lay.cpu_offload else ''} on {args.gpus} x {spec.name}: dp_shard {lay.dp_shard}, "
+        f"tp {lay.tp}, pp {lay.pp}; micro-batch {lay.micro_batch} x {seq} tokens, {lay.precision}, "
+        f"{lay.optimizer}, activation checkpointing {lay.checkpointing}",
+        f"memory per rank (GB = 1e9 bytes; the worst pipeline stage: {int(mem['stage'])}):",
+        *memory_lines(mem, spec),
+    ]
     lines += time_lines(args, t, comm=comm, efficiency=efficiency)
     if args.scaling:
         lines += _scaling_lines(args, cfg, comm=comm, efficiency=efficiency[0])
@@ -153,16 +199,27 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, s
 
 
 def _scaling_lines(args: argparse.Namespace, cfg, *, comm, efficiency: float) -> list[str]:  # noqa: ANN001
-    rows = scaling(cfg, gpus=args.gpus, nodes=args.nodes, gpu_type=args.gpu_type, interconnect=args.interconnect,
-                   comm=comm, efficiency=efficiency)
-    lines = ["scaling (the config resolved at each world size; efficiency = tokens/s per rank / tokens/s at 1 rank):",
-             f"  {'ranks':>5} {'nodes':>5} {'global':>7} {'micro x accum':>13} {'step s':>9} {'tokens/s':>11} "
-             f"{'per rank':>9} {'exposed comm s':>14} {'efficiency':>10}"]
+    rows = scaling(
+        cfg,
+        gpus=args.gpus,
+        nodes=args.nodes,
+        gpu_type=args.gpu_type,
+        interconnect=args.interconnect,
+        comm=comm,
+        efficiency=efficiency,
+    )
+    lines = [
+        "scaling (the config resolved at each world size; efficiency = tokens/s per rank / tokens/s at 1 rank):",
+        f"  {'ranks':>5} {'nodes':>5} {'global':>7} {'micro x accum':>13} {'step s':>9} {'tokens/s':>11} "
+        f"{'per rank':>9} {'exposed comm s':>14} {'efficiency':>10}",
+    ]
     for r in rows:
         if "refused" in r:
             lines.append(f"  {r['ranks']:>5} {r['nodes']:>5} refused: {r['refused']}")
             continue
-        lines.append(f"  {r['ranks']:>5} {r['nodes']:>5} {r['global_batch']:>7} {r['micro_accum']:>13} "
-                     f"{r['step']:>9.4g} {r['tokens_per_s']:>11,.0f} {r['tokens_per_s'] / r['ranks']:>9,.0f} "
-                     f"{r['exposed_comm']:>14.4g} {r['efficiency']:>10.1%}")
+        lines.append(
+            f"  {r['ranks']:>5} {r['nodes']:>5} {r['global_batch']:>7} {r['micro_accum']:>13} "
+            f"{r['step']:>9.4g} {r['tokens_per_s']:>11,.0f} {r['tokens_per_s'] / r['ranks']:>9,.0f} "
+            f"{r['exposed_comm']:>14.4g} {r['efficiency']:>10.1%}"
+        )
     return lines

@@ -21,7 +21,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         page = build_report(args.run_dir, out_dir=args.out)
     except FileNotFoundError as e:
-        raise ConfigError(f"{args.run_dir!r} is not a run directory ({e}); pass the --out folder of a dptrain run") from None
+        raise ConfigError(
+            f"{args.run_dir!r} is not a run directory ({e}); pass the --out folder of a dptrain run"
+        ) from None
     except MissingExtra as e:
         print(f"dptrain: error: {e}", file=sys.stderr)
         return 2

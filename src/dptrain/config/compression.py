@@ -44,13 +44,17 @@ def validate_compression_choice(p: ParallelConfig) -> None:
                           f"parallel.strategy={p.strategy!r} is FSDP2, whose reduce-scatter has no hook; use "
                           "strategy ddp or zero1, or fp16/bf16 (FSDP2's reduce dtype)")
     if c in HOOK_ONLY and p.sync_each_micro_step:
-        raise ConfigError(f"parallel.grad_compression={c!r} cannot be combined with parallel.sync_each_micro_step=true: "
-                          "the hook would run on every micro-step and compress the already-reduced gradient of the "
-                          "earlier micro-steps again, with its error feedback and step counter advancing per "
-                          "micro-step; reduce once per step (sync_each_micro_step=false)")
+        raise ConfigError(
+            f"parallel.grad_compression={c!r} cannot be combined with parallel.sync_each_micro_step=true: "
+            "the hook would run on every micro-step and compress the already-reduced gradient of the "
+            "earlier micro-steps again, with its error feedback and step counter advancing per "
+            "micro-step; reduce once per step (sync_each_micro_step=false)"
+        )
     if c in CAST and mode.wrapper == "fsdp" and p.fsdp_reduce_dtype not in (None, c):
-        raise ConfigError(f"parallel.grad_compression={c!r} sets FSDP2's reduce dtype to {c}, but "
-                          f"parallel.fsdp_reduce_dtype={p.fsdp_reduce_dtype!r} asks for another; drop one of them")
+        raise ConfigError(
+            f"parallel.grad_compression={c!r} sets FSDP2's reduce dtype to {c}, but "
+            f"parallel.fsdp_reduce_dtype={p.fsdp_reduce_dtype!r} asks for another; drop one of them"
+        )
 
 
 def validate_compression(p: ParallelConfig, *, mode: DataParallelMode, dims: ParallelDims, backend: str) -> None:
@@ -60,21 +64,28 @@ def validate_compression(p: ParallelConfig, *, mode: DataParallelMode, dims: Par
     if c == "none":
         return
     if dims.dp_size < 2:
-        raise ConfigError(f"parallel.grad_compression={c!r} with a data-parallel world size of {dims.dp_size}: "
-                          "there is no gradient communication to compress, and a lossy compression would only "
-                          "change the optimizer; set parallel.grad_compression=none or use >= 2 data-parallel ranks")
+        raise ConfigError(
+            f"parallel.grad_compression={c!r} with a data-parallel world size of {dims.dp_size}: "
+            "there is no gradient communication to compress, and a lossy compression would only "
+            "change the optimizer; set parallel.grad_compression=none or use >= 2 data-parallel ranks"
+        )
     if mode.wrapper == "ddp" and (dims.tp > 1 or dims.pp > 1):
         what = "tensor" if dims.tp > 1 else "pipeline"
-        raise ConfigError(f"parallel.grad_compression={c!r} with {what} parallelism: data parallelism there is "
-                          "FSDP2's replicate, which has no DDP communication hook; use grad_compression=none, or "
-                          "strategy fsdp/zero2 with fp16/bf16 (the reduce dtype)")
+        raise ConfigError(
+            f"parallel.grad_compression={c!r} with {what} parallelism: data parallelism there is "
+            "FSDP2's replicate, which has no DDP communication hook; use grad_compression=none, or "
+            "strategy fsdp/zero2 with fp16/bf16 (the reduce dtype)"
+        )
     if c in HOOK_ONLY and (dims.tp > 1 or dims.pp > 1):
-        raise ConfigError(f"parallel.grad_compression={c!r} applies to plain DDP only; it is refused with "
-                          f"tp={dims.tp}, pp={dims.pp}")
+        raise ConfigError(
+            f"parallel.grad_compression={c!r} applies to plain DDP only; it is refused with tp={dims.tp}, pp={dims.pp}"
+        )
     if c == "bf16" and backend != "nccl" and mode.wrapper == "ddp":
-        raise ConfigError("parallel.grad_compression='bf16' under DDP needs the nccl backend: torch's "
-                          f"bf16_compress_hook refuses any other (measured on {backend}: 'BF16 all reduce "
-                          "communication hook required CUDA 11+ and NCCL 2.10+'); use fp16 on gloo")
+        raise ConfigError(
+            "parallel.grad_compression='bf16' under DDP needs the nccl backend: torch's "
+            f"bf16_compress_hook refuses any other (measured on {backend}: 'BF16 all reduce "
+            "communication hook required CUDA 11+ and NCCL 2.10+'); use fp16 on gloo"
+        )
 
 
 def fsdp_reduce_dtype(p: ParallelConfig) -> str | None:

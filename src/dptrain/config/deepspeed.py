@@ -17,10 +17,11 @@ from dptrain.config.load import set_dotted
 _ZERO_STAGE = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}
 _SCHEDULES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 _REFUSED_OPTIM = {
-    "onebitadam": "use \"Adam\" now; 1-bit gradient compression (parallel.grad_compression=onebit) is planned (issue 11)",
-    "zerooneadam": "use \"Adam\" now; 1-bit gradient compression (parallel.grad_compression=onebit) is planned (issue 11)",
-    "onebitlamb": "use \"AdamW\"; dptrain has no LAMB and no 1-bit compression yet (issue 11)",
-    "lamb": "use \"AdamW\" (dptrain has no LAMB); for large-batch training add optim.lr_scaling=sqrt",
+    "onebitadam": 'use "Adam" now; 1-bit gradient compression (parallel.grad_compression=onebit) is planned (issue 11)',
+    "zerooneadam": 'use "Adam" now; 1-bit gradient compression (parallel.grad_compression=onebit) is planned '
+    "(issue 11)",
+    "onebitlamb": 'use "AdamW"; dptrain has no LAMB and no 1-bit compression yet (issue 11)',
+    "lamb": 'use "AdamW" (dptrain has no LAMB); for large-batch training add optim.lr_scaling=sqrt',
 }
 
 
@@ -72,7 +73,7 @@ def _number(key: str, v: Any, *, integer: bool = False, positive: bool = False) 
     ok = isinstance(v, int) if integer else isinstance(v, int | float)
     if not ok or isinstance(v, bool) or (positive and v <= 0):
         kind = "an integer" if integer else "a number"
-        raise _bad(key, v, f"it must be {kind}{' > 0' if positive else ''} (or \"auto\")")
+        raise _bad(key, v, f'it must be {kind}{" > 0" if positive else ""} (or "auto")')
     return v
 
 
@@ -94,8 +95,11 @@ def translate_deepspeed(ds: dict[str, Any]) -> DeepSpeedMapping:
     _batch(ds, m)
     if "gradient_clipping" not in ds:  # DeepSpeed's default is 0: no clipping
         m.default("gradient_clipping", "optim.grad_clip", None)
-    for ds_key, target in (("gradient_clipping", "optim.grad_clip"), ("seed", "train.seed"),
-                           ("steps_per_print", "train.log_every_steps")):
+    for ds_key, target in (
+        ("gradient_clipping", "optim.grad_clip"),
+        ("seed", "train.seed"),
+        ("steps_per_print", "train.log_every_steps"),
+    ):
         v = ds.pop(ds_key, "auto")
         if v != "auto":
             v = _number(ds_key, v, integer=ds_key != "gradient_clipping")
@@ -112,7 +116,7 @@ def translate_deepspeed(ds: dict[str, Any]) -> DeepSpeedMapping:
     ds.pop("tensor_parallel", None)
     native = ds.pop("dptrain", None) or {}  # native sections may ride along inside a DeepSpeed file
     if not isinstance(native, dict) or not all(isinstance(v, dict | None) for v in native.values()):
-        raise _bad("dptrain", native, "it must map section names to mappings, e.g. {\"train\": {\"max_steps\": 100}}")
+        raise _bad("dptrain", native, 'it must map section names to mappings, e.g. {"train": {"max_steps": 100}}')
     for section, values in native.items():
         for k, v in (values or {}).items():
             m.put(f"dptrain.{section}.{k}", f"{section}.{k}", v)
@@ -130,19 +134,25 @@ def _batch(ds: dict[str, Any], m: DeepSpeedMapping) -> None:
     """Batch keys as given; the rest is derived at resolve time by DeepSpeed's rules (resolve_batch)."""
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     if not any(k in ds for k in keys):
-        m.notes.append("no batch size given (DeepSpeed needs train_batch_size or train_micro_batch_size_per_gpu); "
-                       "dptrain uses global 32, micro 8 unless train.* overrides say otherwise")
+        m.notes.append(
+            "no batch size given (DeepSpeed needs train_batch_size or train_micro_batch_size_per_gpu); "
+            "dptrain uses global 32, micro 8 unless train.* overrides say otherwise"
+        )
     given = {}
-    for ds_key, target in (("train_batch_size", "train.global_batch_size"),
-                           ("train_micro_batch_size_per_gpu", "train.micro_batch_size"),
-                           ("gradient_accumulation_steps", "train.grad_accum_steps")):
+    for ds_key, target in (
+        ("train_batch_size", "train.global_batch_size"),
+        ("train_micro_batch_size_per_gpu", "train.micro_batch_size"),
+        ("gradient_accumulation_steps", "train.grad_accum_steps"),
+    ):
         v = ds.pop(ds_key, "auto")
         if v != "auto":
             given[ds_key] = _number(ds_key, v, integer=True, positive=True)
             m.put(ds_key, target, v)
     if "gradient_accumulation_steps" in given and len(given) == 1:
-        m.notes.append("gradient_accumulation_steps alone: DeepSpeed needs train_batch_size or "
-                       "train_micro_batch_size_per_gpu as well; dptrain uses micro batch 1")
+        m.notes.append(
+            "gradient_accumulation_steps alone: DeepSpeed needs train_batch_size or "
+            "train_micro_batch_size_per_gpu as well; dptrain uses micro batch 1"
+        )
 
 
 def _optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
@@ -197,8 +207,12 @@ def _scheduler(sch: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
         return
     kind = sch.get("type")
     if kind not in _SCHEDULES:
-        raise _bad("scheduler.type", kind, "use WarmupLR, WarmupDecayLR or WarmupCosineLR "
-                   "(for OneCycle or LRRangeTest use optim.schedule=cosine|linear|constant with optim.warmup_steps)")
+        raise _bad(
+            "scheduler.type",
+            kind,
+            "use WarmupLR, WarmupDecayLR or WarmupCosineLR "
+            "(for OneCycle or LRRangeTest use optim.schedule=cosine|linear|constant with optim.warmup_steps)",
+        )
     raw = sch.get("params", {})
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
@@ -214,8 +228,11 @@ def _scheduler(sch: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
 
     steps = take("warmup_num_steps", 1000)
     if steps is not None:
-        (m.put if "warmup_num_steps" in raw else m.default)("scheduler.params.warmup_num_steps",
-                                                           "optim.warmup_steps", _number("scheduler.params.warmup_num_steps", steps, integer=True))
+        (m.put if "warmup_num_steps" in raw else m.default)(
+            "scheduler.params.warmup_num_steps",
+            "optim.warmup_steps",
+            _number("scheduler.params.warmup_num_steps", steps, integer=True),
+        )
     wtype = take("warmup_type", "log")
     if wtype is not None:
         if wtype not in ("log", "linear"):
@@ -223,7 +240,11 @@ def _scheduler(sch: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
         (m.put if "warmup_type" in raw else m.default)("scheduler.params.warmup_type", "optim.warmup_type", wtype)
     total = take("total_num_steps", None)
     if total is not None:
-        m.put("scheduler.params.total_num_steps", "train.max_steps", _number("scheduler.params.total_num_steps", total, integer=True, positive=True))
+        m.put(
+            "scheduler.params.total_num_steps",
+            "train.max_steps",
+            _number("scheduler.params.total_num_steps", total, integer=True, positive=True),
+        )
     if kind == "WarmupCosineLR":
         _cosine_ratios(take, raw, m)
     else:
@@ -232,8 +253,10 @@ def _scheduler(sch: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
 
 
 def _cosine_ratios(take: Any, raw: dict[str, Any], m: DeepSpeedMapping) -> None:
-    for pk, target, dflt in (("warmup_min_ratio", "optim.warmup_start_ratio", 0.0),
-                             ("cos_min_ratio", "optim.min_lr_ratio", 1e-4)):
+    for pk, target, dflt in (
+        ("warmup_min_ratio", "optim.warmup_start_ratio", 0.0),
+        ("cos_min_ratio", "optim.min_lr_ratio", 1e-4),
+    ):
         v = take(pk, dflt)
         if v is not None:
             key = f"scheduler.params.{pk}"
@@ -253,7 +276,7 @@ def _min_max_lr(kind: str, take: Any, raw: dict[str, Any], m: DeepSpeedMapping) 
     _number("scheduler.params.warmup_min_lr", min_lr)
     peak = max_lr if max_lr is not None else m.config.get("optim", {}).get("lr")
     if min_lr and peak is None:
-        m.ignored.append("scheduler.params.warmup_min_lr (the peak lr is \"auto\"; set optim.warmup_start_ratio)")
+        m.ignored.append('scheduler.params.warmup_min_lr (the peak lr is "auto"; set optim.warmup_start_ratio)')
         return
     ratio = min_lr / peak if min_lr else 0.0
     if not 0.0 <= ratio <= 1.0:
@@ -298,16 +321,26 @@ def _fp16_scaler(b: dict[str, Any], m: DeepSpeedMapping) -> None:
     if power is None:
         m.default("fp16.initial_scale_power", "precision.init_scale", 2.0**16)
     else:
-        m.put("fp16.initial_scale_power", "precision.init_scale", float(2 ** _number("fp16.initial_scale_power", power, integer=True)))
+        m.put(
+            "fp16.initial_scale_power",
+            "precision.init_scale",
+            float(2 ** _number("fp16.initial_scale_power", power, integer=True)),
+        )
     window = b.pop("loss_scale_window", None)
     if window is None:
         m.default("fp16.loss_scale_window", "precision.growth_interval", 1000)
     else:
-        m.put("fp16.loss_scale_window", "precision.growth_interval", _number("fp16.loss_scale_window", window, integer=True, positive=True))
+        m.put(
+            "fp16.loss_scale_window",
+            "precision.growth_interval",
+            _number("fp16.loss_scale_window", window, integer=True, positive=True),
+        )
     if b.pop("loss_scale", 0) != 0:
         m.ignored.append("fp16.loss_scale (static loss scale; dptrain uses dynamic scaling)")
-    for k, why in (("hysteresis", "torch's GradScaler halves the scale on every overflow"),
-                   ("min_loss_scale", "torch's GradScaler has no floor")):
+    for k, why in (
+        ("hysteresis", "torch's GradScaler halves the scale on every overflow"),
+        ("min_loss_scale", "torch's GradScaler has no floor"),
+    ):
         if k in b:
             m.ignored.append(f"fp16.{k}={b.pop(k)!r} ({why})")
     m.ignored += [f"fp16.{k}" for k in b]
@@ -320,7 +353,7 @@ def _zero(zero: Any, m: DeepSpeedMapping) -> None:
         m.put("zero_optimization", "parallel.strategy", "zero1" if zero else "ddp")
         return
     if not isinstance(zero, dict):
-        raise _bad("zero_optimization", zero, "use a mapping such as {\"stage\": 2}, or true/false")
+        raise _bad("zero_optimization", zero, 'use a mapping such as {"stage": 2}, or true/false')
     zero = {k: v for k, v in zero.items() if v != "auto"}
     stage = zero.pop("stage", 0)
     if stage not in _ZERO_STAGE or isinstance(stage, bool):
@@ -335,18 +368,22 @@ def _zero(zero: Any, m: DeepSpeedMapping) -> None:
     for k in ("offload_optimizer", "offload_param"):
         sub = zero.pop(k, None) or {}
         if not isinstance(sub, dict):
-            raise _bad(f"zero_optimization.{k}", sub, "it must be a mapping such as {\"device\": \"cpu\"}")
+            raise _bad(f"zero_optimization.{k}", sub, 'it must be a mapping such as {"device": "cpu"}')
         device = sub.get("device", "none")
         if device not in ("none", "cpu", None):
-            raise _bad(f"zero_optimization.{k}.device", device,
-                       "dptrain offloads to the CPU only (device: cpu); NVMe offload has no PyTorch equivalent")
+            raise _bad(
+                f"zero_optimization.{k}.device",
+                device,
+                "dptrain offloads to the CPU only (device: cpu); NVMe offload has no PyTorch equivalent",
+            )
         if device == "cpu":
             offload.append(k)
         m.ignored += [f"zero_optimization.{k}.{sk}" for sk in sub if sk != "device"]
     if offload and stage in (0, 1):
         raise ConfigError(
-            f"DeepSpeed {' and '.join(offload)} with zero_optimization.stage={stage} is not supported: dptrain offloads "
-            "through FSDP2's CPUOffloadPolicy, which shards; use stage 2 (zero2) or 3 (fsdp) with offload"
+            f"DeepSpeed {' and '.join(offload)} with zero_optimization.stage={stage} is not supported: "
+            "dptrain offloads through FSDP2's CPUOffloadPolicy, which shards; "
+            "use stage 2 (zero2) or 3 (fsdp) with offload"
         )
     if offload:
         m.put(f"zero_optimization.{offload[0]}.device", "parallel.cpu_offload", True)
@@ -407,8 +444,9 @@ def _pipeline(pipe: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
     if "micro_batch_size" in pipe:  # not a DeepSpeed key (guides write it): DeepSpeed's is the per-GPU micro-batch
         pmb = _number("pipeline.micro_batch_size", pipe.pop("micro_batch_size"), integer=True, positive=True)
         glob = train.get("global_batch_size")
-        where = (f"; the two agree at data-parallel size {glob // (gas * pmb)}" if glob and glob % (gas * pmb) == 0
-                 else "")
+        where = (
+            f"; the two agree at data-parallel size {glob // (gas * pmb)}" if glob and glob % (gas * pmb) == 0 else ""
+        )
         m.notes.append(
             f"pipeline.micro_batch_size={pmb} is not a DeepSpeed key and is not used: as in DeepSpeed, a pipeline "
             f"micro-batch is train_micro_batch_size_per_gpu rows (= train_batch_size / (gradient_accumulation_steps x "
@@ -416,8 +454,10 @@ def _pipeline(pipe: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
         )
     for k in ("partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned", "grad_partitioned"):
         if k in pipe:
-            m.ignored.append(f"pipeline.{k}={pipe.pop(k)!r} (dptrain splits the built-in LLaMA by layer ranges: "
-                             "parallel.pp_layers; activation checkpointing: parallel.activation_checkpointing)")
+            m.ignored.append(
+                f"pipeline.{k}={pipe.pop(k)!r} (dptrain splits the built-in LLaMA by layer ranges: "
+                "parallel.pp_layers; activation checkpointing: parallel.activation_checkpointing)"
+            )
     m.ignored += [f"pipeline.{k}" for k in pipe]
 
 
@@ -428,6 +468,9 @@ def _tensor_parallel(tp: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
         return
     size = tp.pop("autotp_size", tp.pop("tp_size", None))
     if size is not None:
-        m.put("tensor_parallel.autotp_size", "parallel.tp", _number("tensor_parallel.autotp_size", size, integer=True,
-                                                                   positive=True))
+        m.put(
+            "tensor_parallel.autotp_size",
+            "parallel.tp",
+            _number("tensor_parallel.autotp_size", size, integer=True, positive=True),
+        )
     m.ignored += [f"tensor_parallel.{k}" for k in tp]

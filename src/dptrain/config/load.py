@@ -46,7 +46,9 @@ def load_file(path: str | Path) -> dict[str, Any]:
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+        raise ConfigError(
+            f"config file {str(p)!r} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8"
+        ) from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from None
     try:
@@ -187,9 +189,7 @@ def _build(cls: type, data: dict[str, Any], *, prefix: str) -> Any:
     unknown = [k for k in data if k not in fields]
     if unknown:
         where = prefix.rstrip(".") or "the top level"
-        raise ConfigError(
-            f"unknown config key {prefix + unknown[0]!r}; valid keys in {where}: {', '.join(fields)}"
-        )
+        raise ConfigError(f"unknown config key {prefix + unknown[0]!r}; valid keys in {where}: {', '.join(fields)}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         hint = hints[name]
@@ -296,9 +296,7 @@ def dump_yaml(cfg: Config, extra: dict[str, Any] | None = None) -> str:
     d = to_dict(cfg)
     text = yaml.safe_dump(d, sort_keys=False)
     if extra:
-        text += "# derived values (not read back):\n" + "".join(
-            f"#   {k}: {v}\n" for k, v in extra.items()
-        )
+        text += "# derived values (not read back):\n" + "".join(f"#   {k}: {v}\n" for k, v in extra.items())
     return text
 
 
@@ -309,8 +307,10 @@ def load_command_line(items: list[str], *, extra: Sequence[str] = (), run_dir: s
     files = [item for item in items if "=" not in item]
     overrides = [item for item in items if "=" in item]
     if len(files) > 1:
-        raise ConfigError(f"{files[1]!r} is not an override of the form section.field=value "
-                          f"(only one CONFIG file may be given; {files[0]!r} is the first)")
+        raise ConfigError(
+            f"{files[1]!r} is not an override of the form section.field=value "
+            f"(only one CONFIG file may be given; {files[0]!r} is the first)"
+        )
     path = files[0] if files else None
     if path is None and run_dir is not None and (Path(run_dir) / "config.yaml").is_file():
         path = str(Path(run_dir) / "config.yaml")

@@ -53,7 +53,9 @@ def validate_pipeline(*, parallel: ParallelConfig, model: ModelConfig, pp: int, 
     every factor. `pp` is the resolved degree (the config's may be -1)."""
     p = parallel
     if p.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} is not valid; choose one of: {', '.join(PP_SCHEDULES)}")
+        raise ConfigError(
+            f"parallel.pp_schedule={p.pp_schedule!r} is not valid; choose one of: {', '.join(PP_SCHEDULES)}"
+        )
     for name in ("pp_microbatches", "pp_stages_per_rank"):
         v = getattr(p, name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -97,9 +99,11 @@ def validate_pipeline(*, parallel: ParallelConfig, model: ModelConfig, pp: int, 
     n_stages = pp * p.pp_stages_per_rank
     stage_layer_counts(int(n_layers), n_stages, p.pp_layers)
     m = pipeline_microbatches(p)
-    arithmetic = (f"global batch = micro_batch_size {micro_batch_size} x grad_accum_steps {grad_accum_steps} x dp "
-                  f"{dp_size} = {micro_batch_size * grad_accum_steps * dp_size}; each micro-batch is split into "
-                  f"pp_microbatches={m} pipeline micro-batches")
+    arithmetic = (
+        f"global batch = micro_batch_size {micro_batch_size} x grad_accum_steps {grad_accum_steps} x dp "
+        f"{dp_size} = {micro_batch_size * grad_accum_steps * dp_size}; each micro-batch is split into "
+        f"pp_microbatches={m} pipeline micro-batches"
+    )
     if micro_batch_size % m:
         raise ConfigError(
             f"train.micro_batch_size={micro_batch_size} is not divisible by parallel.pp_microbatches={m} "
@@ -127,6 +131,8 @@ def describe_pipeline(*, parallel: ParallelConfig, model: ModelConfig, pp: int, 
     n_stages = pp * parallel.pp_stages_per_rank
     counts = stage_layer_counts(int(model.kwargs.get("n_layers", 4)), n_stages, parallel.pp_layers)
     m = pipeline_microbatches(parallel)
-    return (f"{n_stages} stages ({parallel.pp_stages_per_rank} per rank), blocks per stage {counts}, schedule "
-            f"{parallel.pp_schedule}; each micro-batch of {micro_batch_size} -> {m} pipeline micro-batches of "
-            f"{micro_batch_size // m}")
+    return (
+        f"{n_stages} stages ({parallel.pp_stages_per_rank} per rank), blocks per stage {counts}, schedule "
+        f"{parallel.pp_schedule}; each micro-batch of {micro_batch_size} -> {m} pipeline micro-batches of "
+        f"{micro_batch_size // m}"
+    )

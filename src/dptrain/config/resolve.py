@@ -87,7 +87,9 @@ def local_world_size(launch: LaunchConfig, *, cuda_count: int | None = None) -> 
     try:
         n = int(launch.nproc_per_node)
     except (TypeError, ValueError):
-        raise ConfigError(f"launch.nproc_per_node={launch.nproc_per_node!r} is not valid; use a positive integer or 'auto'") from None
+        raise ConfigError(
+            f"launch.nproc_per_node={launch.nproc_per_node!r} is not valid; use a positive integer or 'auto'"
+        ) from None
     if n < 1:
         raise ConfigError(f"launch.nproc_per_node={n} is not valid; use a positive integer or 'auto'")
     return n
@@ -138,9 +140,12 @@ def resolve_batch(train: TrainConfig, *, dp_world_size: int) -> tuple[int, int, 
 def _alternatives(g: int, w: int) -> str:
     if g % w:
         near = [x for x in (g - g % w, g - g % w + w) if x > 0]
-        return f"the global batch must be a multiple of the dp world size {w}; e.g. train.global_batch_size={' or '.join(map(str, near))}"
+        return (f"the global batch must be a multiple of the dp world size {w}; "
+                f"e.g. train.global_batch_size={' or '.join(map(str, near))}")
     per_rank = g // w
-    pairs = [f"micro_batch_size={d} grad_accum_steps={per_rank // d}" for d in range(1, per_rank + 1) if per_rank % d == 0]
+    pairs = [
+        f"micro_batch_size={d} grad_accum_steps={per_rank // d}" for d in range(1, per_rank + 1) if per_rank % d == 0
+    ]
     return f"valid for global_batch_size={g} at dp world size {w}: " + "; ".join(pairs[-4:])
 
 
@@ -206,8 +211,15 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     validate_compile(cfg.train, device=device, pp=dims.pp)  # inductor on the CPU needs a C++ compiler
     validate_fsdp_tuning(cfg.parallel, wrapper=mode.wrapper, dp_shard=dims.dp_shard)  # an int reshard size
     g, m, a = resolve_batch(cfg.train, dp_world_size=dims.dp_size)  # tp/pp ranks share their dp rank's batch
-    validate_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m, grad_accum_steps=a,
-                      dp_size=dims.dp_size, loss=cfg.train.loss)
+    validate_pipeline(
+        parallel=cfg.parallel,
+        model=cfg.model,
+        pp=dims.pp,
+        micro_batch_size=m,
+        grad_accum_steps=a,
+        dp_size=dims.dp_size,
+        loss=cfg.train.loss,
+    )
     lr, rule = scaled_lr(cfg.optim, global_batch_size=g)
     pipe = describe_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m)
     return Resolved(world_size, dims.dp_size, g, m, a, lr, rule, device, backend, dims, mode, pipe)
@@ -262,37 +274,59 @@ POS_FLOAT, NONNEG_FLOAT = Range(float, 0, low_open=True), Range(float, 0)
 # Every numeric field, by section: one row each. Checked before any process starts.
 RANGES: dict[str, dict[str, Range]] = {
     "train": {
-        "max_steps": POS_INT, "log_every_steps": POS_INT, "eval_batches": POS_INT,
+        "max_steps": POS_INT,
+        "log_every_steps": POS_INT,
+        "eval_batches": POS_INT,
         "eval_every_steps": Range(int, 0, note="0: only at the start and the end"),
-        "global_batch_size": Range(int, 1, optional=True), "micro_batch_size": Range(int, 1, optional=True),
-        "grad_accum_steps": Range(int, 1, optional=True), "seed": Range(int, 0, _SEED_MAX),
+        "global_batch_size": Range(int, 1, optional=True),
+        "micro_batch_size": Range(int, 1, optional=True),
+        "grad_accum_steps": Range(int, 1, optional=True),
+        "seed": Range(int, 0, _SEED_MAX),
         "flops_per_token": Range(float, 0, low_open=True, optional=True, note="null: from the model"),
     },
     "optim": {
-        "lr": POS_FLOAT, "weight_decay": NONNEG_FLOAT, "momentum": Range(float, 0, 1, high_open=True),
-        "eps": POS_FLOAT, "base_batch_size": Range(int, 1, optional=True), "warmup_steps": NONNEG_INT,
-        "min_lr_ratio": Range(float, 0, 1), "warmup_start_ratio": Range(float, 0, 1), "grad_clip": Range(float, 0, low_open=True, optional=True, note="null disables clipping"),
+        "lr": POS_FLOAT,
+        "weight_decay": NONNEG_FLOAT,
+        "momentum": Range(float, 0, 1, high_open=True),
+        "eps": POS_FLOAT,
+        "base_batch_size": Range(int, 1, optional=True),
+        "warmup_steps": NONNEG_INT,
+        "min_lr_ratio": Range(float, 0, 1),
+        "warmup_start_ratio": Range(float, 0, 1),
+        "grad_clip": Range(float, 0, low_open=True, optional=True, note="null disables clipping"),
     },
-    "parallel": {"bucket_cap_mb": POS_FLOAT, "timeout_s": POS_FLOAT, "pp_stages_per_rank": POS_INT,
-                 "pp_microbatches": Range(int, 1, optional=True, note="null: pp"),
-                 "powersgd_rank": POS_INT, "onebit_start_step": NONNEG_INT,
-                 "powersgd_start_step": Range(int, 2, note="DDP rebuilds its buckets after the first step"),
-                 "fsdp_forward_prefetch": NONNEG_INT, "fsdp_backward_prefetch": NONNEG_INT},
+    "parallel": {
+        "bucket_cap_mb": POS_FLOAT,
+        "timeout_s": POS_FLOAT,
+        "pp_stages_per_rank": POS_INT,
+        "pp_microbatches": Range(int, 1, optional=True, note="null: pp"),
+        "powersgd_rank": POS_INT,
+        "onebit_start_step": NONNEG_INT,
+        "powersgd_start_step": Range(int, 2, note="DDP rebuilds its buckets after the first step"),
+        "fsdp_forward_prefetch": NONNEG_INT,
+        "fsdp_backward_prefetch": NONNEG_INT,
+    },
     "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
     "launch": {"node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},  # nnodes: config/nodes.py
     "data": {"num_workers": NONNEG_INT, "prefetch_factor": Range(int, 1, optional=True, note="null: 2")},
-    "log": {"peak_tflops": Range(float, 0, low_open=True, optional=True, note="null: table or measured"),
-            "prometheus_port": Range(int, 0, 65535, note="0 turns the exporter off"),
-            "status_every_s": Range(float, 0, note="0 turns the status files off")},
-    "checkpoint": {"every_steps": Range(int, 0, note="0: only at the end"),
-                   "keep_last": Range(int, 1, optional=True, note="null keeps all")},
+    "log": {
+        "peak_tflops": Range(float, 0, low_open=True, optional=True, note="null: table or measured"),
+        "prometheus_port": Range(int, 0, 65535, note="0 turns the exporter off"),
+        "status_every_s": Range(float, 0, note="0 turns the status files off"),
+    },
+    "checkpoint": {
+        "every_steps": Range(int, 0, note="0: only at the end"),
+        "keep_last": Range(int, 1, optional=True, note="null keeps all"),
+    },
     "diagnostics": {
         "hang_timeout_s": Range(float, 0, optional=True, note="0 turns the watchdog off"),
         "straggler_every_steps": Range(int, 0, note="0 turns it off"),
         "drift_every_steps": Range(int, 0, note="0 turns it off"),
         "memory_every_steps": Range(int, 0, note="0 turns it off"),
-        "max_consecutive_skips": POS_INT, "memory_window": Range(int, 3),
-        "straggler_margin": POS_FLOAT, "memory_leak_mb": POS_FLOAT,
+        "max_consecutive_skips": POS_INT,
+        "memory_window": Range(int, 3),
+        "straggler_margin": POS_FLOAT,
+        "memory_leak_mb": POS_FLOAT,
     },
 }
 
@@ -316,9 +350,13 @@ def validate(cfg: Config) -> None:
     _choice(cfg.optim.schedule_convention, SCHEDULE_CONVENTIONS, "optim.schedule_convention")
     _choice(cfg.parallel.device, ("auto", "cpu", "cuda"), "parallel.device")
     _choice(cfg.parallel.backend, ("auto", "gloo", "nccl"), "parallel.backend")
-    for name, v, required in (("model.factory", cfg.model.factory, True), ("data.factory", cfg.data.factory, True),
-                              ("train.loss", cfg.train.loss, False), ("data.collate", cfg.data.collate, False),
-                              ("parallel.tp_plan", cfg.parallel.tp_plan, False)):
+    for name, v, required in (
+        ("model.factory", cfg.model.factory, True),
+        ("data.factory", cfg.data.factory, True),
+        ("train.loss", cfg.train.loss, False),
+        ("data.collate", cfg.data.collate, False),
+        ("parallel.tp_plan", cfg.parallel.tp_plan, False),
+    ):
         if (required or v is not None) and (not isinstance(v, str) or ":" not in v):
             raise ConfigError(f"{name}={v!r} is not an import path; write it as 'package.module:function'")
     for section in RANGES:
@@ -327,7 +365,9 @@ def validate(cfg: Config) -> None:
     beta = Range(float, 0, 1, high_open=True)
     for i, b in enumerate(cfg.optim.betas):
         if not beta.accepts(b):
-            raise ConfigError(f"optim.betas={list(cfg.optim.betas)!r} is not valid; betas[{i}]={b!r} must be {beta.describe()}")
+            raise ConfigError(
+                f"optim.betas={list(cfg.optim.betas)!r} is not valid; betas[{i}]={b!r} must be {beta.describe()}"
+            )
     validate_launch(cfg.launch)
     _check_seq_len(cfg)
     validate_parallel(cfg)
@@ -355,8 +395,10 @@ def validate_parallel(cfg: Config) -> None:
             continue
         _choice(value, MP_DTYPES, f"parallel.{name}")
         if mode.wrapper != "fsdp":
-            raise ConfigError(f"parallel.{name}={value!r} applies to FSDP2 only; it needs parallel.strategy=zero2 "
-                              f"or fsdp (got {p.strategy!r})")
+            raise ConfigError(
+                f"parallel.{name}={value!r} applies to FSDP2 only; it needs parallel.strategy=zero2 "
+                f"or fsdp (got {p.strategy!r})"
+            )
 
 
 def validate_launch(launch: LaunchConfig) -> None:
@@ -377,7 +419,9 @@ def validate_launch(launch: LaunchConfig) -> None:
         )
 
 
-_ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)):(?P<port>[0-9]+)$")
+_ENDPOINT = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)):(?P<port>[0-9]+)$"
+)
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

@@ -52,8 +52,8 @@ def build_dataloader(
 
     Workers (if any) are seeded from ``(seed, sampler.dp_rank, worker_id)`` so any randomness
     inside ``__getitem__`` is reproducible; ``persistent_workers`` and ``prefetch_factor`` (None:
-    the DataLoader's default) apply only with workers (``prefetch_factor`` without is an error).  ``pin_memory`` is ignored
-    when CUDA is unavailable (pinning needs a CUDA runtime and would only warn).
+    the DataLoader's default) apply only with workers (``prefetch_factor`` without is an error).
+    ``pin_memory`` is ignored when CUDA is unavailable (pinning needs a CUDA runtime and would only warn).
     """
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -100,9 +100,7 @@ def split_train_val(obj: object) -> tuple[Any, Any | None]:
         train, val = obj["train"], obj.get("val")
     elif isinstance(obj, (tuple, list)):
         if len(obj) != 2:
-            raise TypeError(
-                f"data factory returned a {type(obj).__name__} of length {len(obj)}; expected (train, val)"
-            )
+            raise TypeError(f"data factory returned a {type(obj).__name__} of length {len(obj)}; expected (train, val)")
         train, val = obj
     elif isinstance(obj, Dataset):
         return obj, None

@@ -83,7 +83,9 @@ def ping_pong(pairs: list[tuple[int, int]], device: torch.device, iters: int = 5
                 else:
                     dist.recv(buf, peer)
                     dist.send(buf, peer)
-        elapsed = torch.tensor([time.perf_counter() - t0 if rank in (a, b) else 0.0], dtype=torch.float64, device=device)
+        elapsed = torch.tensor(
+            [time.perf_counter() - t0 if rank in (a, b) else 0.0], dtype=torch.float64, device=device
+        )
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         out[(a, b)] = 2 * iters * P2P_BYTES / elapsed.item() / 1e9
     return out
@@ -99,14 +101,23 @@ def slow_links(bw: dict[tuple[int, int], float]) -> tuple[list[tuple[int, int]],
     return slow, ranks
 
 
-def format_results(rows: list[dict[str, float]], bw: dict[tuple[int, int], float], hosts: list[str], backend: str) -> str:
+def format_results(
+    rows: list[dict[str, float]], bw: dict[tuple[int, int], float], hosts: list[str], backend: str
+) -> str:
     n = len(hosts)
-    lines = [f"all-reduce, {n} ranks, {backend} (busbw = algbw * 2(n-1)/n, as nccl-tests defines it):",
-             f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
+    lines = [
+        f"all-reduce, {n} ranks, {backend} (busbw = algbw * 2(n-1)/n, as nccl-tests defines it):",
+        f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}",
+    ]
     for r in rows:
-        lines.append(f"{_size(int(r['bytes'])):>10} {r['seconds'] * 1e6:>10.1f} {r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}")
-    lines.append(f"latency (4 KiB all-reduce): {rows[0]['seconds'] * 1e6:.0f} us; "
-                 f"peak bus bandwidth: {max(r['busbw_gbps'] for r in rows):.3f} GB/s")
+        lines.append(
+            f"{_size(int(r['bytes'])):>10} {r['seconds'] * 1e6:>10.1f} "
+            f"{r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}"
+        )
+    lines.append(
+        f"latency (4 KiB all-reduce): {rows[0]['seconds'] * 1e6:.0f} us; "
+        f"peak bus bandwidth: {max(r['busbw_gbps'] for r in rows):.3f} GB/s"
+    )
     lines.append(f"point-to-point links ({_size(P2P_BYTES)} ping-pong):")
     for (a, b), v in bw.items():
         lines.append(f"  rank {a} ({hosts[a]}) <-> rank {b} ({hosts[b]}): {v:.3f} GB/s")
@@ -114,10 +125,14 @@ def format_results(rows: list[dict[str, float]], bw: dict[tuple[int, int], float
     if slow:
         median = statistics.median(bw.values())
         for a, b in slow:
-            lines.append(f"  ! slow link: rank {a} ({hosts[a]}) <-> rank {b} ({hosts[b]}): {bw[(a, b)]:.3f} GB/s, "
-                         f"below {SLOW_FRACTION:.0%} of the median {median:.3f} GB/s")
+            lines.append(
+                f"  ! slow link: rank {a} ({hosts[a]}) <-> rank {b} ({hosts[b]}): {bw[(a, b)]:.3f} GB/s, "
+                f"below {SLOW_FRACTION:.0%} of the median {median:.3f} GB/s"
+            )
         for rank in ranks:
-            lines.append(f"  ! slow rank: rank {rank} ({hosts[rank]}) is in every slow link: check its NIC, cable or placement")
+            lines.append(
+                f"  ! slow rank: rank {rank} ({hosts[rank]}) is in every slow link: check its NIC, cable or placement"
+            )
     else:
         lines.append("  no slow link" + (" (one pair: nothing to compare)" if len(bw) < 2 else ""))
     return "\n".join(lines)
@@ -127,12 +142,19 @@ def _size(b: int) -> str:
     return f"{b // 2**20} MiB" if b >= 2**20 else f"{b // 2**10} KiB"
 
 
-def write_json(path: str, rows: list[dict[str, float]], bw: dict[tuple[int, int], float], hosts: list[str],
-               backend: str) -> None:
+def write_json(
+    path: str, rows: list[dict[str, float]], bw: dict[tuple[int, int], float], hosts: list[str], backend: str
+) -> None:
     """The sweep as JSON (what `dptrain plan --comm FILE` fits alpha and beta to), written atomically."""
-    doc = {"kind": "dptrain.commcheck", "ranks": len(hosts), "backend": backend, "hosts": hosts,
-           "all_reduce": rows, "p2p_gbps": [{"ranks": list(p), "gbps": v} for p, v in bw.items()],
-           "p2p_bytes": P2P_BYTES}
+    doc = {
+        "kind": "dptrain.commcheck",
+        "ranks": len(hosts),
+        "backend": backend,
+        "hosts": hosts,
+        "all_reduce": rows,
+        "p2p_gbps": [{"ranks": list(p), "gbps": v} for p, v in bw.items()],
+        "p2p_bytes": P2P_BYTES,
+    }
     tmp = Path(f"{path}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, path)

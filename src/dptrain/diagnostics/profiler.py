@@ -70,15 +70,26 @@ def describe(summary: dict[str, Any], *, rank: int) -> str:
     if "self_device_ms_per_step" in s:
         line += (f"; GPU: {s['self_device_ms_per_step']:.2f} ms of kernels, communication "
                  f"{s['communication_device_ms_per_step']:.2f} ms")
-    names = ", ".join(f"{o['name']} ({o['self_cpu_ms']:.1f} ms / {o['calls']} calls)" for o in s["communication_ops"][:4])
+    names = ", ".join(
+        f"{o['name']} ({o['self_cpu_ms']:.1f} ms / {o['calls']} calls)" for o in s["communication_ops"][:4]
+    )
     return line + (f"\n  communication ops: {names}" if names else "\n  no communication op was recorded")
 
 
 class StepProfiler:
     """torch.profiler over steps `first..last` (1-based) of a run that has done `start_step` steps."""
 
-    def __init__(self, steps: tuple[int, int], *, run_dir: Path, rank: int, device: torch.device,
-                 start_step: int = 0, say: Callable[[str], None] | None = None, is_main: bool = True) -> None:
+    def __init__(
+        self,
+        steps: tuple[int, int],
+        *,
+        run_dir: Path,
+        rank: int,
+        device: torch.device,
+        start_step: int = 0,
+        say: Callable[[str], None] | None = None,
+        is_main: bool = True,
+    ) -> None:
         self.first, self.last = steps
         self.dir = Path(run_dir) / "profile"
         self.rank, self.device, self.is_main = rank, device, is_main
@@ -87,8 +98,10 @@ class StepProfiler:
         self.prof: Any = None
         if self.first <= start_step:
             if is_main:
-                self._say(f"dptrain: diagnostics.profile_steps={self.first}-{self.last}: this run resumed after step "
-                          f"{start_step}, so those steps are not profiled")
+                self._say(
+                    f"dptrain: diagnostics.profile_steps={self.first}-{self.last}: this run resumed after step "
+                    f"{start_step}, so those steps are not profiled"
+                )
             return
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -96,10 +109,12 @@ class StepProfiler:
         skip = self.first - start_step - 1
         warmup = 1 if skip >= 1 else 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        self.prof = profile(activities=activities, record_shapes=False,
-                            schedule=schedule(wait=skip - warmup, warmup=warmup, active=self.last - self.first + 1,
-                                              repeat=1),
-                            on_trace_ready=self._write)
+        self.prof = profile(
+            activities=activities,
+            record_shapes=False,
+            schedule=schedule(wait=skip - warmup, warmup=warmup, active=self.last - self.first + 1, repeat=1),
+            on_trace_ready=self._write,
+        )
         self.prof.__enter__()
 
     def step_done(self, step: int) -> None:
@@ -120,8 +135,10 @@ class StepProfiler:
         text = f"{table}\n{describe(self.summary, rank=self.rank)}\n"
         (self.dir / f"rank{self.rank}_ops.txt").write_text(text)
         if self.is_main:
-            self._say(f"profile of steps {self.first}-{self.last} (rank {self.rank}; every rank's trace and table: "
-                      f"{self.dir}/rank<R>.json, rank<R>_ops.txt)\n{text.rstrip()}")
+            self._say(
+                f"profile of steps {self.first}-{self.last} (rank {self.rank}; every rank's trace and table: "
+                f"{self.dir}/rank<R>.json, rank<R>_ops.txt)\n{text.rstrip()}"
+            )
 
     def close(self) -> None:
         """Stop profiling (a run shorter than the window writes what it recorded, if anything)."""

@@ -42,7 +42,8 @@ def check_signature(fn: Any, kwargs: dict[str, Any], *, key: str, spec: str) -> 
         params = ", ".join(n for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
         section = key.rsplit(".", 1)[0]
         raise ConfigError(
-            f"{key}={spec!r} cannot be called with {section}.kwargs={kwargs!r}: {e}; its parameters: {params or '(none)'}"
+            f"{key}={spec!r} cannot be called with {section}.kwargs={kwargs!r}: {e}; "
+            f"its parameters: {params or '(none)'}"
         ) from None
 
 
@@ -113,8 +114,13 @@ def check_tensor_parallel(model: Any, *, parallel: Any, tp: int, sample: Any = N
             load_plan(parallel.tp_plan)
         except (ImportError, AttributeError, TypeError, ValueError) as e:
             raise ConfigError(f"parallel.tp_plan={parallel.tp_plan!r} cannot be used: {e}") from None
-    why = tp_problem(model, tp=tp, tp_plan=parallel.tp_plan, sequence_parallel=parallel.sequence_parallel,
-                     seq_len=_input_length(sample))
+    why = tp_problem(
+        model,
+        tp=tp,
+        tp_plan=parallel.tp_plan,
+        sequence_parallel=parallel.sequence_parallel,
+        seq_len=_input_length(sample),
+    )
     if why is not None:
         raise ConfigError(why)
 

@@ -17,7 +17,7 @@ Kubeflow's Training Operator (v1, PyTorchJob) starts each replica's container wi
 read: torchrun gives each worker its own. The overrides come before the command line's, so an
 explicit `launch.*=` or flag still wins over the environment, and the environment over the file.
 Inside a torchrun worker (`TORCHELASTIC_RUN_ID` set) nothing is derived.
-"""
+"""  # noqa: E501 (a Markdown table: one row a line)
 
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ class ClusterLaunch:
     sources: dict[str, str]
 
     def describe(self) -> str:
-        return ("dptrain: launch settings from the environment (torchrun's PET_* variables, as a Kubeflow PyTorchJob "
-                "sets them): " + ", ".join(f"{o} (from {self.sources[o.split('=')[0]]})" for o in self.overrides))
+        return (
+            "dptrain: launch settings from the environment (torchrun's PET_* variables, as a Kubeflow PyTorchJob "
+            "sets them): " + ", ".join(f"{o} (from {self.sources[o.split('=')[0]]})" for o in self.overrides)
+        )
 
 
 def _int(name: str, value: str) -> int:
@@ -56,7 +58,8 @@ def _nnodes(value: str) -> int:
     if a != b:
         raise ConfigError(
             f"PET_NNODES={value!r} asks for an elastic range of nodes; dptrain trains a fixed number of nodes "
-            "(launch.nnodes): give the elasticPolicy minReplicas = maxReplicas (dptrain manifest kubeflow does)")
+            "(launch.nnodes): give the elasticPolicy minReplicas = maxReplicas (dptrain manifest kubeflow does)"
+        )
     return a
 
 
@@ -78,8 +81,10 @@ def cluster_launch(environ: Mapping[str, str] | None = None) -> ClusterLaunch | 
     found: dict[str, tuple[str, str]] = {"launch.nnodes": (str(_nnodes(env["PET_NNODES"])), "PET_NNODES")}
     if env.get("PET_NPROC_PER_NODE"):
         nproc = env["PET_NPROC_PER_NODE"]
-        found["launch.nproc_per_node"] = (nproc if nproc == "auto" else str(_int("PET_NPROC_PER_NODE", nproc)),
-                                          "PET_NPROC_PER_NODE")
+        found["launch.nproc_per_node"] = (
+            nproc if nproc == "auto" else str(_int("PET_NPROC_PER_NODE", nproc)),
+            "PET_NPROC_PER_NODE",
+        )
     if env.get("PET_NODE_RANK"):
         found["launch.node_rank"] = (str(_int("PET_NODE_RANK", env["PET_NODE_RANK"])), "PET_NODE_RANK")
     endpoint = _endpoint(env)
@@ -89,5 +94,6 @@ def cluster_launch(environ: Mapping[str, str] | None = None) -> ClusterLaunch | 
         found["launch.rdzv_id"] = (json.dumps(env["PET_RDZV_ID"]), "PET_RDZV_ID")
     if env.get("PET_MAX_RESTARTS"):
         found["launch.max_restarts"] = (str(_int("PET_MAX_RESTARTS", env["PET_MAX_RESTARTS"])), "PET_MAX_RESTARTS")
-    return ClusterLaunch(overrides=[f"{k}={v}" for k, (v, _) in found.items()],
-                         sources={k: src for k, (_, src) in found.items()})
+    return ClusterLaunch(
+        overrides=[f"{k}={v}" for k, (v, _) in found.items()], sources={k: src for k, (_, src) in found.items()}
+    )

@@ -46,14 +46,20 @@ def torchrun_args(cfg: LaunchConfig, *, nproc_per_node: int, module: str, module
 
 def describe_rendezvous(cfg: LaunchConfig) -> str:
     """The line the launcher prints before starting workers: where the rendezvous store listens."""
-    where = (f"c10d rendezvous at {cfg.rdzv_endpoint} (job id {cfg.rdzv_id!r}, {cfg.nnodes} node(s))" if cfg.rdzv_endpoint
-             else "standalone rendezvous on this node (torchrun picks a free port; rank 0 prints it)")
-    return (f"dptrain: {where}. torch.distributed's TCPStore is unauthenticated and listens on all interfaces: "
-            "run only on a trusted network")
+    where = (
+        f"c10d rendezvous at {cfg.rdzv_endpoint} (job id {cfg.rdzv_id!r}, {cfg.nnodes} node(s))"
+        if cfg.rdzv_endpoint
+        else "standalone rendezvous on this node (torchrun picks a free port; rank 0 prints it)"
+    )
+    return (
+        f"dptrain: {where}. torch.distributed's TCPStore is unauthenticated and listens on all interfaces: "
+        "run only on a trusted network"
+    )
 
 
-def run_torchrun(argv: list[str], *, restarts: bool, ckpt_root: Path | None = None,
-                 launch_cfg: LaunchConfig | None = None) -> int:
+def run_torchrun(
+    argv: list[str], *, restarts: bool, ckpt_root: Path | None = None, launch_cfg: LaunchConfig | None = None
+) -> int:
     """Run torchrun in this process; the exit code: 0 done, 1 a worker failed (after torchrun's
     failure report, root-cause rank first: host, exit code, error file, traceback; then dptrain's
     one-line list of failed ranks), 2 the workers refused their input, 3 the hang watchdog
@@ -85,8 +91,10 @@ def run_torchrun(argv: list[str], *, restarts: bool, ckpt_root: Path | None = No
     except SignalException as e:  # torchrun itself got SIGTERM/SIGINT: workers were signalled and saved
         if e.sigval == signal.SIGINT:
             if interrupts.count == 1:
-                print(f"dptrain: interrupted (Ctrl-C): {last_saved(ckpt_root)}; run the same command to resume",
-                      file=sys.stderr)
+                print(
+                    f"dptrain: interrupted (Ctrl-C): {last_saved(ckpt_root)}; run the same command to resume",
+                    file=sys.stderr,
+                )
             return EXIT_INTERRUPTED
         print(f"dptrain: stopped by signal {e.sigval.name}", file=sys.stderr)
         return EXIT_PREEMPTED
@@ -102,8 +110,10 @@ def run_torchrun(argv: list[str], *, restarts: bool, ckpt_root: Path | None = No
             return 2  # the workers refused their input; rank 0 said why (one line, above)
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
         if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL}:  # a frozen rank is SIGKILLed by the watchdog
-            print(f"dptrain: stopped by the hang watchdog: {failures}; see hang_report.txt in the run directory",
-                  file=sys.stderr)
+            print(
+                f"dptrain: stopped by the hang watchdog: {failures}; see hang_report.txt in the run directory",
+                file=sys.stderr,
+            )
             return EXIT_HANG
         if args.module and args.training_script == "dptrain.launch.record_script" and args.training_script_args:
             e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
@@ -146,16 +156,23 @@ class CtrlC:
 
         self.count += 1
         if self.count == 1:
-            print("\ndptrain: Ctrl-C: finishing the current step, saving a checkpoint, then stopping "
-                  "(Ctrl-C again aborts without saving)", file=sys.stderr, flush=True)
+            print(
+                "\ndptrain: Ctrl-C: finishing the current step, saving a checkpoint, then stopping "
+                "(Ctrl-C again aborts without saving)",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             import psutil
 
             for child in psutil.Process().children(recursive=True):
                 with contextlib.suppress(psutil.Error):
                     child.kill()
-            print(f"\ndptrain: second Ctrl-C: workers killed without saving; {last_saved(self.ckpt_root)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\ndptrain: second Ctrl-C: workers killed without saving; {last_saved(self.ckpt_root)}",
+                file=sys.stderr,
+                flush=True,
+            )
         raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
 
     def restore(self) -> None:
@@ -181,10 +198,14 @@ class NodeWait:
             if me.children():  # the rendezvous completed: this node's workers are running
                 return
             others = ", ".join(str(r) for r in range(max_nodes(self.cfg)) if r != self.cfg.node_rank)
-            print(f"dptrain: waiting {time.monotonic() - self._t0:.0f}s at the rendezvous {self.cfg.rdzv_endpoint} "
-                  f"(job id {self.cfg.rdzv_id!r}) for the other node(s) of launch.nnodes={self.cfg.nnodes}: this is "
-                  f"node_rank {self.cfg.node_rank}; node_rank(s) {others} have not all joined. Start the same command "
-                  "there with launch.node_rank set, the same rdzv_endpoint and rdzv_id", file=sys.stderr, flush=True)
+            print(
+                f"dptrain: waiting {time.monotonic() - self._t0:.0f}s at the rendezvous {self.cfg.rdzv_endpoint} "
+                f"(job id {self.cfg.rdzv_id!r}) for the other node(s) of launch.nnodes={self.cfg.nnodes}: this is "
+                f"node_rank {self.cfg.node_rank}; node_rank(s) {others} have not all joined. Start the same command "
+                "there with launch.node_rank set, the same rdzv_endpoint and rdzv_id",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def stop(self) -> None:
         self._stop.set()
@@ -198,7 +219,11 @@ def user_script_args(argv: list[str], *, default_nproc: int) -> list[str]:
     extra: list[str] = []
     if not any(o.split("=")[0] in ("--nproc-per-node", "--nproc_per_node") for o in opts):
         extra += ["--nproc-per-node", str(default_nproc)]
-    if not any(o.split("=")[0] in ("--rdzv-endpoint", "--rdzv_endpoint", "--standalone", "--master-addr", "--master_addr", "--nnodes") for o in opts):
+    if not any(
+        o.split("=")[0]
+        in ("--rdzv-endpoint", "--rdzv_endpoint", "--standalone", "--master-addr", "--master_addr", "--nnodes")
+        for o in opts
+    ):
         extra.append("--standalone")
     return extra + out
 
@@ -209,8 +234,14 @@ def record_failures(argv: list[str]) -> list[str]:
     --no-python or --run-path the user's command runs as given."""
     at = script_index(argv)
     opts = argv[:at]
-    if at == len(argv) or not argv[at].endswith(".py") or any(
-            o.split("=")[0] in ("-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path") for o in opts):
+    if (
+        at == len(argv)
+        or not argv[at].endswith(".py")
+        or any(
+            o.split("=")[0] in ("-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path")
+            for o in opts
+        )
+    ):
         return argv
     return [*opts, "--module", "dptrain.launch.record_script", *argv[at:]]
 
@@ -219,14 +250,16 @@ def script_index(argv: list[str]) -> int:
     """Where the script starts in `dptrain launch`'s arguments (len(argv) if there is none): the
     first argument that is neither an option nor the value of one of torchrun's options that take
     a value (read off torchrun's own parser)."""
-    return next((i for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or not _takes_value(argv[i - 1]))),
-                len(argv))
+    return next(
+        (i for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or not _takes_value(argv[i - 1]))),
+        len(argv),
+    )
 
 
 def torchrun_options(argv: list[str]) -> list[str]:
     """The torchrun options of `dptrain launch`'s arguments: everything before the script. The
     script's own arguments (its `--max-restarts`, `--nproc-per-node`) are never read as torchrun's."""
-    return argv[:script_index(argv)]
+    return argv[: script_index(argv)]
 
 
 def option_value(opts: list[str], *names: str) -> str | None:

@@ -1,4 +1,5 @@
-"""The process torchrun starts on every rank: `python -m dptrain.launch.worker RUN_DIR [--resume X] [--trust-checkpoint]`.
+"""The process torchrun starts on every rank:
+`python -m dptrain.launch.worker RUN_DIR [--resume X] [--trust-checkpoint]`.
 
 The launcher has already resolved and validated the config and written it to `--config` (RUN_DIR/
 config.pending.yaml); rank 0 writes RUN_DIR/config.yaml once the run has trained its first step.
@@ -47,9 +48,13 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
     cfg = load_config(Path(args.config) if args.config else run_dir / "config.yaml")
     if is_elastic(cfg.launch) and "WORLD_SIZE" in os.environ:  # the group torchrun formed may be smaller or larger
         try:
-            cfg = worker_config(cfg, run_dir=run_dir, world_size=int(os.environ["WORLD_SIZE"]),
-                                rank=int(os.environ.get("RANK", "0")),
-                                attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+            cfg = worker_config(
+                cfg,
+                run_dir=run_dir,
+                world_size=int(os.environ["WORLD_SIZE"]),
+                rank=int(os.environ.get("RANK", "0")),
+                attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            )
         except ConfigError as e:
             if os.environ.get("RANK", "0") == "0":
                 print(f"dptrain: error: {e}", file=sys.stderr)

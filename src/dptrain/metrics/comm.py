@@ -121,8 +121,10 @@ class CommMeter:
         self._run = {"steps": 0, "bytes": 0.0, "comm_s": 0.0, "exposed_s": 0.0}
 
     # ---------------------------------------------------------------- DDP hook
-    def wrap(self, state: Any, hook: Callable[[Any, Any], torch.futures.Future], payload_bytes: PayloadBytes,
-             *, collective: Callable[[Any], str] | None = None) -> tuple[Any, Callable[[Any, Any], torch.futures.Future]]:
+    def wrap(
+        self, state: Any, hook: Callable[[Any, Any], torch.futures.Future], payload_bytes: PayloadBytes,
+        *, collective: Callable[[Any], str] | None = None,
+    ) -> tuple[Any, Callable[[Any, Any], torch.futures.Future]]:
         """(state, hook) for `DDP.register_comm_hook`: `hook` metered. `payload_bytes(bucket)`: bytes this
         rank hands to the collective for the bucket in the call just made; `collective(bucket)`: which
         one that call used (default all_reduce). The ring factor is applied here: an all-reduce of p
@@ -174,7 +176,7 @@ class CommMeter:
         for launch, done, end in backwards:
             t = self.clock.seconds([*launch, *[d if d is not None else end for d in done], end])
             k = len(launch)
-            comm += union_length(list(zip(t[:k], t[k:2 * k], strict=True)))
+            comm += union_length(list(zip(t[:k], t[k : 2 * k], strict=True)))
             exposed += max(t[-1] - max(t[:k]), 0.0)
         return comm, exposed
 
@@ -194,15 +196,21 @@ class CommMeter:
         run["comm_s"] += comm
         run["exposed_s"] += exposed
         n = len(steps)
-        return {"comm_bytes": total / n, "comm_s": comm / n if self.timed else None,
-                "exposed_comm_s": exposed / n if self.timed else None}
+        return {
+            "comm_bytes": total / n,
+            "comm_s": comm / n if self.timed else None,
+            "exposed_comm_s": exposed / n if self.timed else None,
+        }
 
     def summary(self) -> dict[str, float | None]:
         """Run means per step of everything windowed so far (flush with `window()` first)."""
         run, n = self._run, max(self._run["steps"], 1)
-        return {"comm_bytes": run["bytes"] / n, "comm_bytes_total": run["bytes"],
-                "comm_s": run["comm_s"] / n if self.timed else None,
-                "exposed_comm_s": run["exposed_s"] / n if self.timed else None}
+        return {
+            "comm_bytes": run["bytes"] / n,
+            "comm_bytes_total": run["bytes"],
+            "comm_s": run["comm_s"] / n if self.timed else None,
+            "exposed_comm_s": run["exposed_s"] / n if self.timed else None,
+        }
 
 
 # -------------------------------------------------------------------- FSDP2 and ZeRO-1 bytes
@@ -215,15 +223,22 @@ def _own_params(module: nn.Module, fsdp_modules: set[int]) -> list[nn.Parameter]
     return [p for p in module.parameters() if id(p) not in skip]
 
 
-def fsdp_comm_bytes(model: nn.Module, *, shard: int, replicate: int = 1, reshard_after_forward: bool,
-                    param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> FixedBytes:
+def fsdp_comm_bytes(
+    model: nn.Module,
+    *,
+    shard: int,
+    replicate: int = 1,
+    reshard_after_forward: bool,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> FixedBytes:
     """Bytes one rank sends per micro-step and per gradient sync under FSDP2 `fully_shard` units.
 
     Each unit all-gathers its parameters (dim 0 padded to a multiple of `shard`, as FSDP2 does) in
     `param_dtype` in forward, and again in backward when it reshards after forward (dptrain passes
     the bool explicitly, so the root does too; FSDP2 keeps the root unsharded only in its
-    `reshard_after_forward=None` default); gradients are reduce-scattered in `reduce_dtype` (default: the parameter dtype) and,
-    with `replicate` > 1 (HSDP), the shard is all-reduced across replicas."""
+    `reshard_after_forward=None` default); gradients are reduce-scattered in `reduce_dtype`
+    (default: the parameter dtype) and, with `replicate` > 1 (HSDP), the shard is all-reduced across replicas."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]

@@ -67,20 +67,28 @@ class RunMeters:
         if self.mode.wrapper == "fsdp" and dims.tp == 1 and dims.pp == 1:
 
             fixed = fsdp_comm_bytes(
-                model, shard=dims.dp_shard, replicate=dims.dp_replicate,
-                reshard_after_forward=(self.mode.reshard_after_forward if cfg.reshard_after_forward is None  # an int: counted as true
-                                       else bool(cfg.reshard_after_forward)),
+                model,
+                shard=dims.dp_shard,
+                replicate=dims.dp_replicate,
+                reshard_after_forward=(
+                    self.mode.reshard_after_forward
+                    if cfg.reshard_after_forward is None  # an int: counted as true
+                    else bool(cfg.reshard_after_forward)
+                ),
                 param_dtype=DTYPES[cfg.fsdp_param_dtype] if cfg.fsdp_param_dtype else None,
-                reduce_dtype=DTYPES[rd] if (rd := fsdp_reduce_dtype(cfg)) else None)  # grad_compression fp16/bf16 too
+                reduce_dtype=DTYPES[rd] if (rd := fsdp_reduce_dtype(cfg)) else None,
+            )  # grad_compression fp16/bf16 too
             self.comm = CommMeter(group_size=dims.dp_size, device=self.device, fixed=fixed, timed=False)
         elif self.comm is not None and self.mode.shard_optimizer:
             self.comm.fixed = FixedBytes(per_step=zero1_broadcast_bytes(model, n=dims.dp_size))
         elif self.comm is None and dims.world_size == 1 and self.mode.wrapper == "none":
             self.comm = CommMeter(group_size=1, device=self.device, timed=False)  # nothing to send
         self.flops_per_token, self.flops_source = mfu_lib.model_flops_per_token(
-            model, seq_len=seq_len, override=self._flops_override)
-        self.peak = mfu_lib.peak_flops(device=self.device, precision=self.precision,
-                                       override_tflops=self._peak_override)
+            model, seq_len=seq_len, override=self._flops_override
+        )
+        self.peak = mfu_lib.peak_flops(
+            device=self.device, precision=self.precision, override_tflops=self._peak_override
+        )
         if self._peak_override is None and self.device.type == "cpu" and self.peak.flops:
             mean = collectives.all_reduce_mean([self.peak.flops], device=self.device)[0]  # setup only
             self.peak = mfu_lib.Peak(mean, self.peak.source + f", mean over {collectives.world_size()} rank(s)")
@@ -104,9 +112,13 @@ class RunMeters:
         tokens = throughput.get("tokens_per_s")
         if tokens is not None:
             out["tokens_per_s_per_rank"] = tokens / self.world
-        out["mfu"] = (mfu_lib.mfu(tokens_per_s=tokens, flops_per_token=self.flops_per_token, devices=self.world,
-                                  peak=self.peak.flops)
-                      if tokens is not None and self.flops_per_token and self.peak.flops else None)
+        out["mfu"] = (
+            mfu_lib.mfu(
+                tokens_per_s=tokens, flops_per_token=self.flops_per_token, devices=self.world, peak=self.peak.flops
+            )
+            if tokens is not None and self.flops_per_token and self.peak.flops
+            else None
+        )
         return out
 
     def summary(self, throughput: dict[str, float]) -> dict[str, Any]:
@@ -116,6 +128,10 @@ class RunMeters:
             self.comm.window()  # fold in the steps after the last log line
             out.update(self.comm.summary())
         out.update(self.rates(throughput))
-        out.update(flops_per_token=self.flops_per_token, flops_per_token_source=self.flops_source,
-                   peak_flops=self.peak.flops, peak_flops_source=self.peak.source)
+        out.update(
+            flops_per_token=self.flops_per_token,
+            flops_per_token_source=self.flops_source,
+            peak_flops=self.peak.flops,
+            peak_flops_source=self.peak.source,
+        )
         return out

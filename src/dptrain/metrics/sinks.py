@@ -94,10 +94,15 @@ def print_summary(summary: dict[str, Any], *, run_dir: Path, stream: TextIO | No
         ("world size", summary.get("world_size")),
         ("steps", summary.get("steps")),
         ("final train loss", _num(summary.get("final_loss"))),
-        ("val loss (start -> end)", f"{_num(summary.get('initial_val_loss'))} -> {_num(summary.get('final_val_loss'))}"),
+        (
+            "val loss (start -> end)",
+            f"{_num(summary.get('initial_val_loss'))} -> {_num(summary.get('final_val_loss'))}",
+        ),
         ("val bits per byte", _num(summary.get("final_val_bpb"))),
-        ("tokens/s" if summary.get("tokens_per_s") else "samples/s",
-         f"{summary.get('tokens_per_s') or summary.get('samples_per_s') or 0:,.0f}"),
+        (
+            "tokens/s" if summary.get("tokens_per_s") else "samples/s",
+            f"{summary.get('tokens_per_s') or summary.get('samples_per_s') or 0:,.0f}",
+        ),
         ("wall time", f"{summary.get('wall_s', 0):.1f} s"),
         *_meter_rows(summary),
     ]
@@ -118,8 +123,10 @@ def _meter_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:
         ("tokens/s per rank", None if per_rank is None else f"{per_rank:,.0f}"),
         ("MFU", None if mfu is None else f"{mfu:.2%}"),
         ("comm sent per rank per step", None if sent is None else f"{sent / 2**20:,.2f} MiB"),
-        ("comm time per step (exposed)",
-         None if comm is None else f"{comm * 1e3:.1f} ms ({(exposed or 0.0) * 1e3:.1f} ms)"),
+        (
+            "comm time per step (exposed)",
+            None if comm is None else f"{comm * 1e3:.1f} ms ({(exposed or 0.0) * 1e3:.1f} ms)",
+        ),
     ]
 
 

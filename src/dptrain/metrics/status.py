@@ -45,7 +45,9 @@ class StatusWriter:
         self._fixed = {"rank": rank, "local_rank": local_rank, "world_size": world_size,
                        "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),
                        "started": time.time()}
-        from dptrain.metrics.gpu import GpuSampler  # lazy: gpu imports torch; `dptrain top` reads status without it
+        from dptrain.metrics.gpu import (
+            GpuSampler,  # lazy: gpu imports torch; `dptrain top` reads status without it
+        )
 
         try:
             self._gpu = GpuSampler.open(device)

@@ -58,7 +58,9 @@ def llama_tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> tuple[dict
     return root, block
 
 
-def apply_llama_tp(model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = True, loss_parallel: bool = False) -> None:
+def apply_llama_tp(
+    model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = True, loss_parallel: bool = False
+) -> None:
     """The built-in plan (module docstring) applied in place to a `LlamaLM`, or to one of its
     pipeline stages (`LlamaStage`: the blocks it holds, and of tok_emb / norm / head those it has).
     Between stages under sequence parallelism the activation is this rank's Shard(1) slice of the
@@ -67,7 +69,7 @@ def apply_llama_tp(model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = 
 
     root, block = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     layers: Any = model.layers  # a ModuleList on LlamaLM; a pipeline stage's ModuleDict keyed by layer index
-    for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(layer, tp_mesh, block)
     # A pipeline stage holds tok_emb only on the first stage, norm and head only on the last: plan what it has.
     root = {name: style for name, style in root.items() if getattr(model, name, None) is not None}
@@ -131,8 +133,9 @@ def split_llama(model: LlamaLM, *, stages: Sequence[int], layer_counts: Sequence
         raise ValueError("tied embeddings cannot be split over pipeline stages (first and last stage)")
     starts = [sum(layer_counts[:s]) for s in range(len(layer_counts))]
     n = len(layer_counts)
-    return [LlamaStage(model, range(starts[s], starts[s] + layer_counts[s]), first=s == 0, last=s == n - 1)
-            for s in stages]
+    return [
+        LlamaStage(model, range(starts[s], starts[s] + layer_counts[s]), first=s == 0, last=s == n - 1) for s in stages
+    ]
 
 
 def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

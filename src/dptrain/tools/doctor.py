@@ -44,23 +44,31 @@ def check_versions() -> Report:
     if backends["nccl"] and torch.cuda.is_available():
         lines.append("NCCL " + ".".join(map(str, torch.cuda.nccl.version())))
     if not backends["gloo"]:
-        warnings.append("gloo is not available: CPU training and CPU collectives cannot run; install an official torch wheel")
+        warnings.append(
+            "gloo is not available: CPU training and CPU collectives cannot run; install an official torch wheel"
+        )
     if torch.cuda.is_available() and not backends["nccl"]:
-        warnings.append("GPUs are present but NCCL is not available: GPU training falls back to slow gloo; "
-                        "install a CUDA build of torch with NCCL")
+        warnings.append(
+            "GPUs are present but NCCL is not available: GPU training falls back to slow gloo; "
+            "install a CUDA build of torch with NCCL"
+        )
     return lines, warnings
 
 
 def check_devices() -> Report:
-    lines = [f"CPU: {os.cpu_count()} logical cores ({psutil.cpu_count(logical=False)} physical), "
-             f"{psutil.virtual_memory().total / 2**30:.1f} GiB RAM"]
+    lines = [
+        f"CPU: {os.cpu_count()} logical cores ({psutil.cpu_count(logical=False)} physical), "
+        f"{psutil.virtual_memory().total / 2**30:.1f} GiB RAM"
+    ]
     warnings: list[str] = []
     if not torch.cuda.is_available():
         lines.append("GPU: none visible to torch" + (" (CPU build of torch)" if torch.version.cuda is None else ""))
         if _smi("-L"):
-            warnings.append("nvidia-smi sees GPUs but torch does not: install a CUDA build of torch "
-                            "(pip install torch --index-url https://download.pytorch.org/whl/cu124) or check "
-                            "CUDA_VISIBLE_DEVICES")
+            warnings.append(
+                "nvidia-smi sees GPUs but torch does not: install a CUDA build of torch "
+                "(pip install torch --index-url https://download.pytorch.org/whl/cu124) or check "
+                "CUDA_VISIBLE_DEVICES"
+            )
         return lines, warnings
     arch = torch.cuda.get_arch_list()
     lines.append(f"torch built for: {' '.join(arch)}")
@@ -69,9 +77,11 @@ def check_devices() -> Report:
         cc = f"{p.major}.{p.minor}"
         lines.append(f"GPU {i}: {p.name}, compute capability {cc}, {p.total_memory / 2**30:.1f} GiB")
         if not arch_supported(p.major, p.minor, arch):
-            warnings.append(f"GPU {i} ({p.name}) has compute capability {cc} but this torch has kernels only for "
-                            f"{' '.join(arch)}: expect 'no kernel image is available for execution on the device'; "
-                            f"install a torch build that lists sm_{p.major}{p.minor}")
+            warnings.append(
+                f"GPU {i} ({p.name}) has compute capability {cc} but this torch has kernels only for "
+                f"{' '.join(arch)}: expect 'no kernel image is available for execution on the device'; "
+                f"install a torch build that lists sm_{p.major}{p.minor}"
+            )
     return lines, warnings
 
 
@@ -95,8 +105,9 @@ def check_topology() -> Report:
     lines, warnings = [], []
     topo = _smi("topo", "-m")
     lines += ["nvidia-smi topo -m:", *("  " + t for t in topo.splitlines())] if topo else ["nvidia-smi: not found"]
-    pcie = _smi("--query-gpu=index,name,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max",
-                "--format=csv,noheader")
+    pcie = _smi(
+        "--query-gpu=index,name,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max", "--format=csv,noheader"
+    )
     for line in (pcie or "").splitlines():
         parts = [x.strip() for x in line.split(",")]
         if len(parts) != 5:
@@ -104,9 +115,11 @@ def check_topology() -> Report:
         idx, name, gen, width, width_max = parts
         lines.append(f"GPU {idx}: PCIe gen {gen}, link width x{width} (max x{width_max})")
         if width.isdigit() and width_max.isdigit() and int(width) < int(width_max):
-            warnings.append(f"GPU {idx} ({name}) runs at PCIe x{width} of x{width_max}: it sits in a narrower slot "
-                            "or the link trained down; host-device copies and non-NVLink traffic are slower. "
-                            "Move it to a full-width slot or reseat it")
+            warnings.append(
+                f"GPU {idx} ({name}) runs at PCIe x{width} of x{width_max}: it sits in a narrower slot "
+                "or the link trained down; host-device copies and non-NVLink traffic are slower. "
+                "Move it to a full-width slot or reseat it"
+            )
     return lines, warnings
 
 
@@ -131,7 +144,9 @@ def host_interface(host: str, addrs: dict) -> tuple[str | None, str | None]:
         return None, None
     iface = next((name for name, entries in addrs.items() if any(a.address == ip for a in entries)), None)
     if iface is None and ip.startswith("127."):
-        iface = next((name for name, entries in addrs.items() if any(a.address.startswith("127.") for a in entries)), None)
+        iface = next(
+            (name for name, entries in addrs.items() if any(a.address.startswith("127.") for a in entries)), None
+        )
     return ip, iface
 
 
@@ -151,17 +166,23 @@ def check_network() -> Report:
         lines.append(f"{backend} will use: {chosen} (from {var})")
         missing = [n for n in names if not any(i.startswith(n) for i in addrs)]
         if missing:
-            warnings.append(f"{var}={chosen} names no interface of this machine ({', '.join(missing)}): the "
-                            f"process group will fail to start; set it to one of: {', '.join(sorted(addrs))}")
+            warnings.append(
+                f"{var}={chosen} names no interface of this machine ({', '.join(missing)}): the "
+                f"process group will fail to start; set it to one of: {', '.join(sorted(addrs))}"
+            )
     else:
         host = socket.gethostname()
         ip, iface = host_interface(host, addrs)
         route = default_route_interface()
-        lines.append(f"{backend} will use: {iface or '?'} ({ip or 'unresolved'}, the address of this host's name "
-                     f"{host!r}; default route via {route or 'none'}); set {var} to choose another")
+        lines.append(
+            f"{backend} will use: {iface or '?'} ({ip or 'unresolved'}, the address of this host's name "
+            f"{host!r}; default route via {route or 'none'}); set {var} to choose another"
+        )
         if ip is None or ip.startswith("127.") or ip == "::1":
-            warnings.append(f"this host's name {host!r} resolves to {ip or 'nothing'}: fine on one node, but other "
-                            f"nodes cannot reach it; for multi-node jobs set {var}={route or '<interface>'}")
+            warnings.append(
+                f"this host's name {host!r} resolves to {ip or 'nothing'}: fine on one node, but other "
+                f"nodes cannot reach it; for multi-node jobs set {var}={route or '<interface>'}"
+            )
     return lines, warnings
 
 
@@ -171,8 +192,10 @@ def check_environment(nproc: int | None = None) -> Report:
     lines += [f"  {k}={v}" for k, v in sorted(env.items())]
     warnings = []
     if env.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL":
-        warnings.append("TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective and slows training; unset it "
-                        "(or use diagnostics.check_collectives=true only while debugging)")
+        warnings.append(
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective and slows training; unset it "
+            "(or use diagnostics.check_collectives=true only while debugging)"
+        )
     for key in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE", "NCCL_SHM_DISABLE"):
         if env.get(key) == "1":
             warnings.append(f"{key}=1 turns off a fast transport; unset it unless it works around a known fault")
@@ -181,15 +204,22 @@ def check_environment(nproc: int | None = None) -> Report:
     threads = env.get("OMP_NUM_THREADS")
     cores = os.cpu_count() or 1
     if threads and threads.isdigit() and nproc and int(threads) * nproc > cores:
-        warnings.append(f"OMP_NUM_THREADS={threads} x {nproc} workers > {cores} cores: the workers oversubscribe the CPU; "
-                        f"use OMP_NUM_THREADS={max(1, cores // nproc)}")
+        warnings.append(
+            f"OMP_NUM_THREADS={threads} x {nproc} workers > {cores} cores: the workers oversubscribe the CPU; "
+            f"use OMP_NUM_THREADS={max(1, cores // nproc)}"
+        )
     return lines, warnings
 
 
 def report(nproc: int | None = None) -> tuple[str, list[str]]:
     """The whole report as text, and the warnings."""
-    sections = [("versions", check_versions()), ("devices", check_devices()), ("GPU topology", check_topology()),
-                ("network", check_network()), ("environment", check_environment(nproc))]
+    sections = [
+        ("versions", check_versions()),
+        ("devices", check_devices()),
+        ("GPU topology", check_topology()),
+        ("network", check_network()),
+        ("environment", check_environment(nproc)),
+    ]
     out, warnings = [], []
     for title, (lines, warns) in sections:
         out += [f"== {title}", *lines, ""]
@@ -210,7 +240,11 @@ def run_doctor(*, comm: bool, nproc: int | None, json_path: str | None = None) -
 
     n = nproc or local_world_size(LaunchConfig())
     print(f"\n== communication check: all-reduce sweep over {n} ranks (torchrun)", flush=True)
-    argv = launch.torchrun_args(LaunchConfig(), nproc_per_node=n, module="dptrain.diagnostics.commcheck",
-                                 module_args=["--json", os.path.abspath(json_path)] if json_path else [])
+    argv = launch.torchrun_args(
+        LaunchConfig(),
+        nproc_per_node=n,
+        module="dptrain.diagnostics.commcheck",
+        module_args=["--json", os.path.abspath(json_path)] if json_path else [],
+    )
     sys.stdout.flush()
     return launch.run_torchrun(argv, restarts=False)

@@ -86,7 +86,9 @@ class Cluster:
                 _ip("-n", ns, "link", "set", "lo", "up")
             a, b = self.namespaces
             _ip("link", "add", "veth0", "netns", a, "type", "veth", "peer", "name", "veth1", "netns", b)
-            hosts = "127.0.0.1 localhost\n" + "".join(f"{ip} {h}\n" for ip, h in zip(self.addresses, self.hostnames, strict=True))
+            hosts = "127.0.0.1 localhost\n" + "".join(
+                f"{ip} {h}\n" for ip, h in zip(self.addresses, self.hostnames, strict=True)
+            )
             for i, ns in enumerate(self.namespaces):
                 dev = f"veth{i}"
                 _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", dev)
@@ -99,9 +101,29 @@ class Cluster:
             raise
 
     def _shape(self, ns: str, dev: str) -> None:
-        r = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                            "rate", self.rate, "burst", self.burst, "latency", self.latency],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                self.burst,
+                "latency",
+                self.latency,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             raise RuntimeError(f"tc tbf rate {self.rate} on {ns}/{dev} failed: {r.stderr.strip()}")
 
@@ -133,8 +155,19 @@ class Cluster:
     # ---------------------------------------------------------------- running
     def command(self, node: int, argv: Sequence[str]) -> list[str]:
         """`argv` as run on `node`: in its namespace, with its own UTS namespace and host name."""
-        return ["ip", "netns", "exec", self.namespaces[node], "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.hostnames[node], *argv]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.namespaces[node],
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.hostnames[node],
+            *argv,
+        ]
 
     def popen(self, node: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start `argv` on `node` in a session of its own (`kill_node` ends it and everything it started)."""
@@ -149,9 +182,12 @@ class Cluster:
 
     def launch_overrides(self, node: int, *, nnodes: int | str = 2, port: int = RDZV_PORT) -> list[str]:
         """The `dptrain run` overrides that make `node` one node of a run across the cluster."""
-        return [f"launch.nnodes={nnodes}", f"launch.node_rank={node}", f"launch.rdzv_endpoint={self.rdzv_endpoint(port)}",
-                f"launch.rdzv_id={self.name}"]
-
+        return [
+            f"launch.nnodes={nnodes}",
+            f"launch.node_rank={node}",
+            f"launch.rdzv_endpoint={self.rdzv_endpoint(port)}",
+            f"launch.rdzv_id={self.name}",
+        ]
 
 
 def dptrain_argv(items: Sequence[str]) -> list[str]:

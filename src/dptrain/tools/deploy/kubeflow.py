@@ -48,8 +48,10 @@ class JobSpec(NodeLayout):
 def check_spec(spec: JobSpec) -> None:
     """The job's names and numbers, before anything is written."""
     if len(spec.name) > 50 or not _NAME.match(spec.name):
-        raise ConfigError(f"--name={spec.name!r} is not valid; use lowercase letters, digits and '-', starting and ending "
-                          "with a letter or digit, at most 50 characters (pods are named <name>-worker-<i>)")
+        raise ConfigError(
+            f"--name={spec.name!r} is not valid; use lowercase letters, digits and '-', starting and ending "
+            "with a letter or digit, at most 50 characters (pods are named <name>-worker-<i>)"
+        )
     if not _NAME.match(spec.pvc) or len(spec.pvc) > 253:
         raise ConfigError(f"--pvc={spec.pvc!r} is not a valid claim name; use lowercase letters, digits and '-'")
     if not spec.image.strip():
@@ -82,14 +84,16 @@ def _pod_template(spec: JobSpec) -> dict[str, Any]:
     shm: dict[str, Any] = {"medium": "Memory"}
     if spec.shm_size:
         shm["sizeLimit"] = spec.shm_size
-    return {"spec": {
-        "containers": [_container(spec)],
-        "volumes": [
-            {"name": "config", "configMap": {"name": f"{spec.name}-config"}},
-            {"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}},
-            {"name": "dshm", "emptyDir": shm},
-        ],
-    }}
+    return {
+        "spec": {
+            "containers": [_container(spec)],
+            "volumes": [
+                {"name": "config", "configMap": {"name": f"{spec.name}-config"}},
+                {"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}},
+                {"name": "dshm", "emptyDir": shm},
+            ],
+        }
+    }
 
 
 def _metadata(spec: JobSpec, name: str) -> dict[str, Any]:
@@ -112,24 +116,42 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
     if spec.max_restarts is not None:
         # torchrun's restarts of the worker group, on a fixed node count (dptrain trains a fixed world);
         # the rendezvous stays on the Master (the operator's default host is <job>-worker-0).
-        job_spec["elasticPolicy"] = {"rdzvBackend": "c10d", "rdzvHost": f"{spec.name}-master-0", "rdzvPort": PORT,
-                                     "minReplicas": spec.nnodes, "maxReplicas": spec.nnodes,
-                                     "maxRestarts": spec.max_restarts}
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _metadata(spec, spec.name),
-            "spec": job_spec}
+        job_spec["elasticPolicy"] = {
+            "rdzvBackend": "c10d",
+            "rdzvHost": f"{spec.name}-master-0",
+            "rdzvPort": PORT,
+            "minReplicas": spec.nnodes,
+            "maxReplicas": spec.nnodes,
+            "maxRestarts": spec.max_restarts,
+        }
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": _metadata(spec, spec.name),
+        "spec": job_spec,
+    }
 
 
 def manifests(spec: JobSpec, *, config_yaml: str) -> list[dict[str, Any]]:
     """The objects to apply, in order: the config's ConfigMap, the claim (only with `pvc_size`), the job."""
-    docs: list[dict[str, Any]] = [{"apiVersion": "v1", "kind": "ConfigMap",
-                                   "metadata": _metadata(spec, f"{spec.name}-config"),
-                                   "data": {"config.yaml": config_yaml}}]
+    docs: list[dict[str, Any]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _metadata(spec, f"{spec.name}-config"),
+            "data": {"config.yaml": config_yaml},
+        }
+    ]
     if spec.pvc_size:
-        claim: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": spec.pvc_size}}}
+        claim: dict[str, Any] = {
+            "accessModes": ["ReadWriteMany"],
+            "resources": {"requests": {"storage": spec.pvc_size}},
+        }
         if spec.storage_class:
             claim["storageClassName"] = spec.storage_class
-        docs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _metadata(spec, spec.pvc),
-                     "spec": claim})
+        docs.append(
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _metadata(spec, spec.pvc), "spec": claim}
+        )
     docs.append(pytorchjob(spec))
     return docs
 
@@ -142,8 +164,9 @@ def schema_problems(job: dict[str, Any]) -> list[str]:
     try:
         from kubeflow.training import ApiClient
     except ImportError as e:
-        raise ConfigError("checking a PyTorchJob needs the Kubeflow training SDK: pip install kubeflow-training "
-                          f"({e})") from None
+        raise ConfigError(
+            f"checking a PyTorchJob needs the Kubeflow training SDK: pip install kubeflow-training ({e})"
+        ) from None
     import json
 
     class _Response:
@@ -158,15 +181,21 @@ def schema_problems(job: dict[str, Any]) -> list[str]:
     return _differences(job, back, path="") + _enum_problems(job)
 
 
-_ENUMS = {"restartPolicy": ("Always", "OnFailure", "Never", "ExitCode"), "cleanPodPolicy": ("All", "Running", "None"),
-          "rdzvBackend": ("c10d", "etcd", "etcd-v2")}
+_ENUMS = {
+    "restartPolicy": ("Always", "OnFailure", "Never", "ExitCode"),
+    "cleanPodPolicy": ("All", "Running", "None"),
+    "rdzvBackend": ("c10d", "etcd", "etcd-v2"),
+}
 """Enumerations of the PyTorchJob CRD that the SDK's models do not check."""
 
 
 def _enum_problems(job: dict[str, Any]) -> list[str]:
     spec = job.get("spec", {})
-    out = [f"/spec/pytorchReplicaSpecs/{t}: not a replica type (Master, Worker)"
-           for t in spec.get("pytorchReplicaSpecs", {}) if t not in ("Master", "Worker")]
+    out = [
+        f"/spec/pytorchReplicaSpecs/{t}: not a replica type (Master, Worker)"
+        for t in spec.get("pytorchReplicaSpecs", {})
+        if t not in ("Master", "Worker")
+    ]
     places = [(f"/spec/pytorchReplicaSpecs/{t}", r) for t, r in spec.get("pytorchReplicaSpecs", {}).items()]
     places += [("/spec/runPolicy", spec.get("runPolicy", {})), ("/spec/elasticPolicy", spec.get("elasticPolicy", {}))]
     for where, obj in places:
@@ -190,5 +219,7 @@ def _differences(want: Any, got: Any, *, path: str) -> list[str]:
     if isinstance(want, list):
         if not isinstance(got, list) or len(got) != len(want):
             return [f"{path}: the schema reads {got!r}"]
-        return [d for i, (a, b) in enumerate(zip(want, got, strict=True)) for d in _differences(a, b, path=f"{path}/{i}")]
+        return [
+            d for i, (a, b) in enumerate(zip(want, got, strict=True)) for d in _differences(a, b, path=f"{path}/{i}")
+        ]
     return [] if want == got else [f"{path}: {want!r} reads back as {got!r}"]

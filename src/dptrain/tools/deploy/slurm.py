@@ -62,10 +62,14 @@ def check_spec(spec: SlurmSpec) -> None:
         raise ConfigError(f"--job-name={spec.job_name!r} is not valid; use letters, digits, '.', '_' and '-'")
     for opt in spec.sbatch:
         if not opt.startswith("--") or "\n" in opt:
-            raise ConfigError(f"--sbatch {opt!r} is not valid; give one sbatch long option, e.g. --sbatch=--account=proj")
+            raise ConfigError(
+                f"--sbatch {opt!r} is not valid; give one sbatch long option, e.g. --sbatch=--account=proj"
+            )
     if not spec.dptrain.strip() or "'" in spec.dptrain:
-        raise ConfigError(f"--dptrain={spec.dptrain!r} is not valid; give the command that runs dptrain on the nodes "
-                          "(no single quotes), e.g. dptrain or 'python -m dptrain'")
+        raise ConfigError(
+            f"--dptrain={spec.dptrain!r} is not valid; give the command that runs dptrain on the nodes "
+            "(no single quotes), e.g. dptrain or 'python -m dptrain'"
+        )
 
 
 def _directives(spec: SlurmSpec) -> list[str]:
@@ -82,7 +86,7 @@ def _directives(spec: SlurmSpec) -> list[str]:
     return [f"#SBATCH {o}" for o in opts]
 
 
-_BODY = r'''
+_BODY = r"""
 set -uo pipefail
 RUN_DIR={run_dir}
 CONFIG="$RUN_DIR/{config_name}"
@@ -109,7 +113,7 @@ if [ $rc -eq 143 ]; then
   scontrol requeue "$SLURM_JOB_ID" || echo "dptrain: scontrol requeue failed; resubmit this script to resume" >&2
 fi
 exit $rc
-'''
+"""  # noqa: E501 (the sbatch script as written: one shell command a line)
 
 
 def sbatch_script(spec: SlurmSpec, *, config_yaml: str) -> str:
@@ -119,7 +123,13 @@ def sbatch_script(spec: SlurmSpec, *, config_yaml: str) -> str:
     if not config_yaml.endswith("\n"):
         config_yaml += "\n"
     head = ["#!/bin/bash", "# Written by `dptrain manifest slurm`; submit with: sbatch THIS_FILE", *_directives(spec)]
-    body = _BODY.format(run_dir=shlex.quote(spec.run_dir), config_name=CONFIG_NAME, config=config_yaml,
-                        nnodes=spec.nnodes, nproc=spec.nproc_per_node, dptrain=spec.dptrain,
-                        srun_cpus=f" --cpus-per-task={spec.cpus_per_task}" if spec.cpus_per_task else "")
+    body = _BODY.format(
+        run_dir=shlex.quote(spec.run_dir),
+        config_name=CONFIG_NAME,
+        config=config_yaml,
+        nnodes=spec.nnodes,
+        nproc=spec.nproc_per_node,
+        dptrain=spec.dptrain,
+        srun_cpus=f" --cpus-per-task={spec.cpus_per_task}" if spec.cpus_per_task else "",
+    )
     return "\n".join(head) + "\n" + body

@@ -99,7 +99,9 @@ def calibrated_efficiency(run_dir: str | Path, *, cpu: bool, skip: int = 3) -> t
         rph = run_ranks_per_host(Path(run_dir))
         here = cpu_spec(ranks_per_host=rph).peaks["fp32"]
         eff *= run_peak / here
-        source += f", its peak {run_peak / 1e9:.1f} GFLOP/s per rank against {here / 1e9:.1f} measured here ({rph} rank(s))"
+        source += (
+            f", its peak {run_peak / 1e9:.1f} GFLOP/s per rank against {here / 1e9:.1f} measured here ({rph} rank(s))"
+        )
     return eff, source
 
 
@@ -121,8 +123,10 @@ def cpu_spec(*, ranks_per_host: int, seconds: float = 0.3) -> GpuSpec:
     threads = threads_per_rank(ranks_per_host, cores)
     share = min(1.0, cores / (ranks_per_host * threads))  # oversubscribed: the ranks split the cores
     fp32 = matmul_peak(threads, seconds) * share
-    name = (f"CPU ({cores} cores, {ranks_per_host} rank(s) x {threads} thread(s), measured fp32 matmul peak "
-            f"{fp32 / 1e9:.1f} GFLOP/s per rank)")
+    name = (
+        f"CPU ({cores} cores, {ranks_per_host} rank(s) x {threads} thread(s), measured fp32 matmul peak "
+        f"{fp32 / 1e9:.1f} GFLOP/s per rank)"
+    )
     # autocast on the CPU: the same fp32 peak is used for bf16/fp16 (not measured separately)
     peaks = {"fp32": fp32, "tf32": fp32, "bf16": fp32, "fp16": fp32}
     return GpuSpec("cpu", "", name, psutil.virtual_memory().total / 1e9 / ranks_per_host, peaks, 0, 0)

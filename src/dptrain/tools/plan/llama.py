@@ -1,33 +1,29 @@
 """Exact parameter counts and activation memory of the built-in LLaMA (`dptrain.models.llama`).
 
 Activations are the bytes autograd saves for backward in one micro-batch's forward (what
-`torch.autograd.graph.saved_tensors_hooks` sees, each storage once, parameters excluded), for
-B sequences of T tokens, model width d, query heads h, head dim hd,
-FFN width f, vocabulary V. Counted from the model's code (tests/test_plan.py checks them against
-that measurement on this CPU):
+`torch.autograd.graph.saved_tensors_hooks` sees, each storage once, parameters excluded), for B
+sequences of T tokens, model width d, query heads h, head dim hd, FFN width f, vocabulary V. Counted
+from the model's code (tests/test_plan.py checks them against that measurement on this CPU):
 
-fp32, per block: 11*B*T*d (block input, the two norms' normalised x and outputs, q, k, v
-at h heads after the GQA repeat, the attention output, its re-laid-out copy (none with one head:
-the transpose is then contiguous), the mid residual)
-+ 4*B*T*f (w1, w3, silu outputs and the gated product) elements + 2*B*T (the norms' rsqrt)
-+ B*h*T (attention logsumexp), 4 bytes each.
+fp32, per block: 11*B*T*d (block input, the two norms' normalised x and outputs, q, k, v at h heads
+after the GQA repeat, the attention output, its re-laid-out copy (none with one head: the transpose
+is then contiguous), the mid residual) + 4*B*T*f (w1, w3, silu outputs and the gated product)
+elements + 2*B*T (the norms' rsqrt) + B*h*T (attention logsumexp), 4 bytes each.
 
 bf16/fp16 autocast, per block: the residual stream (block input, mid residual), the norms'
 normalised x and rsqrt and the logsumexp stay fp32 (4*B*T*d + 2*B*T + B*h*T at 4 bytes); half
 precision, 2 bytes: the cast linear inputs (one copy per linear: 5*B*T*d), q, k, v at h heads
-(3*B*T*d), the attention output and its copy (2*B*T*d), 4*B*T*f, and autocast's half copy of
-every block weight (the block's linear parameters). GQA does not change either count: attention
-saves k and v after the repeat to h heads.
+(3*B*T*d), the attention output and its copy (2*B*T*d), 4*B*T*f, and autocast's half copy of every
+block weight (the block's linear parameters). GQA does not change either count: attention saves k
+and v after the repeat to h heads.
 
-Outside the blocks: the token ids (B*(T+1) int64), targets (B*T int64; a view of the ids, no
-copy, when B = 1), the rope tables
-(max_seq_len*hd fp32: the slices keep the tables alive), the final norm (last block output, normalised x, rsqrt: fp32; its output cast for
-the head under autocast, else fp32), the head weight's half copy under autocast, and the fp32
-log-softmax (B*T*V). Activation checkpointing `full` keeps one block input (B*T*d residual
-dtype, 4 bytes) per block plus one block's full set, less that input, while it is recomputed in
-backward;
-`selective` is counted as `none` (an upper bound: the op-level policy is not modelled).
-"""
+Outside the blocks: the token ids (B*(T+1) int64), targets (B*T int64; a view of the ids, no copy,
+when B = 1), the rope tables (max_seq_len*hd fp32: the slices keep the tables alive), the final norm
+(last block output, normalised x, rsqrt: fp32; its output cast for the head under autocast, else
+fp32), the head weight's half copy under autocast, and the fp32 log-softmax (B*T*V). Activation
+checkpointing `full` keeps one block input (B*T*d residual dtype, 4 bytes) per block plus one
+block's full set, less that input, while it is recomputed in backward; `selective` is counted as
+`none` (an upper bound: the op-level policy is not modelled)."""
 
 from __future__ import annotations
 
@@ -68,9 +64,14 @@ def param_counts(cfg: LlamaConfig) -> ParamCounts:
     d, hd, f = cfg.dim, cfg.head_dim, cfg.ffn_hidden
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
     linear = d * q + 2 * d * kv + q * d + 3 * d * f
-    return ParamCounts(embedding=cfg.vocab_size * d, block=linear + 2 * d, block_linear=linear,
-                       final_norm=d, head=0 if cfg.tie_embeddings else cfg.vocab_size * d,
-                       n_layers=cfg.n_layers)
+    return ParamCounts(
+        embedding=cfg.vocab_size * d,
+        block=linear + 2 * d,
+        block_linear=linear,
+        final_norm=d,
+        head=0 if cfg.tie_embeddings else cfg.vocab_size * d,
+        n_layers=cfg.n_layers,
+    )
 
 
 def block_activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str) -> int:
@@ -96,8 +97,16 @@ def outside_activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precisio
     return ids + rope + norm + head + 4 * bt * v + 4
 
 
-def activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str,
-                     checkpointing: str = "none", n_layers: int | None = None, outside: bool = True) -> int:
+def activation_bytes(
+    cfg: LlamaConfig,
+    *,
+    batch: int,
+    seq: int,
+    precision: str,
+    checkpointing: str = "none",
+    n_layers: int | None = None,
+    outside: bool = True,
+) -> int:
     """Bytes saved for backward by one micro-batch over `n_layers` blocks (default: all) plus,
     with `outside`, the parts outside the blocks; `checkpointing` none/selective (all kept) or full."""
     layers = cfg.n_layers if n_layers is None else n_layers

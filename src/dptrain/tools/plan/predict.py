@@ -54,7 +54,9 @@ def resolve_for_plan(cfg: Config, *, gpus: int, gpu_type: str) -> Resolved:
     from dptrain.config.resolve import resolve
 
     if cfg.parallel.strategy not in STRATEGIES:
-        raise ConfigError(f"dptrain plan covers parallel.strategy {', '.join(STRATEGIES)}, not {cfg.parallel.strategy!r}")
+        raise ConfigError(
+            f"dptrain plan covers parallel.strategy {', '.join(STRATEGIES)}, not {cfg.parallel.strategy!r}"
+        )
     return resolve(cfg, world_size=gpus, cuda_available=gpu_type.lower() != "cpu")
 
 
@@ -68,22 +70,35 @@ class Prediction:
     time: dict[str, float]
 
 
-def predict(cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: str, comm: Link | None,
-            efficiency: float) -> Prediction:
+def predict(
+    cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: str, comm: Link | None, efficiency: float
+) -> Prediction:
     """Memory and time per step of `cfg` on `gpus` ranks over `nodes` (ConfigError if dptrain refuses it)."""
     from dptrain.config.fields import ConfigError
     from dptrain.models.llama import LlamaConfig
 
     if cfg.model.factory != LLAMA:
-        raise ConfigError(f"dptrain plan has exact formulas for the built-in LLaMA ({LLAMA}) only, not "
-                          f"model.factory={cfg.model.factory!r}; give --params N for its model states")
+        raise ConfigError(
+            f"dptrain plan has exact formulas for the built-in LLaMA ({LLAMA}) only, not "
+            f"model.factory={cfg.model.factory!r}; give --params N for its model states"
+        )
     resolved = resolve_for_plan(cfg, gpus=gpus, gpu_type=gpu_type)
     spec = device_spec(gpu_type, ranks_per_host=gpus // nodes)
     model = LlamaConfig(**cfg.model.kwargs)
-    lay = layout_from_config(cfg, resolved, seq=int(cfg.data.kwargs.get("seq_len", model.max_seq_len)),
-                             cpu=spec.key == "cpu")
-    t = step_time(model, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect,
-                  accum=resolved.grad_accum_steps, efficiency=efficiency, comm=comm if gpus > 1 else None)
+    lay = layout_from_config(
+        cfg, resolved, seq=int(cfg.data.kwargs.get("seq_len", model.max_seq_len)), cpu=spec.key == "cpu"
+    )
+    t = step_time(
+        model,
+        lay,
+        spec,
+        gpus=gpus,
+        nodes=nodes,
+        interconnect=interconnect,
+        accum=resolved.grad_accum_steps,
+        efficiency=efficiency,
+        comm=comm if gpus > 1 else None,
+    )
     return Prediction(model, resolved, lay, spec, layout_memory(model, lay), t)
 
 
@@ -101,8 +116,9 @@ def scaling_points(gpus: int, nodes: int) -> list[tuple[int, int]]:
     return points + [(gpus, nodes)]
 
 
-def scaling(cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: str, comm: Link | None,
-            efficiency: float) -> list[dict[str, Any]]:
+def scaling(
+    cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: str, comm: Link | None, efficiency: float
+) -> list[dict[str, Any]]:
     """One row per point of `scaling_points`: the prediction, or why dptrain refuses that world size.
     Efficiency is tokens/s per rank over tokens/s at 1 rank (the first point)."""
     from dptrain.config.fields import ConfigError
@@ -112,14 +128,22 @@ def scaling(cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: 
     for n, k in scaling_points(gpus, nodes):
         row: dict[str, Any] = {"ranks": n, "nodes": k}
         try:
-            pr = predict(cfg, gpus=n, nodes=k, gpu_type=gpu_type, interconnect=interconnect, comm=comm,
-                         efficiency=efficiency)
+            pr = predict(
+                cfg, gpus=n, nodes=k, gpu_type=gpu_type, interconnect=interconnect, comm=comm, efficiency=efficiency
+            )
         except ConfigError as e:
             rows.append({**row, "refused": str(e)})
             continue
         per_rank = pr.time["tokens_per_s"] / n
         base = base or per_rank
-        rows.append({**row, "global_batch": pr.resolved.global_batch_size,
-                     "micro_accum": f"{pr.resolved.micro_batch_size} x {pr.resolved.grad_accum_steps}",
-                     **pr.time, "memory_gb": pr.memory["total"] / 1e9, "efficiency": per_rank / base})
+        rows.append(
+            {
+                **row,
+                "global_batch": pr.resolved.global_batch_size,
+                "micro_accum": f"{pr.resolved.micro_batch_size} x {pr.resolved.grad_accum_steps}",
+                **pr.time,
+                "memory_gb": pr.memory["total"] / 1e9,
+                "efficiency": per_rank / base,
+            }
+        )
     return rows

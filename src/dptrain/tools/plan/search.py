@@ -1,19 +1,19 @@
 """`dptrain plan --recommend`: every layout of the built-in LLaMA on N GPUs, ranked by predicted time.
 
 Candidates (for a global batch of G sequences): strategy ddp/zero1/zero2/fsdp, ± cpu_offload
-(zero2/fsdp), zero2/fsdp gathering fp32 or (bf16/fp16 training) half-precision parameters; tp a divisor of the GPUs per node (tensor parallelism stays inside a node); pp a
-divisor of n_layers with tp*pp dividing the GPUs, schedule 1f1b, pp_microbatches any divisor of the
-micro-batch >= pp; dp = gpus / (tp*pp); micro-batch any divisor of G / dp, accumulation the rest;
-activation checkpointing none/selective/full. HSDP (dp_replicate x dp_shard) is not searched.
+(zero2/fsdp), zero2/fsdp gathering fp32 or (bf16/fp16 training) half-precision parameters; tp a
+divisor of the GPUs per node (tensor parallelism stays inside a node); pp a divisor of n_layers with
+tp*pp dividing the GPUs, schedule 1f1b, pp_microbatches any divisor of the micro-batch >= pp; dp =
+gpus / (tp*pp); micro-batch any divisor of G / dp, accumulation the rest; activation checkpointing
+none/selective/full. HSDP (dp_replicate x dp_shard) is not searched.
 
 Each candidate is turned into the Config it stands for and checked by dptrain itself: `resolve()`
-(what `dptrain run` checks before launch) and, with tp > 1, the launcher's tensor-parallel check
-on the model built once on the meta device; a refused one is rejected with dptrain's message.
-The accepted ones get `layout_memory` (plan/memory.py) and are rejected when the worst stage's
-total exceeds the device's memory; those that fit are ranked by predicted step time
-(`timing.step_time`, cpu_offload and fsdp's re-gathers under pp included), ties by memory. Host memory for
-cpu_offload is not checked against the host's size (unknown here).
-"""
+(what `dptrain run` checks before launch) and, with tp > 1, the launcher's tensor-parallel check on
+the model built once on the meta device; a refused one is rejected with dptrain's message. The
+accepted ones get `layout_memory` (plan/memory.py) and are rejected when the worst stage's total
+exceeds the device's memory; those that fit are ranked by predicted step time (`timing.step_time`,
+cpu_offload and fsdp's re-gathers under pp included), ties by memory. Host memory for cpu_offload is
+not checked against the host's size (unknown here)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,11 @@ class Candidate:
     gather_dtype: str | None = None  # zero2/fsdp: parallel.fsdp_param_dtype (None: the fp32 parameters)
 
     def label(self) -> str:
-        s = self.strategy + ("+offload" if self.cpu_offload else "") + (f"+{self.gather_dtype}" if self.gather_dtype else "")
+        s = (
+            self.strategy
+            + ("+offload" if self.cpu_offload else "")
+            + (f"+{self.gather_dtype}" if self.gather_dtype else "")
+        )
         m = f" m{self.pp_microbatches}" if self.pp > 1 else ""
         mb = "-" if self.micro_batch is None else f"{self.micro_batch}x{self.accum}"
         return f"{s} dp{self.dp} tp{self.tp} pp{self.pp}{m} mb{mb} ckpt={self.checkpointing}"
@@ -108,21 +112,39 @@ def divisors(n: int) -> list[int]:
 
 def data_parallel_degrees(model: LlamaConfig, *, gpus: int, per_node: int) -> list[tuple[int, int, int]]:
     """(tp, pp, dp) triples the search tries: tp | GPUs per node, pp | n_layers, tp*pp | gpus."""
-    return [(tp, pp, gpus // (tp * pp)) for tp in divisors(per_node) for pp in divisors(model.n_layers)
-            if gpus % (tp * pp) == 0]
+    return [
+        (tp, pp, gpus // (tp * pp))
+        for tp in divisors(per_node)
+        for pp in divisors(model.n_layers)
+        if gpus % (tp * pp) == 0
+    ]
 
 
-def candidates(model: LlamaConfig, *, gpus: int, per_node: int, global_batch: int,
-               half: str | None = None) -> Iterator[Candidate]:
+def candidates(
+    model: LlamaConfig, *, gpus: int, per_node: int, global_batch: int, half: str | None = None
+) -> Iterator[Candidate]:
     """Every layout of the module docstring, in a fixed order. `half` (bf16/fp16 training): zero2/fsdp
     also gather their parameters in that dtype (`fsdp_param_dtype`)."""
     for strategy in ("ddp", "zero1", "zero2", "fsdp"):
         fsdp2 = strategy in FSDP2
-        for offload, gather in ((o, g) for o in ((False, True) if fsdp2 else (False,))
-                                for g in ((None, half) if fsdp2 and half else (None,))):
+        for offload, gather in (
+            (o, g)
+            for o in ((False, True) if fsdp2 else (False,))
+            for g in ((None, half) if fsdp2 and half else (None,))
+        ):
             for tp, pp, dp in data_parallel_degrees(model, gpus=gpus, per_node=per_node):
-                base = Candidate(strategy, offload, tp, pp, dp, micro_batch=None, accum=None, pp_microbatches=None,
-                                 checkpointing="none", gather_dtype=gather)
+                base = Candidate(
+                    strategy,
+                    offload,
+                    tp,
+                    pp,
+                    dp,
+                    micro_batch=None,
+                    accum=None,
+                    pp_microbatches=None,
+                    checkpointing="none",
+                    gather_dtype=gather,
+                )
                 if global_batch % dp:
                     yield base  # dptrain refuses it (the batch does not split over dp)
                     continue
@@ -131,18 +153,32 @@ def candidates(model: LlamaConfig, *, gpus: int, per_node: int, global_batch: in
                     splits: list[int | None] = ([m for m in divisors(mb) if m >= pp] or [pp]) if pp > 1 else [None]
                     for m in splits:
                         for ckpt in CHECKPOINTING:
-                            yield dataclasses.replace(base, micro_batch=mb, accum=per_replica // mb,
-                                                      pp_microbatches=m, checkpointing=ckpt)
+                            yield dataclasses.replace(
+                                base, micro_batch=mb, accum=per_replica // mb, pp_microbatches=m, checkpointing=ckpt
+                            )
 
 
 def candidate_config(base: Config, cand: Candidate, *, global_batch: int) -> Config:
     """`base` with the candidate's parallel layout and batch sizes (everything else kept)."""
     parallel = dataclasses.replace(
-        base.parallel, strategy=cand.strategy, cpu_offload=cand.cpu_offload, tp=cand.tp, pp=cand.pp,
-        dp_replicate=1, dp_shard=1, pp_schedule="1f1b", pp_microbatches=cand.pp_microbatches,
-        activation_checkpointing=cand.checkpointing, fsdp_param_dtype=cand.gather_dtype)
-    train = dataclasses.replace(base.train, global_batch_size=global_batch, micro_batch_size=cand.micro_batch,
-                                grad_accum_steps=cand.accum if cand.micro_batch is not None else 1)
+        base.parallel,
+        strategy=cand.strategy,
+        cpu_offload=cand.cpu_offload,
+        tp=cand.tp,
+        pp=cand.pp,
+        dp_replicate=1,
+        dp_shard=1,
+        pp_schedule="1f1b",
+        pp_microbatches=cand.pp_microbatches,
+        activation_checkpointing=cand.checkpointing,
+        fsdp_param_dtype=cand.gather_dtype,
+    )
+    train = dataclasses.replace(
+        base.train,
+        global_batch_size=global_batch,
+        micro_batch_size=cand.micro_batch,
+        grad_accum_steps=cand.accum if cand.micro_batch is not None else 1,
+    )
     return dataclasses.replace(base, parallel=parallel, train=train)
 
 
@@ -177,16 +213,28 @@ class Checker:
             from dptrain.launch.checks import check_tensor_parallel
 
             try:  # the launcher reads the input length off a training sample: a token row of seq + 1
-                check_tensor_parallel(self.model, parallel=cfg.parallel, tp=tp,
-                                      sample=torch.zeros(self.seq + 1, dtype=torch.long))
+                check_tensor_parallel(
+                    self.model, parallel=cfg.parallel, tp=tp, sample=torch.zeros(self.seq + 1, dtype=torch.long)
+                )
                 self._tp[key] = None
             except ConfigError as e:
                 self._tp[key] = str(e)
         return self._tp[key]
 
 
-def search(base: Config, model: LlamaConfig, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
-           global_batch: int, seq: int, efficiency: float, comm: Link | None = None) -> SearchResult:
+def search(
+    base: Config,
+    model: LlamaConfig,
+    spec: GpuSpec,
+    *,
+    gpus: int,
+    nodes: int,
+    interconnect: str,
+    global_batch: int,
+    seq: int,
+    efficiency: float,
+    comm: Link | None = None,
+) -> SearchResult:
     """Rank every candidate layout (module docstring); `base` is the user's config (built-in LLaMA)."""
     checker = Checker(base, gpus=gpus, seq=seq)
     ranked: list[Ranked] = []
@@ -201,11 +249,25 @@ def search(base: Config, model: LlamaConfig, spec: GpuSpec, *, gpus: int, nodes:
         lay = layout_from_config(cfg, resolved, seq=seq, cpu=spec.key == "cpu")
         mem = layout_memory(model, lay)
         if mem["total"] > spec.memory_gb * GB:
-            rejected.append(Rejected(cand, f"memory per rank {mem['total'] / GB:.1f} GB > {spec.name}'s "
-                                           f"{spec.memory_gb:g} GB", memory=mem["total"]))
+            rejected.append(
+                Rejected(
+                    cand,
+                    f"memory per rank {mem['total'] / GB:.1f} GB > {spec.name}'s {spec.memory_gb:g} GB",
+                    memory=mem["total"],
+                )
+            )
             continue
-        t = step_time(model, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect,
-                      accum=resolved.grad_accum_steps, efficiency=efficiency, comm=comm)
+        t = step_time(
+            model,
+            lay,
+            spec,
+            gpus=gpus,
+            nodes=nodes,
+            interconnect=interconnect,
+            accum=resolved.grad_accum_steps,
+            efficiency=efficiency,
+            comm=comm,
+        )
         ranked.append(Ranked(cand, cfg, mem, t))
     ranked.sort(key=_rank_key)
     return SearchResult(ranked, rejected, global_batch, seq)

@@ -40,7 +40,9 @@ def _figure(width: float = 8.0, height: float = 3.6) -> Any:
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float) and isinstance(r.get("step"), int)]
+    pts = [
+        (r["step"], r[key]) for r in records if isinstance(r.get(key), int | float) and isinstance(r.get("step"), int)
+    ]
     return [p[0] for p in pts], [float(p[1]) for p in pts]
 
 
@@ -111,14 +113,23 @@ def step_time_heatmap(run: RunRecords) -> Figure | None:
     ax = fig.add_subplot()
     im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
     labels = [f"{s['steps'][0]}-{s['steps'][-1]}" for s in run.splits]
-    ax.set_xticks(range(len(labels)), labels, rotation=45 if len(labels) > 8 else 0, ha="right" if len(labels) > 8 else "center")
+    ax.set_xticks(
+        range(len(labels)), labels, rotation=45 if len(labels) > 8 else 0, ha="right" if len(labels) > 8 else "center"
+    )
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     if len(labels) * len(ranks) <= 120:
         mid = sum(im.get_clim()) / 2  # dark text on the bright half of viridis
         for i in range(len(ranks)):
             for j in range(len(labels)):
-                ax.text(j, i, f"{grid[i][j]:.0f}", ha="center", va="center", fontsize=8,
-                        color="black" if grid[i][j] > mid else "white")
+                ax.text(
+                    j,
+                    i,
+                    f"{grid[i][j]:.0f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="black" if grid[i][j] > mid else "white",
+                )
     ax.set(xlabel="steps (straggler window)", title="Step time per rank (ms/step)")
     fig.colorbar(im, ax=ax, label="ms/step")
     return fig
@@ -190,8 +201,13 @@ def events_figure(run: RunRecords) -> Figure | None:
     ax = fig.add_subplot()
     for i, kind in enumerate(kinds):
         steps = [e["step"] for e in run.events if e["kind"] == kind]
-        ax.scatter(steps, [i] * len(steps), marker="|" if kind == "checkpoint" else "o", s=200 if kind == "checkpoint" else 40,
-                   color=EVENT_COLORS.get(kind, "#333333"))
+        ax.scatter(
+            steps,
+            [i] * len(steps),
+            marker="|" if kind == "checkpoint" else "o",
+            s=200 if kind == "checkpoint" else 40,
+            color=EVENT_COLORS.get(kind, "#333333"),
+        )
     ax.set_yticks(range(len(kinds)), kinds)
     ax.set_ylim(-0.6, len(kinds) - 0.4)
     ax.set_xlim(0, max(run.last_step, max(e["step"] for e in run.events)) * 1.02 + 1)
@@ -201,6 +217,11 @@ def events_figure(run: RunRecords) -> Figure | None:
 
 
 FIGURES = {
-    "loss": loss_figure, "lr": lr_figure, "throughput": throughput_figure, "step_time": step_time_heatmap,
-    "split": split_figure, "memory": memory_figure, "events": events_figure,
+    "loss": loss_figure,
+    "lr": lr_figure,
+    "throughput": throughput_figure,
+    "step_time": step_time_heatmap,
+    "split": split_figure,
+    "memory": memory_figure,
+    "events": events_figure,
 }

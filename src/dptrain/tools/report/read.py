@@ -130,14 +130,19 @@ def _diagnostic_events(diag: list[dict[str, Any]]) -> list[dict[str, Any]]:
         step = steps[-1] if kind in WINDOW_KINDS else r.get("step")
         if kind == "straggler":
             text = (f"rank {r.get('rank')} on {r.get('host')}: {_ms(r.get('busy_s'))} ms/step of data + compute vs "
-                    f"{_ms(r.get('others_busy_s'))} ms for the others (steps {steps[0]}-{steps[-1]}; slow: {r.get('cause')})")
+                    f"{_ms(r.get('others_busy_s'))} ms for the others "
+                    f"(steps {steps[0]}-{steps[-1]}; slow: {r.get('cause')})")
         elif kind == "nonfinite":
-            text = f"update skipped (non-finite values; ranks {r.get('ranks') or 'all'}, {r.get('consecutive')} in a row)"
+            text = (
+                f"update skipped (non-finite values; ranks {r.get('ranks') or 'all'}, {r.get('consecutive')} in a row)"
+            )
         elif kind == "nonfinite_loss":
             text = f"logged loss is {r.get('loss')} (policy {r.get('policy')})"
         elif kind == "memory_leak":
-            text = (f"rank {r.get('rank')}: {r.get('memory')} grows {r.get('mb_per_step', 0):.2f} MiB/step "
-                    f"(+{r.get('growth_mb', 0):.0f} MiB)")
+            text = (
+                f"rank {r.get('rank')}: {r.get('memory')} grows {r.get('mb_per_step', 0):.2f} MiB/step "
+                f"(+{r.get('growth_mb', 0):.0f} MiB)"
+            )
         elif kind == "drift":
             text = f"replicas drifted: {r.get('error')}"
         elif kind == "watchdog_died":
@@ -158,8 +163,13 @@ def _skipped_step_events(train: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in train:
         n = r.get("skipped_steps")
         if isinstance(n, int) and n > before:
-            events.append(_event(r["step"], "fp16_skip", f"{n - before} step(s) skipped by the loss scaler "
-                                 f"(scale now {r.get('loss_scale')})"))
+            events.append(
+                _event(
+                    r["step"],
+                    "fp16_skip",
+                    f"{n - before} step(s) skipped by the loss scaler (scale now {r.get('loss_scale')})",
+                )
+            )
             before = n
     return events
 
@@ -170,14 +180,23 @@ def _restart_events(run_dir: Path, out: RunRecords) -> list[dict[str, Any]]:
         out.bad_lines["attempts.jsonl"] = bad
     events = []
     for r in records:
-        causes = "; ".join(f"rank {c.get('rank')} at step {c.get('step')}: {c.get('cause')}" for c in r.get("failures", []))
-        events.append(_event(r.get("last_step"), "restart",
-                             f"attempt {r.get('attempt')} failed, restarted as {r.get('restarted_as')}: {causes}"))
+        causes = "; ".join(
+            f"rank {c.get('rank')} at step {c.get('step')}: {c.get('cause')}" for c in r.get("failures", [])
+        )
+        events.append(
+            _event(
+                r.get("last_step"),
+                "restart",
+                f"attempt {r.get('attempt')} failed, restarted as {r.get('restarted_as')}: {causes}",
+            )
+        )
     return events
 
 
 def _checkpoint_events(run_dir: Path, config: dict[str, Any] | None) -> list[dict[str, Any]]:
-    folder = (config or {}).get("checkpoint", {}).get("dir") if isinstance((config or {}).get("checkpoint"), dict) else None
+    folder = (
+        (config or {}).get("checkpoint", {}).get("dir") if isinstance((config or {}).get("checkpoint"), dict) else None
+    )
     ckpt_dir = Path(folder) if folder else run_dir / "checkpoints"
     if not ckpt_dir.is_absolute() and not ckpt_dir.is_dir():
         ckpt_dir = run_dir / ckpt_dir
@@ -191,6 +210,7 @@ def _checkpoint_events(run_dir: Path, config: dict[str, Any] | None) -> list[dic
             step = int(digits) if digits.isdigit() else 0
         state = "committed" if (d / "COMMITTED").is_file() else "not committed (being written, or interrupted)"
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-        events.append(_event(step, "checkpoint", f"{d.name}: {state}, {size / 2**20:.1f} MiB, "
-                             f"format {meta.get('format', '?')}"))
+        events.append(
+            _event(step, "checkpoint", f"{d.name}: {state}, {size / 2**20:.1f} MiB, format {meta.get('format', '?')}")
+        )
     return events

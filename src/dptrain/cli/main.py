@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,25 +52,71 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return args
 
 
+_OVERRIDE_LIKE = re.compile(r"^[A-Za-z_][\w-]*\.[\w.-]+=")
+
+
+class OneValue(argparse.Action):
+    """An option that takes one value, once: given twice with different values it is refused (the
+    last one would silently win), and a value that is empty or looks like a `section.field=value`
+    override (`--out train.max_steps=3`: the directory was forgotten) is refused with the reason."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        text = str(values)
+        if not text.strip():
+            parser.error(f"{option_string} is empty (an unset shell variable?); give it a value")
+        if _OVERRIDE_LIKE.match(text):
+            parser.error(
+                f"{option_string} {text!r} looks like a section.field=value override, not the option's "
+                f"value; give {option_string} its value first, e.g. {option_string} runs/my-run {text}"
+            )
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before != self.default and before != values:
+            parser.error(f"{option_string} given twice: {before!r} and {values!r}; keep one")
+        setattr(namespace, self.dest, values)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dptrain", description="Data-parallel training of PyTorch models.")
     sub = p.add_subparsers(metavar="COMMAND")
 
     run = sub.add_parser("run", help="train a recipe (default: a small LLaMA-style LM on the Python stdlib)")
-    run.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]",
-                     help="a YAML recipe or DeepSpeed-style JSON file, then dotted overrides")
-    run.add_argument("--nproc-per-node", help="workers per node (default: every GPU, else 2 on the CPU)")
-    run.add_argument("--out", help="run directory (default: runs/<recipe>-<timestamp>)")
-    run.add_argument("--max-restarts", type=int, help="elastic restarts of the worker group (torchrun)")
-    run.add_argument("--resume", default="auto", metavar="auto|none|PATH",
-                     help="auto (default): continue from the newest valid checkpoint in the run directory, if any; "
-                          "none: start from scratch; PATH: a step folder, run directory or checkpoint directory")
-    run.add_argument("--trust-checkpoint", action="store_true",
-                     help="allow --resume PATH to load a checkpoint that has no valid manifest (still weights-only)")
+    run.add_argument(
+        "items",
+        nargs="*",
+        metavar="[CONFIG] [section.field=value ...]",
+        help="a YAML recipe or DeepSpeed-style JSON file, then dotted overrides",
+    )
+    run.add_argument(
+        "--nproc-per-node", action=OneValue, help="workers per node (default: every GPU, else 2 on the CPU)"
+    )
+    run.add_argument("--out", action=OneValue, help="run directory (default: runs/<recipe>-<timestamp>)")
+    run.add_argument(
+        "--max-restarts", action=OneValue, type=int, help="elastic restarts of the worker group (torchrun)"
+    )
+    run.add_argument(
+        "--resume",
+        action=OneValue,
+        default="auto",
+        metavar="auto|none|PATH",
+        help="auto (default): continue from the newest valid checkpoint in the run directory, if any; "
+        "none: start from scratch; PATH: a step folder, run directory or checkpoint directory",
+    )
+    run.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="allow --resume PATH to load a checkpoint that has no valid manifest (still weights-only)",
+    )
     run.set_defaults(func=cmd_run)
 
-    launch = sub.add_parser("launch", help="run your own script under torchrun with dptrain's defaults",
-                            prefix_chars="\0")  # everything goes to torchrun untouched
+    launch = sub.add_parser(
+        "launch", help="run your own script under torchrun with dptrain's defaults", prefix_chars="\0"
+    )  # everything goes to torchrun untouched
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="[torchrun options] SCRIPT [ARGS]")
     launch.set_defaults(func=cmd_launch)
 
@@ -135,14 +182,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _flag_overrides(args: argparse.Namespace) -> list[str]:
-    extra = []
-    if getattr(args, "nproc_per_node", None) is not None:
-        extra.append(f"launch.nproc_per_node={args.nproc_per_node}")
-    if getattr(args, "out", None):
-        extra.append(f"log.out_dir={args.out}")
-    if getattr(args, "max_restarts", None) is not None:
-        extra.append(f"launch.max_restarts={args.max_restarts}")
+FLAG_FIELDS = {
+    "nproc_per_node": ("--nproc-per-node", "launch.nproc_per_node"),
+    "out": ("--out", "log.out_dir"),
+    "max_restarts": ("--max-restarts", "launch.max_restarts"),
+}
+"""Options that set a config field: option dest -> (the flag, the field)."""
+FLAG_NAMES = {field: flag for flag, field in FLAG_FIELDS.values()}
+
+
+def _flag_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """The config fields the command's options set, as {field: 'field=value' override, ...}."""
+    extra = {}
+    for dest, (_, field) in FLAG_FIELDS.items():
+        value = getattr(args, dest, None)
+        if value is not None and value != "":
+            extra[field] = f"{field}={value}"
     return extra
 
 
@@ -157,7 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(cluster.describe(), file=sys.stderr)
         args.items = [*cluster.overrides, *args.items]
     cfg = load_command_line(
-        args.items, extra=_flag_overrides(args), run_dir=args.out if args.resume != "none" else None
+        args.items, extra=_flag_overrides(args), flags=FLAG_NAMES, run_dir=args.out if args.resume != "none" else None
     )
     validate(cfg)  # before anything imports torch: a refusal is instant
     run_dir = Path(default_out_dir(cfg))
@@ -319,7 +374,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_command_line(args.items, extra=_flag_overrides(args))
+    cfg = load_command_line(args.items, extra=_flag_overrides(args), flags=FLAG_NAMES)
     res = resolve(cfg, world_size=local_world_size(cfg.launch) * max_nodes(cfg.launch))
     print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")
     d = res.dims

@@ -15,7 +15,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +52,11 @@ def load_file(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from None
     try:
-        raw = json.loads(text) if p.suffix == ".json" else load_yaml(text)
+        raw = json.loads(text, object_pairs_hook=_unique_object) if p.suffix == ".json" else load_yaml(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot parse config file {str(p)!r}: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"config file {str(p)!r}: {e}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -140,6 +142,37 @@ for _tag, _rx, _first in (
     ("tag:yaml.org,2002:float", _FLOAT, list("-+.0123456789")),
 ):
     Yaml12Loader.add_implicit_resolver(_tag, _rx, _first)
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    """A mapping whose keys are all different: a key given twice (YAML would keep the last silently)
+    is refused, naming the key, both values and their lines."""
+    loader.flatten_mapping(node)
+    seen: dict[Any, tuple[Any, int]] = {}
+    out: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        value = loader.construct_object(value_node, deep=True)
+        if key in seen:
+            first, line = seen[key]
+            raise ConfigError(
+                f"duplicate key {key!r}: {first!r} (line {line}) and {value!r} (line {key_node.start_mark.line + 1}); "
+                "keep one"
+            )
+        seen[key] = (value, key_node.start_mark.line + 1)
+        out[key] = value
+    return out
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`' object hook: a key given twice in one JSON object is refused, naming both values."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"duplicate key {key!r}: {out[key]!r} and {value!r}; keep one")
+        out[key] = value
+    return out
+
+
+Yaml12Loader.add_constructor("tag:yaml.org,2002:map", _construct_mapping)
 Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 Yaml12Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
@@ -300,12 +333,23 @@ def dump_yaml(cfg: Config, extra: dict[str, Any] | None = None) -> str:
     return text
 
 
-def load_command_line(items: list[str], *, extra: Sequence[str] = (), run_dir: str | None = None) -> Config:
+def load_command_line(items: list[str], *, extra: Sequence[str] | Mapping[str, str] = (),
+                      run_dir: str | None = None, flags: Mapping[str, str] | None = None) -> Config:
     """The config a `dptrain` command line names: CONFIG is the one item without '=' (if any, in any
-    position); the rest are overrides, then `extra` (from the command's flags). Without CONFIG, an
+    position); the rest are overrides, then `extra` (from the command's options: a list of overrides,
+    or {field: override}). An option and an override that set one field to different values are
+    refused, naming both (`flags`: field -> the option's name, for the message). Without CONFIG, an
     existing `run_dir`'s config.yaml is the base (continuing that run)."""
     files = [item for item in items if "=" not in item]
     overrides = [item for item in items if "=" in item]
+    if isinstance(extra, Mapping):
+        given = dict(parse_override(o) for o in overrides)
+        for field, item in extra.items():
+            _, value = parse_override(item)
+            if field in given and given[field] != value:
+                flag = (flags or {}).get(field, field)
+                raise ConfigError(f"{flag} {value} and the override {field}={given[field]} disagree; give one of them")
+        extra = [item for field, item in extra.items() if field not in given]
     if len(files) > 1:
         raise ConfigError(
             f"{files[1]!r} is not an override of the form section.field=value "

@@ -271,6 +271,8 @@ _SEED_MAX = 2**63 - 1  # torch.manual_seed takes int64; numpy's SeedSequence tak
 POS_INT, NONNEG_INT = Range(int, 1), Range(int, 0)
 POS_FLOAT, NONNEG_FLOAT = Range(float, 0, low_open=True), Range(float, 0)
 
+_YEAR_S = 365 * 86_400  # the longest timeout that means anything (timedelta and the C++ side overflow far above)
+
 # Every numeric field, by section: one row each. Checked before any process starts.
 RANGES: dict[str, dict[str, Range]] = {
     "train": {
@@ -296,8 +298,8 @@ RANGES: dict[str, dict[str, Range]] = {
         "grad_clip": Range(float, 0, low_open=True, optional=True, note="null disables clipping"),
     },
     "parallel": {
-        "bucket_cap_mb": POS_FLOAT,
-        "timeout_s": POS_FLOAT,
+        "bucket_cap_mb": Range(float, 0, 1_048_576, low_open=True, note="MiB: at most 1 TiB"),
+        "timeout_s": Range(float, 1, _YEAR_S, note="seconds: at least 1, at most a year"),
         "pp_stages_per_rank": POS_INT,
         "pp_microbatches": Range(int, 1, optional=True, note="null: pp"),
         "powersgd_rank": POS_INT,
@@ -306,20 +308,23 @@ RANGES: dict[str, dict[str, Range]] = {
         "fsdp_forward_prefetch": NONNEG_INT,
         "fsdp_backward_prefetch": NONNEG_INT,
     },
-    "precision": {"init_scale": POS_FLOAT, "growth_interval": POS_INT},
+    "precision": {
+        "init_scale": Range(float, 0, 2.0**64, low_open=True, note="at most 2**64"),
+        "growth_interval": POS_INT,
+    },
     "launch": {"node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},  # nnodes: config/nodes.py
     "data": {"num_workers": NONNEG_INT, "prefetch_factor": Range(int, 1, optional=True, note="null: 2")},
     "log": {
         "peak_tflops": Range(float, 0, low_open=True, optional=True, note="null: table or measured"),
         "prometheus_port": Range(int, 0, 65535, note="0 turns the exporter off"),
-        "status_every_s": Range(float, 0, note="0 turns the status files off"),
+        "status_every_s": Range(float, 0, 86_400, note="seconds; 0 turns the status files off; at most a day"),
     },
     "checkpoint": {
         "every_steps": Range(int, 0, note="0: only at the end"),
         "keep_last": Range(int, 1, optional=True, note="null keeps all"),
     },
     "diagnostics": {
-        "hang_timeout_s": Range(float, 0, optional=True, note="0 turns the watchdog off"),
+        "hang_timeout_s": Range(float, 0, _YEAR_S, optional=True, note="seconds; 0 turns the watchdog off"),
         "straggler_every_steps": Range(int, 0, note="0 turns it off"),
         "drift_every_steps": Range(int, 0, note="0 turns it off"),
         "memory_every_steps": Range(int, 0, note="0 turns it off"),

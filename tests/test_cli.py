@@ -122,13 +122,13 @@ def test_launch_runs_a_users_own_loop():
 
 
 @pytest.mark.timeout(30)
-def test_readme_config_reference_matches_the_code():
+def test_docs_config_reference_matches_the_code():
     from dptrain.cli.main import config_reference
 
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("<!-- config-reference:start -->\n") + len("<!-- config-reference:start -->\n")
-    assert readme[start:readme.index("<!-- config-reference:end -->")] == config_reference(), (
-        "README config reference is stale: regenerate it with `dptrain config docs`"
+    page = (ROOT / "docs" / "reference" / "config.md").read_text()
+    start = page.index("<!-- config-reference:start -->\n") + len("<!-- config-reference:start -->\n")
+    assert page[start:page.index("<!-- config-reference:end -->")] == config_reference(), (
+        "docs/reference/config.md is stale: regenerate the block between its markers with `dptrain config docs`"
     )
 
 

@@ -46,7 +46,7 @@ def test_batch_not_divisible_is_refused_with_alternatives() -> None:
 
 
 def test_native_batch_fields_derive_too() -> None:
-    """README: leave any one out and it is derived; the built-in 32/8 applies only when none is given."""
+    """Leave any one out and it is derived; the built-in 32/8 applies only when none is given (docs: batch sizes)."""
     r = resolve(load_config(None, ["train.micro_batch_size=1", "train.grad_accum_steps=1"]), world_size=2,
                 cuda_available=False)
     assert (r.global_batch_size, r.micro_batch_size, r.grad_accum_steps) == (2, 1, 1)

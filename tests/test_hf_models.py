@@ -7,7 +7,7 @@ Every case asserts the loss falls. Llama and GPT-2 under ddp and fsdp (and Llama
 match a single-process reference of plain PyTorch on the same global batches with plain SGD, as
 the parity ladder (test_parity.py) does: the token rule (`num_items_in_batch`, dptrain/train/loss.py)
 makes the step's gradient the global batch's token mean even with padded rows. The losses are
-printed as a table row (`pytest -s`) for the README.
+printed as a table row (`pytest -s`) for docs/results/training.md.
 
 What these models exercise in dptrain: the meta-device build falls back to the eager build (HF
 initialises weights in `post_init`, outside the init contract of dptrain.parallel.materialize) with

@@ -19,7 +19,7 @@ def apply_ddp(
 ) -> DDP:
     """Wrap `model` in DDP over `process_group` (default: every rank). By default gradients become
     bucket views (one less copy per step; parallel.gradient_as_bucket_view); `static_graph`: DDP's
-    static-graph mode (parallel.static_graph; the README's "Overlap and buckets" has the measurement).
+    static-graph mode (parallel.static_graph; measured in docs/results/communication.md).
     Meta parameters are materialised first: DDP broadcasts rank 0's parameters at construction, so
     they must exist by then."""
     if any(p.is_meta for p in model.parameters()):

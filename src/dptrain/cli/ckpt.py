@@ -134,7 +134,17 @@ def _size(path: Path) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
+def _check_target(target: str) -> None:
+    """A path `ckpt ls/verify/export` can look in: an existing directory (a run, its checkpoints/, a step)."""
+    p = Path(target)
+    if not p.exists():
+        raise ConfigError(f"{target!r} does not exist; pass a run directory, its checkpoints/ or a step_* folder")
+    if not p.is_dir():
+        raise ConfigError(f"{target!r} is a file; pass a run directory, its checkpoints/ or a step_* folder")
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    _check_target(args.target)
     folders = _step_folders(Path(args.target))
     if not folders:
         print(f"no checkpoints under {args.target}")
@@ -151,6 +161,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    _check_target(args.target)
     folders = _step_folders(Path(args.target))
     if not folders:
         print(f"dptrain: error: no checkpoints under {args.target}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dptrain.cli.arg_types import positive_float, positive_int
 from dptrain.metrics.hardware import GpuSpec, gpu_spec
 from dptrain.tools.plan.llama import param_counts
 from dptrain.tools.plan.memory import GB, OPTIMIZERS, PRECISIONS, zero_states
@@ -23,18 +24,18 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "plan", help="memory per rank of a layout (or ZeRO stages 0-3 for --params) and whether it fits"
     )
     plan.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]")
-    plan.add_argument("--gpus", type=int, default=1, help="ranks (GPUs) in all (default 1)")
+    plan.add_argument("--gpus", type=positive_int, default=1, help="ranks (GPUs) in all (default 1)")
     plan.add_argument("--gpu-type", default="H100", help="GPU model of metrics/hardware.py (default H100 = H100-SXM)")
-    plan.add_argument("--params", type=float, help="a model given only by its parameter count: ZeRO stages 0-3")
+    plan.add_argument("--params", type=positive_float, help="a model given only by its parameter count: ZeRO stages 0-3")
     plan.add_argument("--optimizer", default="adam", help=f"--params: {', '.join(OPTIMIZERS)} (default adam)")
     plan.add_argument("--precision", default="fp16", help=f"--params: {', '.join(PRECISIONS)} (default fp16)")
-    plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
+    plan.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
     plan.add_argument(
         "--interconnect", default="ib", help="between nodes: ib or ethernet; inside: nvlink or pcie (default ib)"
     )
     plan.add_argument(
         "--efficiency",
-        type=float,
+        type=positive_float,
         default=DEFAULT_EFFICIENCY,
         help=f"achieved share of the dense peak for compute (a stated assumption; default "
         f"{DEFAULT_EFFICIENCY}: the Llama 3 paper's 38-43%% BF16 MFU on H100s, its lower end)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -18,6 +19,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from dptrain.config import ConfigError
     from dptrain.tools.report import MissingExtra, build_report
 
+    run = Path(args.run_dir)
+    if not run.is_dir() or not any((run / name).is_file() for name in ("metrics.jsonl", "config.yaml", "console.log")):
+        raise ConfigError(
+            f"{args.run_dir!r} is not a run directory (no metrics.jsonl, config.yaml or console.log); "
+            "pass the --out folder of a dptrain run"
+        )
     try:
         page = build_report(args.run_dir, out_dir=args.out)
     except FileNotFoundError as e:

@@ -206,7 +206,7 @@ def _scheduler(sch: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
         m.default("scheduler", "optim.warmup_steps", 0)
         return
     kind = sch.get("type")
-    if kind not in _SCHEDULES:
+    if not isinstance(kind, str) or kind not in _SCHEDULES:
         raise _bad(
             "scheduler.type",
             kind,
@@ -324,7 +324,7 @@ def _fp16_scaler(b: dict[str, Any], m: DeepSpeedMapping) -> None:
         m.put(
             "fp16.initial_scale_power",
             "precision.init_scale",
-            float(2 ** _number("fp16.initial_scale_power", power, integer=True)),
+            float(2 ** _scale_power(power)),
         )
     window = b.pop("loss_scale_window", None)
     if window is None:
@@ -346,6 +346,14 @@ def _fp16_scaler(b: dict[str, Any], m: DeepSpeedMapping) -> None:
     m.ignored += [f"fp16.{k}" for k in b]
 
 
+def _scale_power(power: Any) -> int:
+    """fp16.initial_scale_power: the loss scale starts at 2**power; above 64 it is beyond any gradient's range."""
+    power = _number("fp16.initial_scale_power", power, integer=True)
+    if not 0 <= power <= 64:
+        raise _bad("fp16.initial_scale_power", power, "use an integer from 0 to 64 (the scale starts at 2**power)")
+    return int(power)
+
+
 def _zero(zero: Any, m: DeepSpeedMapping) -> None:
     if zero is None or zero == "auto":
         return
@@ -356,7 +364,7 @@ def _zero(zero: Any, m: DeepSpeedMapping) -> None:
         raise _bad("zero_optimization", zero, 'use a mapping such as {"stage": 2}, or true/false')
     zero = {k: v for k, v in zero.items() if v != "auto"}
     stage = zero.pop("stage", 0)
-    if stage not in _ZERO_STAGE or isinstance(stage, bool):
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in _ZERO_STAGE:
         raise _bad("zero_optimization.stage", stage, "use 0, 1, 2 or 3")
     m.put("zero_optimization.stage", "parallel.strategy", _ZERO_STAGE[stage])
     offload = []

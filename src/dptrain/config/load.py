@@ -41,10 +41,15 @@ def load_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"config file {str(p)!r} is a directory; pass a YAML recipe or a JSON file")
-    if not p.is_file():
+    if not p.exists():  # a FIFO or /dev/fd/N (`<(...)`) exists without being a regular file: read it
+        section = str(path).split(".")[0]
+        if "." in str(path) and section in {f.name for f in dataclasses.fields(Config)} and "/" not in str(path):
+            raise ConfigError(f"{str(path)!r} has no value: an override is section.field=value, e.g. {path}=VALUE")
         raise ConfigError(f"config file {str(p)!r} does not exist")
     try:
         text = p.read_text(encoding="utf-8")
+        # JSON by its name, or (a pipe has none) by its first character
+        is_json = p.suffix == ".json" or (p.suffix not in (".yaml", ".yml") and text.lstrip().startswith("{"))
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"config file {str(p)!r} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8"
@@ -52,7 +57,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from None
     try:
-        raw = json.loads(text, object_pairs_hook=_unique_object) if p.suffix == ".json" else load_yaml(text)
+        raw = json.loads(text, object_pairs_hook=_unique_object) if is_json else load_yaml(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot parse config file {str(p)!r}: {e}") from None
     except ConfigError as e:
@@ -62,7 +67,10 @@ def load_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level, not {type(raw).__name__}")
     sections = {f.name for f in dataclasses.fields(Config)}
-    if p.suffix == ".json" and not set(raw) <= sections:
+    # A JSON file is dptrain's own when any top-level key is one of its sections (then an unknown key,
+    # e.g. a misspelled section, is refused below like YAML's); else DeepSpeed's, translated.
+    # `checkpoint` is a section of both.
+    if is_json and not set(raw) & (sections - {"checkpoint"}):
         from dptrain.config.deepspeed import translate_deepspeed
 
         m = translate_deepspeed(raw)
@@ -190,6 +198,8 @@ def parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not key or "." not in key:
         raise ConfigError(f"override {item!r}: the key must be dotted, e.g. train.max_steps=100")
+    if re.search(r"(^|\s)#", text):  # YAML would drop ` #...` as a comment: a shell line means it literally
+        return key, text
     try:
         value = load_yaml(text) if text.strip() else None
     except yaml.YAMLError:

@@ -1,0 +1,122 @@
+"""Every bad input gets one clear line and exit 2, never a traceback nor a silent default (issue 26's
+battery, the cases that need no process group). Each case runs `dptrain ARGV` in this process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dptrain.cli.main import main
+
+pytestmark = pytest.mark.fast
+
+
+def refused(capsys, argv: list[str], *named: str) -> str:
+    """`dptrain argv` exits 2 (argparse's own exit included) with every `named` text and no traceback."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's error path
+        rc = e.code
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc == 2, f"exit {rc} for {argv}:\n{text}"
+    assert "Traceback" not in text, text
+    for n in named:
+        assert n in text, f"{n!r} not in the message for {argv}:\n{text}"
+    return text
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("parallel.bucket_cap_mb=1e308", "parallel.bucket_cap_mb=1e+308 is not valid"),
+    ("parallel.timeout_s=1e300", "parallel.timeout_s=1e+300 is not valid"),
+    ("parallel.timeout_s=0.001", "parallel.timeout_s=0.001 is not valid"),
+    ("log.status_every_s=1e300", "log.status_every_s=1e+300 is not valid"),
+    ("diagnostics.hang_timeout_s=1e300", "diagnostics.hang_timeout_s=1e+300 is not valid"),
+    ("precision.init_scale=1e300", "precision.init_scale=1e+300 is not valid"),
+])
+def test_absurd_but_finite_numbers_are_refused_with_their_range(capsys, override, named):
+    refused(capsys, ["config", "show", override], named, "it must be a finite number in")
+
+
+def test_an_override_without_a_value_is_named_as_such(capsys):
+    refused(capsys, ["config", "show", "train.max_steps"], "'train.max_steps' has no value", "train.max_steps=VALUE")
+
+
+def test_a_hash_inside_an_override_value_is_kept_literally(capsys):
+    assert main(["config", "show", "log.out_dir=runs/a #1"]) == 0
+    assert "out_dir: 'runs/a #1'" in capsys.readouterr().out
+    refused(capsys, ["config", "show", "train.max_steps=5 #x"], "train.max_steps='5 #x' has the wrong type")
+
+
+@pytest.mark.parametrize(("suffix", "text", "named"), [
+    (".yaml", "train:\n  max_steps: 3\n  max_steps: 5\n", "duplicate key 'max_steps': 3 (line 2) and 5 (line 3)"),
+    (".yaml", "train: {max_steps: 3}\ntrain: {seed: 1}\n", "duplicate key 'train'"),
+    (".json", '{"train": {"max_steps": 3, "max_steps": 5}}', "duplicate key 'max_steps': 3 and 5"),
+    (".json", '{"train_batch_size": 8, "train_batch_size": 16}', "duplicate key 'train_batch_size': 8 and 16"),
+    (".json", '{"train": {"max_steps": 3}, "trian": {}}', "unknown config key 'trian'"),
+    (".json", '{"train_batch_size": 8, "zero_optimization": {"stage": [2]}}', "zero_optimization.stage=[2] is not valid"),
+    (".json", '{"train_batch_size": 8, "scheduler": {"type": ["WarmupLR"]}}', "scheduler.type=['WarmupLR'] is not valid"),
+    (".json", '{"train_batch_size": 8, "fp16": {"enabled": true, "initial_scale_power": 5000}}',
+     "fp16.initial_scale_power=5000 is not valid"),
+])
+def test_config_files_with_two_meanings_or_wrong_shapes_are_refused(capsys, tmp_path, suffix, text, named):
+    path = tmp_path / f"cfg{suffix}"
+    path.write_text(text)
+    refused(capsys, ["config", "show", str(path)], named)
+
+
+def test_a_config_read_from_a_pipe_is_read(tmp_path):
+    """`dptrain config show <(...)` and a FIFO: exists without being a regular file."""
+    fifo = tmp_path / "cfg"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["sh", "-c", f"printf 'train: {{max_steps: 4}}\\n' > {fifo}"])
+    out = subprocess.run([sys.executable, "-m", "dptrain", "config", "show", str(fifo)], capture_output=True,
+                         text=True, timeout=60)
+    writer.wait(timeout=10)
+    assert out.returncode == 0 and "max_steps: 4" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["run", "--out", "a", "--out", "b"], "--out given twice: 'a' and 'b'"),
+    (["run", "--out", "train.max_steps=3"], "--out 'train.max_steps=3' looks like a section.field=value override"),
+    (["run", "--out", ""], "--out is empty"),
+    (["run", "--max-restarts", "1", "--max-restarts", "2"], "--max-restarts given twice: 1 and 2"),
+    (["config", "show", "--nproc-per-node", "2", "launch.nproc_per_node=3"],
+     "--nproc-per-node 2 and the override launch.nproc_per_node=3 disagree"),
+    (["run", "--out", "x", "log.out_dir=y", "train.max_steps=1"], "--out x and the override log.out_dir=y disagree"),
+])
+def test_options_with_two_meanings_are_refused(capsys, argv, named):
+    refused(capsys, argv, named)
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["plan", "--params", "nan", "--gpus", "8"], "argument --params: nan is not valid"),
+    (["plan", "--params", "7e9", "--gpus", "0"], "argument --gpus: 0 is not valid"),
+    (["manifest", "slurm", "--nnodes", "1", "--nproc-per-node", "0"], "argument --nproc-per-node: 0 is not valid"),
+    (["manifest", "slurm", "--nnodes", "1", "--nproc-per-node", "-1"], "argument --nproc-per-node: -1 is not valid"),
+    (["ckpt", "ls", "/nonexistent/run"], "'/nonexistent/run' does not exist"),
+    (["ckpt", "verify", "/nonexistent/run"], "'/nonexistent/run' does not exist"),
+    (["launch", "/nonexistent/train.py"], "script '/nonexistent/train.py' does not exist"),
+])
+def test_other_commands_name_the_bad_value(capsys, argv, named):
+    refused(capsys, argv, named)
+
+
+def test_ckpt_ls_of_a_file_and_report_of_a_non_run_are_refused(capsys, tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    refused(capsys, ["ckpt", "ls", str(f)], "is a file")
+    refused(capsys, ["report", str(tmp_path)], "is not a run directory")
+
+
+def test_launch_help_is_dptrains_own_and_imports_no_torch():
+    code = ("import sys; from dptrain.cli.main import main; rc = main(['launch', '--help']); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert "usage: dptrain launch [torchrun options] SCRIPT [ARGS]" in out.stdout

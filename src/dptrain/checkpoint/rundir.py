@@ -5,12 +5,13 @@ never silently reset or rewritten.
 |---------------------------------------------|--------------------------------------|-----------------------------------------|
 | nothing                                     | a new run                            | a new run                               |
 | a committed checkpoint, step < max_steps    | continue from it                     | refused (checkpoints are data)          |
+| committed checkpoints, none verifies        | refused, exit 2, each folder named   | all moved to `previous/N/`, new run     |
 | a committed checkpoint, step >= max_steps   | "finished", nothing changes, exit 0  | refused                                 |
 | records (metrics, summary, ...), no checkpoint | refused, exit 2                   | records moved to `previous/N/`, new run |
 
 `--resume PATH` that holds no valid checkpoint is refused (exit 2) naming every folder and why.
-Only committed checkpoints count here (their hashes are verified by the workers, which fall
-back to an older one if the newest turns out corrupt).
+Only committed checkpoints count here: the newest one whose files match its manifest (hashes checked
+here, newest first, stopping at the first that verifies; the workers check it again as they load it).
 """
 
 from __future__ import annotations
@@ -76,8 +77,11 @@ def check_run_dir(cfg: Config, *, run_dir: Path, resume: str) -> Finished | None
     infos = mf.list_checkpoints(root, check_hashes=False)
     committed = [i for i in infos if i.valid]
     records = [r for r in existing_records(run_dir) if r in TRAINING_RECORDS]
+    # The workers resume from the newest committed folder whose files match its manifest. Make sure one
+    # does before anything starts: with none, continuing would start at step 0 and overwrite the evidence.
+    usable = next((i for i in reversed(committed) if mf.inspect_dir(i.path).valid), None) if committed else None
     if resume == "none":
-        if committed:
+        if usable is not None:
             raise ConfigError(
                 f"--resume none, but {root} holds committed checkpoints of an earlier run (newest: "
                 f"{committed[-1].path.name}); a later --resume auto or an elastic restart would pick them up. "
@@ -91,11 +95,17 @@ def check_run_dir(cfg: Config, *, run_dir: Path, resume: str) -> Finished | None
         return None
     if resume != "auto":
         return None
-    if committed:
-        newest = committed[-1]
-        if newest.step >= cfg.train.max_steps:
-            return Finished(step=newest.step, checkpoint=newest.path)
+    if usable is not None:
+        if usable.step >= cfg.train.max_steps:
+            return Finished(step=usable.step, checkpoint=usable.path)
         return None
+    if committed:
+        why = "".join(f"\n  {i.path}: {i.state}: {i.reason}" for i in reversed(mf.list_checkpoints(root)))
+        raise ConfigError(
+            f"{run_dir}: no checkpoint to continue from, every checkpoint folder is unusable:{why}\n"
+            "Continuing would start at step 0 and overwrite them. Pass --resume none to move them (and the run's "
+            "records) to previous/ and start over, or --resume STEP_FOLDER --trust-checkpoint to load one anyway"
+        )
     if records:
         skipped = "".join(f"\n  {i.path}: {i.state}: {i.reason}" for i in infos)
         raise ConfigError(

@@ -57,10 +57,11 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
         from dptrain.checkpoint.manifest import checkpoint_root
 
         root = checkpoint_root(cfg.checkpoint, run_dir)
-        if mf.step_dirs(root):
+        usable = next((d for d in reversed(mf.step_dirs(root)) if mf.inspect_dir(d).valid), None)
+        if usable is not None:  # unusable folders only: check_run_dir moves them aside with the records
             raise ConfigError(
-                f"--resume none, but {root} holds checkpoints of an earlier run (a later --resume auto or an elastic "
-                "restart would pick them up); use a new --out, or move that directory away"
+                f"--resume none, but {root} holds checkpoints of an earlier run (newest valid: {usable.name}; a later "
+                "--resume auto or an elastic restart would pick them up); use a new --out, or move that directory away"
             )
         return cfg
     old_cfg = run_dir / "config.yaml"

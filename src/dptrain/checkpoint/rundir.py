@@ -149,3 +149,88 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+OWNER_FILE = "owner.json"
+"""In the run directory's `status/`: which launcher owns the run (pid, host, start time, command)."""
+
+
+class RunDirBusy(ConfigError):
+    """Another dptrain job owns the run directory."""
+
+
+class RunDirLock:
+    """One owner per run directory, released by the kernel when its holders die (flock).
+
+    The launcher takes it exclusively before it reads the directory (`acquire`), so a second job
+    started in a live run is refused, naming the holder's pid and host; once it starts the workers it
+    keeps a shared hold (`share`) and every worker takes a shared hold of its own (`hold_shared`). A
+    launcher killed with SIGKILL thus leaves the directory locked until its last worker has exited
+    (they are told to stop by the parent-death signal, launch/worker.py), and a lock left by a dead
+    job is simply free. Single-node runs lock the directory itself (no file is added); the launchers
+    of a multi-node job share one directory, so each locks `.lock.<host>` in it instead.
+    """
+
+    def __init__(self, run_dir: Path, *, per_host: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / f".lock.{socket.gethostname()}" if per_host else self.run_dir
+        self.fd: int | None = None
+
+    def _open(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.path == self.run_dir:
+            return os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def acquire(self) -> None:
+        """Take the directory exclusively, or raise RunDirBusy naming who has it."""
+        import fcntl
+
+        self.fd = self._open()
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            self.fd = None
+            raise RunDirBusy(
+                f"{self.run_dir} is in use by another dptrain job ({self.owner()}); wait for it to finish, stop "
+                "it, or use another --out"
+            ) from None
+
+    def owner(self) -> str:
+        """Who holds the directory, as its owner file says."""
+        import json
+
+        try:
+            o = json.loads((self.run_dir / "status" / OWNER_FILE).read_text())
+            return f"launcher pid {o['pid']} on host {o['host']}, started {o['started']}"
+        except (OSError, ValueError, KeyError):
+            return "its launcher has not written status/owner.json yet"
+
+    def share(self, command: list[str]) -> None:
+        """Write the owner file, then keep a shared hold while the workers (which take their own) run."""
+        import fcntl
+        import json
+        import time
+
+        assert self.fd is not None, "acquire() first"
+        owner = {"pid": os.getpid(), "host": socket.gethostname(),
+                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command}
+        (self.run_dir / "status").mkdir(exist_ok=True)
+        write_atomically(self.run_dir / "status" / OWNER_FILE, json.dumps(owner) + "\n")
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a conversion: EX -> SH
+        except BlockingIOError:
+            raise RunDirBusy(f"{self.run_dir} was taken by another dptrain job as this one started") from None
+
+    def hold_shared(self) -> None:
+        """A worker's own shared hold, kept until the process exits."""
+        import fcntl
+
+        self.fd = self._open()
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

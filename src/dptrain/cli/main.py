@@ -202,8 +202,7 @@ def _flag_overrides(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dptrain.checkpoint.rundir import PENDING_CONFIG, check_run_dir, write_atomically
-    from dptrain.cli.ckpt import prepare_resume
+    from dptrain.checkpoint.rundir import RunDirLock
     from dptrain.launch.checks import check_dir_writable
     from dptrain.launch.cluster_env import cluster_launch
 
@@ -219,8 +218,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")
     if cfg.checkpoint.dir is not None:
         check_dir_writable(cfg.checkpoint.dir, what="checkpoint.dir")  # relative to the working directory
-    nproc = local_world_size(cfg.launch)
+    # One job per run directory: refused here, naming the holder, while another job (or its orphaned
+    # workers, saving before they exit) still owns it. Held until this launcher exits.
+    lock = RunDirLock(run_dir, per_host=max_nodes(cfg.launch) > 1)
+    lock.acquire()
+    try:
+        return _run_locked(args, cfg, run_dir=run_dir, lock=lock)
+    finally:
+        lock.release()
+
+
+def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: Any) -> int:
+    from dptrain.checkpoint.rundir import PENDING_CONFIG, check_run_dir, write_atomically
+    from dptrain.cli.ckpt import prepare_resume
     from dptrain.metrics.monitor import check_monitoring
+
+    nproc = local_world_size(cfg.launch)
 
     check_monitoring(cfg.log, nproc_per_node=nproc)  # packages installed, Prometheus ports free
     # An existing run: same model, same global batch; accumulation follows a new world size.
@@ -263,6 +276,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         write_atomically(pending, dump_yaml(cfg))
     except OSError as e:
         raise ConfigError(f"cannot write the run's config to {pending}: {e}") from None
+    lock.share(sys.argv)  # the workers take their own shared holds
     worker_args = [str(run_dir), "--config", str(pending), "--resume", args.resume]
     worker_args += ["--trust-checkpoint"] if args.trust_checkpoint else []
     from dptrain.metrics.console_log import console_log

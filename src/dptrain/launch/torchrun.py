@@ -76,6 +76,7 @@ def run_torchrun(
 
     if restarts:
         os.environ.update(RESTART_ENV)
+    os.environ["DPTRAIN_LAUNCHER_PID"] = str(os.getpid())  # the workers die with this process (launch/worker.py)
     if "OMP_NUM_THREADS" not in os.environ:
         # torchrun would pin every worker to 1 thread (with a warning); share the cores instead.
         value = option_value(torchrun_options(argv), "--nproc-per-node", "--nproc_per_node")

@@ -17,6 +17,26 @@ import traceback
 from pathlib import Path
 
 EXIT_INTERRUPTED = 130  # = dptrain.checkpoint.preempt.EXIT_INTERRUPTED (not imported: it imports torch)
+EXIT_PREEMPTED = 143
+LAUNCHER_PID = "DPTRAIN_LAUNCHER_PID"
+"""Set by the launcher (launch/torchrun.py) for its workers: the process whose death they must follow."""
+
+
+def die_with_launcher() -> None:
+    """No orphans: when the launcher dies, whatever killed it (SIGKILL, an OOM kill, a closed SSH
+    session), the kernel sends this worker SIGTERM (Linux's parent-death signal), and the run's
+    preemption handling saves the last finished step on every rank and exits 143. A launcher that
+    died before this call is noticed at once: the worker exits without training."""
+    expected = os.environ.get(LAUNCHER_PID)
+    if expected is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(expected):  # the launcher is already gone: nobody would watch this worker
+        os.write(2, b"dptrain: the launcher is gone before this worker started; exiting\n")
+        os._exit(EXIT_PREEMPTED)
 
 
 def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
@@ -39,13 +59,17 @@ def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
 
 def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int:
     from dptrain.checkpoint.preempt import EXIT_PREEMPTED
+    from dptrain.checkpoint.rundir import RunDirLock
     from dptrain.config import ConfigError
     from dptrain.config.load import load_config
-    from dptrain.config.nodes import is_elastic
+    from dptrain.config.nodes import is_elastic, max_nodes
     from dptrain.launch.elastic import worker_config
     from dptrain.train.trainer import Trainer
 
     cfg = load_config(Path(args.config) if args.config else run_dir / "config.yaml")
+    # A shared hold on the run directory for as long as this process lives: a second job is refused
+    # even after the launcher died, until this worker has saved and exited (checkpoint/rundir.py).
+    RunDirLock(run_dir, per_host=max_nodes(cfg.launch) > 1).hold_shared()
     if is_elastic(cfg.launch) and "WORLD_SIZE" in os.environ:  # the group torchrun formed may be smaller or larger
         try:
             cfg = worker_config(
@@ -90,6 +114,7 @@ def _interrupted_during_setup(signum: int, frame: object) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_during_setup)  # until the checkpoint manager installs its own
+    die_with_launcher()
     # Under `record` (imported after the handler above: it imports torch), an uncaught exception also
     # goes to torchrun's error file (TORCHELASTIC_ERROR_FILE): torchrun's failure report shows its traceback.
     from torch.distributed.elastic.multiprocessing.errors import record

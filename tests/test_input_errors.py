@@ -120,3 +120,26 @@ def test_launch_help_is_dptrains_own_and_imports_no_torch():
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
     assert "usage: dptrain launch [torchrun options] SCRIPT [ARGS]" in out.stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--out", "/proc/dptrain-run", "train.max_steps=1"],
+    ["run", "--out", "/sys/dptrain-run", "train.max_steps=1"],
+    ["report", "RUN", "--out", "/proc/report"],
+    ["ckpt", "export", "RUN", "--out", "/proc/model.safetensors"],
+    ["doctor", "--comm", "--json", "/proc/sweep.json"],
+    ["plan", "--model", "llama-7b", "--gpus", "8", "--recommend", "--write", "/proc/recipe.yaml"],
+    ["bench", "--out", "/proc/bench"],
+])
+def test_outputs_where_no_file_can_be_written_are_refused(capsys, tmp_path, argv):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    refused(capsys, [str(run) if a == "RUN" else a for a in argv], "cannot hold files")
+
+
+def test_outputs_with_a_file_in_the_way_are_refused(capsys, tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    refused(capsys, ["run", "--out", str(f), "train.max_steps=1"], "is a file, not a directory")
+    refused(capsys, ["ckpt", "export", str(tmp_path), "--out", str(f / "m.safetensors")], "is a file, not a directory")

@@ -188,10 +188,13 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"ckpt export --out {args.out!r} is a directory; name the file to write, e.g. "
             f"{str(Path(args.out) / 'model.safetensors')!r}"
         )
+    from dptrain.launch.checks import check_file_writable
+
+    _check_target(args.target)
+    check_file_writable(args.out, what="ckpt export --out")
     choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint)
     if choice.error or choice.path is None:
-        print(f"dptrain: error: {choice.error or f'no valid checkpoint under {target}'}", file=sys.stderr)
-        return 1
+        raise ConfigError(choice.error or f"no valid checkpoint under {target}")
     for line in choice.messages:
         print(line, file=sys.stderr)
     try:

@@ -340,6 +340,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         steps=args.steps, warmup=args.warmup, nproc=nproc, scaling=args.scaling, variants=args.variants
     )
     out = args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    from dptrain.launch.checks import check_dir_writable
+
+    check_dir_writable(out, what="--out")
     # check: imports, kwargs, the model on the meta device, the data once (warms the corpus cache)
     return run_bench(cfg, opts=opts, out_dir=out, check=_check_factories)
 
@@ -411,9 +414,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.json and not args.comm:
         raise ConfigError(f"--json {args.json} writes the --comm sweep; add --comm")
     if args.json:
-        from dptrain.launch.checks import check_dir_writable
+        from dptrain.launch.checks import check_file_writable
 
-        check_dir_writable(Path(args.json).resolve().parent, what="--json's directory")
+        check_file_writable(args.json, what="--json")
     return _doctor().run_doctor(comm=args.comm, nproc=args.nproc_per_node, json_path=args.json)
 
 

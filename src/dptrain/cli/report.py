@@ -25,6 +25,10 @@ def cmd_report(args: argparse.Namespace) -> int:
             f"{args.run_dir!r} is not a run directory (no metrics.jsonl, config.yaml or console.log); "
             "pass the --out folder of a dptrain run"
         )
+    if args.out is not None:
+        from dptrain.launch.checks import check_dir_writable
+
+        check_dir_writable(args.out, what="--out")
     try:
         page = build_report(args.run_dir, out_dir=args.out)
     except FileNotFoundError as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from dptrain.config import ConfigError
 
 
 def check_dir_writable(path: str | Path, *, what: str) -> None:
-    """`path` is a directory we can write, or can be created as one. `what` names the option."""
+    """`path` is a directory we can write, or is created as one now (a run directory under /proc, a
+    read-only or full file system, a file in the way: refused naming the option and the reason). `what`
+    names the option."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"{what}={str(p)!r} is a file, not a directory; pass a directory (it is created if missing)")
@@ -28,6 +31,20 @@ def check_dir_writable(path: str | Path, *, what: str) -> None:
         raise ConfigError(f"{what}={str(p)!r} cannot be created: {str(probe)!r} is a file, not a directory")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{what}={str(p)!r} is not writable ({str(probe)!r} denies write access to this user)")
+    try:  # root passes os.access everywhere: only trying tells /proc, /sys and full disks apart
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{what}={str(p)!r} cannot hold files: {e.strerror or e}") from None
+
+
+def check_file_writable(path: str | Path, *, what: str) -> None:
+    """`path` can be written as a file: not a directory, in a directory that exists or can be made."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{what}={str(p)!r} is a directory; pass a file name")
+    check_dir_writable(p.parent if str(p.parent) else ".", what=f"{what}'s folder")
 
 
 def check_signature(fn: Any, kwargs: dict[str, Any], *, key: str, spec: str) -> None:

@@ -92,6 +92,10 @@ def recommend(args: argparse.Namespace, *, comm: Link | None, efficiency: tuple[
 
     if args.write and not Path(args.write).parent.is_dir():
         raise ConfigError(f"--write {args.write!r}: the directory {str(Path(args.write).parent)!r} does not exist")
+    if args.write:
+        from dptrain.launch.checks import check_file_writable
+
+        check_file_writable(args.write, what="--write")
     cfg = load_plan_config(args.items, model=args.model)
     if cfg.model.factory != LLAMA:
         raise ConfigError(f"dptrain plan --recommend searches the built-in LLaMA ({LLAMA}) only, not "

@@ -143,3 +143,69 @@ def test_outputs_with_a_file_in_the_way_are_refused(capsys, tmp_path):
     f.write_text("x")
     refused(capsys, ["run", "--out", str(f), "train.max_steps=1"], "is a file, not a directory")
     refused(capsys, ["ckpt", "export", str(tmp_path), "--out", str(f / "m.safetensors")], "is a file, not a directory")
+
+
+# ---------------------------------------------------------------------- factories returning the wrong thing
+# (named by import path below: `test_input_errors:...`, this module, on the path pytest gives tests/)
+def no_parameters():
+    from torch import nn
+
+    class Frozen(nn.Module):
+        def forward(self, x, y=None):
+            return x.sum()
+
+    return Frozen()
+
+
+def returns_int():
+    return 5
+
+
+def returns_none():
+    return None
+
+
+def returns_three():
+    from dptrain.models.toy import build_regression_data
+
+    data = build_regression_data()
+    return data, data, data
+
+
+def returns_iterable():
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(10)
+
+    return Stream()
+
+
+def returns_empty_val():
+    from dptrain.models.toy import build_regression_data
+
+    return build_regression_data(), []
+
+
+TOY_FLAGS = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
+             "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}", "train.max_steps=1",
+             "--nproc-per-node", "1"]
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("model.factory=test_input_errors:no_parameters", "returned Frozen with no trainable parameters"),
+    ("data.factory=test_input_errors:returns_int", "data factory returned builtins.int"),
+    ("data.factory=test_input_errors:returns_none", "data factory returned builtins.NoneType"),
+    ("data.factory=test_input_errors:returns_three", "data factory returned a tuple of length 3"),
+    ("data.factory=test_input_errors:returns_iterable", "the train split is an IterableDataset (Stream)"),
+    ("data.factory=test_input_errors:returns_empty_val", "the validation split is empty"),
+])
+def test_factories_returning_what_cannot_train_are_refused_before_launch(capsys, tmp_path, override, named):
+    refused(capsys, ["run", *TOY_FLAGS, override, "--out", str(tmp_path / "run")], named)
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_a_vocabulary_smaller_than_the_data_is_refused(capsys, tmp_path):
+    refused(capsys, ["run", "model.kwargs.vocab_size=100", "train.max_steps=1", "--nproc-per-node", "1",
+                     "--out", str(tmp_path / "run")], "model vocab_size=100 is smaller than the data's vocabulary")

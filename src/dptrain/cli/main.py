@@ -313,7 +313,13 @@ def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
     once (which warms caches, e.g. the corpus, before ranks race for them); with tp > 1 check the
     model can be split. Returns the train set."""
     from dptrain.data.loader import split_train_val
-    from dptrain.launch.checks import call_factory, check_model, check_signature, check_tensor_parallel
+    from dptrain.launch.checks import (
+        call_factory,
+        check_model,
+        check_signature,
+        check_tensor_parallel,
+        check_vocabulary,
+    )
     from dptrain.train.build import import_object
 
     for spec in (cfg.train.loss, cfg.data.collate):
@@ -323,6 +329,7 @@ def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
     data_fn = import_object(cfg.data.factory)
     check_signature(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory)
     train, _ = split_train_val(call_factory(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory))
+    check_vocabulary(model, train)
     check_tensor_parallel(model, parallel=cfg.parallel, tp=tp, sample=train[0] if len(train) else None)
     return train
 

@@ -211,6 +211,9 @@ class TokenChunks(Dataset):
     dataset pickles cheaply to DataLoader worker processes (each maps it itself).
     """
 
+    vocab_size = VOCAB_SIZE
+    """Token ids are bytes: a model's vocabulary must hold at least these many (launch/checks.py)."""
+
     def __init__(self, path: str | Path, seq_len: int) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")

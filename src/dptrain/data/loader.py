@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from dptrain.config import ConfigError
 
 from .sampler import GlobalBatchSampler
 
@@ -85,32 +87,53 @@ def _dataset_like(obj: object) -> bool:
     return isinstance(obj, Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
 
 
+class DataFactoryError(ConfigError, TypeError):
+    """A data factory returned something dptrain cannot train on (exit 2 before launch; a TypeError too)."""
+
+
 def split_train_val(obj: object) -> tuple[Any, Any | None]:
     """Normalise a data factory's return value to ``(train, val_or_None)``.
 
-    Accepts a Dataset, a 2-element ``(train, val)`` tuple/list (``val`` may be ``None``), or
-    a dict with ``"train"`` and optional ``"val"``.  Anything else raises TypeError.
+    Accepts a map-style Dataset, a 2-element ``(train, val)`` tuple/list (``val`` may be ``None``),
+    or a dict with ``"train"`` and optional ``"val"``. Anything else, an IterableDataset (the order
+    that does not depend on the world size needs ``__len__`` and ``__getitem__``) and an empty
+    validation split raise DataFactoryError naming what was returned.
     """
+    if isinstance(obj, IterableDataset):
+        obj = (obj, None)  # refused below, by name
     if isinstance(obj, dict):
         if "train" not in obj:
-            raise TypeError(f"data factory returned a dict without a 'train' key (keys: {sorted(obj)})")
+            raise DataFactoryError(f"data factory returned a dict without a 'train' key (keys: {sorted(obj)})")
         extra = set(obj) - {"train", "val"}
         if extra:
-            raise TypeError(f"data factory returned a dict with unexpected keys {sorted(extra)}")
+            raise DataFactoryError(f"data factory returned a dict with unexpected keys {sorted(extra)}")
         train, val = obj["train"], obj.get("val")
     elif isinstance(obj, (tuple, list)):
         if len(obj) != 2:
-            raise TypeError(f"data factory returned a {type(obj).__name__} of length {len(obj)}; expected (train, val)")
+            raise DataFactoryError(
+                f"data factory returned a {type(obj).__name__} of length {len(obj)}; expected (train, val)"
+            )
         train, val = obj
-    elif isinstance(obj, Dataset):
-        return obj, None
+    elif isinstance(obj, Dataset) and not isinstance(obj, IterableDataset):
+        train, val = obj, None
     else:
-        raise TypeError(
+        raise DataFactoryError(
             f"data factory returned {type(obj).__module__}.{type(obj).__qualname__}; expected a "
             f"Dataset, a (train, val) tuple/list, or a dict {{'train': ..., 'val': ...}}"
         )
+    for name, split in (("train", train), ("val", val)):
+        if isinstance(split, IterableDataset):
+            raise DataFactoryError(
+                f"the {name} split is an IterableDataset ({type(split).__qualname__}); dptrain's data order, the "
+                "same at every world size and resumable mid-epoch, needs a map-style Dataset (__len__ and "
+                "__getitem__)"
+            )
     if not _dataset_like(train):
-        raise TypeError(f"train split is a {type(train).__qualname__}, not a Dataset")
+        raise DataFactoryError(f"train split is a {type(train).__qualname__}, not a Dataset")
     if val is not None and not _dataset_like(val):
-        raise TypeError(f"val split is a {type(val).__qualname__}, not a Dataset")
+        raise DataFactoryError(f"val split is a {type(val).__qualname__}, not a Dataset")
+    if val is not None and len(val) == 0:
+        raise DataFactoryError(
+            "the validation split is empty; return it as None (no evaluation) or give it samples"
+        )
     return train, val

@@ -115,7 +115,30 @@ def check_model(cfg: Any) -> Any:
             f"model.factory={cfg.factory!r} returned {type(model).__name__}, not a torch.nn.Module; "
             "a model factory must return the module to train"
         )
+    check_model_trains(model, spec=cfg.factory)
     return model
+
+
+def check_model_trains(model: Any, *, spec: str) -> None:
+    """The model has parameters to train (DDP and the optimizer refuse a model without any)."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"model.factory={spec!r} returned {type(model).__name__} with no trainable parameters; "
+            "there is nothing to train (parameters with requires_grad=True are needed)"
+        )
+
+
+def check_vocabulary(model: Any, train: Any) -> None:
+    """A language model's vocabulary holds every token id of the data (else the embedding lookup fails
+    on the first step with an IndexError): the data says `vocab_size`, the model its config's."""
+    data_vocab = getattr(train, "vocab_size", None)
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    model_vocab = getattr(cfg, "vocab_size", None)
+    if isinstance(data_vocab, int) and isinstance(model_vocab, int) and model_vocab < data_vocab:
+        raise ConfigError(
+            f"model vocab_size={model_vocab} is smaller than the data's vocabulary ({type(train).__name__} token ids "
+            f"go up to {data_vocab - 1}); set model.kwargs.vocab_size >= {data_vocab}"
+        )
 
 
 def check_tensor_parallel(model: Any, *, parallel: Any, tp: int, sample: Any = None) -> None:

@@ -198,7 +198,7 @@ TOY_FLAGS = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
     ("data.factory=test_input_errors:returns_int", "data factory returned builtins.int"),
     ("data.factory=test_input_errors:returns_none", "data factory returned builtins.NoneType"),
     ("data.factory=test_input_errors:returns_three", "data factory returned a tuple of length 3"),
-    ("data.factory=test_input_errors:returns_iterable", "the train split is an IterableDataset (Stream)"),
+    ("data.factory=test_input_errors:returns_iterable", "the train split is an IterableDataset (returns_iterable.<locals>.Stream)"),
     ("data.factory=test_input_errors:returns_empty_val", "the validation split is empty"),
 ])
 def test_factories_returning_what_cannot_train_are_refused_before_launch(capsys, tmp_path, override, named):

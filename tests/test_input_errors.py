@@ -209,3 +209,37 @@ def test_factories_returning_what_cannot_train_are_refused_before_launch(capsys,
 def test_a_vocabulary_smaller_than_the_data_is_refused(capsys, tmp_path):
     refused(capsys, ["run", "model.kwargs.vocab_size=100", "train.max_steps=1", "--nproc-per-node", "1",
                      "--out", str(tmp_path / "run")], "model vocab_size=100 is smaller than the data's vocabulary")
+
+
+@pytest.mark.timeout(60)
+def test_top_stops_at_ctrl_c_even_when_started_with_sigint_ignored(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "top", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # a background job's
+    try:
+        time.sleep(3)  # importing, drawing the first frame
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+
+
+def test_generate_with_truncated_weights_says_so(capsys, tmp_path):
+    from safetensors.torch import save_file
+
+    from dptrain.config import Config
+    from dptrain.config.load import dump_yaml
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_yaml(Config()))
+    import torch
+
+    save_file({"w": torch.zeros(1000)}, str(run / "final" / "model.safetensors"))
+    data = (run / "final" / "model.safetensors").read_bytes()
+    (run / "final" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    refused(capsys, ["generate", str(run)], "cannot be read", "damaged or truncated")

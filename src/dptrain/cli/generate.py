@@ -135,7 +135,14 @@ def load_model_from_run(run_dir: str | Path, *, device: str | torch.device = "cp
             f"{str(run_dir)!r} is a run of model.factory={spec!r}, which is not a language model "
             f"(no logits(idx) method); generate needs a run of {DEFAULT_MODEL_FACTORY!r} or a model with logits()"
         )
-    state = load_file(str(run_dir / "final" / "model.safetensors"))
+    weights = run_dir / "final" / "model.safetensors"
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a damaged file
+        raise ConfigError(
+            f"{str(weights)!r} cannot be read ({e}); the file is damaged or truncated. `dptrain ckpt export "
+            f"{run_dir} --out {weights}` rewrites it from the run's newest valid checkpoint"
+        ) from None
     # Checkpoints taken from a DDP- or compile-wrapped module carry a wrapper prefix.
     for prefix in ("module.", "_orig_mod."):
         if state and all(k.startswith(prefix) for k in state):

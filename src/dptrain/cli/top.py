@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,9 @@ def watch(run_dir: Path, *, interval_s: float, once: bool) -> int:
     if once:
         console.print(render(run_dir))
         return 0
+    # Ctrl-C stops the view even where the shell started it with SIGINT ignored (a background job, some
+    # terminals' launchers): Python then installs no handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with Live(render(run_dir), console=console, auto_refresh=False, screen=False) as live:
             while True:

@@ -243,3 +243,8 @@ def test_generate_with_truncated_weights_says_so(capsys, tmp_path):
     data = (run / "final" / "model.safetensors").read_bytes()
     (run / "final" / "model.safetensors").write_bytes(data[: len(data) // 2])
     refused(capsys, ["generate", str(run)], "cannot be read", "damaged or truncated")
+
+
+def test_more_workers_than_the_machine_can_start_is_refused_saying_why(capsys):
+    refused(capsys, ["run", "--nproc-per-node", "4096"], "launch.nproc_per_node=4096 workers on this node's",
+            "CPU core(s)")

@@ -203,7 +203,7 @@ def _flag_overrides(args: argparse.Namespace) -> dict[str, str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dptrain.checkpoint.rundir import RunDirLock
-    from dptrain.launch.checks import check_dir_writable
+    from dptrain.launch.checks import check_dir_writable, check_workers_fit
     from dptrain.launch.cluster_env import cluster_launch
 
     cluster = cluster_launch()  # a Kubeflow pod's PET_* layout: after the file, before the command line's overrides
@@ -213,6 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_command_line(
         args.items, extra=_flag_overrides(args), flags=FLAG_NAMES, run_dir=args.out if args.resume != "none" else None
     )
+    check_workers_fit(local_world_size(cfg.launch))  # `--nproc-per-node 4096`: said before the batch arithmetic
     validate(cfg)  # before anything imports torch: a refusal is instant
     run_dir = Path(default_out_dir(cfg))
     check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")

@@ -39,6 +39,22 @@ def check_dir_writable(path: str | Path, *, what: str) -> None:
         raise ConfigError(f"{what}={str(p)!r} cannot hold files: {e.strerror or e}") from None
 
 
+WORKERS_PER_CORE = 8
+"""More workers per CPU core than this is a typo, not a plan (each worker is a process with its own
+interpreter, memory and threads; even an 8-GPU node has many cores per GPU)."""
+
+
+def check_workers_fit(nproc: int, *, cores: int | None = None) -> None:
+    """`--nproc-per-node` a machine can start: at most WORKERS_PER_CORE per core (`cores`: this one's)."""
+    cores = cores or os.cpu_count() or 1
+    if nproc > WORKERS_PER_CORE * cores:
+        raise ConfigError(
+            f"launch.nproc_per_node={nproc} workers on this node's {cores} CPU core(s): each worker is a process of "
+            f"its own (an interpreter, its memory and threads), and more than {WORKERS_PER_CORE} per core "
+            f"({WORKERS_PER_CORE * cores} here) cannot run; use one per GPU, or a few per node on the CPU"
+        )
+
+
 def check_file_writable(path: str | Path, *, what: str) -> None:
     """`path` can be written as a file: not a directory, in a directory that exists or can be made."""
     p = Path(path)

@@ -200,8 +200,6 @@ def parallelize_model(
         from dptrain.parallel.pipeline import parallelize_pipeline
 
         return parallelize_pipeline(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
-    if reasons := mesh.dims.unbuilt():
-        raise NotImplementedError("; ".join(reasons))
     tp = mesh.dims.tp > 1
     if tp:  # 1. tensor parallelism on the innermost mesh dimension
         from dptrain.parallel.tensor import apply_tp

@@ -55,13 +55,16 @@ def worker(a: argparse.Namespace) -> None:
     import dptrain
     from dptrain.config.load import load_config
     from dptrain.distributed.process_group import process_group
-    from dptrain.tools.bench.harness import run_step
     from dptrain.train.trainer import Trainer
 
     cfg = load_config(None, list(a.overrides))
     trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-step-files-"))
     root = Path(dptrain.__file__).resolve().parent
     every = cfg.train.log_every_steps
+
+    def run_step(trainer: Trainer) -> None:  # as dptrain.tools.bench.harness.run_step, not counted
+        if trainer.end_step(trainer.train_step()):
+            raise RuntimeError("preempted")
     with process_group(trainer.env, backend=trainer.res.backend, device=trainer.device, timeout_s=300):
         trainer.setup()
         for _ in range(a.warmup):  # the first steps build caches, write config.yaml, ...

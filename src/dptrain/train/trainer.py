@@ -96,6 +96,7 @@ class Trainer:
                                state=self.state, scaler=self.scaler, device=self.device, meters=self.meters,
                                tokens_per_sample=self.tokens_per_sample,
                                bytes_per_token=getattr(self.val_ds, "bytes_per_token", 1))
+        self.state.watch_loss_scale(self.scaler, device=self.device)  # fp16: skipped steps, counted on the device
 
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint saves, as named Stateful objects (the manager never sees the Trainer)."""
@@ -274,11 +275,12 @@ class Trainer:
         self.log_window.add(loss)
         state.step += 1
         state.samples_seen += self.res.global_batch_size
-        self.records.count_fp16_skip()  # fp16: on the device, no sync
+        state.count_fp16_skip(self.scaler)  # fp16: on the device, no sync
         accum = self.res.grad_accum_steps
         self.meters.step_done(micro_steps=accum, sync_steps=accum if cfg.parallel.sync_each_micro_step else 1)
         self.diag.on_step_end(state.step)
         if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
+            self.ckpt.record_progress(state.step)  # the restart report's last finished step (before the log's all-reduce)
             self._log_step()
         every = cfg.train.eval_every_steps
         if every and state.step % every == 0 and state.step < cfg.train.max_steps:

@@ -10,6 +10,9 @@ step (`train.log_every_steps`). It counts the distinct dptrain source files (und
 `dptrain` package) whose Python functions are entered on the main thread during the step. Files
 of torch, the standard library and other packages are not counted, nor background threads (the
 hang watchdog; a checkpoint writer). `--list` prints the files.
+
+Measured here (1 process, CPU): before issue 20's step work (commit a278187) 21 files for a step
+that does not log, 28 for a logging step; after it 15 and 24.
 """
 
 from __future__ import annotations

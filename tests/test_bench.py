@@ -14,7 +14,8 @@ import pytest
 
 from dptrain.cli.main import main
 from dptrain.config.load import load_config
-from dptrain.tools.bench import plan, report
+from dptrain.tools.bench import cells as plan
+from dptrain.tools.bench import report
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.kwargs.dim=32", "model.kwargs.n_layers=1", "model.kwargs.max_seq_len=32", "data.kwargs.seq_len=32",

@@ -21,6 +21,7 @@ from dptrain.tools.plan import memory, specs, timing
 from dptrain.tools.plan.llama import activation_bytes, param_counts
 from dptrain.tools.plan.measure import MeasureError, measure_model, profile_module
 from dptrain.train.build import build_datasets, build_model
+from dptrain.train.optim import build_optimizer
 
 MLP = ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs={"in_dim": 16, "hidden": 48, "depth": 3})
 REGRESSION = DataConfig(factory="dptrain.models.toy:build_regression_data", kwargs={"n": 32})
@@ -185,7 +186,7 @@ def _states_and_activations(rank: int, cases: dict[str, tuple[ModelConfig, DataC
             batch = default_collate([train[i] for i in range(micro_batch)])
             for strategy in strategies:
                 pm = api.parallelize(build_model(model_cfg, seed=0), strategy=strategy, device=torch.device("cpu"))
-                opt = pm.build_optimizer(cfg=OptimConfig(), lr=1e-3)  # a run's AdamW and param groups
+                opt = build_optimizer(pm, cfg=OptimConfig(), lr=1e-3)  # a run's AdamW and param groups
                 saved = _saved_after_backward(pm.module, batch)
                 opt.step()
                 inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer holds the rank's shard in .optim

@@ -1,8 +1,10 @@
 """Reports of elastic restarts: which rank died, at which step, and why.
 
 Every rank keeps a tiny progress file (`attempts/rank<R>.json`: attempt, pid, step, and the
-error it died with, if it died in Python). A rank killed by a signal cannot write anything, so its
-file still shows the last step it finished and no error. When torchrun restarts the worker
+error it died with, if it died in Python). The step is written at log steps and checkpoint saves
+(not every step), so "the last finished step" below is the last one logged or saved (at most
+`train.log_every_steps - 1` steps behind). A rank killed by a signal cannot write anything, so its
+file still shows that step and no error. When torchrun restarts the worker
 group (TORCHELASTIC_RESTART_COUNT > 0), rank 0 reads the previous attempt's files, appends one
 record to `attempts.jsonl` in the run directory and prints it.
 

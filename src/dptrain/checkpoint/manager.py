@@ -157,6 +157,13 @@ class CheckpointManager:
         if self.progress is not None:
             self.progress.error(message)
 
+    def record_progress(self, step: int) -> None:
+        """Note `step` as this rank's last finished step in its progress file (for the restart report).
+        Called at log steps (the trainer) and saves (`maybe_save`), not every step: the report's
+        "last finished step" and "steps lost" are those of the last log line or checkpoint."""
+        if self.progress is not None:
+            self.progress.step(step)
+
     def _load(self, state: CheckpointState, path: Path, meta: dict[str, Any]) -> int:
         """Load `path` into `state`; the step it holds."""
         check_format_version(path, meta)
@@ -189,13 +196,13 @@ class CheckpointManager:
         """At the boundary of step `step`: the preemption agreement, committing a finished background
         save, saving when due or when preempted. Collective. Returns True when the run must stop now
         (the checkpoint is committed on every rank by then)."""
-        if self.progress is not None:
-            self.progress.step(step)
         flag = self._flag()
         stop, any_busy = flag.collect()  # started at the previous boundary (see preempt.py)
         if self._pending is not None and not any_busy:
             self._finish_pending()  # every rank's files are on disk: hash, manifest, marker
         due = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+        if due or stop:
+            self.record_progress(step)
         if (due or stop) and self.last_saved_step != step:
             self.save(state, background=self.cfg.async_save and not stop)
         if stop:

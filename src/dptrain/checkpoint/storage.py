@@ -29,22 +29,15 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dptrain.checkpoint.manifest import CheckpointError
 from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
-from dptrain.parallel import is_sharded, unwrap
 
 FULL = "full"
 SHARDED = "dcp"
 DCP_DIR = "dcp"
-
-
-def state_format(model: nn.Module) -> str:
-    """`dcp` for a sharded (FSDP2) model, `full` otherwise."""
-    return SHARDED if is_sharded(unwrap(model)) else FULL
 
 
 def format_of(state: CheckpointState) -> str:

@@ -10,7 +10,7 @@ from typing import TextIO, cast
 import torch
 from torch import nn
 
-from dptrain.train.build import import_object
+from dptrain.config.imports import import_object
 
 DEFAULT_MODEL_FACTORY = "dptrain.models.llama:build_llama"
 

@@ -313,6 +313,7 @@ def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
     """Import every factory, bind its kwargs, build the model once on the meta device and the data
     once (which warms caches, e.g. the corpus, before ranks race for them); with tp > 1 check the
     model can be split. Returns the train set."""
+    from dptrain.config.imports import import_object
     from dptrain.data.loader import split_train_val
     from dptrain.launch.checks import (
         call_factory,
@@ -321,7 +322,6 @@ def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
         check_tensor_parallel,
         check_vocabulary,
     )
-    from dptrain.train.build import import_object
 
     for spec in (cfg.train.loss, cfg.data.collate):
         if spec:

@@ -93,10 +93,6 @@ def resolve_layout(cfg: ParallelConfig, *, world_size: int) -> tuple[ParallelDim
             "replicates the whole model on every data-parallel rank; use parallel.strategy=zero2 or fsdp "
             "(with parallel.dp_replicate > 1 too: HSDP), or parallel.dp_replicate instead"
         )
-    if reasons := dims.unbuilt():
-        raise ConfigError(
-            f"parallel layout {dims.describe()}: {'; '.join(reasons)}"
-        )
     if dims.tp > 1 and dims.pp > 1 and cfg.loss_parallel:
         raise ConfigError(
             f"parallel layout {dims.describe()}: parallel.loss_parallel=true is refused with pp > 1: the pipeline's "

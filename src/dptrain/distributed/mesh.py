@@ -39,10 +39,6 @@ DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 (fastest links); data-parallel replicas sit outside their shards (HSDP: replicate across nodes,
 shard within a node)."""
 
-NOT_BUILT: dict[str, str] = {}
-"""Dimensions the mesh carries but training refuses (name -> reason); empty since tp and pp are built."""
-
-
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of the run's parallel dimensions; their product is the world size."""
@@ -99,10 +95,6 @@ class ParallelDims:
     def describe(self) -> str:
         """`dp_replicate 2 x dp_shard 2 x tp 1 x pp 1 = world 4`."""
         return " x ".join(f"{n} {v}" for n, v in self.degrees.items()) + f" = world {self.world_size}"
-
-    def unbuilt(self) -> list[str]:
-        """Why this layout cannot train yet (a dimension in NOT_BUILT > 1), one reason each; empty when it can."""
-        return [reason for n, reason in NOT_BUILT.items() if getattr(self, n) > 1]
 
 
 def _dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

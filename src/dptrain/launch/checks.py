@@ -117,7 +117,7 @@ def check_model(cfg: Any) -> Any:
     import torch
     from torch import nn
 
-    from dptrain.train.build import import_object
+    from dptrain.config.imports import import_object
 
     fn = import_object(cfg.factory)
     check_signature(fn, cfg.kwargs, key="model.factory", spec=cfg.factory)

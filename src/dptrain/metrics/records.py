@@ -39,20 +39,7 @@ class Records:
         self.tokens_per_sample = tokens_per_sample
         self.bytes_per_token = bytes_per_token
         self.train_time = 0.0  # seconds of training counted by the log windows so far
-        # fp16: the scale before the next step, on the device (see count_fp16_skip)
-        self._scale_prev = torch.full((), scaler.get_scale(), device=device) if scaler.is_enabled() else None
         self.window_start = time.perf_counter()
-
-    def count_fp16_skip(self) -> None:
-        """At each step boundary: the scaler skipped this step's optimizer.step() iff it lowered the
-        scale (fp16 overflow). Compared on the device: `get_scale()` would be a host-device sync every step."""
-        if self._scale_prev is None:  # not fp16
-            return
-        scale = self.scaler._scale  # the device tensor behind get_scale(); set by the first scale()
-        if scale is None:
-            return
-        self.state.count_skip(scale < self._scale_prev)
-        self._scale_prev = scale.clone()  # update() changes the scale in place
 
     def restart_window(self) -> None:
         """The next log window starts now (after a log line, or after an evaluation: not training time)."""

@@ -16,18 +16,15 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dptrain.config import ParallelConfig
 from dptrain.config.layout import resolve_layout
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.parallel import clip, wrapped
-from dptrain.parallel.ddp import apply_ddp, gradient_sync
+from dptrain.parallel.ddp import apply_ddp
 from dptrain.parallel.dp import apply_dp
 from dptrain.parallel.fsdp import apply_fsdp
-from dptrain.parallel.fsdp import gradient_sync as fsdp_sync
-from dptrain.parallel.model import ParallelModel, parallelize_model
+from dptrain.parallel.model import ParallelModel, gradient_sync, parallelize_model
 from dptrain.parallel.single import apply_single
 from dptrain.parallel.wrapped import is_sharded
 
@@ -52,7 +49,7 @@ Parallelized = nn.Module | ParallelModel
 def apply_strategy(model: nn.Module, *, cfg: ParallelConfig, device: torch.device) -> nn.Module:
     """`parallelize` over a mesh of the current world, returning only the module to call.
     Inside an initialised process group (a world of one is fine). For zero1 the optimizer must come
-    from the plan (`parallelize(...).build_optimizer`); this returns only DDP's module."""
+    from the plan (`parallelize(...).optimizer(cls, ...)`); this returns only DDP's module."""
     import torch.distributed as dist
 
 
@@ -73,16 +70,9 @@ def sync_gradients(model: Parallelized, sync: bool) -> Iterator[None]:
     if isinstance(model, ParallelModel):
         with model.sync_gradients(sync):
             yield
-    elif isinstance(model, DDP):
-
+    else:
         with gradient_sync(model, sync):
             yield
-    elif isinstance(model, FSDPModule):
-
-        with fsdp_sync(model, sync):
-            yield
-    else:
-        yield
 
 
 def clip_grad_norm_(model: Parallelized, max_norm: float | None) -> torch.Tensor:

@@ -3,8 +3,7 @@ all-reduced in buckets over the data-parallel group."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,16 +34,6 @@ def apply_ddp(
         static_graph=static_graph,
         process_group=process_group,
     )
-
-
-@contextlib.contextmanager
-def gradient_sync(model: DDP, sync: bool) -> Iterator[None]:
-    """sync=False: `no_sync()`, gradients accumulate locally; sync=True: reduced in this backward."""
-    if sync:
-        yield
-    else:
-        with model.no_sync():
-            yield
 
 
 

@@ -23,9 +23,8 @@ then allocates and fills only this rank's shards.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -116,13 +115,3 @@ def set_prefetch(model: nn.Module, *, forward: int = 0, backward: int = 0) -> No
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + forward])
         if backward:
             block.set_modules_to_backward_prefetch(blocks[max(0, i - backward):i][::-1])
-
-
-@contextlib.contextmanager
-def gradient_sync(model: FSDPModule, sync: bool) -> Iterator[None]:
-    """sync=False: gradients accumulate unsharded and unreduced (set_requires_gradient_sync(False))."""
-    model.set_requires_gradient_sync(sync)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)

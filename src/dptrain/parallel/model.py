@@ -1,5 +1,8 @@
 """`parallelize_model`: PyTorch's parallel APIs applied to a plain model in one fixed order, and the
-`ParallelModel` it returns, the only object that knows which wrapper is in use.
+`ParallelModel` it returns, the only object that knows which wrapper is in use. It owns the
+forward and backward of a step's micro-batches (`forward_backward`; a `PipelineModel` runs its
+schedule there instead), the gradient-sync context, clipping, the optimizer's sharding and the
+state dicts; the trainer calls the same methods whatever the layout.
 
 With pp > 1 the model is first split into pipeline stages (`parallel/pipeline.py`), and steps 1 to 3
 apply to each stage. Order (torchtitan's): 1. tensor parallelism on the tp mesh (parallel/tensor.py),
@@ -7,14 +10,14 @@ apply to each stage. Order (torchtitan's): 1. tensor parallelism on the tp mesh 
 3. data parallelism: FSDP2 `fully_shard` on the
 dp_shard dimension (or the 2-D (dp_replicate, dp_shard) mesh: HSDP), or DDP on the data-parallel
 group, or nothing (single) / nn.DataParallel (dp); ZeRO-1 is DDP plus a sharded optimizer
-(`build_optimizer`). Which of these applies comes from the `DataParallelMode` of the strategy
+(`ParallelModel.optimizer`). Which of these applies comes from the `DataParallelMode` of the strategy
 (config/layout.py), never from the strategy name.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dptrain.config import OptimConfig, ParallelConfig
+from dptrain.config import ParallelConfig
 from dptrain.config.compression import fsdp_reduce_dtype
 from dptrain.config.layout import DataParallelMode, strategy_mode
 from dptrain.distributed.mesh import ParallelMesh
@@ -32,22 +35,72 @@ from dptrain.parallel.dp import apply_dp
 from dptrain.parallel.single import apply_single
 
 Materialize = Callable[[nn.Module], None]
+LossFn = Callable[..., torch.Tensor]
+"""`loss_fn(module, batch, **kw) -> scalar loss` (dptrain/train/loss.py)."""
+CountItems = Callable[[Sequence[Any]], "torch.Tensor | None"]
+"""The token rule's `num_items_in_batch` of a step's micro-batches (dptrain/train/loss.py: `items_per_rank`)."""
+Context = Callable[[], contextlib.AbstractContextManager[Any]]
+"""A context factory entered around each forward (autocast: dptrain/train/precision.py)."""
+
+
+def _no_phase(name: str, **kw: Any) -> None:
+    pass
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """`batch` with every tensor moved to `device`, through nested mappings (dicts, Hugging Face's
+    `BatchEncoding`: returned as dicts), lists, tuples and named tuples; other values as they are.
+    Copies from pinned memory are non-blocking."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, sync: bool) -> Iterator[None]:
+    """Around a micro-step's forward AND backward: sync=False only accumulates gradients locally
+    (DDP `no_sync`; FSDP2 `set_requires_gradient_sync(False)`, also torch's `replicate`); sync=True,
+    or any other module, reduces them as usual."""
+    if sync:
+        yield
+    elif isinstance(module, DDP):
+        with module.no_sync():
+            yield
+    elif isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 class ParallelModel:
     """A parallelised model: `.module` is what to call; the methods are what differs by wrapper."""
 
     def __init__(self, module: nn.Module, *, plain: nn.Module, mode: DataParallelMode, mesh: ParallelMesh,
-                 loss_parallel: bool = False) -> None:
+                 loss_parallel: bool = False, device: torch.device | None = None,
+                 sync_each_micro_step: bool = False) -> None:
         self.module = module
         self.plain = plain
         self.mode = mode
         self.mesh = mesh
-        self.cfg_loss_parallel = loss_parallel
-        """parallel.loss_parallel: the logits stay vocabulary-sharded under tp (see loss_context)."""
+        self.device = device or torch.device("cpu")
+        """Where the step's batches go (`forward_backward` moves them)."""
+        self.loss_parallel = loss_parallel and self.tensor_parallel
+        """parallel.loss_parallel with tp > 1: the logits stay vocabulary-sharded (see loss_context)."""
+        self.sync_each_micro_step = sync_each_micro_step
+        """parallel.sync_each_micro_step: reduce gradients in every micro-step's backward."""
 
     pipelined = False
-    """True for a `PipelineModel` (parallel/pipeline.py): the step goes through its schedule."""
+    """True for a `PipelineModel` (parallel/pipeline.py): its stages span the pipeline group."""
 
     @property
     def sharded(self) -> bool:
@@ -71,27 +124,66 @@ class ParallelModel:
         return [self.module]
 
     # ---------------------------------------------------------------- the step
+    def forward_backward(self, micro_batches: Sequence[Any], *, loss_fn: LossFn, count_items: CountItems | None,
+                         scaler: torch.amp.GradScaler, context: Context = contextlib.nullcontext,
+                         phase: Callable[..., None] = _no_phase) -> torch.Tensor:
+        """Forward and backward of one step's micro-batches (each moved to this model's device first),
+        reducing gradients only in the last backward (every one with parallel.sync_each_micro_step).
+        Returns this rank's share of the step's loss (`reduce_loss` makes it the model's).
+
+        Each micro-step's loss is normalised so that the step's gradient is the global batch's
+        (dptrain/train/loss.py): `count_items(batches)` gives the token rule's `num_items_in_batch`
+        (the global batch's valid targets / dp size, counted once per step before any backward), and
+        the loss is `loss_fn(module, batch, num_items_in_batch=n)`; without it (or when it returns
+        None) the sample rule divides each `loss_fn(module, batch)` by the number of micro-batches.
+        `scaler`: the loss scaler (a pass-through unless fp16); `context()`: entered around each
+        forward (autocast); `phase(name, **kw)`: the diagnostics' heartbeat."""
+        batches = [to_device(b, self.device) for b in micro_batches]
+        n_items = count_items(batches) if count_items is not None else None
+        accum = len(batches)
+        step_loss = torch.zeros((), device=self.device)
+        for micro, batch in enumerate(batches):
+            sync = micro == accum - 1 or self.sync_each_micro_step
+            with self.sync_gradients(sync):
+                phase("forward")
+                with context():
+                    if n_items is None:  # sample rule: the mean of equal micro-batch means
+                        loss = loss_fn(self.module, batch) / accum
+                    else:  # token rule: this micro-batch's summed token losses / n_items
+                        loss = loss_fn(self.module, batch, num_items_in_batch=n_items)
+                phase("backward", sync=sync)  # sync: DDP/FSDP reduce gradients in this backward
+                scaler.scale(loss).backward()
+            step_loss += loss.detach()
+        return step_loss
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss from `forward_backward` as every rank of this model holds it: itself here (a
+        pipeline's lives on its last stage: see PipelineModel). Called at a log step."""
+        return loss
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Any, *, loss_fn: LossFn, context: Context = contextlib.nullcontext) -> torch.Tensor:
+        """The loss of one evaluation batch (moved to this model's device), forward only, under the
+        loss context (tensor parallelism's loss_parallel) and `context()` (autocast)."""
+        with context(), self.loss_context():
+            return loss_fn(self.module, to_device(batch, self.device))
+
     @contextlib.contextmanager
     def sync_gradients(self, sync: bool) -> Iterator[None]:
         """Wrap a micro-step's forward AND backward: sync=False only accumulates gradients locally
         (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`); sync=True reduces them."""
-        with self.loss_context():
-            if isinstance(self.module, DDP):
-                with ddp.gradient_sync(self.module, sync):
-                    yield
-            elif isinstance(self.module, FSDPModule):  # FSDP2, and replicate (ddp over tp)
-                with fsdp.gradient_sync(self.module, sync):
-                    yield
-            else:
-                yield
+        with self.loss_context(), gradient_sync(self.module, sync):
+            yield
 
     def loss_context(self) -> contextlib.AbstractContextManager[None]:
         """Around a forward that computes the loss (and its backward): `loss_parallel()` when the
         logits are vocabulary-sharded (parallel.loss_parallel with tp > 1), else nothing.
-        `sync_gradients` enters it; evaluation enters it on its own."""
+        `sync_gradients` and `eval_loss` enter it."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
         from dptrain.parallel.tensor import loss_context
 
-        return loss_context(self.tensor_parallel and self.cfg_loss_parallel)
+        return loss_context(True)
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Clip to the global gradient norm over every dimension and return it (a plain tensor).
@@ -113,13 +205,6 @@ class ParallelModel:
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         return zero_redundancy_optimizer(groups, optimizer_class=optimizer_class, process_group=self.mesh.dp_group,
                                          **defaults)
-
-    def build_optimizer(self, *, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
-        """The configured optimizer (no decay on 1-D parameters), sharded under zero1."""
-        from dptrain.train.optim import optimizer_spec, param_groups
-
-        cls, defaults = optimizer_spec(cfg, lr=lr)
-        return self.optimizer(cls, param_groups(self.module, weight_decay=cfg.weight_decay), **defaults)
 
     # ---------------------------------------------------------------- state
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -200,8 +285,6 @@ def parallelize_model(
         from dptrain.parallel.pipeline import parallelize_pipeline
 
         return parallelize_pipeline(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
-    if reasons := mesh.dims.unbuilt():
-        raise NotImplementedError("; ".join(reasons))
     tp = mesh.dims.tp > 1
     if tp:  # 1. tensor parallelism on the innermost mesh dimension
         from dptrain.parallel.tensor import apply_tp
@@ -232,7 +315,8 @@ def parallelize_model(
         module = apply_dp(apply_single(model, device=device, materialize=materialize), device=device)
     else:
         module = apply_single(model, device=device, materialize=materialize)
-    plan = ParallelModel(module, plain=model, mode=mode, mesh=mesh, loss_parallel=cfg.loss_parallel)
+    plan = ParallelModel(module, plain=model, mode=mode, mesh=mesh, loss_parallel=cfg.loss_parallel, device=device,
+                         sync_each_micro_step=cfg.sync_each_micro_step)
     if comm_hook is not None:
         plan.register_comm_hook(*comm_hook)
     return plan

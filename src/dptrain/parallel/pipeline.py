@@ -23,10 +23,11 @@ the data-parallel ranks of that stage: torch's FSDP2-based `replicate` (ddp; see
 for why not the DDP wrapper) or FSDP2 `fully_shard` (zero2/fsdp, HSDP), per block and per stage;
 nothing at dp size 1. zero1 is refused before launch (config/pipeline.py).
 
-The step (`PipelineModel.train_micro_batches`): each of the step's `grad_accum_steps` micro-batches
-runs as one schedule, split into `pp_microbatches` pieces. The loss lives on the last stage: the
-schedule's `loss_fn` returns the piece's summed token cross-entropy divided by the global batch's
-valid-token count / dp size (dptrain's token rule, loss.py), with `scale_grads=False`, so the
+The step (`PipelineModel.forward_backward`, called by the trainer as for any `ParallelModel`): each
+of the step's `grad_accum_steps` micro-batches runs as one schedule, split into `pp_microbatches`
+pieces. The loss lives on the last stage: the schedule's `loss_fn` returns the piece's summed token
+cross-entropy divided by the global batch's valid-token count / dp size (dptrain's token rule,
+train/loss.py; the trainer's `count_items` counts it once per step), with `scale_grads=False`, so the
 step's gradient is the single-process global-batch mean. The stage drives FSDP2 / replicate itself
 and reduces the gradients of each schedule at its end (`perform_reduce_grad`), adding them to the
 gradients already held; with accumulation that is one reduction per micro-batch rather than one
@@ -61,7 +62,7 @@ from dptrain.models.llama_parallel import LlamaStage, split_batch, split_llama
 from dptrain.parallel import fsdp
 from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dptrain.parallel.materialize import Materializer
-from dptrain.parallel.model import ParallelModel
+from dptrain.parallel.model import Context, CountItems, LossFn, ParallelModel, _no_phase, to_device
 
 __all__ = ["LlamaStage", "PipelineModel", "parallelize_pipeline", "split_batch", "split_llama", "stage_ids"]
 
@@ -74,6 +75,10 @@ def stage_ids(pp_rank: int, *, pp: int, stages_per_rank: int) -> list[int]:
 class RankView(nn.Module):
     """This rank's stages seen as one module under the plain model's names (never called): what
     the optimizer, the state dicts, clipping and the diagnostics see."""
+
+    accepts_loss_kwargs = True
+    """The pipeline's loss follows the token rule (summed token CE / num_items_in_batch): the trainer's
+    `takes_num_items` reads this and hands `forward_backward` its token counter."""
 
     def __init__(self, parts: Sequence[LlamaStage]) -> None:
         super().__init__()
@@ -91,9 +96,8 @@ class PipelineModel(ParallelModel):
 
     def __init__(self, *, view: RankView, parts: list[LlamaStage], wrapped: list[nn.Module], stages: list[Any],
                  schedule: Any, cfg: ParallelConfig, mesh: ParallelMesh, device: torch.device) -> None:
-        super().__init__(view, plain=view, mode=strategy_mode(cfg), mesh=mesh)
+        super().__init__(view, plain=view, mode=strategy_mode(cfg), mesh=mesh, device=device)
         self.stage_parts, self.wrapped, self.stages, self.schedule = parts, wrapped, stages, schedule
-        self.device = device
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self._n_items: torch.Tensor | float = 1.0  # the loss's divisor, set before each schedule
@@ -140,37 +144,47 @@ class PipelineModel(ParallelModel):
             total = total / self.loss_scale(torch.ones((), device=self.device))
         return total
 
-    def train_micro_batches(self, micro_batches: Sequence[Any], *, context: Callable[[], Any] = contextlib.nullcontext,
-                            phase: Callable[..., None] | None = None) -> torch.Tensor:
+    def forward_backward(self, micro_batches: Sequence[Any], *, loss_fn: LossFn, count_items: CountItems | None,
+                         scaler: torch.amp.GradScaler, context: Context = contextlib.nullcontext,
+                         phase: Callable[..., None] = _no_phase) -> torch.Tensor:
         """Forward and backward of the step's micro-batches, one schedule each (the pipeline's
-        micro-batch loop). Returns this rank's share of the step's loss: the global batch's loss
-        on the last stage's ranks divided over dp, 0 on the other stages (`reduce_loss` sums it)."""
-        from dptrain.train.loss import items_per_rank
-
-        pairs = [split_batch(b) for b in micro_batches]
-        n = items_per_rank([{"labels": lab} for _, lab in pairs], device=self.device, dp_world_size=self.mesh.dp_size,
-                           group=self.mesh.dp_group)
+        micro-batch loop). The loss is the last stage's token cross-entropy (`self.loss_fn`; a
+        `train.loss` is refused with pp > 1, so `loss_fn` is the default one and unused here),
+        always under the token rule: `count_items` (required) counts the step's valid targets once.
+        fp16: the last stage scales the loss it backpropagates with `scaler`; every stage unscales.
+        Returns this rank's share of the step's loss: the global batch's loss on the last stage's
+        ranks divided over dp, 0 on the other stages (`reduce_loss` sums it)."""
+        if count_items is None:
+            raise ValueError("pipeline parallelism trains under the token rule: forward_backward needs count_items")
+        if scaler.is_enabled():
+            self.loss_scale = scaler.scale
+            scaler.scale(torch.zeros((), device=self.device))  # creates the scale on every stage
+        pairs = [split_batch(to_device(b, self.device)) for b in micro_batches]
+        n = count_items([{"labels": lab} for _, lab in pairs])
         assert n is not None
         self._n_items = n
         step_loss = torch.zeros((), device=self.device)
         for ids, labels in pairs:
-            if phase is not None:
-                phase("pipeline", collective="pipeline schedule: stage send/recv, forward + backward")
+            phase("pipeline", collective="pipeline schedule: stage send/recv, forward + backward")
             with context():
                 step_loss += self._run((ids, labels), train=True)
         return step_loss
 
     @torch.no_grad()
-    def eval_loss(self, batch: Any, *, context: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
-        """The mean token loss of one evaluation batch, on every rank of the pipeline (forward only)."""
+    def eval_loss(self, batch: Any, *, loss_fn: LossFn | None = None,
+                  context: Context = contextlib.nullcontext) -> torch.Tensor:
+        """The mean token loss of one evaluation batch, on every rank of the pipeline (forward only;
+        the schedule's loss, `loss_fn` is unused)."""
+        batch = to_device(batch, self.device)
         _, labels = split_batch(batch)
-        self._n_items = (labels != -100).sum().clamp_min(1).float().to(self.device)
+        self._n_items = (labels != -100).sum().clamp_min(1).float()
         with context():
             loss = self._run(batch, train=False)
         return self.reduce_loss(loss)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on every rank of the pipeline (the other stages hold 0): a sum over pp."""
+        loss = loss.clone()
         collectives.all_reduce_sum_(loss, group=self.mesh.pp_group)
         return loss
 

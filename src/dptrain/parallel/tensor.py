@@ -99,7 +99,7 @@ def apply_hf_tp(model: nn.Module, tp_mesh: Any) -> None:
 
 def load_plan(spec: str) -> TpPlan:
     """The user's `parallel.tp_plan` function from its import path."""
-    from dptrain.train.build import import_object
+    from dptrain.config.imports import import_object
 
     fn = import_object(spec)
     if not callable(fn):

@@ -1,37 +1,22 @@
-"""Factories named by import path in the config: model, data, loss, collate."""
+"""Factories named by import path in the config: model, data, loss, collate. (`import_object` lives
+in dptrain/config/imports.py and `to_device` in dptrain/parallel/model.py; both are re-exported
+here, where configs and own loops found them before.)"""
 
 from __future__ import annotations
 
 import functools
-import importlib
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from dptrain.config import ConfigError, DataConfig, ModelConfig
+from dptrain.config.imports import import_object
 from dptrain.data.loader import split_train_val
+from dptrain.parallel.model import to_device
 from dptrain.train.loss import LossFn, check_scalar, forward_loss
 
-
-def import_object(spec: str) -> Any:
-    """Import `"pkg.mod:attr"` (or `"pkg.mod.attr"`); the attribute part may be dotted."""
-    if ":" in spec:
-        mod_name, attr = spec.split(":", 1)
-    else:
-        mod_name, _, attr = spec.rpartition(".")
-    if not mod_name or not attr:
-        raise ConfigError(f"expected an import path 'package.module:name', got {spec!r}")
-    try:
-        obj = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(f"cannot import module {mod_name!r} named in {spec!r}: {e}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"module {mod_name!r} has no attribute {attr!r} (from {spec!r})")
-        obj = getattr(obj, part)
-    return obj
+__all__ = ["build_datasets", "build_loss_fn", "build_model", "build_model_meta", "import_object", "to_device"]
 
 
 def build_model(cfg: ModelConfig, *, seed: int) -> nn.Module:
@@ -121,16 +106,3 @@ def build_loss_fn(spec: str | None) -> LossFn:
     return checked
 
 
-def to_device(batch: Any, device: torch.device | str) -> Any:
-    """`batch` with every tensor moved to `device`, through nested mappings (dicts, Hugging Face's
-    `BatchEncoding`: returned as dicts), lists, tuples and named tuples; other values as they are.
-    Copies from pinned memory are non-blocking."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch

@@ -38,6 +38,8 @@ from dptrain.distributed import collectives
 IGNORE_INDEX = -100
 
 LossFn = Callable[..., torch.Tensor]
+CountItems = Callable[[Sequence[Any]], "torch.Tensor | None"]
+"""`items_per_rank` with its device and group bound: what the trainer hands `ParallelModel.forward_backward`."""
 
 
 def forward_loss(model: nn.Module, batch: Any, *, num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:

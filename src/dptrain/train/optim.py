@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from dptrain.config import OptimConfig
+from dptrain.parallel import ParallelModel
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
@@ -33,19 +34,11 @@ def optimizer_spec(cfg: OptimConfig, *, lr: float) -> tuple[type[torch.optim.Opt
     raise ValueError(f"optim.name={cfg.name!r} is not valid; choose one of: sgd, adam, adamw")
 
 
-def build_optimizer(
-    model: nn.Module, *, cfg: OptimConfig, lr: float, shard_state: bool = False, process_group: Any = None,
-) -> torch.optim.Optimizer:
-    """SGD/Adam/AdamW over `model`'s parameters. shard_state=True (ZeRO-1) partitions the optimizer
-    state over `process_group`'s ranks with ZeroRedundancyOptimizer (see parallel/zero.py). The
-    trainer builds it through its `ParallelModel`, which knows whether to shard."""
-    groups = param_groups(model, weight_decay=cfg.weight_decay)
-    cls, kw = optimizer_spec(cfg, lr=lr)
-    if shard_state:
-        from dptrain.parallel.zero import zero_redundancy_optimizer
-
-        return zero_redundancy_optimizer(groups, optimizer_class=cls, process_group=process_group, **kw)
-    return cls(groups, **kw)
+def build_optimizer(plan: ParallelModel, *, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    """The configured SGD/Adam/AdamW over `plan`'s parameters (no decay on 1-D ones), built by the
+    plan, which shards its state under zero1 (ZeroRedundancyOptimizer: parallel/zero.py)."""
+    cls, defaults = optimizer_spec(cfg, lr=lr)
+    return plan.optimizer(cls, param_groups(plan.module, weight_decay=cfg.weight_decay), **defaults)
 
 
 def lr_lambda(

@@ -9,6 +9,8 @@ because DDP's gradients are already identical on every rank after the all-reduce
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +25,13 @@ def autocast(cfg: PrecisionConfig, device: torch.device) -> contextlib.AbstractC
     if cfg.dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=_DTYPES[cfg.dtype])
+
+
+def autocast_factory(cfg: PrecisionConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """`autocast(cfg, device)` as a factory of fresh contexts, built once (the step enters one per forward)."""
+    if cfg.dtype == "fp32":
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type=device.type, dtype=_DTYPES[cfg.dtype])
 
 
 def build_grad_scaler(cfg: PrecisionConfig, device: torch.device, *, sharded: bool) -> torch.amp.GradScaler:

@@ -11,13 +11,30 @@ import torch
 @dataclass
 class TrainState:
     """Progress of a run; the step is global (the same on every rank and at every world size).
-    fp16 steps the scaler skipped are counted on the device (`count_skip`) and read only when the
-    state is (`sync`, `state_dict`): at a log line or a save, never per step."""
+    fp16 steps the scaler skipped are counted on the device (`count_fp16_skip`) and read only when
+    the state is (`sync`, `state_dict`): at a log line or a save, never per step."""
 
     step: int = 0
     samples_seen: int = 0
     skipped_steps: int = 0
     _unread_skips: torch.Tensor | None = field(default=None, repr=False)
+    _scale_prev: torch.Tensor | None = field(default=None, repr=False)  # fp16: the scale before the next step
+
+    def watch_loss_scale(self, scaler: torch.amp.GradScaler, *, device: torch.device) -> None:
+        """fp16 (an enabled scaler): count the steps it skips from now on (`count_fp16_skip`)."""
+        self._scale_prev = torch.full((), scaler.get_scale(), device=device) if scaler.is_enabled() else None
+
+    def count_fp16_skip(self, scaler: torch.amp.GradScaler) -> None:
+        """At each step boundary: the scaler skipped this step's optimizer.step() iff it lowered the
+        scale (fp16 overflow). Compared on the device: `get_scale()` would be a host-device sync every
+        step. Nothing without `watch_loss_scale` (fp32, bf16)."""
+        if self._scale_prev is None:
+            return
+        scale = scaler._scale  # the device tensor behind get_scale(); set by the first scale()
+        if scale is None:
+            return
+        self.count_skip(scale < self._scale_prev)
+        self._scale_prev = scale.clone()  # update() changes the scale in place
 
     def count_skip(self, skipped: torch.Tensor) -> None:
         """Add a 0/1 device tensor without reading it."""

@@ -1,10 +1,11 @@
 """The training loop. `Trainer(cfg).fit()` is what `dptrain run` executes on every rank.
 
 The optimisation step (`train_step`) is deliberately short and explicit: the step's micro-batches,
-micro-steps that skip the gradient reduction until the last one, each loss normalised so the step's
-gradient is the global batch's (by the number of micro-steps, or by the global batch's valid-token
-count for token-level losses: see dptrain/train/loss.py), scaled backward, unscale, clip, step, update,
-zero_grad. Everything that happens after it is ONE function, `end_step`: counters, fp16 skip
+their forward and backward (`ParallelModel.forward_backward`, parallel/model.py: micro-steps that skip
+the gradient reduction until the last one, each loss normalised so the step's gradient is the
+global batch's, by the number of micro-steps or by the global batch's valid-token count for
+token-level losses: see dptrain/train/loss.py; a pipeline runs its schedule there instead), unscale,
+clip, step, update, zero_grad. The trainer never asks which layout it trains. Everything that happens after it is ONE function, `end_step`: counters, fp16 skip
 accounting, logging, diagnostics, evaluation, the preemption agreement and saving. `fit`'s loop and
 every benchmark call `end_step(train_step())`, so a benchmark times exactly what `dptrain run` does
 per step. Apart from the logging interval (and evaluation, drift/memory/straggler checks and saves
@@ -14,6 +15,7 @@ stay on the device, and the preemption flag is agreed without blocking (checkpoi
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from collections.abc import Iterator
@@ -40,14 +42,13 @@ from dptrain.metrics.records import Records
 from dptrain.parallel import ParallelModel, parallelize_model, unwrap
 from dptrain.parallel.comm_hooks import build_comm_hook
 from dptrain.parallel.materialize import make_materializer
-from dptrain.parallel.pipeline import PipelineModel
 from dptrain.train.backend import apply_backend_flags, compile_backend
-from dptrain.train.build import build_datasets, build_loss_fn, build_model_meta, import_object, to_device
+from dptrain.train.build import build_datasets, build_loss_fn, build_model_meta, import_object
 from dptrain.train.evaluation import evaluate
-from dptrain.train.loss import items_per_rank, takes_num_items
-from dptrain.train.optim import build_scheduler
+from dptrain.train.loss import CountItems, items_per_rank, takes_num_items
+from dptrain.train.optim import build_optimizer, build_scheduler
 from dptrain.train.outputs import RunOutputs
-from dptrain.train.precision import autocast, build_grad_scaler
+from dptrain.train.precision import autocast_factory, build_grad_scaler
 from dptrain.train.state import LogWindow, TrainState
 
 __all__ = ["LogWindow", "TrainState", "Trainer"]
@@ -95,6 +96,7 @@ class Trainer:
                                state=self.state, scaler=self.scaler, device=self.device, meters=self.meters,
                                tokens_per_sample=self.tokens_per_sample,
                                bytes_per_token=getattr(self.val_ds, "bytes_per_token", 1))
+        self.state.watch_loss_scale(self.scaler, device=self.device)  # fp16: skipped steps, counted on the device
 
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint saves, as named Stateful objects (the manager never sees the Trainer)."""
@@ -135,12 +137,18 @@ class Trainer:
                                                materialize=materialize, compile_backend=compile_backend(cfg.train),
                                                comm_hook=self.meters.ddp_comm_hook(self.comm_hook))
         self.model: nn.Module = self.parallel.module  # what to call
-        self.optimizer = self.parallel.build_optimizer(cfg=cfg.optim, lr=res.lr)  # sharded under zero1
+        self.optimizer = build_optimizer(self.parallel, cfg=cfg.optim, lr=res.lr)  # sharded under zero1
         self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
         # sharded (found-inf agreed over the world) also under PP: an overflow in one stage skips every stage's step
         self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=self.parallel.sharded or self.parallel.pipelined)
+        self.autocast = autocast_factory(cfg.precision, self.device)  # around each forward (fp32: nothing)
         self.loss_fn = build_loss_fn(cfg.train.loss)
-        self.token_loss = takes_num_items(self.loss_fn, self.model)  # token or sample rule: dptrain/train/loss.py
+        # Token or sample rule (dptrain/train/loss.py). Token rule: the step's valid-target count over the
+        # global batch, counted once per step before any backward (one all-reduce over dp, on the device).
+        self.token_loss = takes_num_items(self.loss_fn, self.model)
+        self.count_items: CountItems | None = functools.partial(
+            items_per_rank, device=self.device, dp_world_size=res.dp_world_size, group=self.mesh.dp_group,
+        ) if self.token_loss else None
         self.collate = import_object(cfg.data.collate) if cfg.data.collate else None
         self.train_ds, self.val_ds = build_datasets(cfg.data)
         self.sampler = GlobalBatchSampler(
@@ -166,14 +174,13 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step over `grad_accum_steps` micro-batches. Returns this rank's share of the
         global batch's loss: its mean over the data-parallel ranks is the global batch's loss."""
-        accum = self.res.grad_accum_steps
         diag = self.diag  # heartbeats and step-time split; see diagnostics/hub.py
         diag.phase("data")
-        micro_batches = [to_device(next(self.batches), self.device) for _ in range(accum)]
-        if self.parallel.pipelined:
-            step_loss = self._pipeline_micro_steps(micro_batches)
-        else:
-            step_loss = self._micro_steps(micro_batches)
+        micro_batches = [next(self.batches) for _ in range(self.res.grad_accum_steps)]
+        # Forward and backward of every micro-batch, gradients reduced in the last backward only; the
+        # losses normalised by the token or sample rule; fp16: scaled backward (parallel/model.py).
+        step_loss = self.parallel.forward_backward(micro_batches, loss_fn=self.loss_fn, count_items=self.count_items,
+                                                   scaler=self.scaler, context=self.autocast, phase=diag.phase)
         diag.phase("optimizer")
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         self.grad_norm = self.parallel.clip_grad_norm_(self.cfg.optim.grad_clip)  # global norm, every dimension
@@ -185,45 +192,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return step_loss
 
-    def _micro_steps(self, micro_batches: list[Any]) -> torch.Tensor:
-        """Forward and backward of the step's micro-batches, reducing gradients only after the last."""
-        accum, diag = len(micro_batches), self.diag
-        # Token rule (dptrain/train/loss.py): the global batch's valid-target count, before any backward;
-        # one all-reduce over the data-parallel group, on the device.
-        n_items = items_per_rank(micro_batches, device=self.device, dp_world_size=self.res.dp_world_size,
-                                 group=self.mesh.dp_group) if self.token_loss else None
-        step_loss = torch.zeros((), device=self.device)
-        for micro, batch in enumerate(micro_batches):
-            # Reduce gradients only after the last micro-step (unless asked to every time).
-            sync = micro == accum - 1 or self.cfg.parallel.sync_each_micro_step
-            with self.parallel.sync_gradients(sync):
-                diag.phase("forward")
-                with autocast(self.cfg.precision, self.device):
-                    if n_items is None:  # sample rule: the mean of equal micro-batch means
-                        loss = self.loss_fn(self.model, batch) / accum
-                    else:  # token rule: this micro-batch's summed token losses / n_items
-                        loss = self.loss_fn(self.model, batch, num_items_in_batch=n_items)
-                diag.phase("backward", sync=sync)  # sync: DDP/FSDP reduce gradients in this backward
-                self.scaler.scale(loss).backward()
-            step_loss += loss.detach()
-        return step_loss
-
-    def _pipeline_micro_steps(self, micro_batches: list[Any]) -> torch.Tensor:
-        """Pipeline parallelism: each micro-batch runs as one schedule over `pp_microbatches` pieces
-        (forward and backward inside it, loss on the last stage, token rule; parallel/pipeline.py).
-        The returned loss is 0 on the stages before the last; logging sums it over the pipeline."""
-        plan = self.parallel
-        assert isinstance(plan, PipelineModel)
-        if self.scaler.is_enabled():  # fp16: the last stage scales its loss; every stage unscales
-            plan.loss_scale = self.scaler.scale
-            self.scaler.scale(torch.zeros((), device=self.device))  # creates the scale on every stage
-        return plan.train_micro_batches(micro_batches, context=lambda: autocast(self.cfg.precision, self.device),
-                                        phase=self.diag.phase)
-
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> float | None:
         """Mean validation loss over the same fixed samples every time, split evenly over data-parallel ranks."""
-        return evaluate(self.parallel, self.val_ds, loss_fn=self.loss_fn, collate=self.collate, precision=self.cfg.precision,
+        return evaluate(self.parallel, self.val_ds, loss_fn=self.loss_fn, collate=self.collate, context=self.autocast,
                         eval_batches=self.cfg.train.eval_batches, micro_batch_size=self.res.micro_batch_size,
                         dp_world_size=self.res.dp_world_size, mesh=self.mesh, device=self.device, phase=self.diag.phase)
 
@@ -303,11 +275,12 @@ class Trainer:
         self.log_window.add(loss)
         state.step += 1
         state.samples_seen += self.res.global_batch_size
-        self.records.count_fp16_skip()  # fp16: on the device, no sync
+        state.count_fp16_skip(self.scaler)  # fp16: on the device, no sync
         accum = self.res.grad_accum_steps
         self.meters.step_done(micro_steps=accum, sync_steps=accum if cfg.parallel.sync_each_micro_step else 1)
         self.diag.on_step_end(state.step)
         if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
+            self.ckpt.record_progress(state.step)  # the restart report's last finished step (before the log's all-reduce)
             self._log_step()
         every = cfg.train.eval_every_steps
         if every and state.step % every == 0 and state.step < cfg.train.max_steps:
@@ -319,9 +292,7 @@ class Trainer:
     def _log_step(self) -> None:
         """A log line: the one host-device sync of the interval (loss mean over ranks)."""
         window, state = self.log_window, self.state
-        local = window.loss_sum / window.steps
-        if isinstance(self.parallel, PipelineModel):
-            local = self.parallel.reduce_loss(local.clone())  # the loss lives on the last stage
+        local = self.parallel.reduce_loss(window.loss_sum / window.steps)  # a pipeline's lives on its last stage
         self.last_loss = last_loss = collectives.all_reduce_mean([local.item()],
                                                                  device=self.device, group=self.mesh.dp_group)[0]
         window_steps = window.steps

@@ -6,7 +6,7 @@ a bad option or a refused variant is known before the first torchrun starts.
 
 Variants: `raw` (the hand-written DDP loop of bench/raw_ddp.py, the reference; always run),
 the strategies `single dp ddp zero1 zero2 fsdp`, and `ddp-<c>` for each gradient compression
-`c` when the config has `parallel.grad_compression`. The one-process strategies (single, dp)
+`c` (`parallel.grad_compression`: fp16, bf16, powersgd, onebit). The one-process strategies (single, dp)
 run only in the world-1 launch (dp drives every GPU from that one process).
 
 Scaling modes: at world 1 one `base` cell per variant (the recipe's own batch resolved at world
@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dptrain.config import Config, ConfigError, resolve
-from dptrain.config.fields import ParallelConfig
 
 REFERENCE = "raw"
 STRATEGY_VARIANTS = ("single", "dp", "ddp", "zero1", "zero2", "fsdp")
@@ -31,14 +30,8 @@ COMPRESSIONS = ("fp16", "bf16", "powersgd", "onebit")
 SCALING = ("none", "strong", "weak", "both")
 
 
-def compressions() -> tuple[str, ...]:
-    """The gradient compressions to benchmark: all of them once `parallel.grad_compression` exists."""
-    names = {f.name for f in dataclasses.fields(ParallelConfig)}
-    return COMPRESSIONS if "grad_compression" in names else ()
-
-
 def all_variants() -> tuple[str, ...]:
-    return (REFERENCE, *STRATEGY_VARIANTS, *(f"ddp-{c}" for c in compressions()))
+    return (REFERENCE, *STRATEGY_VARIANTS, *(f"ddp-{c}" for c in COMPRESSIONS))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dptrain.config.fields import GRAD_COMPRESSIONS, ConfigError, ParallelConfig
 from dptrain.config.layout import DataParallelMode, strategy_mode
 
 if TYPE_CHECKING:
-    from dptrain.distributed.mesh import ParallelDims
+    from dptrain.config.dims import ParallelDims
 
 CAST = ("fp16", "bf16")
 """Compressions that are a dtype cast of the reduction (a DDP hook, or FSDP2's reduce dtype)."""

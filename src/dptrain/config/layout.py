@@ -21,12 +21,9 @@ strategy except zero1 (refused: its optimizer cannot hold DTensor parameters).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from dptrain.config.dims import ParallelDims
 from dptrain.config.fields import STRATEGIES, ConfigError, ParallelConfig
-
-if TYPE_CHECKING:
-    from dptrain.distributed.mesh import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -72,10 +69,6 @@ def strategy_mode(cfg: ParallelConfig) -> DataParallelMode:
 
 def resolve_layout(cfg: ParallelConfig, *, world_size: int) -> tuple[ParallelDims, DataParallelMode]:
     """(mesh degrees, mode) for `cfg` at `world_size`. Raises ConfigError before anything launches."""
-    from dptrain.distributed.mesh import (
-        ParallelDims,  # mesh.py imports the config package: not at import time
-    )
-
     mode = strategy_mode(cfg)
     degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp, "pp": cfg.pp}
     if mode.single_process:

@@ -36,7 +36,7 @@ from dptrain.config.pipeline import describe_pipeline, validate_pipeline
 from dptrain.config.speed_checks import validate_compile, validate_fsdp_tuning, validate_speed
 
 if TYPE_CHECKING:
-    from dptrain.distributed.mesh import ParallelDims
+    from dptrain.config.dims import ParallelDims
 
 # ---------------------------------------------------------------------------------------
 # Derived values

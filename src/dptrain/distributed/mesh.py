@@ -1,7 +1,7 @@
 """One device mesh per run: the named parallel dimensions and the groups every part takes from it.
 
-`ParallelDims` is plain data (no torch): the degrees of the four dimensions, -1 resolved from the
-world size and validated before launch (torchtitan's `ParallelDims`). `ParallelMesh` builds ONE
+`ParallelDims` (config/dims.py, re-exported here) is plain data: the degrees of the four dimensions, -1
+resolved from the world size and validated before launch (torchtitan's `ParallelDims`). `ParallelMesh` builds ONE
 torch `DeviceMesh` with the named dimensions `("pp", "dp_replicate", "dp_shard", "tp")`, plus a
 1-D data-parallel mesh (dp_replicate x dp_shard, flattened into `"dp"` under HSDP) for
 data-parallel collectives, and answers
@@ -24,78 +24,13 @@ mesh in row-major order, so with tp = pp = 1 the dp rank is the global rank.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dptrain.config.fields import ConfigError
+from dptrain.config.dims import DIM_NAMES, ParallelDims
 
 if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
-"""Mesh dimensions, outermost first: pipeline stages span nodes, tensor parallelism stays innermost
-(fastest links); data-parallel replicas sit outside their shards (HSDP: replicate across nodes,
-shard within a node)."""
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of the run's parallel dimensions; their product is the world size."""
-
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    world_size: int
-
-    @classmethod
-    def resolve(cls, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1,
-                world_size: int) -> ParallelDims:
-        """Resolve at most one -1 from the world size and check the product. Raises ConfigError
-        naming every factor and the world size."""
-        factors = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
-        for name, v in factors.items():
-            if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):
-                raise ConfigError(f"parallel.{name}={v!r} is not valid; use a positive integer, or -1 to infer it "
-                                  "from the world size")
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(f"world size {world_size!r} is not valid; it must be a positive integer")
-        inferred = [n for n, v in factors.items() if v == -1]
-        if len(inferred) > 1:
-            raise ConfigError(f"at most one parallel degree may be -1 (inferred from the world size), got "
-                              f"{_show(factors)} at world size {world_size}")
-        known = math.prod(v for v in factors.values() if v != -1)
-        if inferred:
-            if world_size % known:
-                raise ConfigError(
-                    f"cannot infer parallel.{inferred[0]}: the world size {world_size} is not divisible by the "
-                    f"product of the other degrees ({_show(factors)}, product {known})"
-                )
-            factors[inferred[0]] = world_size // known
-        product = math.prod(factors.values())
-        if product != world_size:
-            raise ConfigError(
-                f"parallel layout {_show(factors)} = {product} does not match the world size {world_size}: "
-                "the product of dp_replicate, dp_shard, tp and pp must equal the world size "
-                "(set one of them to -1 to infer it)"
-            )
-        return cls(world_size=world_size, **factors)
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel degree: replicas x shards. The global batch is split over this many ranks."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def degrees(self) -> dict[str, int]:
-        """The degrees by mesh dimension name, in mesh order."""
-        return {name: getattr(self, name) for name in DIM_NAMES}
-
-    def describe(self) -> str:
-        """`dp_replicate 2 x dp_shard 2 x tp 1 x pp 1 = world 4`."""
-        return " x ".join(f"{n} {v}" for n, v in self.degrees.items()) + f" = world {self.world_size}"
-
 
 def _dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """The 1-D data-parallel mesh: the one dp dimension larger than 1 when there is one (a plain
@@ -108,10 +43,6 @@ def _dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     if dims.dp_replicate == 1:
         return mesh["dp_shard"]
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
-
-
-def _show(factors: dict[str, int]) -> str:
-    return " x ".join(f"{n}={v}" for n, v in factors.items())
 
 
 class ParallelMesh:

@@ -69,3 +69,42 @@ def test_python_m_of_an_old_entry_point_runs_the_new_module():
     out = subprocess.run([sys.executable, "-m", "dptrain.worker", "--help"], capture_output=True, text=True, timeout=60,
                          cwd=SRC.parents[1])
     assert out.returncode == 0 and "RUN_DIR" in out.stdout.upper() + out.stderr.upper(), out.stderr
+
+
+def _function_imports(path: Path):
+    """(line, import block's first line) of every first-party import inside a function of `path`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            for body in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
+                if not isinstance(body, list):
+                    continue
+                first = None
+                for st in body:
+                    first_party = isinstance(st, ast.ImportFrom) and (st.module or "").startswith("dptrain")
+                    first = (first or st.lineno) if first_party else None
+                    if first_party:
+                        yield st.lineno, first
+
+
+def test_every_import_inside_a_function_says_why_it_is_lazy():
+    """First-party imports belong at the top of a module; one inside a function stays only with a
+    `# lazy: reason` comment above its block (torch kept out of `dptrain --help`, an optional extra,
+    an import cycle). docs/architecture.md states the count."""
+    missing, count = [], 0
+    for path in sorted(SRC.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for line, first in _function_imports(path):
+            count += 1
+            if not lines[first - 2].strip().startswith("# lazy:"):
+                missing.append(f"{path.relative_to(SRC)}:{line}")
+    assert not missing, "imports inside functions without a `# lazy: reason` comment:\n" + "\n".join(missing)
+    assert count <= 40, f"{count} imports inside functions: hoist the ones no longer needed lazily"
+
+
+def test_help_imports_no_torch():
+    code = "import sys; from dptrain.cli.main import main; main(['--help']); assert 'torch' not in sys.modules"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

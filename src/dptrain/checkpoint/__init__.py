@@ -16,6 +16,7 @@ def __getattr__(name: str) -> Any:
     # preempt imports torch (and its distributed stack): only on use, so `dptrain ckpt ls` and
     # `dptrain --help`, which import this package, stay fast.
     if name == "EXIT_PREEMPTED":
+        # lazy: preempt imports torch; `dptrain ckpt ls` stays torch-free
         from dptrain.checkpoint.preempt import EXIT_PREEMPTED
 
         return EXIT_PREEMPTED

@@ -41,6 +41,7 @@ from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_r
 from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
 from dptrain.checkpoint.preempt import PreemptionFlag
 from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, truncate_metrics
+from dptrain.checkpoint.rundir import move_aside
 from dptrain.checkpoint.state import CheckpointState, RngState
 from dptrain.config import Config, to_dict
 from dptrain.config.nodes import is_elastic
@@ -132,7 +133,6 @@ class CheckpointManager:
             metrics = self.run_dir / "metrics.jsonl"
             if self.env.is_main and metrics.is_file() and metrics.stat().st_size > 0:
                 # starting over in this directory: its metrics start over, the old ones are kept aside
-                from dptrain.checkpoint.rundir import move_aside
 
                 moved = move_aside(self.run_dir, [], names=("metrics.jsonl",))
                 self._say(f"dptrain: no checkpoint to continue from: starting at step 0; the earlier metrics.jsonl "

@@ -9,7 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint.manifest import checkpoint_root
+from dptrain.checkpoint.resume import choose_checkpoint
 from dptrain.config import BatchSizeError, Config, ConfigError, resolve, to_dict
+from dptrain.config.load import load_config
+from dptrain.launch.checks import check_file_writable
 
 
 def _root_of(target: Path) -> Path:
@@ -17,8 +21,6 @@ def _root_of(target: Path) -> Path:
     if mf.step_of(target) is not None:
         return target.parent
     if (target / "config.yaml").is_file():
-        from dptrain.checkpoint.manifest import checkpoint_root
-        from dptrain.config.load import load_config
 
         return checkpoint_root(load_config(target / "config.yaml").checkpoint, target)
     return target
@@ -35,8 +37,6 @@ def _diff(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[str]:
 
 
 def _newest_meta(cfg: Config, *, run_dir: Path, resume: str, trust: bool) -> dict[str, Any] | None:
-    from dptrain.checkpoint.manifest import checkpoint_root
-    from dptrain.checkpoint.resume import choose_checkpoint
 
     if resume != "auto":
         choice = choose_checkpoint(resume, root=run_dir, trust=trust)
@@ -54,7 +54,6 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
     """Check that `cfg` can continue the run in `run_dir` (same model, same global batch) and
     re-derive gradient accumulation for a new world size. Raises ConfigError (exit 2)."""
     if resume == "none":
-        from dptrain.checkpoint.manifest import checkpoint_root
 
         root = checkpoint_root(cfg.checkpoint, run_dir)
         usable = next((d for d in reversed(mf.step_dirs(root)) if mf.inspect_dir(d).valid), None)
@@ -66,7 +65,6 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
         return cfg
     old_cfg = run_dir / "config.yaml"
     if old_cfg.is_file():
-        from dptrain.config.load import load_config
 
         changed = _diff(to_dict(load_config(old_cfg).model), to_dict(cfg.model), "model")
         if changed:
@@ -77,6 +75,7 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
     meta = _newest_meta(cfg, run_dir=run_dir, resume=resume, trust=trust)
     if not meta:
         return cfg
+    # lazy: torch: loaded only when a checkpoint is read
     from dptrain.checkpoint.manager import check_format_version
 
     try:
@@ -179,8 +178,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    # lazy: torch: loaded only when a checkpoint is read
     from dptrain.checkpoint import storage
-    from dptrain.checkpoint.resume import choose_checkpoint
 
     target = Path(args.target)
     if Path(args.out).is_dir():
@@ -188,7 +187,6 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"ckpt export --out {args.out!r} is a directory; name the file to write, e.g. "
             f"{str(Path(args.out) / 'model.safetensors')!r}"
         )
-    from dptrain.launch.checks import check_file_writable
 
     _check_target(args.target)
     check_file_writable(args.out, what="ckpt export --out")

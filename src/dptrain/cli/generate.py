@@ -10,7 +10,9 @@ from typing import TextIO, cast
 import torch
 from torch import nn
 
+from dptrain.config import ConfigError
 from dptrain.config.imports import import_object
+from dptrain.config.load import load_yaml
 
 DEFAULT_MODEL_FACTORY = "dptrain.models.llama:build_llama"
 
@@ -121,8 +123,6 @@ def load_model_from_run(run_dir: str | Path, *, device: str | torch.device = "cp
     """
     from safetensors.torch import load_file
 
-    from dptrain.config import ConfigError
-    from dptrain.config.load import load_yaml
 
     run_dir = Path(run_dir)
     cfg = load_yaml((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}

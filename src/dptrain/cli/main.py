@@ -9,9 +9,47 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dptrain.config import Config, ConfigError, default_out_dir, local_world_size, resolve, validate
+from dptrain.checkpoint.manifest import checkpoint_root
+from dptrain.checkpoint.rundir import PENDING_CONFIG, RunDirLock, check_run_dir, write_atomically
+from dptrain.cli.ckpt import add_ckpt_parser, prepare_resume
+from dptrain.cli.manifest import add_manifest_parser
+from dptrain.cli.plan import add_plan_parser
+from dptrain.cli.report import add_report_parser
+from dptrain.cli.top import add_top_parser
+from dptrain.config import (
+    Config,
+    ConfigError,
+    LaunchConfig,
+    default_out_dir,
+    field_docs,
+    local_world_size,
+    resolve,
+    to_dict,
+    validate,
+)
+from dptrain.config.deepspeed import mapping_for_file
+from dptrain.config.imports import import_object
 from dptrain.config.load import dump_yaml, load_command_line
 from dptrain.config.nodes import is_elastic, max_nodes
+from dptrain.launch import torchrun as launch
+from dptrain.launch.checks import (
+    FactoryFailed,
+    call_factory,
+    check_dir_writable,
+    check_file_writable,
+    check_model,
+    check_signature,
+    check_tensor_parallel,
+    check_vocabulary,
+    check_workers_fit,
+)
+from dptrain.launch.cluster_env import cluster_launch
+from dptrain.launch.elastic import pin_global_batch
+from dptrain.launch.worker import main as worker_main
+from dptrain.metrics.console_log import console_log
+from dptrain.metrics.monitor import check_monitoring
+from dptrain.tools.bench import parse_options
+from dptrain.tools.bench.run import run_bench
 
 EXIT_BAD_INPUT = 2
 
@@ -25,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_BAD_INPUT
-    from dptrain.launch.checks import FactoryFailed
 
     try:
         return args.func(args)
@@ -164,19 +201,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="output directory (default: runs/bench-<timestamp>)")
     bench.set_defaults(func=cmd_bench)
 
-    from dptrain.cli.ckpt import add_ckpt_parser
 
     add_ckpt_parser(sub)
-    from dptrain.cli.report import add_report_parser
 
     add_report_parser(sub)
-    from dptrain.cli.manifest import add_manifest_parser
 
     add_manifest_parser(sub)
-    from dptrain.cli.top import add_top_parser
 
     add_top_parser(sub)
-    from dptrain.cli.plan import add_plan_parser
 
     add_plan_parser(sub)
     return p
@@ -202,9 +234,6 @@ def _flag_overrides(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dptrain.checkpoint.rundir import RunDirLock
-    from dptrain.launch.checks import check_dir_writable, check_workers_fit
-    from dptrain.launch.cluster_env import cluster_launch
 
     cluster = cluster_launch()  # a Kubeflow pod's PET_* layout: after the file, before the command line's overrides
     if cluster is not None:
@@ -230,9 +259,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: Any) -> int:
-    from dptrain.checkpoint.rundir import PENDING_CONFIG, check_run_dir, write_atomically
-    from dptrain.cli.ckpt import prepare_resume
-    from dptrain.metrics.monitor import check_monitoring
 
     nproc = local_world_size(cfg.launch)
 
@@ -250,7 +276,6 @@ def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: A
         launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc),
     )
     if is_elastic(cfg.launch):
-        from dptrain.launch.elastic import pin_global_batch
 
         cfg = pin_global_batch(cfg, res=res)  # workers at another world size keep it (accumulation re-derived)
         if cfg.launch.max_restarts == 0:
@@ -280,19 +305,15 @@ def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: A
     lock.share(sys.argv)  # the workers take their own shared holds
     worker_args = [str(run_dir), "--config", str(pending), "--resume", args.resume]
     worker_args += ["--trust-checkpoint"] if args.trust_checkpoint else []
-    from dptrain.metrics.console_log import console_log
 
     with console_log(run_dir):  # the launcher's lines; rank 0 adds its own (worker.py)
         return _launch(cfg, res=res, nproc=nproc, run_dir=run_dir, pending=pending, worker_args=worker_args)
 
 
 def _launch(cfg: Config, *, res: Any, nproc: int, run_dir: Path, pending: Path, worker_args: list[str]) -> int:
-    from dptrain.checkpoint.manifest import checkpoint_root
-    from dptrain.launch import torchrun as launch
 
     try:
         if res.world_size == 1:
-            from dptrain.launch.worker import main as worker_main
 
             return worker_main(worker_args)
         argv = launch.torchrun_args(
@@ -313,15 +334,8 @@ def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
     """Import every factory, bind its kwargs, build the model once on the meta device and the data
     once (which warms caches, e.g. the corpus, before ranks race for them); with tp > 1 check the
     model can be split. Returns the train set."""
-    from dptrain.config.imports import import_object
+    # lazy: torch: loaded when the command runs, never for --help
     from dptrain.data.loader import split_train_val
-    from dptrain.launch.checks import (
-        call_factory,
-        check_model,
-        check_signature,
-        check_tensor_parallel,
-        check_vocabulary,
-    )
 
     for spec in (cfg.train.loss, cfg.data.collate):
         if spec:
@@ -338,8 +352,6 @@ def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
 def cmd_bench(args: argparse.Namespace) -> int:
     import time
 
-    from dptrain.tools.bench import parse_options
-    from dptrain.tools.bench.run import run_bench
 
     cfg = load_command_line(args.items)
     validate(cfg)
@@ -348,7 +360,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         steps=args.steps, warmup=args.warmup, nproc=nproc, scaling=args.scaling, variants=args.variants
     )
     out = args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    from dptrain.launch.checks import check_dir_writable
 
     check_dir_writable(out, what="--out")
     # check: imports, kwargs, the model on the meta device, the data once (warms the corpus cache)
@@ -356,8 +367,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from dptrain.config import LaunchConfig
-    from dptrain.launch import torchrun as launch
 
     if not args.argv:
         raise ConfigError("dptrain launch needs a script: dptrain launch [torchrun options] SCRIPT [ARGS]")
@@ -382,7 +391,6 @@ script's own. torchrun's options (before SCRIPT) are torchrun's: see `torchrun -
 def _check_script(argv: list[str]) -> None:
     """The script `dptrain launch` is to run exists (with -m/--module or --no-python it is a module or a
     command, checked by Python or the shell)."""
-    from dptrain.launch import torchrun as launch
 
     at = launch.script_index(argv)
     opts = argv[:at]
@@ -400,7 +408,6 @@ def _check_script(argv: list[str]) -> None:
 def _wants_restarts(argv: list[str]) -> bool:
     """Whether torchrun's own --max-restarts (before the script; the script's own is its business) asks
     for restarts, which need the separate-store setting (launch.RESTART_ENV)."""
-    from dptrain.launch import torchrun as launch
 
     value = launch.option_value(launch.torchrun_options(argv), "--max-restarts", "--max_restarts")
     return value is not None and value != "0"
@@ -409,7 +416,6 @@ def _wants_restarts(argv: list[str]) -> bool:
 def _check_nproc_option(argv: list[str]) -> None:
     """torchrun's --nproc-per-node must be a positive integer or one of its words (it asserts otherwise).
     Only torchrun's options count: those before the script, told apart by torchrun's own parser."""
-    from dptrain.launch import torchrun as launch
 
     value = launch.option_value(launch.torchrun_options(argv), "--nproc-per-node", "--nproc_per_node")
     if value is not None and value not in ("auto", "cpu", "gpu", "xpu") and not (value.isdigit() and int(value) >= 1):
@@ -422,7 +428,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.json and not args.comm:
         raise ConfigError(f"--json {args.json} writes the --comm sweep; add --comm")
     if args.json:
-        from dptrain.launch.checks import check_file_writable
 
         check_file_writable(args.json, what="--json")
     return _doctor().run_doctor(comm=args.comm, nproc=args.nproc_per_node, json_path=args.json)
@@ -440,7 +445,6 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         f"x dp {res.dp_world_size}"
     )
     if args.items and "=" not in args.items[0]:
-        from dptrain.config.deepspeed import mapping_for_file
 
         mapping = mapping_for_file(args.items[0])
         if mapping is not None:
@@ -455,7 +459,6 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 
 def config_reference() -> str:
     """Markdown tables of every config field: default and docstring."""
-    from dptrain.config import field_docs, to_dict
 
     defaults = to_dict(Config())
     lines = []
@@ -470,6 +473,7 @@ def config_reference() -> str:
 
 
 def _doctor():
+    # lazy: torch: loaded when the command runs, never for --help
     from dptrain.tools import doctor
 
     return doctor
@@ -488,6 +492,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top-k={args.top_k} is not valid; use an integer >= 0 (0: no top-k filtering)")
     if not (Path(args.run_dir) / "final" / "model.safetensors").is_file():
         raise ConfigError(f"{args.run_dir!r} holds no final/model.safetensors; pass the directory of a finished run")
+    # lazy: torch: loaded when the command runs, never for --help
     from dptrain.cli.generate import generate, load_model_from_run
 
     model = load_model_from_run(args.run_dir)

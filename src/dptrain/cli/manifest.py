@@ -16,6 +16,8 @@ import yaml
 
 from dptrain.cli.arg_types import nonnegative_int, positive_int
 from dptrain.config import Config, ConfigError, default_out_dir, resolve, validate
+from dptrain.config.load import dump_yaml, load_command_line
+from dptrain.tools.deploy import kubeflow, slurm
 
 
 def add_manifest_parser(sub: Any) -> None:
@@ -74,7 +76,6 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _job_config(args: argparse.Namespace, *, out_dir: str | None) -> Config:
     """The config every node runs: file + overrides + the job's layout, validated for its world size."""
-    from dptrain.config.load import load_command_line
 
     extra = [f"launch.nnodes={args.nnodes}", f"launch.nproc_per_node={args.nproc_per_node}"]
     if args.max_restarts is not None:
@@ -114,8 +115,6 @@ def _gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_kubeflow(args: argparse.Namespace) -> int:
-    from dptrain.config.load import dump_yaml
-    from dptrain.tools.deploy import kubeflow
 
     base = _job_config(args, out_dir=None)
     name = args.name or base.log.name.lower().replace("_", "-")
@@ -144,8 +143,6 @@ def cmd_kubeflow(args: argparse.Namespace) -> int:
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
-    from dptrain.config.load import dump_yaml
-    from dptrain.tools.deploy import slurm
 
     base = _job_config(args, out_dir=args.out)
     run_dir = default_out_dir(base)  # fixed now: every attempt of the job uses the same directory

@@ -7,7 +7,9 @@ import sys
 
 from dptrain.cli.arg_types import positive_float, positive_int
 from dptrain.metrics.hardware import GpuSpec, gpu_spec
+from dptrain.tools.plan.calibrate import calibrated_efficiency, link_from_sweep, load_sweep
 from dptrain.tools.plan.llama import param_counts
+from dptrain.tools.plan.measured import measured_report
 from dptrain.tools.plan.memory import GB, OPTIMIZERS, PRECISIONS, zero_states
 from dptrain.tools.plan.predict import LLAMA, device_spec, predict, scaling
 from dptrain.tools.plan.presets import PRESETS, preset
@@ -138,7 +140,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _comm_link(path: str | None):  # noqa: ANN202 (Link: plan.timing)
     if path is None:
         return None
-    from dptrain.tools.plan.calibrate import link_from_sweep, load_sweep
 
     return link_from_sweep(load_sweep(path))
 
@@ -149,7 +150,6 @@ def _efficiency(args: argparse.Namespace) -> tuple[float, str]:
         if args.efficiency == DEFAULT_EFFICIENCY:
             return args.efficiency, "assumed: the Llama 3 paper's lowest BF16 MFU on H100s"
         return args.efficiency, "assumed (--efficiency)"
-    from dptrain.tools.plan.calibrate import calibrated_efficiency
 
     return calibrated_efficiency(args.calibrate, cpu=args.gpu_type.lower() == "cpu")
 
@@ -171,7 +171,6 @@ def _zero_table(args: argparse.Namespace, spec: GpuSpec) -> str:
 def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, str]) -> str:  # noqa: ANN001
     cfg = load_plan_config(args.items, model=args.model)
     if cfg.model.factory != LLAMA:
-        from dptrain.tools.plan.measured import measured_report
 
         return measured_report(args, cfg, comm=comm, efficiency=efficiency)
     pr = predict(

@@ -7,6 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dptrain.config import ConfigError
+from dptrain.launch.checks import check_dir_writable
+from dptrain.tools.report import MissingExtra, build_report
+
 
 def add_report_parser(sub: Any) -> None:
     rep = sub.add_parser("report", help="write an HTML report of a run (finished or still going) with its figures")
@@ -16,8 +20,6 @@ def add_report_parser(sub: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from dptrain.config import ConfigError
-    from dptrain.tools.report import MissingExtra, build_report
 
     run = Path(args.run_dir)
     if not run.is_dir() or not any((run / name).is_file() for name in ("metrics.jsonl", "config.yaml", "console.log")):
@@ -26,7 +28,6 @@ def cmd_report(args: argparse.Namespace) -> int:
             "pass the --out folder of a dptrain run"
         )
     if args.out is not None:
-        from dptrain.launch.checks import check_dir_writable
 
         check_dir_writable(args.out, what="--out")
     try:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dptrain.config import ConfigError
 from dptrain.metrics.status import DIR
 
 STALE_S = 10.0
@@ -163,7 +164,6 @@ def add_top_parser(sub: Any) -> None:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from dptrain.config import ConfigError
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():

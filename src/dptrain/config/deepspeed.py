@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dptrain.config.fields import ConfigError
+from dptrain.config.fields import Config, ConfigError
 from dptrain.config.load import set_dotted
 
 _ZERO_STAGE = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}
@@ -413,7 +413,6 @@ def mapping_for_file(path: str) -> DeepSpeedMapping | None:
     import json
     from pathlib import Path
 
-    from dptrain.config.fields import Config
 
     p = Path(path)
     if p.suffix != ".json" or not p.is_file():

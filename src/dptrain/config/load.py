@@ -71,6 +71,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
     # e.g. a misspelled section, is refused below like YAML's); else DeepSpeed's, translated.
     # `checkpoint` is a section of both.
     if is_json and not set(raw) & (sections - {"checkpoint"}):
+        # lazy: deepspeed.py imports this module
         from dptrain.config.deepspeed import translate_deepspeed
 
         m = translate_deepspeed(raw)
@@ -312,7 +313,8 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
 
 def _type_error(name: str, value: Any, hint: Any) -> ConfigError:
     """`name=value has the wrong type`, with the field's valid range where it has one."""
-    from dptrain.config.resolve import RANGES  # resolve imports this module
+    # lazy: resolve.py imports this module
+    from dptrain.config.resolve import RANGES
 
     section, _, field = name.partition(".")
     rng = RANGES.get(section, {}).get(field)

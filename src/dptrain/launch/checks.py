@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.config import ConfigError
+from dptrain.config.imports import import_object
 
 
 def check_dir_writable(path: str | Path, *, what: str) -> None:
@@ -117,7 +118,6 @@ def check_model(cfg: Any) -> Any:
     import torch
     from torch import nn
 
-    from dptrain.config.imports import import_object
 
     fn = import_object(cfg.factory)
     check_signature(fn, cfg.kwargs, key="model.factory", spec=cfg.factory)
@@ -163,6 +163,7 @@ def check_tensor_parallel(model: Any, *, parallel: Any, tp: int, sample: Any = N
     length too, read off a training `sample`). ConfigError naming the numbers."""
     if tp <= 1:
         return
+    # lazy: torch: only with tp > 1
     from dptrain.parallel.tensor import load_plan, tp_problem
 
     if parallel.tp_plan is not None:

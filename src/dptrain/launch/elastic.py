@@ -15,6 +15,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from dptrain.checkpoint.attempts import record_refusal
 from dptrain.config import BatchSizeError, Config, ConfigError, Resolved, resolve
 
 
@@ -50,7 +51,6 @@ def worker_config(cfg: Config, *, run_dir: Path, world_size: int, rank: int, att
         return config_for_world(cfg, world_size=world_size)
     except ConfigError as e:
         if rank == 0:
-            from dptrain.checkpoint.attempts import record_refusal
 
             record_refusal(run_dir, attempt=attempt, world_size=world_size, reason=str(e))
         raise

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dptrain.checkpoint import manifest as mf
 from dptrain.config import LaunchConfig
-from dptrain.config.nodes import max_nodes
+from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, torchrun_nnodes
 
 # torchrun with gloo cannot re-rendezvous after a worker dies while the agent shares its TCP
 # store with the workers (pytorch#135712); a separate store per restart round makes it work.
@@ -25,7 +26,6 @@ RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 def torchrun_args(cfg: LaunchConfig, *, nproc_per_node: int, module: str, module_args: list[str]) -> list[str]:
     """The torchrun argv that runs `python -m module module_args...` on every worker."""
-    from dptrain.config.nodes import node_range, parse_rdzv_conf, torchrun_nnodes
 
     args = ["--nproc-per-node", str(nproc_per_node), "--nnodes", torchrun_nnodes(cfg)]
     if node_range(cfg.nnodes) == (1, 1) and cfg.rdzv_endpoint is None:
@@ -71,6 +71,7 @@ def run_torchrun(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    # lazy: torch: the launcher imports it only to start workers
     from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
     from dptrain.diagnostics.watchdog import EXIT_HANG
 
@@ -133,7 +134,6 @@ def last_saved(ckpt_root: Path | None) -> str:
     """What is saved of the run: its newest committed checkpoint (hashes not re-checked here)."""
     if ckpt_root is None:
         return "the last finished step is checkpointed"
-    from dptrain.checkpoint import manifest as mf
 
     committed = [i for i in mf.list_checkpoints(ckpt_root, check_hashes=False) if i.valid]
     if not committed:

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     run_dir = Path(args.run_dir)
     if os.environ.get("RANK", "0") == "0":  # rank 0's console, copied to RUN_DIR/console.log
+        # lazy: torch: after the SIGINT handler is installed (main)
         from dptrain.metrics.console_log import console_log
 
         with console_log(run_dir):
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
 
 
 def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int:
+    # lazy: torch: after the SIGINT handler is installed (main)
     from dptrain.checkpoint.preempt import EXIT_PREEMPTED
     from dptrain.checkpoint.rundir import RunDirLock
     from dptrain.config import ConfigError

@@ -95,10 +95,12 @@ def build_monitor(log: LogConfig, *, env: DistEnv, run_dir: Path, device: torch.
     require(log)
     sinks: list[Sink] = []
     if log.tensorboard and env.is_main:
+        # lazy: optional extra [monitor] (tensorboard)
         from dptrain.metrics.tensorboard import TensorBoardSink
 
         sinks.append(TensorBoardSink(Path(run_dir) / "tensorboard"))
     if log.prometheus_port:
+        # lazy: optional extra [monitor] (prometheus-client)
         from dptrain.metrics.prometheus import PrometheusExporter
 
         def counters() -> dict[str, float]:  # read when Prometheus scrapes, in the exporter's thread
@@ -108,6 +110,7 @@ def build_monitor(log: LogConfig, *, env: DistEnv, run_dir: Path, device: torch.
         sinks.append(PrometheusExporter(port=log.prometheus_port + env.local_rank, addr=log.prometheus_addr,
                                         rank=env.rank, host=socket.gethostname(), device=device, counters=counters))
     if log.status_every_s:
+        # lazy: written only when log.status_every_s > 0
         from dptrain.metrics.status import StatusWriter
 
         sinks.append(StatusWriter(run_dir, rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,

@@ -45,9 +45,8 @@ class StatusWriter:
         self._fixed = {"rank": rank, "local_rank": local_rank, "world_size": world_size,
                        "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),
                        "started": time.time()}
-        from dptrain.metrics.gpu import (
-            GpuSampler,  # lazy: gpu imports torch; `dptrain top` reads status without it
-        )
+        # lazy: gpu imports torch; `dptrain top` reads status without it
+        from dptrain.metrics.gpu import GpuSampler
 
         try:
             self._gpu = GpuSampler.open(device)
@@ -64,7 +63,8 @@ class StatusWriter:
             self._last = {k: record[k] for k in RECORD_KEYS if k in record} | {"logged_step": record.get("step")}
 
     def snapshot(self, *, phase: str | None = None) -> dict[str, Any]:
-        from dptrain.metrics.gpu import process_memory  # lazy: gpu imports torch (see __init__)
+        # lazy: gpu imports torch (see __init__)
+        from dptrain.metrics.gpu import process_memory
 
         step, current = self._position()  # the step being trained (1-based)
         if phase == "done":

@@ -28,11 +28,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dptrain.config import ParallelConfig
 from dptrain.config.compression import fsdp_reduce_dtype
 from dptrain.config.layout import DataParallelMode, strategy_mode
+from dptrain.distributed.collectives import broadcast_object
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.parallel import ddp, fsdp
 from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from dptrain.parallel.clip import clip_grad_norm_
+from dptrain.parallel.compile import apply_compile
 from dptrain.parallel.dp import apply_dp
 from dptrain.parallel.single import apply_single
+from dptrain.parallel.tensor import apply_tp, loss_context
+from dptrain.parallel.wrapped import full_state_dict
+from dptrain.parallel.zero import zero_redundancy_optimizer
 
 Materialize = Callable[[nn.Module], None]
 LossFn = Callable[..., torch.Tensor]
@@ -181,7 +187,6 @@ class ParallelModel:
         `sync_gradients` and `eval_loss` enter it."""
         if not self.loss_parallel:
             return contextlib.nullcontext()
-        from dptrain.parallel.tensor import loss_context
 
         return loss_context(True)
 
@@ -189,7 +194,6 @@ class ParallelModel:
         """Clip to the global gradient norm over every dimension and return it (a plain tensor).
         DDP's gradients are already identical on every replica; FSDP2's are sharded DTensors whose
         norm is reduced over the shard (and replicate) dimensions."""
-        from dptrain.parallel.clip import clip_grad_norm_
 
         return clip_grad_norm_(self.module, max_norm)
 
@@ -200,7 +204,6 @@ class ParallelModel:
         params = list(self.module.parameters()) if params is None else list(params)
         if not self.mode.shard_optimizer:
             return optimizer_class(params, **defaults)
-        from dptrain.parallel.zero import zero_redundancy_optimizer
 
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         return zero_redundancy_optimizer(groups, optimizer_class=optimizer_class, process_group=self.mesh.dp_group,
@@ -217,7 +220,6 @@ class ParallelModel:
         if optimizer is None:
             return get_model_state_dict(self.plain), {}
         if self.mode.shard_optimizer:
-            from dptrain.distributed.collectives import broadcast_object
 
             optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # collective
             own = optimizer.state_dict() if self.mesh.dp_rank == 0 else None
@@ -246,7 +248,6 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated model state on CPU under the plain module's names (for export).
         Collective under FSDP2 (call on every rank); complete on rank 0."""
-        from dptrain.parallel.wrapped import full_state_dict
 
         return full_state_dict(self.module)
 
@@ -282,18 +283,18 @@ def parallelize_model(
     data parallelism; None: eager."""
     mode = strategy_mode(cfg)
     if mesh.dims.pp > 1:  # pipeline parallelism: stages by layer ranges, DP per stage (parallel/pipeline.py)
+        # lazy: pipeline.py imports this module
         from dptrain.parallel.pipeline import parallelize_pipeline
+
 
         return parallelize_pipeline(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
     tp = mesh.dims.tp > 1
     if tp:  # 1. tensor parallelism on the innermost mesh dimension
-        from dptrain.parallel.tensor import apply_tp
 
         apply_tp(model, mesh.tp_mesh, tp_plan=cfg.tp_plan, sequence_parallel=cfg.sequence_parallel,
                  loss_parallel=cfg.loss_parallel)
     apply_activation_checkpointing(model, mode=cfg.activation_checkpointing)  # 2.
     if compile_backend is not None:  # 2b. per block, before the data-parallel wrapper
-        from dptrain.parallel.compile import apply_compile
 
         apply_compile(model, backend=compile_backend)
     if mode.wrapper == "fsdp":  # 3. data parallelism

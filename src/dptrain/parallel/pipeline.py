@@ -61,8 +61,10 @@ from dptrain.models.llama import LlamaLM
 from dptrain.models.llama_parallel import LlamaStage, split_batch, split_llama
 from dptrain.parallel import fsdp
 from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from dptrain.parallel.clip import clip_grads_with_norm_, grad_norm
 from dptrain.parallel.materialize import Materializer
 from dptrain.parallel.model import Context, CountItems, LossFn, ParallelModel, _no_phase, to_device
+from dptrain.parallel.tensor import apply_llama_tp, tp_problem
 
 __all__ = ["LlamaStage", "PipelineModel", "parallelize_pipeline", "split_batch", "split_llama", "stage_ids"]
 
@@ -196,7 +198,6 @@ class PipelineModel(ParallelModel):
         """Global gradient norm: this rank's stages' norm over their tp and FSDP2 shards (per mesh,
         made whole by DTensor: parallel/clip.py), squared and summed over pp; then every rank clips
         by the same factor."""
-        from dptrain.parallel.clip import clip_grads_with_norm_, grad_norm
 
         norm, groups = grad_norm(self.plain)
         total = norm.double() ** 2
@@ -281,7 +282,6 @@ def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: Paralle
     mode = strategy_mode(cfg)
     tp = mesh.dims.tp > 1
     if tp:
-        from dptrain.parallel.tensor import apply_llama_tp, tp_problem
 
         if cfg.tp_plan is not None or cfg.loss_parallel:  # refused before launch (config/layout.py)
             raise ValueError("parallel.tp_plan and parallel.loss_parallel do not compose with parallel.pp > 1")

@@ -44,6 +44,7 @@ from typing import Any
 
 from torch import nn
 
+from dptrain.config.imports import import_object
 from dptrain.models.llama_parallel import apply_llama_tp, is_builtin_llama
 
 TpPlan = Callable[[nn.Module, Any], None]
@@ -99,7 +100,6 @@ def apply_hf_tp(model: nn.Module, tp_mesh: Any) -> None:
 
 def load_plan(spec: str) -> TpPlan:
     """The user's `parallel.tp_plan` function from its import path."""
-    from dptrain.config.imports import import_object
 
     fn = import_object(spec)
     if not callable(fn):

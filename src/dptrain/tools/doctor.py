@@ -19,6 +19,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from dptrain import __version__
+from dptrain.config import LaunchConfig, local_world_size
+from dptrain.launch import torchrun as launch
+
 ENV_PREFIXES = ("NCCL_", "TORCH_", "OMP_", "GLOO_", "CUDA_VISIBLE_DEVICES", "MASTER_", "MKL_", "TORCHELASTIC_")
 Report = tuple[list[str], list[str]]
 
@@ -34,7 +38,6 @@ def _smi(*args: str) -> str | None:
 
 
 def check_versions() -> Report:
-    from dptrain import __version__
 
     lines = [f"dptrain {__version__}, Python {platform.python_version()}, {platform.platform()}",
              f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}"]
@@ -235,8 +238,6 @@ def run_doctor(*, comm: bool, nproc: int | None, json_path: str | None = None) -
     print(text, end="", flush=True)
     if not comm:
         return 0
-    from dptrain.config import LaunchConfig, local_world_size
-    from dptrain.launch import torchrun as launch
 
     n = nproc or local_world_size(LaunchConfig())
     print(f"\n== communication check: all-reduce sweep over {n} ranks (torchrun)", flush=True)

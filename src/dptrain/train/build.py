@@ -13,6 +13,11 @@ from torch import nn
 from dptrain.config import ConfigError, DataConfig, ModelConfig
 from dptrain.config.imports import import_object
 from dptrain.data.loader import split_train_val
+from dptrain.parallel.materialize import (
+    check_init_contract,
+    converted_after_registration,
+    track_registrations,
+)
 from dptrain.parallel.model import to_device
 from dptrain.train.loss import LossFn, check_scalar, forward_loss
 
@@ -35,11 +40,6 @@ def build_model_meta(cfg: ModelConfig, *, seed: int) -> tuple[nn.Module, str | N
     found it (`materialize` moves it to where eager construction leaves it); the fallback leaves
     it where `build_model` does."""
     # imported here: it loads DTensor, which importing dptrain.train.build should not
-    from dptrain.parallel.materialize import (
-        check_init_contract,
-        converted_after_registration,
-        track_registrations,
-    )
 
     before = torch.get_rng_state()
     torch.manual_seed(seed)

@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from dptrain.launch.torchrun import run_torchrun
+
 if TYPE_CHECKING:
     import torch
 
@@ -30,6 +32,5 @@ def under_torchrun(worker: Callable[[], object], *, script: str, argv: list[str]
     if "RANK" in os.environ:
         worker()
         return 0
-    from dptrain.launch.torchrun import run_torchrun
 
     return run_torchrun(["--nproc-per-node", str(nproc), "--standalone", script, *argv], restarts=False)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dptrain.metrics import strict_json
 from dptrain.tools.bench.cells import REFERENCE, BenchOptions
 
 JSON_NAME = "bench.json"
@@ -104,7 +105,6 @@ def print_table(summary: dict[str, Any]) -> None:
 
 def write(summary: dict[str, Any], *, out: Path) -> None:
     """bench.json, then the PNG plots (skipped, with a message, without matplotlib)."""
-    from dptrain.metrics import strict_json
 
     (out / JSON_NAME).write_text(strict_json.dumps(summary, indent=1) + "\n")
     print(f"dptrain bench: wrote {out / JSON_NAME}", file=sys.stderr)

@@ -18,6 +18,8 @@ from typing import Any
 
 from dptrain.config import Config, ConfigError, resolve
 from dptrain.config.load import dump_yaml
+from dptrain.launch import torchrun as launch
+from dptrain.tools.bench import report
 from dptrain.tools.bench.cells import BenchOptions, Cell, plan_cells
 
 WORKER = "dptrain.tools.bench.worker"
@@ -60,7 +62,6 @@ def _spec(cells: list[Cell], *, world: int, opts: BenchOptions, out: Path) -> Pa
 
 
 def _launch(cfg: Config, *, world: int, spec: Path, nproc: int) -> int:
-    from dptrain.launch import torchrun as launch
 
     launch_cfg = dataclasses.replace(cfg.launch, max_restarts=0)
     argv = launch.torchrun_args(launch_cfg, nproc_per_node=world, module=WORKER, module_args=[str(spec)])
@@ -72,7 +73,6 @@ def run_bench(cfg: Config, *, opts: BenchOptions, out_dir: str | Path, check: Ca
               ) -> int:
     """Run the benchmark; print the table; write bench.json and the plots into `out_dir`. Exit code.
     `check(cfg)`: the launcher's pre-flight of the recipe's factories, after the plan, before anything is written."""
-    from dptrain.tools.bench import report
 
     if cfg.launch.nnodes != 1:
         raise ConfigError(f"launch.nnodes={cfg.launch.nnodes}: dptrain bench runs on one node (use launch.nnodes=1)")

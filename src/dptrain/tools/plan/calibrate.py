@@ -142,6 +142,7 @@ def matmul_peak(threads: int, seconds: float) -> float:
     if key not in _PEAKS:
         import torch
 
+        # lazy: torch: only to measure this CPU
         from dptrain.metrics import mfu
 
         before = torch.get_num_threads()

@@ -100,6 +100,7 @@ def param_stats(model: nn.Module) -> dict[str, Any]:
 def fsdp_unit_bytes(model: nn.Module) -> list[int]:
     """Parameter bytes each `fully_shard` call of dptrain's FSDP wrapping owns: the units deepest
     first (each takes the parameters of its subtree not yet taken), the root last."""
+    # lazy: torch: only to measure a user's model (the LLaMA's formulas need none)
     from dptrain.parallel.fsdp import shard_units
 
     taken: set[int] = set()
@@ -156,6 +157,7 @@ class _Recorder:
 
 
 def _loss(model: nn.Module, batch: Any, *, loss: str | None) -> torch.Tensor:
+    # lazy: torch: only to measure a user's model (the LLaMA's formulas need none)
     from dptrain.train.build import build_loss_fn
     from dptrain.train.loss import count_targets, takes_num_items
 
@@ -176,6 +178,7 @@ def profile_module(model: nn.Module, batch: Any, *, micro_batch: int, precision:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    # lazy: torch: only to measure a user's model (the LLaMA's formulas need none)
     from dptrain.parallel.activation_checkpointing import outermost_blocks
 
     blocks = outermost_blocks(model)
@@ -213,6 +216,7 @@ def fake_batch(*, data: DataConfig, collate: str | None, micro_batch: int, mode:
     from torch.utils._pytree import tree_map
     from torch.utils.data import default_collate
 
+    # lazy: torch: only to measure a user's model (the LLaMA's formulas need none)
     from dptrain.train.build import build_datasets, import_object
 
     train, _ = build_datasets(data)
@@ -238,6 +242,7 @@ def measure_model(*, model: ModelConfig, data: DataConfig, micro_batch: int, pre
     `MeasureError` naming the factory and the step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    # lazy: torch: only to measure a user's model (the LLaMA's formulas need none)
     from dptrain.train.build import build_model
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -8,15 +8,15 @@ import argparse
 from typing import Any
 
 from dptrain.config.fields import ConfigError
+from dptrain.tools.plan.measure import measure_model
 from dptrain.tools.plan.memory import profile_memory
+from dptrain.tools.plan.predict import device_spec, layout_from_config, resolve_for_plan
 from dptrain.tools.plan.report_lines import memory_lines, time_lines
 from dptrain.tools.plan.timing import Link, profile_step_time
 
 
 def measured_report(args: argparse.Namespace, cfg: Any, *, comm: Link | None, efficiency: tuple[float, str]) -> str:
     """The layout report of `cfg` (a Config) on `args.gpus` ranks for a measured model."""
-    from dptrain.tools.plan.measure import measure_model
-    from dptrain.tools.plan.predict import device_spec, layout_from_config, resolve_for_plan
 
     resolved = resolve_for_plan(cfg, gpus=args.gpus, gpu_type=args.gpu_type)
     spec = device_spec(args.gpu_type, ranks_per_host=args.gpus // args.nodes)

@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dptrain.config.fields import ConfigError
+from dptrain.config.resolve import resolve
 from dptrain.metrics.hardware import GpuSpec, gpu_spec
+from dptrain.tools.plan.calibrate import cpu_spec
 from dptrain.tools.plan.memory import FRAMEWORK_OVERHEAD, STRATEGIES, Layout, layout_memory
 from dptrain.tools.plan.timing import Link, step_time
 
@@ -26,7 +29,6 @@ def device_spec(gpu_type: str, *, ranks_per_host: int) -> GpuSpec:
     """The table's GPU, or (`cpu`) this machine's CPU measured for `ranks_per_host` ranks."""
     if gpu_type.lower() != "cpu":
         return gpu_spec(gpu_type)
-    from dptrain.tools.plan.calibrate import cpu_spec
 
     return cpu_spec(ranks_per_host=ranks_per_host)
 
@@ -50,8 +52,6 @@ def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int, cpu: bool =
 def resolve_for_plan(cfg: Config, *, gpus: int, gpu_type: str) -> Resolved:
     """`cfg` resolved as `dptrain run` would on `gpus` ranks of `gpu_type`; ConfigError for a strategy
     the planner does not cover, or whatever dptrain itself refuses."""
-    from dptrain.config.fields import ConfigError
-    from dptrain.config.resolve import resolve
 
     if cfg.parallel.strategy not in STRATEGIES:
         raise ConfigError(
@@ -74,7 +74,7 @@ def predict(
     cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: str, comm: Link | None, efficiency: float
 ) -> Prediction:
     """Memory and time per step of `cfg` on `gpus` ranks over `nodes` (ConfigError if dptrain refuses it)."""
-    from dptrain.config.fields import ConfigError
+    # lazy: torch: the built-in LLaMA's config class (models/llama.py imports torch)
     from dptrain.models.llama import LlamaConfig
 
     if cfg.model.factory != LLAMA:
@@ -121,7 +121,6 @@ def scaling(
 ) -> list[dict[str, Any]]:
     """One row per point of `scaling_points`: the prediction, or why dptrain refuses that world size.
     Efficiency is tokens/s per rank over tokens/s at 1 rank (the first point)."""
-    from dptrain.config.fields import ConfigError
 
     rows: list[dict[str, Any]] = []
     base = None

@@ -13,8 +13,22 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dptrain.config.fields import DEFAULT_BATCH, ConfigError
+from dptrain.config.load import (
+    build_config,
+    dump_yaml,
+    load_command_line,
+    load_config,
+    load_file,
+    parse_override,
+    set_dotted,
+)
+from dptrain.config.resolve import resolve
+from dptrain.launch.checks import check_file_writable
 from dptrain.metrics.hardware import GpuSpec
+from dptrain.tools.plan.llama import param_counts
 from dptrain.tools.plan.memory import GB
+from dptrain.tools.plan.predict import LLAMA, device_spec
 from dptrain.tools.plan.presets import preset, preset_overrides
 from dptrain.tools.plan.search import (
     Ranked,
@@ -45,8 +59,6 @@ def _merge(into: dict[str, Any], top: dict[str, Any]) -> None:
 def load_plan_config(items: list[str], *, model: str | None) -> Config:
     """CONFIG + overrides as `dptrain run` reads them; with `--model`, the preset's model.kwargs and
     data.kwargs.seq_len are the lowest layer (CONFIG, then the overrides, go on top)."""
-    from dptrain.config.fields import ConfigError
-    from dptrain.config.load import build_config, load_command_line, load_file, parse_override, set_dotted
 
     if model is None:
         return load_command_line(items)
@@ -69,7 +81,6 @@ def load_plan_config(items: list[str], *, model: str | None) -> Config:
 def global_batch(args: argparse.Namespace, cfg: Config, model: LlamaConfig) -> int:
     """`--global-batch`, else the config's (train.global_batch_size; micro x accum x all GPUs; or the
     built-in default); ValueError when it is < 1 or no searched data-parallel degree divides it."""
-    from dptrain.config.fields import DEFAULT_BATCH
 
     t = cfg.train
     g = args.global_batch
@@ -86,14 +97,12 @@ def global_batch(args: argparse.Namespace, cfg: Config, model: LlamaConfig) -> i
 
 def recommend(args: argparse.Namespace, *, comm: Link | None, efficiency: tuple[float, str]) -> int:
     """Search, print the table and the rejections, and with `--write` write the winner."""
-    from dptrain.config.fields import ConfigError
+    # lazy: torch: the built-in LLaMA's config class (models/llama.py imports torch)
     from dptrain.models.llama import LlamaConfig
-    from dptrain.tools.plan.predict import LLAMA, device_spec
 
     if args.write and not Path(args.write).parent.is_dir():
         raise ConfigError(f"--write {args.write!r}: the directory {str(Path(args.write).parent)!r} does not exist")
     if args.write:
-        from dptrain.launch.checks import check_file_writable
 
         check_file_writable(args.write, what="--write")
     cfg = load_plan_config(args.items, model=args.model)
@@ -148,7 +157,6 @@ def result_tokens(r: Ranked) -> float:
 
 def report(args: argparse.Namespace, spec: GpuSpec, cfg: Config, model: LlamaConfig, result: SearchResult, *,
            elapsed: float, efficiency: tuple[float, str]) -> str:
-    from dptrain.tools.plan.llama import param_counts
 
     n_fit, n_mem = len(result.ranked), sum(r.memory is not None for r in result.rejected)
     total = n_fit + len(result.rejected)
@@ -203,8 +211,6 @@ def recipe_config(winner: Ranked, *, gpus: int, nodes: int) -> Config:
 def write_recipe(path: Path, winner: Ranked, *, args: argparse.Namespace, spec: GpuSpec) -> str:
     """Write the winner as YAML, read it back, check it is the same Config and that dptrain's
     `resolve` accepts it; the lines to print."""
-    from dptrain.config.load import dump_yaml, load_config
-    from dptrain.config.resolve import resolve
 
     cfg = recipe_config(winner, gpus=args.gpus, nodes=args.nodes)
     header = (f"# dptrain plan --recommend on {args.gpus} x {spec.name} ({args.nodes} node(s), {args.interconnect}): "

@@ -24,6 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dptrain.config.fields import ConfigError
+from dptrain.config.resolve import resolve
+from dptrain.launch.checks import check_model, check_tensor_parallel
 from dptrain.metrics.hardware import GpuSpec
 from dptrain.tools.plan.memory import GB, layout_memory
 from dptrain.tools.plan.predict import layout_from_config
@@ -187,7 +190,6 @@ class Checker:
     with tp > 1, the launcher's `check_tensor_parallel` on the model built once on meta."""
 
     def __init__(self, base: Config, *, gpus: int, seq: int) -> None:
-        from dptrain.launch.checks import check_model
 
         self.gpus = gpus
         self.model = check_model(base.model)  # meta device: no memory
@@ -195,8 +197,6 @@ class Checker:
         self._tp: dict[tuple[Any, ...], str | None] = {}
 
     def refusal(self, cfg: Config) -> tuple[Resolved | None, str | None]:
-        from dptrain.config.fields import ConfigError
-        from dptrain.config.resolve import resolve
 
         try:
             resolved = resolve(cfg, world_size=self.gpus, cuda_available=True)
@@ -209,8 +209,6 @@ class Checker:
         if key not in self._tp:
             import torch
 
-            from dptrain.config.fields import ConfigError
-            from dptrain.launch.checks import check_tensor_parallel
 
             try:  # the launcher reads the input length off a training sample: a token row of seq + 1
                 check_tensor_parallel(

@@ -103,7 +103,8 @@ def plan_memory_rows(root: Path, *, base: list[str], n: int, name: str) -> list[
     import re
 
     from dptrain.config.load import load_config
-    from dptrain.tools.plan import predict, specs
+    from dptrain.metrics import hardware as specs
+    from dptrain.tools.plan import predict
 
     key = next((s.key for s in specs.SPECS if re.search(s.pattern, name, re.IGNORECASE)), None)
     if key is None:

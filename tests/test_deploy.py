@@ -159,8 +159,8 @@ def test_schema_check_catches_unknown_keys_wrong_types_and_enums():
 @pytest.mark.parametrize("args, message", [
     (["--name", "My_Job"], "--name='My_Job' is not valid"),
     (["train.global_batch_size=12"], "train.global_batch_size=12 is not divisible by micro_batch_size * dp world size = 1 * 8"),
-    (["--max-restarts", "-1"], "launch.max_restarts=-1 is not valid"),
-    (["--gpus-per-node", "-2"], "--gpus-per-node=-2 is not valid"),
+    (["--max-restarts", "-1"], "argument --max-restarts: -1 is not valid"),
+    (["--gpus-per-node", "-2"], "argument --gpus-per-node: -2 is not valid"),
 ])
 def test_manifest_refuses_bad_input_with_exit_2(args, message):
     r = manifest("kubeflow", "train.max_steps=5", "train.micro_batch_size=1", "--image", "x:1", "--nnodes", "2", "--nproc-per-node", "4", *args)

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from dptrain.cli.main import main
+from dptrain.metrics import hardware as specs
 from dptrain.metrics import mfu
 from dptrain.models.llama import LlamaConfig, LlamaLM
-from dptrain.tools.plan import memory, specs, timing
+from dptrain.tools.plan import memory, timing
 from dptrain.tools.plan.llama import activation_bytes, param_counts
 
 CONFIGS = [
@@ -43,8 +44,9 @@ def test_cli_prints_the_zero_table_and_exits_2_on_bad_input(capsys):
     assert [r[0] for r in rows] == ["0", "1", "2", "3"]
     assert [r[-2] for r in rows] == ["120", "31.4", "16.6", "1.9"]
     for argv, names in [(["--gpu-type", "T4", "--params", "1e9"], ["'T4'", "H100-SXM", "RTX3090"]),
-                        (["--gpus", "0", "--params", "1e9"], ["--gpus 0"]),
-                        (["--params", "0"], ["params=0"]),
+                        (["--gpus", "0", "--params", "1e9"], ["argument --gpus: 0 is not valid"]),
+                        (["--params", "0"], ["argument --params: 0 is not valid"]),
+                        (["--params", "nan"], ["argument --params: nan is not valid"]),
                         (["--params", "1e9", "--optimizer", "lion"], ["'lion'", "adamw", "sgd-momentum"]),
                         (["--params", "1e9", "--precision", "int8"], ["'int8'", "bf16"])]:
         assert main(["plan", *argv]) == 2

@@ -16,8 +16,9 @@ from torch.utils.data import default_collate
 
 from dptrain.cli.main import main
 from dptrain.config import DataConfig, ModelConfig, OptimConfig
+from dptrain.metrics import hardware as specs
 from dptrain.models.llama import LlamaConfig
-from dptrain.tools.plan import memory, specs, timing
+from dptrain.tools.plan import memory, timing
 from dptrain.tools.plan.llama import activation_bytes, param_counts
 from dptrain.tools.plan.measure import MeasureError, measure_model, profile_module
 from dptrain.train.build import build_datasets, build_model

@@ -17,9 +17,10 @@ from dptrain.cli.plan import DEFAULT_EFFICIENCY
 from dptrain.config.fields import ConfigError
 from dptrain.config.load import load_config
 from dptrain.config.resolve import resolve
+from dptrain.metrics import hardware as specs
 from dptrain.models.llama import LlamaConfig, LlamaLM
 from dptrain.parallel.tensor import tp_problem
-from dptrain.tools.plan import presets, search, specs, timing
+from dptrain.tools.plan import presets, search, timing
 from dptrain.tools.plan.llama import param_counts
 from dptrain.tools.plan.memory import GB, layout_memory
 from dptrain.tools.plan.recommend import load_plan_config

@@ -11,8 +11,9 @@ import pytest
 
 from dptrain.cli.main import main
 from dptrain.cli.plan import DEFAULT_EFFICIENCY
+from dptrain.metrics import hardware as specs
 from dptrain.models.llama import LlamaConfig
-from dptrain.tools.plan import calibrate, predict, specs, timing
+from dptrain.tools.plan import calibrate, predict, timing
 from dptrain.tools.plan.llama import param_counts, param_shapes
 from dptrain.tools.plan.memory import Layout
 

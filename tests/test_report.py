@@ -180,6 +180,7 @@ def test_cli_report_errors(tmp_path: Path, monkeypatch, capsys) -> None:
     assert "is not a run directory" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")  # a run that has not logged yet
     assert main(["report", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "pip install 'dptrain[report]'" in err and "matplotlib" in err

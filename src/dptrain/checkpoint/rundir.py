@@ -175,8 +175,11 @@ class RunDirLock:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / f".lock.{socket.gethostname()}" if per_host else self.run_dir
         self.fd: int | None = None
+        self.created: list[Path] = []  # directories the lock made: removed again if left empty
 
     def _open(self) -> int:
+        if not self.run_dir.exists():
+            self.created = [d for d in (self.run_dir, *self.run_dir.parents) if not d.exists()]
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.path == self.run_dir:
             return os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -231,6 +234,14 @@ class RunDirLock:
         fcntl.flock(self.fd, fcntl.LOCK_SH)
 
     def release(self) -> None:
+        """Let go; a directory the lock created and nothing was written into is removed (a refused
+        start leaves nothing behind)."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        for d in self.created:
+            try:
+                d.rmdir()  # only if empty
+            except OSError:
+                break
+        self.created = []

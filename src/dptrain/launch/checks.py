@@ -5,6 +5,7 @@ data factories actually called once.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import tempfile
@@ -32,12 +33,17 @@ def check_dir_writable(path: str | Path, *, what: str) -> None:
         raise ConfigError(f"{what}={str(p)!r} cannot be created: {str(probe)!r} is a file, not a directory")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{what}={str(p)!r} is not writable ({str(probe)!r} denies write access to this user)")
+    created = [d for d in (p, *p.parents) if not d.exists()]  # made for the probe, removed after it
     try:  # root passes os.access everywhere: only trying tells /proc, /sys and full disks apart
         p.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=p):
             pass
     except OSError as e:
         raise ConfigError(f"{what}={str(p)!r} cannot hold files: {e.strerror or e}") from None
+    finally:
+        for d in created:  # deepest first; a refused start leaves no directory behind
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
 WORKERS_PER_CORE = 8

@@ -88,14 +88,27 @@ def previous_attempt(run_dir: Path) -> dict[str, Any] | None:
     failed = [r for r in ranks if r.get("error") is not None]
     causes = []
     for r in died:
-        causes.append({"rank": r["rank"], "pid": r["pid"], "step": r["step"],
-                       "cause": "died without a Python error (killed by a signal, e.g. SIGKILL or the OOM killer, or crashed)"})
+        causes.append(
+            {
+                "rank": r["rank"],
+                "pid": r["pid"],
+                "step": r["step"],
+                "cause": "died without a Python error (killed by a signal, e.g. SIGKILL or the OOM killer, or crashed)",
+            }
+        )
     for r in failed:
-        causes.append({"rank": r["rank"], "pid": r["pid"], "step": r["step"], "cause": r["error"].strip().splitlines()[-1]})
-    return {"attempt": max(r["attempt"] for r in ranks), "generation": newest, "failures": causes,
-            "last_step": max((r["step"] or 0) for r in ranks), "world_size": len(ranks),
-            "hosts": sorted({r.get("host", "") for r in ranks}),
-            "last_progress": max(r.get("updated", r["started"]) for r in ranks)}
+        causes.append(
+            {"rank": r["rank"], "pid": r["pid"], "step": r["step"], "cause": r["error"].strip().splitlines()[-1]}
+        )
+    return {
+        "attempt": max(r["attempt"] for r in ranks),
+        "generation": newest,
+        "failures": causes,
+        "last_step": max((r["step"] or 0) for r in ranks),
+        "world_size": len(ranks),
+        "hosts": sorted({r.get("host", "") for r in ranks}),
+        "last_progress": max(r.get("updated", r["started"]) for r in ranks),
+    }
 
 
 def _append(run_dir: Path, record: dict[str, Any]) -> None:
@@ -103,8 +116,9 @@ def _append(run_dir: Path, record: dict[str, Any]) -> None:
         f.write(strict_json.dumps(record) + "\n")
 
 
-def report_restart(run_dir: Path, *, attempt: int, hosts: list[str] | None = None,
-                   resumed_step: int | None = None) -> str | None:
+def report_restart(
+    run_dir: Path, *, attempt: int, hosts: list[str] | None = None, resumed_step: int | None = None
+) -> str | None:
     """On rank 0 of a re-formed group: append the previous attempt's report to attempts.jsonl
     and return a message (None when there is nothing to report). `hosts`: every rank's host in the
     new group (an elastic run): the record then says which nodes left or joined, the world size
@@ -124,8 +138,9 @@ def report_restart(run_dir: Path, *, attempt: int, hosts: list[str] | None = Non
             lines.append(describe_membership(prev))
     _append(run_dir, prev)
     if prev["failures"]:
-        lines.append(f"dptrain: restart {attempt}: attempt {prev['attempt']} failed (last finished step "
-                     f"{prev['last_step']}):")
+        lines.append(
+            f"dptrain: restart {attempt}: attempt {prev['attempt']} failed (last finished step {prev['last_step']}):"
+        )
     for c in prev["failures"]:
         lines.append(f"  rank {c['rank']} (pid {c['pid']}) at step {c['step']}: {c['cause']}")
     return "\n".join(lines) or None
@@ -136,23 +151,35 @@ def membership(prev: dict[str, Any], *, hosts: list[str], resumed_step: int, now
     before, after = set(prev["hosts"]), set(hosts)
     if before == after and prev["world_size"] == len(hosts):
         return None
-    return {"event": "membership", "nodes_left": sorted(before - after), "nodes_joined": sorted(after - before),
-            "world_size_before": prev["world_size"], "world_size_after": len(hosts), "resumed_step": resumed_step,
-            "steps_lost": max(0, prev["last_step"] - resumed_step),
-            "seconds_since_last_progress": round(now - prev["last_progress"], 3)}
+    return {
+        "event": "membership",
+        "nodes_left": sorted(before - after),
+        "nodes_joined": sorted(after - before),
+        "world_size_before": prev["world_size"],
+        "world_size_after": len(hosts),
+        "resumed_step": resumed_step,
+        "steps_lost": max(0, prev["last_step"] - resumed_step),
+        "seconds_since_last_progress": round(now - prev["last_progress"], 3),
+    }
 
 
 def describe_membership(rec: dict[str, Any]) -> str:
     """The console line of a membership change."""
-    parts = [f"node(s) {', '.join(rec['nodes_left'])} left" if rec["nodes_left"] else "",
-             f"node(s) {', '.join(rec['nodes_joined'])} joined" if rec["nodes_joined"] else ""]
+    parts = [
+        f"node(s) {', '.join(rec['nodes_left'])} left" if rec["nodes_left"] else "",
+        f"node(s) {', '.join(rec['nodes_joined'])} joined" if rec["nodes_joined"] else "",
+    ]
     who = " and ".join(p for p in parts if p) or "the ranks per node changed"
-    return (f"dptrain: elastic: {who} after step {rec['last_step']}: world size {rec['world_size_before']} -> "
-            f"{rec['world_size_after']}, resuming at step {rec['resumed_step']} ({rec['steps_lost']} step(s) lost, "
-            f"{rec['seconds_since_last_progress']:.1f}s since the last finished step)")
+    return (
+        f"dptrain: elastic: {who} after step {rec['last_step']}: world size {rec['world_size_before']} -> "
+        f"{rec['world_size_after']}, resuming at step {rec['resumed_step']} ({rec['steps_lost']} step(s) lost, "
+        f"{rec['seconds_since_last_progress']:.1f}s since the last finished step)"
+    )
 
 
 def record_refusal(run_dir: Path, *, attempt: int, world_size: int, reason: str) -> None:
     """Note in attempts.jsonl that a re-formed group of `world_size` ranks refused to train, and why."""
-    _append(run_dir, {"event": "refused", "attempt": attempt, "world_size": world_size, "reason": reason,
-                      "time": time.time()})
+    _append(
+        run_dir,
+        {"event": "refused", "attempt": attempt, "world_size": world_size, "reason": reason, "time": time.time()},
+    )

@@ -115,16 +115,28 @@ class CheckpointManager:
         if self.env.is_main:
             choice = self._choose(choice)
             if attempt > 0 or elastic:
-                report = report_restart(self.run_dir, attempt=attempt, hosts=[h for h, _ in members] if members else None,
-                                        resumed_step=int(choice.meta.get("step", 0)) if choice.path else 0)
+                report = report_restart(
+                    self.run_dir,
+                    attempt=attempt,
+                    hosts=[h for h, _ in members] if members else None,
+                    resumed_step=int(choice.meta.get("step", 0)) if choice.path else 0,
+                )
                 if report:
                     choice.messages.insert(0, report)
             prev = previous_attempt(self.run_dir) if elastic else None
             generation = prev["generation"] + 1 if prev else 0
-        choice, generation = collectives.broadcast_object((choice, generation))  # nobody rewrites its file before the report
+        choice, generation = collectives.broadcast_object(
+            (choice, generation)
+        )  # nobody rewrites its file before the report
         if self.env.launched and (self.root_cfg.launch.max_restarts > 0 or elastic):
-            self.progress = ProgressFile(self.run_dir, rank=self.env.rank, attempt=attempt, generation=generation,
-                                         host=self.env.hostname, world_size=self.env.world_size)
+            self.progress = ProgressFile(
+                self.run_dir,
+                rank=self.env.rank,
+                attempt=attempt,
+                generation=generation,
+                host=self.env.hostname,
+                world_size=self.env.world_size,
+            )
         for line in choice.messages:
             self._say(line)
         if choice.error:
@@ -135,8 +147,10 @@ class CheckpointManager:
                 # starting over in this directory: its metrics start over, the old ones are kept aside
 
                 moved = move_aside(self.run_dir, [], names=("metrics.jsonl",))
-                self._say(f"dptrain: no checkpoint to continue from: starting at step 0; the earlier metrics.jsonl "
-                          f"was moved to {moved}")
+                self._say(
+                    f"dptrain: no checkpoint to continue from: starting at step 0; the earlier metrics.jsonl "
+                    f"was moved to {moved}"
+                )
             return False
         step = self._load(state, Path(choice.path), choice.meta)
         self.resumed_from = Path(choice.path)
@@ -178,8 +192,13 @@ class CheckpointManager:
         state.schedule.load_state_dict(train["scheduler"])
         if train["scaler"] and state.scaler is not None:
             state.scaler.load_state_dict(train["scaler"])
-        state.train.load_state_dict({"step": int(meta["step"]), "samples_seen": int(meta["samples_seen"]),
-                                     "skipped_steps": int(meta.get("skipped_steps", 0))})
+        state.train.load_state_dict(
+            {
+                "step": int(meta["step"]),
+                "samples_seen": int(meta["samples_seen"]),
+                "skipped_steps": int(meta.get("skipped_steps", 0)),
+            }
+        )
         state.data.load_state_dict(meta["sampler"])
         own = path / f"rank_{self.env.rank:05d}.pt"
         if own.is_file():
@@ -256,8 +275,9 @@ class CheckpointManager:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptrain-ckpt")
                 self._async_group = torch.distributed.new_group(backend="gloo")  # the checkpoint's own collectives
-            written = storage.async_save_model_optim(path, state=state, rank=rank, process_group=self._async_group,
-                                                     executor=self._executor)
+            written = storage.async_save_model_optim(
+                path, state=state, rank=rank, process_group=self._async_group, executor=self._executor
+            )
         else:
             storage.save_model_optim(path, state=state, rank=rank)
             written = Future()

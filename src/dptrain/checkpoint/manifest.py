@@ -133,7 +133,9 @@ def read_manifest(ckpt_dir: Path, *, require_commit: bool = True) -> dict[str, A
     manifest = ckpt_dir / MANIFEST
     marker = ckpt_dir / MARKER
     if require_commit and not marker.is_file():
-        raise CheckpointError(f"{ckpt_dir}: not committed (no {MARKER} marker): it was being written when the run stopped")
+        raise CheckpointError(
+            f"{ckpt_dir}: not committed (no {MARKER} marker): it was being written when the run stopped"
+        )
     if not manifest.is_file():
         raise CheckpointError(f"{ckpt_dir}: no {MANIFEST}")
     raw = manifest.read_bytes()
@@ -151,7 +153,9 @@ def read_manifest(ckpt_dir: Path, *, require_commit: bool = True) -> dict[str, A
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"{manifest}: not a valid manifest") from None
     if body.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{manifest}: manifest format {body.get('format')!r}, this dptrain reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{manifest}: manifest format {body.get('format')!r}, this dptrain reads {FORMAT_VERSION}"
+        )
     if not isinstance(files, dict):
         raise CheckpointError(f"{manifest}: 'files' is not a mapping")
     return body
@@ -163,7 +167,9 @@ def verify_files(ckpt_dir: Path, files: dict[str, dict[str, Any]], *, names: lis
     present = set(data_files(ckpt_dir))
     missing = sorted(set(files) - present)
     if missing:
-        raise CheckpointError(f"{ckpt_dir / missing[0]}: missing (listed in {MANIFEST} with SHA-256 {files[missing[0]]['sha256']})")
+        raise CheckpointError(
+            f"{ckpt_dir / missing[0]}: missing (listed in {MANIFEST} with SHA-256 {files[missing[0]]['sha256']})"
+        )
     extra = sorted(present - set(files))
     if extra:
         raise CheckpointError(f"{ckpt_dir / extra[0]}: file not listed in {MANIFEST}")
@@ -177,7 +183,9 @@ def verify_files(ckpt_dir: Path, files: dict[str, dict[str, Any]], *, names: lis
     for rel in sorted(files) if names is None else names:
         actual = sha256_file(ckpt_dir / rel)
         if actual != files[rel]["sha256"]:
-            raise CheckpointError(f"{ckpt_dir / rel}: SHA-256 mismatch: expected {files[rel]['sha256']}, actual {actual}")
+            raise CheckpointError(
+                f"{ckpt_dir / rel}: SHA-256 mismatch: expected {files[rel]['sha256']}, actual {actual}"
+            )
 
 
 def verify(ckpt_dir: Path) -> dict[str, Any]:

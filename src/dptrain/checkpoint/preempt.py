@@ -102,7 +102,9 @@ class PreemptionFlag:
             self._direct = (self.received, busy, self.interrupted)
             return
         if self._work is not None:
-            raise RuntimeError("PreemptionFlag.start called twice without collect: the ranks' reductions would pair up wrongly")
+            raise RuntimeError(
+                "PreemptionFlag.start called twice without collect: the ranks' reductions would pair up wrongly"
+            )
         self._buf = torch.tensor([float(self.received), float(busy), float(self.interrupted)])
         self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
 

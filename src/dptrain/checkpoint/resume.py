@@ -56,8 +56,11 @@ def _explicit(path: Path, *, trust: bool) -> ResumeChoice:
     except (OSError, ValueError, KeyError):
         return ResumeChoice(error=f"cannot resume from {path}: {info.reason}, and without a readable manifest "
                                   "the step and data position are unknown")
-    return ResumeChoice(path=str(path), meta=meta,
-                        messages=[f"dptrain: warning: loading UNVERIFIED checkpoint {path} (--trust-checkpoint): {info.reason}"])
+    return ResumeChoice(
+        path=str(path),
+        meta=meta,
+        messages=[f"dptrain: warning: loading UNVERIFIED checkpoint {path} (--trust-checkpoint): {info.reason}"],
+    )
 
 
 def choose_checkpoint(mode: str, *, root: Path, trust: bool = False) -> ResumeChoice:
@@ -75,10 +78,14 @@ def choose_checkpoint(mode: str, *, root: Path, trust: bool = False) -> ResumeCh
         if mf.step_dirs(sub):
             choice = _newest_valid(sub)
             if choice.path is None:  # asked for by name: refused, not a silent fresh start
-                why = "".join(f"\n  {d}: {i.state}: {i.reason}" for d, i in
-                              ((d, mf.inspect_dir(d)) for d in reversed(mf.step_dirs(sub))))
-                return ResumeChoice(error=f"--resume {mode}: no valid checkpoint under {sub}:{why}\nPass one step "
-                                          "folder with --trust-checkpoint to load it unverified, or --resume none")
+                why = "".join(
+                    f"\n  {d}: {i.state}: {i.reason}"
+                    for d, i in ((d, mf.inspect_dir(d)) for d in reversed(mf.step_dirs(sub)))
+                )
+                return ResumeChoice(
+                    error=f"--resume {mode}: no valid checkpoint under {sub}:{why}\nPass one step "
+                    "folder with --trust-checkpoint to load it unverified, or --resume none"
+                )
             return choice
     return ResumeChoice(error=f"--resume {mode}: holds no step_NNNNNN checkpoint folders")
 

@@ -12,7 +12,7 @@ never silently reset or rewritten.
 `--resume PATH` that holds no valid checkpoint is refused (exit 2) naming every folder and why.
 Only committed checkpoints count here: the newest one whose files match its manifest (hashes checked
 here, newest first, stopping at the first that verifies; the workers check it again as they load it).
-"""
+"""  # noqa: E501 (a Markdown table: one row a line)
 
 from __future__ import annotations
 
@@ -26,8 +26,17 @@ from pathlib import Path
 from dptrain.checkpoint import manifest as mf
 from dptrain.config import Config, ConfigError
 
-RECORDS = ("metrics.jsonl", "summary.json", "diagnostics.jsonl", "attempts.jsonl", "final", "config.yaml",
-           "tensorboard", "console.log", "status")
+RECORDS = (
+    "metrics.jsonl",
+    "summary.json",
+    "diagnostics.jsonl",
+    "attempts.jsonl",
+    "final",
+    "config.yaml",
+    "tensorboard",
+    "console.log",
+    "status",
+)
 """What a run writes into its directory besides checkpoints: kept aside, never deleted."""
 
 TRAINING_RECORDS = ("metrics.jsonl", "summary.json", "final")
@@ -45,9 +54,11 @@ class Finished:
     checkpoint: Path
 
     def message(self, *, run_dir: Path, max_steps: int) -> str:
-        return (f"dptrain: {run_dir} is a finished run: its checkpoint {self.checkpoint.name} is at step {self.step} "
-                f"and train.max_steps={max_steps}; nothing was changed. Raise train.max_steps to train on, or use a "
-                "new --out for a new run")
+        return (
+            f"dptrain: {run_dir} is a finished run: its checkpoint {self.checkpoint.name} is at step {self.step} "
+            f"and train.max_steps={max_steps}; nothing was changed. Raise train.max_steps to train on, or use a "
+            "new --out for a new run"
+        )
 
 
 def existing_records(run_dir: Path) -> list[str]:
@@ -89,9 +100,12 @@ def check_run_dir(cfg: Config, *, run_dir: Path, resume: str) -> Finished | None
             )
         if records or infos:
             moved = move_aside(run_dir, [i.path for i in infos])
-            print(f"dptrain: --resume none: the earlier run's records ({_describe(records, moved) if records else 'none'}"
-                  f"{', and ' + str(len(infos)) + ' unusable checkpoint folder(s)' if infos else ''}) were moved to "
-                  f"{moved}; starting a new run in {run_dir}", file=sys.stderr)
+            print(
+                f"dptrain: --resume none: the earlier run's records ({_describe(records, moved) if records else 'none'}"
+                f"{', and ' + str(len(infos)) + ' unusable checkpoint folder(s)' if infos else ''}) were moved to "
+                f"{moved}; starting a new run in {run_dir}",
+                file=sys.stderr,
+            )
         return None
     if resume != "auto":
         return None
@@ -111,7 +125,8 @@ def check_run_dir(cfg: Config, *, run_dir: Path, resume: str) -> Finished | None
         raise ConfigError(
             f"{run_dir} holds records of an earlier run ({_describe(records, run_dir)}) but no checkpoint to continue "
             f"from{' (every checkpoint folder is unusable:' + skipped + chr(10) + ')' if infos else ''}. Pass "
-            "--resume none to start over in it (the old records are moved to previous/, not deleted), or use a new --out"
+            "--resume none to start over in it (the old records are moved to previous/, not deleted), "
+            "or use a new --out"
         )
     return None
 
@@ -217,8 +232,12 @@ class RunDirLock:
         import time
 
         assert self.fd is not None, "acquire() first"
-        owner = {"pid": os.getpid(), "host": socket.gethostname(),
-                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command}
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": command,
+        }
         (self.run_dir / "status").mkdir(exist_ok=True)
         write_atomically(self.run_dir / "status" / OWNER_FILE, json.dumps(owner) + "\n")
         try:

@@ -93,8 +93,10 @@ def names_to_index(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """The inverse of `index_to_names`. DCP lists a shared (tied) parameter under each of its names;
     `names` has the first only, so the other names are dropped."""
     index = {n: i for i, n in enumerate(names)}
-    return {"state": {index[n]: s for n, s in sd["state"].items() if n in index},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"] if n in index]} for g in sd["param_groups"]]}
+    return {
+        "state": {index[n]: s for n, s in sd["state"].items() if n in index},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"] if n in index]} for g in sd["param_groups"]],
+    }
 
 
 class OptimizerState:
@@ -125,8 +127,9 @@ class OptimizerState:
         """Whole, name-keyed optimizer state (the `full` format) into this optimizer, sharded or not."""
         if is_index_keyed(state_dict):
             state_dict = index_to_names(state_dict, param_names(self.module, self.optimizer))
-        set_optimizer_state_dict(self.module, self.optimizer, state_dict,
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            self.module, self.optimizer, state_dict, options=StateDictOptions(full_state_dict=True)
+        )
 
 
 class RngState:
@@ -170,8 +173,9 @@ class CheckpointState:
 
     def __post_init__(self) -> None:
         if not self.model_parts or not self.optimizers:
-            raise ValueError(f"CheckpointState needs at least one model part and one optimizer, got "
-                             f"{len(self.model_parts)} and {len(self.optimizers)}")
+            raise ValueError(
+                f"CheckpointState needs at least one model part and one optimizer, got "
+                f"{len(self.model_parts)} and {len(self.optimizers)}"
+            )
         if "rng" in self.per_rank:
             raise ValueError("per_rank name 'rng' is reserved: the manager saves every rank's RNG states itself")
-

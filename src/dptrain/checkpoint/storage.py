@@ -157,7 +157,8 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> Non
     if fmt != here:
         raise CheckpointError(
             f"{ckpt_dir}: written in the {fmt!r} format but this strategy reads {here!r}; resume with a strategy "
-            f"of the same kind (full: single/ddp/zero1; dcp: zero2/fsdp), or export the weights with `dptrain ckpt export`"
+            "of the same kind (full: single/ddp/zero1; dcp: zero2/fsdp), or export the weights with "
+            "`dptrain ckpt export`"
         )
     if not state.full:
         _load_dcp(ckpt_dir, state)
@@ -169,7 +170,6 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> Non
 
 def _load_dcp(ckpt_dir: Path, state: CheckpointState) -> None:
     import torch.distributed.checkpoint as dcp
-
 
     sd = _dcp_state(state)  # the current (sharded) tensors: DCP reads into them, resharding
     dcp.load(sd, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
@@ -222,13 +222,12 @@ def load_full_model_state(ckpt_dir: Path, *, fmt: str) -> dict[str, torch.Tensor
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-
     reader = SafeFileSystemReader(ckpt_dir / DCP_DIR)
     meta = reader.read_metadata()
     state: dict[str, Any] = {"model": {}}
     for key, item in meta.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
-            state["model"][key[len("model."):]] = torch.empty(item.size, dtype=item.properties.dtype)
+            state["model"][key[len("model.") :]] = torch.empty(item.size, dtype=item.properties.dtype)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)

@@ -66,10 +66,16 @@ def add_manifest_parser(sub: Any) -> None:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]")
     p.add_argument("--nnodes", type=positive_int, required=True, help="nodes (pods) in the job")
-    p.add_argument("--nproc-per-node", type=positive_int, required=True, help="workers per node (usually its GPU count)")
-    p.add_argument("--gpus-per-node", type=nonnegative_int, help="GPUs to request per node (default: --nproc-per-node; 0: none)")
     p.add_argument(
-        "--max-restarts", type=nonnegative_int, help="torchrun restarts of the worker group (Kubeflow: an elasticPolicy)"
+        "--nproc-per-node", type=positive_int, required=True, help="workers per node (usually its GPU count)"
+    )
+    p.add_argument(
+        "--gpus-per-node", type=nonnegative_int, help="GPUs to request per node (default: --nproc-per-node; 0: none)"
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=nonnegative_int,
+        help="torchrun restarts of the worker group (Kubeflow: an elasticPolicy)",
     )
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
 

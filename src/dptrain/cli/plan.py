@@ -28,7 +28,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]")
     plan.add_argument("--gpus", type=positive_int, default=1, help="ranks (GPUs) in all (default 1)")
     plan.add_argument("--gpu-type", default="H100", help="GPU model of metrics/hardware.py (default H100 = H100-SXM)")
-    plan.add_argument("--params", type=positive_float, help="a model given only by its parameter count: ZeRO stages 0-3")
+    plan.add_argument(
+        "--params", type=positive_float, help="a model given only by its parameter count: ZeRO stages 0-3"
+    )
     plan.add_argument("--optimizer", default="adam", help=f"--params: {', '.join(OPTIMIZERS)} (default adam)")
     plan.add_argument("--precision", default="fp16", help=f"--params: {', '.join(PRECISIONS)} (default fp16)")
     plan.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
@@ -171,7 +173,6 @@ def _zero_table(args: argparse.Namespace, spec: GpuSpec) -> str:
 def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, str]) -> str:  # noqa: ANN001
     cfg = load_plan_config(args.items, model=args.model)
     if cfg.model.factory != LLAMA:
-
         return measured_report(args, cfg, comm=comm, efficiency=efficiency)
     pr = predict(
         cfg,

@@ -192,7 +192,9 @@ class ParallelConfig:
     on the shards (torch.distributed.tensor.parallel.loss_parallel) instead of gathering [batch, seq, vocab] on every
     rank."""
     pp: int = 1
-    """Pipeline-parallel degree: ranks the model's layers are split over (built-in LLaMA only; see docs/guides/strategies.md, "Pipeline parallelism"); -1 infers it. dp_replicate * dp_shard * tp * pp must equal the world size; at most one of
+    """Pipeline-parallel degree: ranks the model's layers are split over (built-in LLaMA only; see
+    docs/guides/strategies.md, "Pipeline parallelism"); -1 infers it. dp_replicate * dp_shard * tp * pp must equal the
+    world size; at most one of
     the four may be -1."""
     pp_schedule: str = "1f1b"
     """pp > 1: the pipeline schedule of torch.distributed.pipelining: gpipe (all forwards, then all backwards), 1f1b
@@ -218,13 +220,16 @@ class ParallelConfig:
     """zero2/fsdp: dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); null: the gathered
     parameters' dtype."""
     grad_compression: str = "none"
-    """Gradient communication compression (docs/guides/strategies.md, "Gradient compression"): none; fp16 or bf16 (DDP: torch's
+    """Gradient communication compression (docs/guides/strategies.md, "Gradient compression"): none; fp16 or bf16
+    (DDP: torch's
     fp16/bf16_compress_hook; zero2/fsdp: FSDP2's reduce dtype; bf16 needs NCCL); powersgd (torch's PowerSGD hook with
     error feedback, ddp/zero1 only) or onebit (sign bits packed 8 per byte plus one scale per tensor, with error
     feedback, ddp/zero1 only). Needs a data-parallel world size >= 2."""
     powersgd_rank: int = 8
     """grad_compression=powersgd: the rank of the low-rank approximation P Q^T of each gradient matrix (torch's
-    matrix_approximation_rank; higher is more exact and sends more). 8: measured on the recipe (docs/guides/strategies.md, "Gradient compression"), the lowest rank within 1% of the uncompressed loss from step 50; rank 1 ends 19% above it."""
+    matrix_approximation_rank; higher is more exact and sends more). 8: measured on the recipe
+    (docs/guides/strategies.md, "Gradient compression"), the lowest rank within 1% of the uncompressed loss from step
+    50; rank 1 ends 19% above it."""
     powersgd_start_step: int = 50
     """grad_compression=powersgd: optimizer steps that all-reduce uncompressed before PowerSGD starts (torch's
     start_powerSGD_iter; torch suggests ~10% of training and no less than the warmup); at least 2, since DDP rebuilds

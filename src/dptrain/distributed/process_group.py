@@ -39,7 +39,9 @@ def init_process_group(env: DistEnv, *, backend: str, device: torch.device, time
     if env.launched:
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs
+        )
 
 
 # How long teardown yields the GIL before the process group goes (see destroy_process_group).

@@ -77,7 +77,9 @@ def sync_gradients(model: Parallelized, sync: bool) -> Iterator[None]:
 
 def clip_grad_norm_(model: Parallelized, max_norm: float | None) -> torch.Tensor:
     """Clip to the global gradient norm over all ranks and shards; return it (a plain tensor)."""
-    return model.clip_grad_norm_(max_norm) if isinstance(model, ParallelModel) else clip.clip_grad_norm_(model, max_norm)
+    return (
+        model.clip_grad_norm_(max_norm) if isinstance(model, ParallelModel) else clip.clip_grad_norm_(model, max_norm)
+    )
 
 
 def full_state_dict(model: Parallelized) -> dict[str, torch.Tensor]:

@@ -157,7 +157,8 @@ class PowerSGDHookState:
         s = self.psgd
         s.iter = int(sd["iter"])
         r = sd["rng"]
-        s.rng.set_state((r["name"], r["keys"].numpy().astype(np.uint32), r["pos"], r["has_gauss"], r["cached_gaussian"]))
+        keys = r["keys"].numpy().astype(np.uint32)
+        s.rng.set_state((r["name"], keys, r["pos"], r["has_gauss"], r["cached_gaussian"]))
         s.total_numel_before_compression, s.total_numel_after_compression, s.next_stats_report = sd["stats"]
         s.error_dict.clear()
         s.p_memory_dict.clear()
@@ -201,7 +202,9 @@ def build_comm_hook(cfg: ParallelConfig, *, process_group: Any, backend: str) ->
         return None
     if name in CAST:
         if name == "bf16" and backend != "nccl":
-            raise ValueError(f"grad_compression='bf16' needs the nccl backend (torch's bf16_compress_hook), not {backend!r}")
+            raise ValueError(
+                f"grad_compression='bf16' needs the nccl backend (torch's bf16_compress_hook), not {backend!r}"
+            )
         return _cast_hook(name, process_group)
     if name == "powersgd":
         ps = PowerSGDHookState(process_group, rank=cfg.powersgd_rank, start_step=cfg.powersgd_start_step)

@@ -23,7 +23,9 @@ def apply_ddp(
     they must exist by then."""
     if any(p.is_meta for p in model.parameters()):
         if materialize is None:
-            raise ValueError("the model's parameters are on the meta device: pass materialize= to allocate and initialise them")
+            raise ValueError(
+                "the model's parameters are on the meta device: pass materialize= to allocate and initialise them"
+            )
         materialize(model)
     model = model.to(device)
     return DDP(
@@ -36,9 +38,9 @@ def apply_ddp(
     )
 
 
-
-def apply_ddp_over_tp(model: nn.Module, *, device: torch.device, mesh: Any,
-                      materialize: Callable[[nn.Module], None] | None = None) -> nn.Module:
+def apply_ddp_over_tp(
+    model: nn.Module, *, device: torch.device, mesh: Any, materialize: Callable[[nn.Module], None] | None = None
+) -> nn.Module:
     """Data-parallel replicas of a tensor-parallel model over the 1-D data-parallel `mesh` (sliced
     from the same root mesh as the tp mesh): PyTorch's FSDP2-based `replicate`
     (torch.distributed._composable.replicate_with_fsdp), which keeps the parameters DTensors on the
@@ -49,7 +51,9 @@ def apply_ddp_over_tp(model: nn.Module, *, device: torch.device, mesh: Any,
 
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and materialize is None:
-        raise ValueError("the model's parameters are on the meta device: pass materialize= to allocate and initialise them")
+        raise ValueError(
+            "the model's parameters are on the meta device: pass materialize= to allocate and initialise them"
+        )
     if not on_meta:
         model = model.to(device)
     replicate(model, mesh=mesh)

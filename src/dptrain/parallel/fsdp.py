@@ -77,7 +77,9 @@ def apply_fsdp(
 
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and materialize is None:
-        raise ValueError("the model's parameters are on the meta device: pass materialize= to allocate and initialise them")
+        raise ValueError(
+            "the model's parameters are on the meta device: pass materialize= to allocate and initialise them"
+        )
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -93,7 +95,9 @@ def apply_fsdp(
             f"FSDP: {type(model).__name__} has no nn.ModuleList and no _no_split_modules naming its blocks, so it is "
             "sharded as one unit at the root: every parameter is gathered at once and sharding saves no memory "
             "during forward/backward. Put the repeated blocks in an nn.ModuleList, or set "
-            "`_no_split_modules = ['BlockClassName']` on the model", UserWarning, stacklevel=3,
+            "`_no_split_modules = ['BlockClassName']` on the model",
+            UserWarning,
+            stacklevel=3,
         )
     for unit in units:
         fully_shard(unit, **kwargs)
@@ -112,6 +116,6 @@ def set_prefetch(model: nn.Module, *, forward: int = 0, backward: int = 0) -> No
     blocks = [m for path, m in model.named_modules() if path and isinstance(m, FSDPModule)]  # forward order
     for i, block in enumerate(blocks):
         if forward:
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + forward])
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + forward])
         if backward:
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - backward):i][::-1])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - backward) : i][::-1])

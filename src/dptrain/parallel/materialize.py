@@ -57,8 +57,14 @@ from torch.nn.modules.module import (
 )
 
 __all__ = [
-    "Materializer", "check_init_contract", "converted_after_registration", "local_chunk", "make_materializer", "materialize",
-    "replay_init", "track_registrations",
+    "Materializer",
+    "check_init_contract",
+    "converted_after_registration",
+    "local_chunk",
+    "make_materializer",
+    "materialize",
+    "replay_init",
+    "track_registrations",
 ]
 
 Hook = Callable[[], None]
@@ -106,8 +112,9 @@ def _write(dst: torch.Tensor, full: torch.Tensor) -> None:
         full = local_chunk(full, dst.device_mesh, dst.placements)
         dst = dst.to_local()
     if full.shape != dst.shape:
-        raise RuntimeError(f"meta init: an init hook produced shape {tuple(full.shape)} for a tensor of shape "
-                           f"{tuple(dst.shape)}")
+        raise RuntimeError(
+            f"meta init: an init hook produced shape {tuple(full.shape)} for a tensor of shape {tuple(dst.shape)}"
+        )
     dst.copy_(full)
 
 
@@ -247,8 +254,10 @@ def converted_after_registration(model: nn.Module, seen: dict[int, tuple[torch.T
         if id(t) not in seen:
             return f"{name!r} was replaced after construction (e.g. by model.to(...) in the factory)"
         if seen[id(t)][1] != t.dtype:
-            return (f"{name!r} was converted from {seen[id(t)][1]} to {t.dtype} after it was initialised "
-                    "(e.g. model.to(dtype) in the factory)")
+            return (
+                f"{name!r} was converted from {seen[id(t)][1]} to {t.dtype} after it was initialised "
+                "(e.g. model.to(dtype) in the factory)"
+            )
     return None
 
 
@@ -274,8 +283,15 @@ def check_init_contract(model: nn.Module) -> str | None:
     return None
 
 
-def _check_module(model: nn.Module, name: str, module: nn.Module, *, every: dict[int, torch.Tensor],
-                  built: dict[int, int], owners: dict[int, int]) -> str | None:
+def _check_module(
+    model: nn.Module,
+    name: str,
+    module: nn.Module,
+    *,
+    every: dict[int, torch.Tensor],
+    built: dict[int, int],
+    owners: dict[int, int],
+) -> str | None:
     where = f"module {name or '<root>'!r} ({type(module).__name__})"
     before = {k: t._version for k, t in every.items()}
     originals = dict(_own(module))
@@ -290,11 +306,15 @@ def _check_module(model: nn.Module, name: str, module: nn.Module, *, every: dict
         if produced[attr] is not t:  # the hook assigned a new tensor (a recomputed buffer)
             continue
         if t._version == 0:
-            return (f"{where}: {attr!r} is not set by reset_parameters() or the model's "
-                    "init_submodule(); its eager value cannot be replayed")
+            return (
+                f"{where}: {attr!r} is not set by reset_parameters() or the model's "
+                "init_submodule(); its eager value cannot be replayed"
+            )
         key = id(originals[attr])
         if owners[key] == 1 and t._version != built[key]:
-            return (f"{where}: construction wrote {attr!r} {built[key]} time(s) but its init hooks write it "
-                    f"{t._version} time(s): it is initialised some other way (define the model's "
-                    "init_submodule(name, module) for it)")
+            return (
+                f"{where}: construction wrote {attr!r} {built[key]} time(s) but its init hooks write it "
+                f"{t._version} time(s): it is initialised some other way (define the model's "
+                "init_submodule(name, module) for it)"
+            )
     return None

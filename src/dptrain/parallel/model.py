@@ -198,7 +198,9 @@ class ParallelModel:
         return clip_grad_norm_(self.module, max_norm)
 
     # ---------------------------------------------------------------- optimizer
-    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None, **defaults: Any) -> torch.optim.Optimizer:
+    def optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], params: Any = None, **defaults: Any
+    ) -> torch.optim.Optimizer:
         """`optimizer_class(params or the model's parameters, **defaults)`; under zero1 its state is
         sharded over the data-parallel ranks (ZeroRedundancyOptimizer)."""
         params = list(self.module.parameters()) if params is None else list(params)
@@ -206,8 +208,9 @@ class ParallelModel:
             return optimizer_class(params, **defaults)
 
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-        return zero_redundancy_optimizer(groups, optimizer_class=optimizer_class, process_group=self.mesh.dp_group,
-                                         **defaults)
+        return zero_redundancy_optimizer(
+            groups, optimizer_class=optimizer_class, process_group=self.mesh.dp_group, **defaults
+        )
 
     # ---------------------------------------------------------------- state
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -220,14 +223,19 @@ class ParallelModel:
         if optimizer is None:
             return get_model_state_dict(self.plain), {}
         if self.mode.shard_optimizer:
-
             optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # collective
             own = optimizer.state_dict() if self.mesh.dp_rank == 0 else None
-            return get_model_state_dict(self.plain), broadcast_object(own, src=self._dp_root(), group=self.mesh.dp_group)
+            return get_model_state_dict(self.plain), broadcast_object(
+                own, src=self._dp_root(), group=self.mesh.dp_group
+            )
         return get_state_dict(self.plain, optimizer)
 
-    def load_state_dict(self, model_state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None,
-                        optim_state: dict[str, Any] | None = None) -> None:
+    def load_state_dict(
+        self,
+        model_state: dict[str, Any],
+        optimizer: torch.optim.Optimizer | None = None,
+        optim_state: dict[str, Any] | None = None,
+    ) -> None:
         """Put values from `state_dict` (possibly saved at another world size and resharded by DCP)
         back through DCP's `set_state_dict` (zero1's optimizer: its own `load_state_dict`)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -256,10 +264,14 @@ class ParallelModel:
         """Install a DDP communication hook (gradient compression and the like; see
         torch.distributed.algorithms.ddp_comm_hooks). Only DDP (ddp, zero1) has one."""
         if not isinstance(self.module, DDP):
-            why = ("with tensor parallelism, ddp is FSDP2's replicate" if self.mode.wrapper == "ddp" else
-                   f"this model uses {self.mode.wrapper!r}")
-            raise ValueError(f"communication hooks apply to DDP (strategies ddp, zero1); {why}, whose reductions "
-                             "are not hookable")
+            why = (
+                "with tensor parallelism, ddp is FSDP2's replicate"
+                if self.mode.wrapper == "ddp"
+                else f"this model uses {self.mode.wrapper!r}"
+            )
+            raise ValueError(
+                f"communication hooks apply to DDP (strategies ddp, zero1); {why}, whose reductions are not hookable"
+            )
         self.module.register_comm_hook(state, hook)
 
     def release(self) -> nn.Module:
@@ -270,8 +282,13 @@ class ParallelModel:
 
 
 def parallelize_model(
-    model: nn.Module, *, cfg: ParallelConfig, mesh: ParallelMesh, device: torch.device,
-    materialize: Materialize | None = None, comm_hook: tuple[Any, Callable[..., Any]] | None = None,
+    model: nn.Module,
+    *,
+    cfg: ParallelConfig,
+    mesh: ParallelMesh,
+    device: torch.device,
+    materialize: Materialize | None = None,
+    comm_hook: tuple[Any, Callable[..., Any]] | None = None,
     compile_backend: str | None = None,
 ) -> ParallelModel:
     """Apply tensor parallelism, activation checkpointing, then FSDP2 or DDP to a plain
@@ -286,38 +303,58 @@ def parallelize_model(
         # lazy: pipeline.py imports this module
         from dptrain.parallel.pipeline import parallelize_pipeline
 
-
         return parallelize_pipeline(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
     tp = mesh.dims.tp > 1
     if tp:  # 1. tensor parallelism on the innermost mesh dimension
-
-        apply_tp(model, mesh.tp_mesh, tp_plan=cfg.tp_plan, sequence_parallel=cfg.sequence_parallel,
-                 loss_parallel=cfg.loss_parallel)
+        apply_tp(
+            model,
+            mesh.tp_mesh,
+            tp_plan=cfg.tp_plan,
+            sequence_parallel=cfg.sequence_parallel,
+            loss_parallel=cfg.loss_parallel,
+        )
     apply_activation_checkpointing(model, mode=cfg.activation_checkpointing)  # 2.
     if compile_backend is not None:  # 2b. per block, before the data-parallel wrapper
-
         apply_compile(model, backend=compile_backend)
     if mode.wrapper == "fsdp":  # 3. data parallelism
         reshard = mode.reshard_after_forward if cfg.reshard_after_forward is None else cfg.reshard_after_forward
         module: nn.Module = fsdp.apply_fsdp(
-            model, device=device, mesh=mesh.fsdp_mesh, reshard_after_forward=reshard,
-            cpu_offload=cfg.cpu_offload, mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, fsdp_reduce_dtype(cfg)),
-            materialize=materialize, prefetch=(cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch),
+            model,
+            device=device,
+            mesh=mesh.fsdp_mesh,
+            reshard_after_forward=reshard,
+            cpu_offload=cfg.cpu_offload,
+            mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, fsdp_reduce_dtype(cfg)),
+            materialize=materialize,
+            prefetch=(cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch),
         )
     elif mode.wrapper == "ddp" and tp and mesh.dims.dp_size == 1:
         module = apply_single(model, device=device, materialize=materialize)  # tp alone: nothing to replicate
     elif mode.wrapper == "ddp" and tp:
         module = ddp.apply_ddp_over_tp(model, device=device, mesh=mesh.dp_mesh, materialize=materialize)
     elif mode.wrapper == "ddp":
-        module = ddp.apply_ddp(model, device=device, bucket_cap_mb=cfg.bucket_cap_mb, process_group=mesh.dp_group,
-                               materialize=materialize, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                               static_graph=cfg.static_graph)
+        module = ddp.apply_ddp(
+            model,
+            device=device,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            process_group=mesh.dp_group,
+            materialize=materialize,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            static_graph=cfg.static_graph,
+        )
     elif mode.wrapper == "dataparallel":
         module = apply_dp(apply_single(model, device=device, materialize=materialize), device=device)
     else:
         module = apply_single(model, device=device, materialize=materialize)
-    plan = ParallelModel(module, plain=model, mode=mode, mesh=mesh, loss_parallel=cfg.loss_parallel, device=device,
-                         sync_each_micro_step=cfg.sync_each_micro_step)
+    plan = ParallelModel(
+        module,
+        plain=model,
+        mode=mode,
+        mesh=mesh,
+        loss_parallel=cfg.loss_parallel,
+        device=device,
+        sync_each_micro_step=cfg.sync_each_micro_step,
+    )
     if comm_hook is not None:
         plan.register_comm_hook(*comm_hook)
     return plan

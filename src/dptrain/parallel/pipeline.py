@@ -2,7 +2,8 @@
 `torch.distributed.pipelining` (PipelineStage + ScheduleGPipe / Schedule1F1B /
 ScheduleInterleaved1F1B): no tracing, no hand-written send/recv.
 
-Split (torchtitan's manual split). The model is built on the meta device; `split_llama` (models/llama_parallel.py) cuts it
+Split (torchtitan's manual split). The model is built on the meta device; `split_llama` (models/llama_parallel.py)
+cuts it
 into `pp x pp_stages_per_rank` stages by layer ranges (`config/pipeline.py:stage_layer_counts`;
 `parallel.pp_layers` overrides the even split). A stage (`LlamaStage`) holds the model's own
 modules: the embedding on the first stage, its blocks in an `nn.ModuleDict` keyed by their
@@ -96,8 +97,18 @@ class PipelineModel(ParallelModel):
 
     pipelined = True
 
-    def __init__(self, *, view: RankView, parts: list[LlamaStage], wrapped: list[nn.Module], stages: list[Any],
-                 schedule: Any, cfg: ParallelConfig, mesh: ParallelMesh, device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        view: RankView,
+        parts: list[LlamaStage],
+        wrapped: list[nn.Module],
+        stages: list[Any],
+        schedule: Any,
+        cfg: ParallelConfig,
+        mesh: ParallelMesh,
+        device: torch.device,
+    ) -> None:
         super().__init__(view, plain=view, mode=strategy_mode(cfg), mesh=mesh, device=device)
         self.stage_parts, self.wrapped, self.stages, self.schedule = parts, wrapped, stages, schedule
         self.has_first = any(s.is_first for s in stages)
@@ -146,9 +157,16 @@ class PipelineModel(ParallelModel):
             total = total / self.loss_scale(torch.ones((), device=self.device))
         return total
 
-    def forward_backward(self, micro_batches: Sequence[Any], *, loss_fn: LossFn, count_items: CountItems | None,
-                         scaler: torch.amp.GradScaler, context: Context = contextlib.nullcontext,
-                         phase: Callable[..., None] = _no_phase) -> torch.Tensor:
+    def forward_backward(
+        self,
+        micro_batches: Sequence[Any],
+        *,
+        loss_fn: LossFn,
+        count_items: CountItems | None,
+        scaler: torch.amp.GradScaler,
+        context: Context = contextlib.nullcontext,
+        phase: Callable[..., None] = _no_phase,
+    ) -> torch.Tensor:
         """Forward and backward of the step's micro-batches, one schedule each (the pipeline's
         micro-batch loop). The loss is the last stage's token cross-entropy (`self.loss_fn`; a
         `train.loss` is refused with pp > 1, so `loss_fn` is the default one and unused here),
@@ -173,8 +191,9 @@ class PipelineModel(ParallelModel):
         return step_loss
 
     @torch.no_grad()
-    def eval_loss(self, batch: Any, *, loss_fn: LossFn | None = None,
-                  context: Context = contextlib.nullcontext) -> torch.Tensor:
+    def eval_loss(
+        self, batch: Any, *, loss_fn: LossFn | None = None, context: Context = contextlib.nullcontext
+    ) -> torch.Tensor:
         """The mean token loss of one evaluation batch, on every rank of the pipeline (forward only;
         the schedule's loss, `loss_fn` is unused)."""
         batch = to_device(batch, self.device)
@@ -215,8 +234,12 @@ class PipelineModel(ParallelModel):
         local: dict[str, torch.Tensor] = {}
         for part in self.stage_parts:
             # DTensor.full_tensor: a collective over the stage's data-parallel mesh (same order on every rank)
-            local.update({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-                          for k, v in part.state_dict().items()})
+            local.update(
+                {
+                    k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                    for k, v in part.state_dict().items()
+                }
+            )
         group = self.mesh.pp_group
         ranks = dist.get_process_group_ranks(group)
         if 0 not in ranks:
@@ -237,8 +260,9 @@ class PipelineModel(ParallelModel):
         return super().release()
 
 
-def apply_replicate(part: LlamaStage, *, device: torch.device, mesh: Any,
-                    materialize: Callable[[nn.Module], None] | None) -> nn.Module:
+def apply_replicate(
+    part: LlamaStage, *, device: torch.device, mesh: Any, materialize: Callable[[nn.Module], None] | None
+) -> nn.Module:
     """ddp for a pipeline stage: torch's FSDP2-based `replicate` (gradients all-reduced over the
     data-parallel mesh), which the pipeline stage drives natively. The classic DDP wrapper does
     not compose with the schedules here: its bucket rebuild after the first step fails
@@ -258,8 +282,14 @@ def apply_replicate(part: LlamaStage, *, device: torch.device, mesh: Any,
     return part
 
 
-def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: ParallelMesh, device: torch.device,
-                         materialize: Callable[[nn.Module], None] | None = None) -> PipelineModel:
+def parallelize_pipeline(
+    model: nn.Module,
+    *,
+    cfg: ParallelConfig,
+    mesh: ParallelMesh,
+    device: torch.device,
+    materialize: Callable[[nn.Module], None] | None = None,
+) -> PipelineModel:
     """Split `model` (a LlamaLM, on meta or eager) into this rank's stages, apply activation
     checkpointing and data parallelism to each, and build the schedule."""
     from torch.distributed.pipelining import (
@@ -282,10 +312,9 @@ def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: Paralle
     mode = strategy_mode(cfg)
     tp = mesh.dims.tp > 1
     if tp:
-
         if cfg.tp_plan is not None or cfg.loss_parallel:  # refused before launch (config/layout.py)
             raise ValueError("parallel.tp_plan and parallel.loss_parallel do not compose with parallel.pp > 1")
-        if (why := tp_problem(model, tp=mesh.dims.tp, tp_plan=None, sequence_parallel=cfg.sequence_parallel)):
+        if why := tp_problem(model, tp=mesh.dims.tp, tp_plan=None, sequence_parallel=cfg.sequence_parallel):
             raise ValueError(why)
     wrapped: list[nn.Module] = []
     for part in parts:
@@ -295,10 +324,15 @@ def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: Paralle
         apply_activation_checkpointing(part, mode=cfg.activation_checkpointing)  # 2.
         if mode.wrapper == "fsdp" and mesh.dp_size > 1:
             module: nn.Module = fsdp.apply_fsdp(
-                part, device=device, mesh=mesh.fsdp_mesh, cpu_offload=cfg.cpu_offload,
-                reshard_after_forward=(mode.reshard_after_forward if cfg.reshard_after_forward is None
-                                       else cfg.reshard_after_forward),
-                mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, fsdp_reduce_dtype(cfg)), materialize=hook,
+                part,
+                device=device,
+                mesh=mesh.fsdp_mesh,
+                cpu_offload=cfg.cpu_offload,
+                reshard_after_forward=(
+                    mode.reshard_after_forward if cfg.reshard_after_forward is None else cfg.reshard_after_forward
+                ),
+                mp_policy=fsdp.mixed_precision(cfg.fsdp_param_dtype, fsdp_reduce_dtype(cfg)),
+                materialize=hook,
                 prefetch=(cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch),
             )
         elif mode.wrapper == "ddp" and mesh.dp_size > 1:  # 3. (fsdp above)
@@ -308,10 +342,19 @@ def parallelize_pipeline(model: nn.Module, *, cfg: ParallelConfig, mesh: Paralle
                 hook(part)
             module = part.to(device)
         wrapped.append(module)
-    stages: list[Any] = [PipelineStage(m, s, n_stages, device, group=mesh.pp_group)
-                         for m, s in zip(wrapped, ids, strict=True)]
-    plan = PipelineModel(view=RankView(parts), parts=parts, wrapped=wrapped, stages=stages, schedule=None,
-                         cfg=cfg, mesh=mesh, device=device)
+    stages: list[Any] = [
+        PipelineStage(m, s, n_stages, device, group=mesh.pp_group) for m, s in zip(wrapped, ids, strict=True)
+    ]
+    plan = PipelineModel(
+        view=RankView(parts),
+        parts=parts,
+        wrapped=wrapped,
+        stages=stages,
+        schedule=None,
+        cfg=cfg,
+        mesh=mesh,
+        device=device,
+    )
     m = pipeline_microbatches(cfg)
     kwargs: dict[str, Any] = {"n_microbatches": m, "loss_fn": plan.loss_fn, "scale_grads": False}
     if cfg.pp_schedule == "interleaved_1f1b":

@@ -13,6 +13,8 @@ def apply_single(
 ) -> nn.Module:
     if any(p.is_meta for p in model.parameters()):
         if materialize is None:
-            raise ValueError("the model's parameters are on the meta device: pass materialize= to allocate and initialise them")
+            raise ValueError(
+                "the model's parameters are on the meta device: pass materialize= to allocate and initialise them"
+            )
         materialize(model)
     return model.to(device)

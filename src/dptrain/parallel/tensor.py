@@ -1,7 +1,8 @@
 """Tensor parallelism: the matrices of each block split over the `tp` ranks with PyTorch's DTensor
 plans (`torch.distributed.tensor.parallel.parallelize_module`); no collective is written here.
 
-The plan for the built-in `LlamaLM` (`models/llama_parallel.py`: `llama_tp_plan`) is torchtitan's (Megatron-LM's column-then-row pairing):
+The plan for the built-in `LlamaLM` (`models/llama_parallel.py`: `llama_tp_plan`) is torchtitan's (Megatron-LM's
+column-then-row pairing):
 
 | module                    | style                                                     |
 |---------------------------|-----------------------------------------------------------|
@@ -34,7 +35,7 @@ the embedding is split by rows for its lookup and the head by rows of the same m
 matmul, so the placements agree (Shard(0)), but `parallelize_module` replaces each module's
 parameter by its own new DTensor, which silently unties them; re-tying would hand one parameter
 two different gradient paths whose hooks (FSDP2's, DDP's) see it twice.
-"""
+"""  # noqa: E501 (a Markdown table: one row a line)
 
 from __future__ import annotations
 
@@ -67,14 +68,18 @@ def _hf_problem(model: nn.Module, plan: dict[str, str], *, tp: int) -> str | Non
     name = type(model).__name__
     odd = sorted({v for v in plan.values() if v not in HF_STYLES})
     if odd:
-        return (f"parallel.tp={tp}: {name}'s own tensor-parallel plan uses {', '.join(odd)}, which dptrain does not "
-                f"translate (only {', '.join(HF_STYLES)}); name a plan with parallel.tp_plan=pkg.mod:fn")
+        return (
+            f"parallel.tp={tp}: {name}'s own tensor-parallel plan uses {', '.join(odd)}, which dptrain does not "
+            f"translate (only {', '.join(HF_STYLES)}); name a plan with parallel.tp_plan=pkg.mod:fn"
+        )
     config: Any = model.config
     for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         n = getattr(config, what, None)
         if isinstance(n, int) and n % tp:
-            return (f"{name}: config.{what}={n} is not divisible by parallel.tp={tp}: tensor parallelism splits it "
-                    f"evenly over the tp ranks; choose a tp that divides {n}")
+            return (
+                f"{name}: config.{what}={n} is not divisible by parallel.tp={tp}: tensor parallelism splits it "
+                f"evenly over the tp ranks; choose a tp that divides {n}"
+            )
     return None
 
 
@@ -91,8 +96,7 @@ def apply_hf_tp(model: nn.Module, tp_mesh: Any) -> None:
     base = model.get_submodule(str(model.base_model_prefix))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     names = [n for n, _ in base.named_modules() if n]
-    expanded = {n: styles[style]() for pattern, style in plan.items() for n in names
-                if fnmatch.fnmatchcase(n, pattern)}
+    expanded = {n: styles[style]() for pattern, style in plan.items() for n in names if fnmatch.fnmatchcase(n, pattern)}
     if not expanded:
         raise ValueError(f"{type(model).__name__}'s tensor-parallel plan matches none of its modules: {plan}")
     parallelize_module(base, tp_mesh, expanded)
@@ -107,8 +111,9 @@ def load_plan(spec: str) -> TpPlan:
     return fn
 
 
-def tp_problem(model: nn.Module, *, tp: int, tp_plan: str | None, sequence_parallel: bool,
-               seq_len: int | None = None) -> str | None:
+def tp_problem(
+    model: nn.Module, *, tp: int, tp_plan: str | None, sequence_parallel: bool, seq_len: int | None = None
+) -> str | None:
     """Why `model` (built on meta) cannot be split over `tp` ranks, in one line naming the numbers;
     None when it can (or tp is 1). `seq_len`: the length of the model's input sequence, when known."""
     if tp <= 1:
@@ -118,28 +123,46 @@ def tp_problem(model: nn.Module, *, tp: int, tp_plan: str | None, sequence_paral
     if (hf := hf_tp_plan(model)) is not None:
         return _hf_problem(model, hf, tp=tp)
     if not is_builtin_llama(model):
-        return (f"parallel.tp={tp}: {type(model).__name__} has no tensor-parallel plan; dptrain has one for its "
-                "built-in LLaMA (dptrain.models.llama:build_llama) only. Name yours with parallel.tp_plan=pkg.mod:fn "
-                "(fn(model, tp_mesh) applies it, e.g. with torch.distributed.tensor.parallel.parallelize_module)")
+        return (
+            f"parallel.tp={tp}: {type(model).__name__} has no tensor-parallel plan; dptrain has one for its "
+            "built-in LLaMA (dptrain.models.llama:build_llama) only. Name yours with parallel.tp_plan=pkg.mod:fn "
+            "(fn(model, tp_mesh) applies it, e.g. with torch.distributed.tensor.parallel.parallelize_module)"
+        )
     cfg: Any = model.cfg  # LlamaConfig
     if cfg.tie_embeddings:
-        return (f"parallel.tp={tp} with model.kwargs.tie_embeddings=true is refused: parallelize_module gives the "
-                "embedding and the head each its own sharded parameter, which unties them; train with "
-                "tie_embeddings=false, or tp=1")
-    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_hidden", cfg.ffn_hidden),
-                    ("vocab_size", cfg.vocab_size)):
+        return (
+            f"parallel.tp={tp} with model.kwargs.tie_embeddings=true is refused: parallelize_module gives the "
+            "embedding and the head each its own sharded parameter, which unties them; train with "
+            "tie_embeddings=false, or tp=1"
+        )
+    for what, n in (
+        ("n_heads", cfg.n_heads),
+        ("n_kv_heads", cfg.n_kv_heads),
+        ("ffn_hidden", cfg.ffn_hidden),
+        ("vocab_size", cfg.vocab_size),
+    ):
         if n % tp:
-            return (f"model.kwargs.{what}={n} is not divisible by parallel.tp={tp}: tensor parallelism splits it "
-                    f"evenly over the tp ranks; choose a tp that divides {n} or a {what} divisible by {tp}")
+            return (
+                f"model.kwargs.{what}={n} is not divisible by parallel.tp={tp}: tensor parallelism splits it "
+                f"evenly over the tp ranks; choose a tp that divides {n} or a {what} divisible by {tp}"
+            )
     if sequence_parallel and seq_len is not None and seq_len % tp:
-        return (f"the model's input sequence length {seq_len} is not divisible by parallel.tp={tp}: sequence "
-                "parallelism splits the sequence evenly over the tp ranks; choose a sequence length divisible by "
-                f"{tp} (the built-in corpus: data.kwargs.seq_len) or parallel.sequence_parallel=false")
+        return (
+            f"the model's input sequence length {seq_len} is not divisible by parallel.tp={tp}: sequence "
+            "parallelism splits the sequence evenly over the tp ranks; choose a sequence length divisible by "
+            f"{tp} (the built-in corpus: data.kwargs.seq_len) or parallel.sequence_parallel=false"
+        )
     return None
 
 
-def apply_tp(model: nn.Module, tp_mesh: Any, *, tp_plan: str | None = None, sequence_parallel: bool = True,
-             loss_parallel: bool = False) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: Any,
+    *,
+    tp_plan: str | None = None,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+) -> None:
     """Split `model` in place over `tp_mesh`: the user's plan `tp_plan` (import path of
     fn(model, tp_mesh)) when given, else the built-in LLaMA plan. Works on the meta device:
     the parameters become meta DTensors that `materialize` fills later."""

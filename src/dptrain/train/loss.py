@@ -69,7 +69,8 @@ def check_scalar(loss: torch.Tensor, *, model: nn.Module, source: str) -> torch.
         return loss.mean()
     raise ConfigError(
         f"{source} returned a loss of shape {tuple(loss.shape)}, not a scalar; return one number per batch "
-        "(e.g. loss.mean() over the samples, or a sum divided by num_items_in_batch): dptrain does not reduce it for you"
+        "(e.g. loss.mean() over the samples, or a sum divided by num_items_in_batch): "
+        "dptrain does not reduce it for you"
     )
 
 

@@ -5,7 +5,8 @@ their forward and backward (`ParallelModel.forward_backward`, parallel/model.py:
 the gradient reduction until the last one, each loss normalised so the step's gradient is the
 global batch's, by the number of micro-steps or by the global batch's valid-token count for
 token-level losses: see dptrain/train/loss.py; a pipeline runs its schedule there instead), unscale,
-clip, step, update, zero_grad. The trainer never asks which layout it trains. Everything that happens after it is ONE function, `end_step`: counters, fp16 skip
+clip, step, update, zero_grad. The trainer never asks which layout it trains. Everything that happens after it is ONE
+function, `end_step`: counters, fp16 skip
 accounting, logging, diagnostics, evaluation, the preemption agreement and saving. `fit`'s loop and
 every benchmark call `end_step(train_step())`, so a benchmark times exactly what `dptrain run` does
 per step. Apart from the logging interval (and evaluation, drift/memory/straggler checks and saves
@@ -58,8 +59,13 @@ class Trainer:
     """Config in, run directory out."""
 
     def __init__(
-        self, cfg: Config, *, out_dir: str | Path | None = None, env: DistEnv | None = None,
-        resume: str = "auto", trust_checkpoint: bool = False,
+        self,
+        cfg: Config,
+        *,
+        out_dir: str | Path | None = None,
+        env: DistEnv | None = None,
+        resume: str = "auto",
+        trust_checkpoint: bool = False,
     ) -> None:
         self.cfg = cfg
         self.env = env or DistEnv.from_env()
@@ -70,10 +76,13 @@ class Trainer:
         self.state = TrainState()
         self.log_window = LogWindow()
         self.out = RunOutputs(env=self.env, run_dir=self.run_dir)  # console, metrics.jsonl, monitor, summary, final/
-        self.ckpt = CheckpointManager(cfg=cfg, run_dir=self.run_dir, env=self.env, resume=resume, trust=trust_checkpoint)
+        self.ckpt = CheckpointManager(
+            cfg=cfg, run_dir=self.run_dir, env=self.env, resume=resume, trust=trust_checkpoint
+        )
         # Watchdog, pre-flight, non-finite policy, stragglers, drift, memory: idle until start().
-        self.diag = Diagnostics(cfg.diagnostics, env=self.env, run_dir=self.run_dir,
-                                pg_timeout_s=cfg.parallel.timeout_s, say=self.out.say)
+        self.diag = Diagnostics(
+            cfg.diagnostics, env=self.env, run_dir=self.run_dir, pg_timeout_s=cfg.parallel.timeout_s, say=self.out.say
+        )
 
     # ---------------------------------------------------------------- building
     def setup(self) -> None:
@@ -81,21 +90,36 @@ class Trainer:
         diagnostics. Call it inside the process group (`fit` does); afterwards
         `end_step(train_step())` is one step of `dptrain run` (benchmarks call exactly that)."""
         cfg = self.cfg
-        self.out.open(log=cfg.log, max_steps=cfg.train.max_steps, res=self.res, strategy=cfg.parallel.strategy,
-                      precision=cfg.precision.dtype, device=self.device, diag=self.diag)
+        self.out.open(
+            log=cfg.log,
+            max_steps=cfg.train.max_steps,
+            res=self.res,
+            strategy=cfg.parallel.strategy,
+            precision=cfg.precision.dtype,
+            device=self.device,
+            diag=self.diag,
+        )
         self._build()
         self.checkpoint_state = self._checkpoint_state()
         self.ckpt.maybe_resume(self.checkpoint_state)  # model, optimizer, schedule, scaler, RNG, data position
         self.batches: Iterator[Any] = iter(self.loader)  # starts at the (resumed) global step
-        self.diag.start(self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled(),
-                        mesh=self.mesh)
+        self.diag.start(
+            self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled(), mesh=self.mesh
+        )
         self.last_loss: float | None = None
         self._config_written = False  # RUN_DIR/config.yaml: written after the first step (end_step)
         # What log records and the summary say, the throughput clock, the fp16 skip count: metrics/records.py
-        self.records = Records(res=self.res, strategy=cfg.parallel.strategy, precision=cfg.precision.dtype,
-                               state=self.state, scaler=self.scaler, device=self.device, meters=self.meters,
-                               tokens_per_sample=self.tokens_per_sample,
-                               bytes_per_token=getattr(self.val_ds, "bytes_per_token", 1))
+        self.records = Records(
+            res=self.res,
+            strategy=cfg.parallel.strategy,
+            precision=cfg.precision.dtype,
+            state=self.state,
+            scaler=self.scaler,
+            device=self.device,
+            meters=self.meters,
+            tokens_per_sample=self.tokens_per_sample,
+            bytes_per_token=getattr(self.val_ds, "bytes_per_token", 1),
+        )
         self.state.watch_loss_scale(self.scaler, device=self.device)  # fp16: skipped steps, counted on the device
 
     def _checkpoint_state(self) -> CheckpointState:
@@ -109,8 +133,10 @@ class Trainer:
             data=DataPosition(self.sampler, self.state),
             train=self.state,
             full=full,
-            per_rank={"log_window": self.log_window,  # error feedback differs per rank:
-                      **({"comm_hook": self.comm_hook} if self.comm_hook is not None else {})},
+            per_rank={
+                "log_window": self.log_window,  # error feedback differs per rank:
+                **({"comm_hook": self.comm_hook} if self.comm_hook is not None else {}),
+            },
             meta={"global_batch_size": self.res.global_batch_size, "grad_accum_steps": self.res.grad_accum_steps},
         )
 
@@ -130,25 +156,45 @@ class Trainer:
         # parallel.grad_compression: a DDP communication hook (None: none, or FSDP2's reduce dtype)
         self.comm_hook = build_comm_hook(cfg.parallel, process_group=self.mesh.dp_group, backend=res.backend)
         # Communication (the DDP hook, metered), throughput per rank, MFU: metrics/meters.py
-        self.meters = RunMeters(mode=strategy_mode(cfg.parallel), mesh=self.mesh, device=self.device,
-                                precision=cfg.precision.dtype, flops_per_token=cfg.train.flops_per_token,
-                                peak_tflops=cfg.log.peak_tflops)
-        self.parallel: ParallelModel = parallelize_model(model, cfg=cfg.parallel, mesh=self.mesh, device=self.device,
-                                               materialize=materialize, compile_backend=compile_backend(cfg.train),
-                                               comm_hook=self.meters.ddp_comm_hook(self.comm_hook))
+        self.meters = RunMeters(
+            mode=strategy_mode(cfg.parallel),
+            mesh=self.mesh,
+            device=self.device,
+            precision=cfg.precision.dtype,
+            flops_per_token=cfg.train.flops_per_token,
+            peak_tflops=cfg.log.peak_tflops,
+        )
+        self.parallel: ParallelModel = parallelize_model(
+            model,
+            cfg=cfg.parallel,
+            mesh=self.mesh,
+            device=self.device,
+            materialize=materialize,
+            compile_backend=compile_backend(cfg.train),
+            comm_hook=self.meters.ddp_comm_hook(self.comm_hook),
+        )
         self.model: nn.Module = self.parallel.module  # what to call
         self.optimizer = build_optimizer(self.parallel, cfg=cfg.optim, lr=res.lr)  # sharded under zero1
         self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
         # sharded (found-inf agreed over the world) also under PP: an overflow in one stage skips every stage's step
-        self.scaler = build_grad_scaler(cfg.precision, self.device, sharded=self.parallel.sharded or self.parallel.pipelined)
+        self.scaler = build_grad_scaler(
+            cfg.precision, self.device, sharded=self.parallel.sharded or self.parallel.pipelined
+        )
         self.autocast = autocast_factory(cfg.precision, self.device)  # around each forward (fp32: nothing)
         self.loss_fn = build_loss_fn(cfg.train.loss)
         # Token or sample rule (dptrain/train/loss.py). Token rule: the step's valid-target count over the
         # global batch, counted once per step before any backward (one all-reduce over dp, on the device).
         self.token_loss = takes_num_items(self.loss_fn, self.model)
-        self.count_items: CountItems | None = functools.partial(
-            items_per_rank, device=self.device, dp_world_size=res.dp_world_size, group=self.mesh.dp_group,
-        ) if self.token_loss else None
+        self.count_items: CountItems | None = (
+            functools.partial(
+                items_per_rank,
+                device=self.device,
+                dp_world_size=res.dp_world_size,
+                group=self.mesh.dp_group,
+            )
+            if self.token_loss
+            else None
+        )
         self.collate = import_object(cfg.data.collate) if cfg.data.collate else None
         self.train_ds, self.val_ds = build_datasets(cfg.data)
         self.sampler = GlobalBatchSampler(
@@ -163,9 +209,14 @@ class Trainer:
             start_step=self.state.step,
         )
         self.loader = build_dataloader(
-            self.train_ds, sampler=self.sampler, num_workers=cfg.data.num_workers,
-            pin_memory=cfg.data.pin_memory and self.device.type == "cuda", collate_fn=self.collate,
-            seed=cfg.train.seed, persistent_workers=cfg.data.persistent_workers, prefetch_factor=cfg.data.prefetch_factor,
+            self.train_ds,
+            sampler=self.sampler,
+            num_workers=cfg.data.num_workers,
+            pin_memory=cfg.data.pin_memory and self.device.type == "cuda",
+            collate_fn=self.collate,
+            seed=cfg.train.seed,
+            persistent_workers=cfg.data.persistent_workers,
+            prefetch_factor=cfg.data.prefetch_factor,
         )
         self.tokens_per_sample = getattr(self.train_ds, "seq_len", None)
         self.meters.attach(model, cfg=cfg.parallel, seq_len=self.tokens_per_sample)  # bytes, FLOPs, peak
@@ -179,8 +230,14 @@ class Trainer:
         micro_batches = [next(self.batches) for _ in range(self.res.grad_accum_steps)]
         # Forward and backward of every micro-batch, gradients reduced in the last backward only; the
         # losses normalised by the token or sample rule; fp16: scaled backward (parallel/model.py).
-        step_loss = self.parallel.forward_backward(micro_batches, loss_fn=self.loss_fn, count_items=self.count_items,
-                                                   scaler=self.scaler, context=self.autocast, phase=diag.phase)
+        step_loss = self.parallel.forward_backward(
+            micro_batches,
+            loss_fn=self.loss_fn,
+            count_items=self.count_items,
+            scaler=self.scaler,
+            context=self.autocast,
+            phase=diag.phase,
+        )
         diag.phase("optimizer")
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         self.grad_norm = self.parallel.clip_grad_norm_(self.cfg.optim.grad_clip)  # global norm, every dimension
@@ -195,15 +252,27 @@ class Trainer:
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> float | None:
         """Mean validation loss over the same fixed samples every time, split evenly over data-parallel ranks."""
-        return evaluate(self.parallel, self.val_ds, loss_fn=self.loss_fn, collate=self.collate, context=self.autocast,
-                        eval_batches=self.cfg.train.eval_batches, micro_batch_size=self.res.micro_batch_size,
-                        dp_world_size=self.res.dp_world_size, mesh=self.mesh, device=self.device, phase=self.diag.phase)
+        return evaluate(
+            self.parallel,
+            self.val_ds,
+            loss_fn=self.loss_fn,
+            collate=self.collate,
+            context=self.autocast,
+            eval_batches=self.cfg.train.eval_batches,
+            micro_batch_size=self.res.micro_batch_size,
+            dp_world_size=self.res.dp_world_size,
+            mesh=self.mesh,
+            device=self.device,
+            phase=self.diag.phase,
+        )
 
     # ---------------------------------------------------------------- the run
     def fit(self) -> dict[str, Any]:
         """Train `train.max_steps` steps; write metrics, final weights and the summary; return the summary."""
         apply_collective_checks(self.cfg.diagnostics)  # must precede the process group
-        with process_group(self.env, backend=self.res.backend, device=self.device, timeout_s=self.cfg.parallel.timeout_s):
+        with process_group(
+            self.env, backend=self.res.backend, device=self.device, timeout_s=self.cfg.parallel.timeout_s
+        ):
             finished = False
             try:
                 self.setup()
@@ -252,9 +321,15 @@ class Trainer:
                 break
         final_val = None if preempted else self._eval_and_log()
         times = {"wall_s": time.perf_counter() - t0, "train_s": self.records.train_time}
-        summary = self.records.summary(last_loss=self.last_loss, initial_val=initial_val, final_val=final_val,
-                                       times=times, steps_here=state.step - first_step, diag=self.diag,
-                                       resumed_from=self.ckpt.resumed_from)
+        summary = self.records.summary(
+            last_loss=self.last_loss,
+            initial_val=initial_val,
+            final_val=final_val,
+            times=times,
+            steps_here=state.step - first_step,
+            diag=self.diag,
+            resumed_from=self.ckpt.resumed_from,
+        )
         if preempted:
             summary["preempted"] = True
             summary["interrupted"] = self.ckpt.interrupted  # Ctrl-C (exit 130) rather than SIGTERM (143)
@@ -280,7 +355,9 @@ class Trainer:
         self.meters.step_done(micro_steps=accum, sync_steps=accum if cfg.parallel.sync_each_micro_step else 1)
         self.diag.on_step_end(state.step)
         if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
-            self.ckpt.record_progress(state.step)  # the restart report's last finished step (before the log's all-reduce)
+            self.ckpt.record_progress(
+                state.step
+            )  # the restart report's last finished step (before the log's all-reduce)
             self._log_step()
         every = cfg.train.eval_every_steps
         if every and state.step % every == 0 and state.step < cfg.train.max_steps:
@@ -293,11 +370,15 @@ class Trainer:
         """A log line: the one host-device sync of the interval (loss mean over ranks)."""
         window, state = self.log_window, self.state
         local = self.parallel.reduce_loss(window.loss_sum / window.steps)  # a pipeline's lives on its last stage
-        self.last_loss = last_loss = collectives.all_reduce_mean([local.item()],
-                                                                 device=self.device, group=self.mesh.dp_group)[0]
+        self.last_loss = last_loss = collectives.all_reduce_mean(
+            [local.item()], device=self.device, group=self.mesh.dp_group
+        )[0]
         window_steps = window.steps
-        self.out.log(self.records.log_record(loss=last_loss, window_steps=window_steps, lr=self.step_lr,
-                                             grad_norm=self.grad_norm))
+        self.out.log(
+            self.records.log_record(
+                loss=last_loss, window_steps=window_steps, lr=self.step_lr, grad_norm=self.grad_norm
+            )
+        )
         window.reset()
         self.diag.logged_loss(last_loss, step=state.step, window_steps=window_steps)  # loud if not finite
         self.records.restart_window()

@@ -65,8 +65,10 @@ def parse_options(*, steps: int, warmup: int, nproc: int, scaling: str, variants
         chosen = tuple(v.strip() for v in variants.split(",") if v.strip())
         bad = [v for v in chosen if v not in known]
         if bad or not chosen:
-            raise ConfigError(f"--variants={variants!r}: unknown variant(s) {', '.join(map(repr, bad)) or '(none given)'}; "
-                              f"choose from: {', '.join(known)}")
+            raise ConfigError(
+                f"--variants={variants!r}: unknown variant(s) {', '.join(map(repr, bad)) or '(none given)'}; "
+                f"choose from: {', '.join(known)}"
+            )
         if REFERENCE not in chosen:
             chosen = (REFERENCE, *chosen)  # the reference every ratio is taken against
     return BenchOptions(steps=steps, warmup=warmup, nproc=nproc, scaling=scaling, variants=chosen, chunk=chunk)
@@ -113,8 +115,12 @@ def _bench_settings(cfg: Config, *, opts: BenchOptions) -> Config:
     """What the bench fixes in every variant: its step count, no evaluation or periodic saves inside
     the timed steps, no live progress line (rank 0 prints the table instead)."""
     train = dataclasses.replace(cfg.train, max_steps=opts.warmup + opts.steps, eval_every_steps=0)
-    return dataclasses.replace(cfg, train=train, log=dataclasses.replace(cfg.log, progress=False),
-                               checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=0))
+    return dataclasses.replace(
+        cfg,
+        train=train,
+        log=dataclasses.replace(cfg.log, progress=False),
+        checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=0),
+    )
 
 
 def _cell(cfg: Config, *, variant: str, world: int, mode: str, base: tuple[int, int, int]) -> Cell:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-# Make the helpers in tests/ (mp.py, test modules used as data factories such as
-# `test_parity:tiny_tokens`) importable whatever pytest's import mode or rootdir.
+# Make tests/support (the shared helpers, and the factories configs name such as
+# `support.parity:tiny_tokens`) importable whatever pytest's import mode or rootdir.
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-from mp import DIST_ENV_VARS  # noqa: E402
+from support.mp import DIST_ENV_VARS  # noqa: E402
 
 # Variables a launcher sets; a test that leaves them in os.environ makes every later test
 # (and every later Trainer) believe it was started by torchrun.
@@ -46,7 +46,7 @@ def no_leaked_distributed_state():
     yield
     problems = []
     patched = [name for name, fn in _patchable().items() if name in patched_before and patched_before[name] is not fn]
-    if patched:  # a helper that wraps these (tests/test_checkpoint.py:fit_capturing) must run in a forked rank
+    if patched:  # a helper that wraps these (tests/support/checkpoints.py:fit_capturing) must run in a forked rank
         import dptrain.checkpoint.manager as manager
 
         for name in patched:

@@ -18,24 +18,13 @@ from dptrain.cli.main import main
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config, load_yaml, parse_override, resolve_scalar
 from dptrain.config.resolve import _torch_build_has_gpu
+from support import ROOT, subprocess_env
+from support.cli import refused
 
-ROOT = Path(__file__).resolve().parents[1]
 TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
        "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
        "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_every_steps=0", "log.progress=false"]
 ONE = ["--nproc-per-node", "1", "parallel.strategy=single"]
-
-
-def refused(capsys: pytest.CaptureFixture[str], argv: list[str], *named: str) -> str:
-    """Run `dptrain argv` in this process; assert exit 2, no traceback, and every `named` text in the message."""
-    rc = main(argv)
-    out = capsys.readouterr()
-    text = out.out + out.err
-    assert rc == 2, f"exit {rc} for {argv}:\n{text}"
-    assert "Traceback" not in text, text
-    for n in named:
-        assert n in text, f"{n!r} not in the message for {argv}:\n{text}"
-    return text
 
 
 # ------------------------------------------------------------------ numeric ranges and finiteness
@@ -197,11 +186,11 @@ def test_run_and_checkpoint_directories(capsys, monkeypatch, tmp_path, where, na
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("overrides", "named"), [
     (["model.kwargs.bogus=1"], ["model.factory='dptrain.models.toy:build_mlp'", "'bogus'", "in_dim, hidden, out_dim, depth"]),
-    (["model.factory=bad_factories:needs_width", "model.kwargs={}"],
-     ["model.factory='bad_factories:needs_width'", "'width'", "its parameters: width, depth"]),
+    (["model.factory=support.bad_factories:needs_width", "model.kwargs={}"],
+     ["model.factory='support.bad_factories:needs_width'", "'width'", "its parameters: width, depth"]),
     (["data.kwargs.rows=4"], ["data.factory='dptrain.models.toy:build_regression_data'", "'rows'"]),
-    (["model.factory=bad_factories:returns_dict", "model.kwargs={}"],
-     ["model.factory='bad_factories:returns_dict' returned dict, not a torch.nn.Module"]),
+    (["model.factory=support.bad_factories:returns_dict", "model.kwargs={}"],
+     ["model.factory='support.bad_factories:returns_dict' returned dict, not a torch.nn.Module"]),
 ])
 def test_factory_kwargs_and_return_checked_before_launch(capsys, tmp_path, overrides, named):
     refused(capsys, ["run", *TOY, *ONE, *overrides, "--out", str(tmp_path / "r")], *named)
@@ -214,20 +203,15 @@ def test_builtin_lm_seq_len_longer_than_context(capsys, tmp_path):
             "data.kwargs.seq_len=256", "model.kwargs.max_seq_len=128")
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path}
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("factory", "user_line", "error"), [
-    ("model.factory=bad_factories:raising_model", 'raise ValueError(f"user bug', "ValueError: user bug: cannot build 4 layers"),
-    ("data.factory=bad_factories:raising_data", "raise FileNotFoundError", "FileNotFoundError: user data file for n=8"),
+    ("model.factory=support.bad_factories:raising_model", 'raise ValueError(f"user bug', "ValueError: user bug: cannot build 4 layers"),
+    ("data.factory=support.bad_factories:raising_data", "raise FileNotFoundError", "FileNotFoundError: user data file for n=8"),
 ])
 def test_factory_that_raises_shows_one_copy_of_the_users_traceback(tmp_path, factory, user_line, error):
     kwargs = "model.kwargs={}" if factory.startswith("model") else "data.kwargs={}"
     r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, factory, kwargs, "--nproc-per-node", "2",
-                        "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=150, env=_env(), cwd=ROOT)
+                        "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=150, env=subprocess_env(), cwd=ROOT)
     text = r.stdout + r.stderr
     assert r.returncode == 2, text
     head = text.strip().splitlines()[0]
@@ -326,7 +310,7 @@ def test_fast_commands_import_no_torch_or_no_distributed_stack(tmp_path, argv, h
     (tmp_path / "config.yaml").write_text("train: {}\n")
     argv = [a.replace("RUN", str(tmp_path)) for a in argv]
     r = subprocess.run([sys.executable, "-c", FAST.format(argv=argv, heavy=heavy)], capture_output=True,
-                       text=True, timeout=100, env=_env(), cwd=tmp_path)
+                       text=True, timeout=100, env=subprocess_env(), cwd=tmp_path)
     assert f"RESULT {rc} []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
@@ -349,10 +333,10 @@ def _reject(name: str) -> None:
 @pytest.mark.timeout(240)
 def test_every_json_file_of_a_run_with_a_nan_loss_parses_strictly(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, *ONE, "train.loss=bad_factories:nan_loss",
+    r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, *ONE, "train.loss=support.bad_factories:nan_loss",
                         "train.max_steps=4", "train.log_every_steps=1", "checkpoint.every_steps=2",
                         "optim.grad_clip=null", "--out", str(out)],
-                       capture_output=True, text=True, timeout=200, env=_env(), cwd=ROOT)
+                       capture_output=True, text=True, timeout=200, env=subprocess_env(), cwd=ROOT)
     files = [p for p in out.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl")]
     assert any(p.name == "metrics.jsonl" for p in files), r.stdout[-2000:] + r.stderr[-3000:]
     assert any(p.name == "summary.json" for p in files), r.stdout[-2000:] + r.stderr[-3000:]

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
+from support.run_helpers import dptrain
+
 TINY = [
     "model.kwargs.dim=32", "model.kwargs.n_layers=2", "model.kwargs.n_heads=2", "model.kwargs.max_seq_len=32",
     "data.kwargs.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
     "train.log_every_steps=2", "train.eval_every_steps=4", "train.eval_batches=2",
 ]
-
-
-def dptrain(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "dptrain", *args], capture_output=True, text=True, timeout=timeout, env=full_env,
-        cwd=ROOT,
-    )
 
 
 @pytest.mark.timeout(240)
@@ -205,10 +195,9 @@ def test_launch_failure_keeps_torchruns_root_cause_report(tmp_path):
 @pytest.mark.timeout(240)
 def test_run_failure_report_names_the_raising_rank_and_its_traceback(tmp_path):
     """dptrain's own worker runs under `record`: the report's root cause is the rank that raised, with its traceback."""
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     r = dptrain("run", "model.factory=dptrain.models.toy:build_mlp", "data.factory=dptrain.models.toy:build_regression_data",
-                "train.loss=bad_factories:fails_on_rank_1", "train.max_steps=3", "--nproc-per-node", "2",
-                "--out", str(tmp_path / "run"), env={"PYTHONPATH": path})
+                "train.loss=support.bad_factories:fails_on_rank_1", "train.max_steps=3", "--nproc-per-node", "2",
+                "--out", str(tmp_path / "run"))
     assert r.returncode == 1, r.stderr[-3000:]
     root = r.stderr[r.stderr.index("Root Cause (first observed failure):"):]
     assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1" in root

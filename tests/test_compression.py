@@ -20,9 +20,9 @@ from dptrain.config.compression import fsdp_reduce_dtype
 from dptrain.config.load import load_config
 from dptrain.parallel import onebit
 from dptrain.parallel.comm_hooks import _compressed_pieces, build_comm_hook
-from mp import run_ranks
+from support import ROOT
+from support.mp import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 TOY = [
     "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
     "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",

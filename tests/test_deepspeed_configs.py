@@ -22,8 +22,7 @@ import pytest
 from dptrain.config import ConfigError, resolve
 from dptrain.config.deepspeed import from_deepspeed
 from dptrain.config.load import build_config
-
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
 
 _FP16_MEGATRON = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
 _HF_AUTO_OPT = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}

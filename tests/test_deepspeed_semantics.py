@@ -14,8 +14,7 @@ import pytest
 from dptrain.config import ConfigError, resolve
 from dptrain.config.deepspeed import from_deepspeed, translate_deepspeed
 from dptrain.config.load import build_config, load_config
-
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
 
 
 def _batch(ds: dict[str, Any], world: int) -> tuple[int, int, int]:

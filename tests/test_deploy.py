@@ -12,20 +12,19 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from run_helpers import subprocess_env
-from test_checkpoint_e2e import TOY
 
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config
 from dptrain.launch import torchrun as launch
 from dptrain.launch.cluster_env import cluster_launch
 from dptrain.tools.deploy.kubeflow import schema_problems
+from support import ROOT
+from support.run_helpers import SLOW_TOY as TOY
+from support.run_helpers import subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["train.micro_batch_size=1", "train.max_steps=50", "log.name=tiny"]
 
 

@@ -6,11 +6,11 @@ import json
 import re
 
 import pytest
-from diag_helpers import dptrain
 
 from dptrain.diagnostics.commcheck import SIZES, slow_links
 from dptrain.tools.doctor import arch_supported, check_environment, check_network
 from dptrain.tools.plan.calibrate import link_from_sweep
+from support.run_helpers import dptrain
 
 
 @pytest.mark.timeout(60)

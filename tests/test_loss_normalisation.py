@@ -13,7 +13,14 @@ from collections import namedtuple
 
 import pytest
 import torch
-from test_parity import (
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from dptrain import to_device
+from dptrain.data import GlobalBatchSampler
+from dptrain.models.llama import build_llama
+from dptrain.train.loss import count_targets, forward_loss, items_per_rank, takes_num_items
+from support.parity import (
     ATOL,
     GLOBAL_BATCH,
     LLAMA_KWARGS,
@@ -26,13 +33,6 @@ from test_parity import (
     overrides,
     train,
 )
-from torch import nn
-from torch.utils.data import Dataset, default_collate
-
-from dptrain import to_device
-from dptrain.data import GlobalBatchSampler
-from dptrain.models.llama import build_llama
-from dptrain.train.loss import count_targets, forward_loss, items_per_rank, takes_num_items
 
 PADDED_FACTORY = "test_loss_normalisation:padded_tokens"
 

@@ -2,7 +2,7 @@
 construction (`build_model(cfg, seed)`) under every strategy, and falls back with a reason for a
 factory that cannot be built on meta.
 
-Multi-process cases run on forked gloo ranks (tests/mp.py) in the order the strategies need:
+Multi-process cases run on forked gloo ranks (tests/support/mp.py) in the order the strategies need:
 zero2/fsdp shard the meta model first and materialize the shards; single/ddp/zero1 materialize
 the plain model, then wrap it (DDP broadcasts at construction). Each rank compares its own local
 shards with its chunk of the eager tensor, rank 0 compares the gathered full state dict, and both
@@ -27,7 +27,7 @@ from dptrain.distributed.process_group import destroy_process_group, init_proces
 from dptrain.parallel import apply_strategy, full_state_dict, unwrap
 from dptrain.parallel.materialize import check_init_contract, local_chunk, make_materializer, materialize
 from dptrain.train.build import build_model, build_model_meta
-from mp import run_ranks
+from support.mp import run_ranks
 
 SEED = 1234
 CPU = torch.device("cpu")

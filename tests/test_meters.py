@@ -18,7 +18,7 @@ from torch import nn
 from dptrain.config.load import load_config
 from dptrain.metrics import comm, mfu
 from dptrain.models.llama import build_llama
-from mp import run_ranks
+from support.mp import run_ranks
 
 TINY = ["model.kwargs.dim=16", "model.kwargs.n_layers=2", "model.kwargs.n_heads=2", "model.kwargs.max_seq_len=16",
         "data.kwargs.seq_len=16"]
@@ -194,12 +194,13 @@ def test_fsdp_run_logs_analytic_bytes_and_null_times(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_comm_overlap_benchmark_runs():
-    import os
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    from support import ROOT as root
+    from support import subprocess_env
+
+    env = subprocess_env(tests=False)
     r = subprocess.run([sys.executable, "benchmarks/comm_overlap.py", "--dim", "32", "--layers", "1", "--seq", "8",
                         "--rounds", "2", "--buckets", "1", "--static", "off,on"], cwd=root, capture_output=True,
                        text=True, timeout=290, env=env)

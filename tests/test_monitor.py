@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from diag_helpers import TP_LLAMA, dptrain
-from monitor_helpers import PROMETHEUS, SCRAPE_S, Prometheus, free_port_pair
 
 from dptrain.cli import main as cli
 from dptrain.metrics.monitor import DASHBOARD
 from dptrain.metrics.prometheus import PrometheusExporter, metric_name
-from mp import find_free_port, run_ranks
+from support.diag_helpers import TP_LLAMA
+from support.monitor_helpers import PROMETHEUS, SCRAPE_S, Prometheus, free_port_pair
+from support.mp import find_free_port, run_ranks
+from support.run_helpers import dptrain
 
 LM = [*TP_LLAMA, "train.micro_batch_size=2"]  # global batch 4 = 2 x dp 2; tokens/s in every record
 HOST = socket.gethostname()
@@ -239,7 +240,7 @@ def _train_held(rank: int, out_dir: str, port: int) -> dict:
     from dptrain.config.load import load_config
     from dptrain.train.trainer import Trainer
 
-    cfg = load_config(None, [*LM, "log.progress=false", "train.max_steps=8", "train.loss=monitor_helpers:held_loss",
+    cfg = load_config(None, [*LM, "log.progress=false", "train.max_steps=8", "train.loss=support.monitor_helpers:held_loss",
                              f"log.prometheus_port={port}", "log.prometheus_addr=127.0.0.1", "log.status_every_s=0.5",
                              "diagnostics.hang_timeout_s=0"])  # the hold is a deliberate stall, not a hang to report
     return Trainer(cfg, out_dir=out_dir).fit()

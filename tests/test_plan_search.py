@@ -4,10 +4,8 @@ presets' published parameter counts, bad input."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +22,8 @@ from dptrain.tools.plan.llama import param_counts
 from dptrain.tools.plan.memory import GB, layout_memory
 from dptrain.tools.plan.recommend import load_plan_config
 from dptrain.tools.plan.timing import step_time
+from support import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.kwargs.dim=32", "model.kwargs.n_layers=2", "model.kwargs.n_heads=2", "model.kwargs.max_seq_len=32",
         "data.kwargs.seq_len=32", "train.global_batch_size=8", "train.log_every_steps=1", "train.eval_every_steps=0",
         "train.eval_batches=1"]
@@ -92,7 +90,7 @@ def test_rejections_name_the_memory_or_dptrains_own_message():
 @pytest.mark.timeout(300)
 def test_write_recipe_is_trained_by_dptrain_run(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = subprocess_env(tests=False)
     argv = ["plan", *TINY, "optim.lr=0.002", "train.max_steps=2", "--gpus", "2", "--gpu-type", "A100-40GB",
             "--write", str(recipe)]
     assert main(argv) == 0
@@ -125,7 +123,7 @@ def test_presets_have_the_published_parameter_counts():
     assert sum(t.numel() for t in llama3.parameters()) == 8_030_261_248
     code = ("import sys, dptrain.tools.plan.presets, dptrain.tools.plan.search, dptrain.tools.plan.recommend, dptrain.cli.plan; "
             "assert 'torch' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env(tests=False))
 
 
 @pytest.mark.timeout(60)

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from dptrain.config.load import load_config
-from mp import run_ranks
+from support import subprocess_env
+from support.mp import run_ranks
 
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (the optional extra: pip install 'dptrain[report]')")
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ROOT = Path(__file__).resolve().parents[1]
 SLOW_S = 0.03
 FIGURES = ("loss", "lr", "throughput", "step_time", "split", "memory", "events")
 
@@ -188,7 +188,7 @@ def test_cli_report_errors(tmp_path: Path, monkeypatch, capsys) -> None:
 
 @pytest.mark.timeout(300)
 def test_cli_report_on_the_run(run_dir: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env(tests=False)
     proc = subprocess.run([sys.executable, "-m", "dptrain", "report", str(run_dir), "--out", str(tmp_path / "r")],
                           capture_output=True, text=True, timeout=100, env=env)
     assert proc.returncode == 0, proc.stderr

@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from run_helpers import subprocess_env
-from test_checkpoint_e2e import TOY, logged_steps
 
 from dptrain.config.load import load_config
 from dptrain.tools.deploy.slurm import CONFIG_NAME
+from support import ROOT
+from support.run_helpers import SLOW_TOY as TOY
+from support.run_helpers import logged_steps, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel")
 
 

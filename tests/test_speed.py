@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from dptrain.config import ConfigError, resolve
 from dptrain.config.load import load_config
 from dptrain.train.trainer import Trainer
-from mp import run_ranks
+from support import ROOT
+from support.mp import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.kwargs.dim=32", "model.kwargs.n_layers=2", "model.kwargs.n_heads=2", "model.kwargs.max_seq_len=16",
         "data.kwargs.seq_len=16", "data.num_workers=0", "optim.name=sgd", "optim.lr=0.5", "optim.weight_decay=0",
         "optim.warmup_steps=0", "optim.schedule=constant", "train.max_steps=3", "train.log_every_steps=1",

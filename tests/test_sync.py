@@ -26,7 +26,7 @@ from dptrain.distributed.env import DistEnv
 from dptrain.distributed.process_group import destroy_process_group, init_process_group
 from dptrain.models.toy import build_mlp, build_regression_data
 from dptrain.parallel import apply_strategy, clip_grad_norm_, is_sharded, sync_gradients, unwrap
-from mp import run_ranks
+from support.mp import run_ranks
 
 SEED = 7
 WORLD = 2
@@ -227,7 +227,7 @@ def test_run_ranks_reports_every_failing_rank_and_kills_the_hung_one(tmp_path, m
     import os
     import time
 
-    from mp import RankError
+    from support.mp import RankError
 
     monkeypatch.setenv("DPTRAIN_TEST_NATIVE_STACKS", "0")  # gdb would take seconds per rank
     t0 = time.monotonic()
@@ -248,7 +248,7 @@ def test_run_ranks_reports_every_failing_rank_and_kills_the_hung_one(tmp_path, m
 def test_run_ranks_timeout_kills_all_ranks(monkeypatch):
     import time
 
-    from mp import RankError
+    from support.mp import RankError
 
     monkeypatch.setenv("DPTRAIN_TEST_NATIVE_STACKS", "0")
     t0 = time.monotonic()

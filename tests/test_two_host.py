@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import TOY_RUN, subprocess_env
 
 from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason
+from support import ROOT
+from support.run_helpers import TOY_RUN, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster: {REASON}")
 TOY = [*TOY_RUN, "train.max_steps=4", "--nproc-per-node", "1"]

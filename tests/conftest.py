@@ -15,6 +15,7 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 from support.mp import DIST_ENV_VARS  # noqa: E402
+from support.run_helpers import SLOW_TOY, dptrain, losses  # noqa: E402
 
 # Variables a launcher sets; a test that leaves them in os.environ makes every later test
 # (and every later Trainer) believe it was started by torchrun.
@@ -68,3 +69,15 @@ def no_leaked_distributed_state():
         problems.append("environment variables leaked: " + ", ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in changed.items()))
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def slow_toy_reference(tmp_path_factory) -> Path:
+    """One uninterrupted `dptrain run` of SLOW_TOY on 2 ranks (30 steps, a checkpoint every 5): what the
+    signal, restart and run-directory tests (test_checkpoint_e2e, test_run_dirs) must end bit-identical
+    to. Trained once per session; a test that changes a run directory works on a copy."""
+    out = tmp_path_factory.mktemp("slow-toy") / "ref"
+    r = dptrain("run", *SLOW_TOY, "--nproc-per-node", "2", "--out", str(out), timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [s for s, _ in losses(out)] == list(range(1, 31))
+    return out

@@ -76,12 +76,11 @@ def test_dp2_pp2_tp2_matches_reference(strategy, accum, tmp_path):
     diff = rung(items, 8, tmp_path, timeout=380)
     print(f"\nPARITY dp2xpp2xtp2 {strategy} accum={accum} worst|dw|={diff:.3g}")
     if strategy == "ddp":
-        checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
-        drift = [c for c in checks if c["kind"] == "drift"]
-        assert len(drift) == tp.STEPS and all(c["ok"] for c in drift)
+        tp.assert_no_drift(tmp_path)
 
 
 # ------------------------------------------------------------------ refusals
+@pytest.mark.fast
 @pytest.mark.parametrize(("items", "named"), [
     (("parallel.loss_parallel=true",), ["loss_parallel=true is refused with pp > 1", "loss_fn"]),
     (("parallel.tp_plan=dptrain.models.toy:build_mlp",), ["tp_plan='dptrain.models.toy:build_mlp'", "pp > 1"]),
@@ -94,6 +93,7 @@ def test_3d_refusals(items, named):
         assert n in str(err.value), (n, str(err.value))
 
 
+@pytest.mark.fast
 def test_pp2_tp2_layout_resolves():
     res = tp.resolve_items("parallel.pp=2", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=4",
                        world_size=8)
@@ -275,6 +275,7 @@ def test_miniature_llama_7b_deepspeed_config_trains_dp2_pp2_tp2_through_the_cli(
     assert losses[-1][1] < losses[0][1]
 
 
+@pytest.mark.fast
 def test_loss_parallel_under_pp_times_tp_exits_2_before_launch(capsys, tmp_path):
     refused(capsys, ["run", "--nproc-per-node", "4", "parallel.pp=2", "parallel.tp=2", "parallel.loss_parallel=true",
                      "log.progress=false", "--out", str(tmp_path / "r")], "loss_parallel=true is refused with pp > 1")

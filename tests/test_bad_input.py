@@ -28,6 +28,7 @@ ONE = ["--nproc-per-node", "1", "parallel.strategy=single"]
 
 
 # ------------------------------------------------------------------ numeric ranges and finiteness
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("override", "named"), [
     ("optim.lr=inf", "optim.lr=inf is not valid; it must be a finite number > 0"),
@@ -59,6 +60,7 @@ def test_numeric_fields_out_of_range_or_not_finite(capsys, tmp_path, override, n
 
 
 # ------------------------------------------------------------------ parsing (YAML 1.2 scalars)
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("override", "named"), [
     ("launch.nnodes=1:2", "launch.nnodes='1:2'"),  # YAML 1.1 would read 62
@@ -70,6 +72,7 @@ def test_values_parsed_as_yaml_1_2_then_refused_by_their_field(capsys, tmp_path,
     refused(capsys, ["run", "--out", str(tmp_path / "r"), override], named)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("text", "value"), [
     ("1:2", "1:2"), ("no", "no"), ("off", "off"), ("yes", "yes"), ("On", "On"), ("y", "y"),
@@ -83,6 +86,7 @@ def test_yaml_1_2_core_scalars(text, value):
         assert load_yaml(f"k: {text}") == {"k": value}
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_yaml_1_2_in_files_and_overrides_keeps_collections():
     assert load_yaml("a: [0.9, 0.95]\nb: {x: 1:2}\nc: 'yes'\n") == {"a": [0.9, 0.95], "b": {"x": "1:2"}, "c": "yes"}
@@ -95,6 +99,7 @@ def isnan(x: object) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_overrides_and_options_in_any_order(capsys, tmp_path):
     cfg = tmp_path / "r.yaml"
@@ -115,6 +120,7 @@ def test_overrides_and_options_in_any_order(capsys, tmp_path):
 
 
 # ------------------------------------------------------------------ rendezvous endpoints
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("overrides", "named"), [
     (["launch.nnodes=2"], "launch.nnodes=2 needs launch.rdzv_endpoint=host:port"),
@@ -129,6 +135,7 @@ def test_endpoints_are_parsed(capsys, tmp_path, overrides, named):
 
 
 # ------------------------------------------------------------------ config files
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["non-utf8", "directory", "missing", "unreadable", "not-a-mapping"])
 def test_bad_config_files(capsys, monkeypatch, tmp_path, kind):
@@ -155,6 +162,7 @@ def test_bad_config_files(capsys, monkeypatch, tmp_path, kind):
 
 
 # ------------------------------------------------------------------ run and checkpoint directories
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("where", "named"), [
     ("out-is-file", "--out="), ("out-under-file", "is a file, not a directory"),
@@ -183,6 +191,7 @@ def test_run_and_checkpoint_directories(capsys, monkeypatch, tmp_path, where, na
 
 
 # ------------------------------------------------------------------ factories
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("overrides", "named"), [
     (["model.kwargs.bogus=1"], ["model.factory='dptrain.models.toy:build_mlp'", "'bogus'", "in_dim, hidden, out_dim, depth"]),
@@ -197,6 +206,7 @@ def test_factory_kwargs_and_return_checked_before_launch(capsys, tmp_path, overr
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_builtin_lm_seq_len_longer_than_context(capsys, tmp_path):
     refused(capsys, ["run", "data.kwargs.seq_len=256", "model.kwargs.max_seq_len=128", "--out", str(tmp_path / "r")],
@@ -223,6 +233,7 @@ def test_factory_that_raises_shows_one_copy_of_the_users_traceback(tmp_path, fac
 
 
 # ------------------------------------------------------------------ generate, ckpt, launch, doctor
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "named"), [
     (["--max-new-tokens", "-5"], "--max-new-tokens=-5"),
@@ -257,6 +268,7 @@ def test_generate_on_a_run_that_is_not_a_language_model(capsys, mlp_run):
     refused(capsys, ["generate", str(mlp_run)], "model.safetensors", "does not fit")
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("argv", "named"), [
     (["ckpt", "export", "RUN", "--out", "DIR"], "is a directory"),
@@ -269,6 +281,7 @@ def test_ckpt_launch_and_doctor_arguments(capsys, tmp_path, argv, named):
     refused(capsys, argv, named)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_launch_leaves_the_scripts_own_arguments_alone():
     from dptrain.cli.main import _check_nproc_option
@@ -315,6 +328,7 @@ def test_fast_commands_import_no_torch_or_no_distributed_stack(tmp_path, argv, h
 
 
 # ------------------------------------------------------------------ strict JSON
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_strict_json_replaces_non_finite_numbers_with_null_and_a_flag():
     from dptrain.metrics import strict_json
@@ -349,6 +363,7 @@ def test_every_json_file_of_a_run_with_a_nan_loss_parses_strictly(tmp_path):
 
 
 # ------------------------------------------------------------------ generate: no silent waits
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_generate_reports_progress_and_slides_past_the_context(monkeypatch):
     import io

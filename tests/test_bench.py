@@ -76,6 +76,7 @@ def test_bench_end_to_end_world_1_and_2(tmp_path):
         assert "PNG plots skipped: matplotlib is not installed" in r.stderr
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "message"), [
     (["--steps", "0"], "--steps=0 is not valid"),
@@ -109,12 +110,14 @@ def test_refused_cells_are_skipped_with_the_reason():
     assert [(c.world, c.config.train.global_batch_size) for c in weak if c.variant == "ddp"] == [(1, 8), (2, 16)]
 
 
+@pytest.mark.fast
 def test_every_strategy_and_compression_is_a_variant():
     """Written out, not derived from the code under test: the bench's variants in their order."""
     assert plan.all_variants() == ("raw", "single", "dp", "ddp", "zero1", "zero2", "fsdp",
                                    "ddp-fp16", "ddp-bf16", "ddp-powersgd", "ddp-onebit")
 
 
+@pytest.mark.fast
 def test_a_compression_the_backend_cannot_do_is_skipped():
     cfg = load_config(None, ["parallel.device=cpu"])
     opts = plan.parse_options(steps=1, warmup=0, nproc=2, scaling="strong", variants="ddp-bf16,ddp-fp16")
@@ -123,6 +126,7 @@ def test_a_compression_the_backend_cannot_do_is_skipped():
     assert cells[("ddp-fp16", 2)].skipped is None
 
 
+@pytest.mark.fast
 def test_report_derives_efficiency_and_ratio():
     def row(variant, world, mode, median, gbs):
         return {"variant": variant, "world": world, "mode": mode, "median_s": median, "q1_s": median, "q3_s": median,

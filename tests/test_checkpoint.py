@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from dptrain.checkpoint import manifest as mf
-from support.checkpoints import fit, fit_capturing, fit_dying_at_commit, losses, weights_sha
+from support.checkpoints import (
+    assert_restored_exactly,
+    fit,
+    fit_capturing,
+    fit_dying_at_commit,
+    losses,
+    weights_sha,
+)
 from support.mp import RankError, run_ranks
 
 
@@ -118,15 +125,7 @@ def test_world_size_change_restores_model_and_optimizer_exactly(tmp_path, strate
     over = [f"parallel.strategy={strategy}", "checkpoint.every_steps=3"]
     run_ranks(fit_capturing, before, run, ["train.max_steps=3", *over], "saved")
     run_ranks(fit_capturing, after, run, ["train.max_steps=5", *over], "loaded")
-    saved, loaded = (torch.load(run / f"{w}_3.pt", weights_only=True) for w in ("saved", "loaded"))
-    assert saved["model"].keys() == loaded["model"].keys()
-    for k in saved["model"]:
-        assert torch.equal(saved["model"][k], loaded["model"][k]), k
-    s_state, l_state = saved["optim"]["state"], loaded["optim"]["state"]
-    assert s_state.keys() == l_state.keys() and len(s_state) > 0
-    for name in s_state:
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(torch.as_tensor(s_state[name][key]), torch.as_tensor(l_state[name][key])), (name, key)
+    assert_restored_exactly(run, 3, ("exp_avg", "exp_avg_sq", "step"))
     assert [s for s, _ in losses(run)] == [1, 2, 3, 4, 5]  # continues at the next global step
     meta = json.loads((run / "checkpoints" / "step_000005" / "manifest.json").read_text())["meta"]
     assert meta["world_size"] == after and meta["global_batch_size"] == 8 and meta["sampler"]["step"] == 5

@@ -28,13 +28,9 @@ from support.run_helpers import (
 )
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt-e2e") / "ref"
-    proc = start(out)
-    assert proc.wait(timeout=120) == 0, proc.communicate()[0][-3000:]
-    assert [s for s, _ in losses(out)] == list(range(1, 31))
-    return out
+@pytest.fixture
+def reference(slow_toy_reference: Path) -> Path:
+    return slow_toy_reference  # conftest.py: one uninterrupted run, shared with the other end-to-end tests
 
 
 @pytest.mark.timeout(150)

@@ -79,6 +79,7 @@ def plain_run(run_dir: Path, *, until: int, every: int = 3) -> tuple[list[str], 
     return out, [p.detach().clone() for p in model.parameters()], mgr
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_manager_saves_and_resumes_hand_built_stateful_objects_exactly(tmp_path):
     ref_losses, ref_params, _ = plain_run(tmp_path / "ref", until=6)
@@ -125,6 +126,7 @@ def test_a_checkpoint_written_before_format_versions_resumes_exactly(tmp_path, f
     assert mf.verify(run / "checkpoints" / "step_000006")["format_version"] == FORMAT_VERSION
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_an_unknown_format_version_is_refused_naming_it(tmp_path):
     from dptrain.cli.ckpt import prepare_resume

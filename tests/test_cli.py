@@ -122,6 +122,7 @@ def test_readme_config_reference_matches_the_code():
     )
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_launch_fills_in_only_the_torchrun_defaults_the_user_left_out():
     from dptrain.launch.torchrun import user_script_args
@@ -135,6 +136,7 @@ def test_launch_fills_in_only_the_torchrun_defaults_the_user_left_out():
     assert user_script_args(given, default_nproc=4) == ["--nproc-per-node", "4", *given]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_launch_reads_restarts_only_from_torchrun_options_before_the_script():
     from dptrain.cli.main import _wants_restarts
@@ -146,6 +148,7 @@ def test_launch_reads_restarts_only_from_torchrun_options_before_the_script():
     assert not _wants_restarts(["--max-restarts", "0", "train.py"])
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_launch_checks_nproc_only_before_the_script_told_apart_by_torchruns_parser():
     from dptrain.cli.main import _check_nproc_option
@@ -205,6 +208,7 @@ def test_run_failure_report_names_the_raising_rank_and_its_traceback(tmp_path):
     assert "dptrain: worker(s) failed:" in r.stderr
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_launch_runs_plain_scripts_under_record_and_leaves_other_commands_alone():
     from dptrain.launch.torchrun import record_failures

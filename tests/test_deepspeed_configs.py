@@ -24,6 +24,8 @@ from dptrain.config.deepspeed import from_deepspeed
 from dptrain.config.load import build_config
 from support import ROOT
 
+pytestmark = pytest.mark.fast
+
 _FP16_MEGATRON = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
 _HF_AUTO_OPT = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
 _HF_AUTO_SCHED = {"type": "WarmupLR",

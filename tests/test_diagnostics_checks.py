@@ -27,6 +27,7 @@ def test_a_model_that_differs_on_one_rank_is_refused_with_the_same_message_every
     assert "shape (32, 32) dtype float32 on rank 0, shape (48, 32) dtype float32 on rank 1" in messages[0]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_world_size_and_config_mismatches_name_the_difference():
     base = {"world_size": 2, "config_hash": "a", "config": {"train.max_steps": "10"}, "model": [("w", (2,), "float32")]}
@@ -136,6 +137,7 @@ def test_healthy_replicas_never_drift(tmp_path, strategy):
     assert len(checks) == 10 and all(c["ok"] for c in checks)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_checksums_see_any_single_element_change_and_majority_names_the_odd_rank():
     from dptrain.diagnostics.drift import find_drift, param_checksums
@@ -164,6 +166,7 @@ def test_steady_memory_growth_on_one_rank_is_reported_with_its_slope(tmp_path):
     assert len(samples) == 8 and all(len(s["ranks"]) == 2 and s["ranks"][0]["rss_mb"] > 0 for s in samples)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_line_fit_and_stray_context_detection():
     from dptrain.diagnostics.memory import fit_line, stray_gpu0_contexts

@@ -77,6 +77,7 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ config and batch arithmetic (no cluster)
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_nnodes_range_reaches_torchrun_with_the_rendezvous_settings():
     cfg = load_config(None, ["launch.nnodes=1:2", "launch.rdzv_endpoint=h0:29500", "launch.max_restarts=3",
@@ -89,6 +90,7 @@ def test_nnodes_range_reaches_torchrun_with_the_rendezvous_settings():
     assert resolve(cfg, world_size=None, cuda_available=False).world_size == 2 * 2  # planned at MAX nodes
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("override", "named"), [
     ("launch.nnodes=2:1", "launch.nnodes='2:1' is not valid"),
@@ -102,6 +104,7 @@ def test_bad_node_ranges_and_rendezvous_settings_refused(override, named):
         resolve(load_config(None, ["launch.rdzv_endpoint=h0:29500", override]), world_size=2, cuda_available=False)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_the_global_batch_is_kept_at_another_world_size_with_accumulation_re_derived():
     cfg = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=2", "train.grad_accum_steps=2",
@@ -112,6 +115,7 @@ def test_the_global_batch_is_kept_at_another_world_size_with_accumulation_re_der
     assert config_for_world(cfg, world_size=2) is cfg  # already fits: unchanged
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_a_global_batch_that_cannot_be_split_is_refused_and_recorded(tmp_path):
     cfg = load_config(None, ["train.global_batch_size=6", "train.micro_batch_size=3", "launch.nnodes=1:4",
@@ -123,6 +127,7 @@ def test_a_global_batch_that_cannot_be_split_is_refused_and_recorded(tmp_path):
     assert "not divisible by micro_batch_size * dp world size = 3 * 4" in rec["reason"]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_membership_report_names_the_node_that_left_and_the_steps_lost(tmp_path):
     from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart

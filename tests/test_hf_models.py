@@ -59,6 +59,7 @@ def test_hf_model_trains(model: str, strategy: str, tmp_path: Path, capsys) -> N
         assert_weights_close(weights, reference(model), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("model", ["llama", "gpt2", "t5"])
 def test_hf_meta_build_falls_back_with_a_reason(model: str) -> None:
@@ -75,6 +76,7 @@ def test_hf_meta_build_falls_back_with_a_reason(model: str) -> None:
         assert first.get_output_embeddings().weight is first.get_input_embeddings().weight
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_loss_rule_follows_what_the_forward_does_with_num_items() -> None:
     """Llama and GPT-2 pass num_items_in_batch to their loss_function (token rule); T5's forward takes
@@ -95,6 +97,7 @@ def test_hf_accumulation_matches_reference(model: str, strategy: str, tmp_path: 
     assert_weights_close(weights, reference(model), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_t5_fsdp_units_are_blocks_bottom_up() -> None:
     """T5Block holds its own ModuleList (`layer`); FSDP units come from `_no_split_modules`, deepest first."""

@@ -18,7 +18,7 @@ from dptrain.parallel.activation_checkpointing import apply_activation_checkpoin
 from dptrain.parallel.fsdp import shard_units
 from support.nested import Flat, Nested
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.fast]
 
 
 # ------------------------------------------------------------------ ParallelDims

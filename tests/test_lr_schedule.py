@@ -17,6 +17,8 @@ from dptrain.config.deepspeed import from_deepspeed
 from dptrain.config.load import build_config
 from dptrain.train.optim import build_scheduler, lr_lambda
 
+pytestmark = pytest.mark.fast
+
 
 def _trained_lrs(optim_cfg, *, max_steps: int, peak: float, steps: int) -> list[float]:
     """The lr each optimizer step trains at, read off a real optimizer driven by build_scheduler."""

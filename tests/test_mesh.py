@@ -171,6 +171,7 @@ def test_materialize_runs_before_ddp_broadcasts_and_after_fsdp_shards():
     assert single[0]["was_meta"] and single[0]["values"] == [1.0]
 
 
+@pytest.mark.fast
 def test_meta_parameters_without_materialize_are_refused():
     from dptrain.parallel.single import apply_single
 
@@ -325,6 +326,7 @@ def test_fsdp_warns_when_a_model_has_no_block_to_shard():
     assert "Flat has no nn.ModuleList and no _no_split_modules" in messages[0] and "sharded as one unit" in messages[0]
 
 
+@pytest.mark.fast
 def test_comm_hooks_are_refused_outside_ddp():
     from dptrain.config.layout import STRATEGY_MODES
     from dptrain.parallel import ParallelModel

@@ -46,6 +46,7 @@ def _numeric(record: dict[str, Any]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- exporter, in this process
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_exporter_exports_every_numeric_key_and_counts_stragglers():
     from prometheus_client.parser import text_string_to_metric_families
@@ -76,12 +77,14 @@ def test_exporter_exports_every_numeric_key_and_counts_stragglers():
     assert not any(GPU_ONLY.fullmatch(n) for n in values), "no GPU/CUDA metric on a CPU rank"
 
 
+@pytest.mark.fast
 def test_gpu_sampler_is_absent_on_cpu():
     from dptrain.metrics.gpu import GpuSampler
 
     assert GpuSampler.open(torch.device("cpu")) is None
 
 
+@pytest.mark.fast
 def test_gpu_sampler_units_and_unsupported_readings():
     """The NVML calls' results as exported (no GPU here: NVML's answers given by a stand-in module)."""
     from types import SimpleNamespace
@@ -106,6 +109,7 @@ def test_gpu_sampler_units_and_unsupported_readings():
     assert "gpu_power_watts" not in GpuSampler(nvml, "h").sample()  # left out, not zero
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("what", ["tensorboard", "prometheus"])
 def test_missing_package_is_refused_before_launch(what, tmp_path, monkeypatch, capsys):
@@ -121,6 +125,7 @@ def test_missing_package_is_refused_before_launch(what, tmp_path, monkeypatch, c
     assert not (tmp_path / "r").exists()  # refused before anything was written or launched
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_bad_or_busy_prometheus_port_is_refused(tmp_path, capsys):
     assert cli.main(["run", "--out", str(tmp_path / "a"), *LM, "log.prometheus_port=70000"]) == 2
@@ -138,6 +143,7 @@ def test_bad_or_busy_prometheus_port_is_refused(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- console.log, the tty path
+@pytest.mark.fast
 def test_console_log_keeps_each_redrawn_line_once_without_escapes(tmp_path, monkeypatch):
     from dptrain.metrics.console_log import console_log
     from dptrain.metrics.sinks import ConsoleSink
@@ -175,6 +181,7 @@ def finished_run(tmp_path_factory) -> tuple[Path, Any]:
     return run, proc
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_tensorboard_events_equal_metrics_jsonl(finished_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -194,6 +201,7 @@ def test_tensorboard_events_equal_metrics_jsonl(finished_run):
         assert got == {s: float(np.float32(v)) for s, v in by_step.items()}, key  # TensorBoard stores float32
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_console_log_holds_what_rank0_printed(finished_run):
     run, proc = finished_run
@@ -211,6 +219,7 @@ def test_console_log_holds_what_rank0_printed(finished_run):
     assert any("dptrain run summary" in ln for ln in lines)  # the rich table
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_top_renders_finished_run(finished_run, capsys, tmp_path):
     from dptrain.cli.top import render_text

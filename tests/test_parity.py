@@ -11,7 +11,6 @@ division or a sum-instead-of-mean gradient reduction.
 from __future__ import annotations
 
 import gc
-import json
 import math
 
 import pytest
@@ -28,6 +27,7 @@ from support.parity import (
     LR,
     MULTI,
     STEPS,
+    assert_no_drift,
     assert_weights_close,
     ladder_case,
     max_abs_diff,
@@ -64,9 +64,7 @@ def test_hsdp_matches_reference(accum, tmp_path):
     """fsdp on a 2 x 2 (dp_replicate, dp_shard) mesh: shards reduce-scattered within a pair, all-reduced
     across the two replicas; the drift check compares each shard with its other replica every step."""
     ladder_case("fsdp", accum, 4, tmp_path, extra=(*HSDP, "diagnostics.drift_every_steps=1"), timeout=120)
-    checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
-    drift = [c for c in checks if c["kind"] == "drift"]
-    assert len(drift) == STEPS and all(c["ok"] for c in drift)
+    assert_no_drift(tmp_path)
 
 
 @pytest.mark.timeout(90)

@@ -3,7 +3,6 @@ resume across layouts. Real gloo ranks forked by tests/support/mp.py; a tiny LLa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -43,9 +42,7 @@ def test_dp2_pp2_matches_reference(strategy, schedule, stages_per_rank, accum, t
     diff = pp_rung(items, 4, tmp_path, timeout=200)
     print(f"\nPARITY dp2xpp2 {strategy} {schedule} accum={accum} worst|dw|={diff:.3g}")
     if strategy == "ddp":
-        checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
-        drift = [c for c in checks if c["kind"] == "drift"]
-        assert len(drift) == tp.STEPS and all(c["ok"] for c in drift)
+        tp.assert_no_drift(tmp_path)
 
 
 @pytest.mark.slow
@@ -102,6 +99,7 @@ def test_pp2_logs_the_loss_and_val_loss_of_one_process(schedule, stages_per_rank
 
 
 # ------------------------------------------------------------------ the split
+@pytest.mark.fast
 def test_stage_layer_counts():
     assert stage_layer_counts(4, 2) == [2, 2]
     assert stage_layer_counts(5, 2) == [3, 2]
@@ -112,6 +110,7 @@ def test_stage_layer_counts():
         stage_layer_counts(2, 4)
 
 
+@pytest.mark.fast
 def test_stages_keep_plain_names_and_eager_weights():
     """Stages cut from the meta model and materialised one by one hold exactly the eager build's
     tensors under the plain names; together they cover the model once."""
@@ -143,6 +142,7 @@ def test_stages_keep_plain_names_and_eager_weights():
 
 
 # ------------------------------------------------------------------ refusals (before launch, exit 2)
+@pytest.mark.fast
 @pytest.mark.parametrize(("items", "world", "named"), [
     (("parallel.pp=2", "model.kwargs.n_layers=1"), 2, ["n_layers=1", "pp x pp_stages_per_rank = 2"]),
     (("parallel.pp=2", "parallel.pp_layers=[1,2]"), 2, ["parallel.pp_layers=[1, 2]", "n_layers=4"]),
@@ -168,11 +168,13 @@ def test_pipeline_refusals(items, world, named):
         assert n in str(err.value), (n, str(err.value))
 
 
+@pytest.mark.fast
 def test_pipeline_refusal_exits_2_before_launch(capsys):
     refused(capsys, ["run", "--nproc-per-node", "2", "parallel.pp=2", "model.kwargs.n_layers=1", "log.progress=false"],
             "n_layers=1", "pp x pp_stages_per_rank = 2")
 
 
+@pytest.mark.fast
 def test_pipeline_layout_resolves():
     res = _resolve("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
                    "train.global_batch_size=16", "train.micro_batch_size=4", world_size=4)

@@ -18,6 +18,8 @@ from dptrain.tools.plan import memory, specs, timing
 from dptrain.tools.plan.llama import activation_bytes, param_counts
 from support.mp import local_bytes
 
+pytestmark = pytest.mark.fast
+
 CONFIGS = [
     dict(vocab_size=256, dim=64, n_layers=1, n_heads=4),
     dict(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, tie_embeddings=True),

@@ -41,6 +41,7 @@ def _real(model_cfg: ModelConfig, data_cfg: DataConfig, *, micro_batch: int, pre
                           seq_len=getattr(train, "seq_len", None))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -60,6 +61,7 @@ def test_fake_measurement_equals_the_real_one(case, precision):
     assert fake.training_flops("full") == fake.flops + fake.block_forward_flops > fake.flops
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
 def test_hugging_face_models_fake_equals_real(name):
@@ -72,6 +74,7 @@ def test_hugging_face_models_fake_equals_real(name):
     assert fake.units == (4 if name == "t5" else 2) and fake.saved_bytes > 0 and fake.flops > 0
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_llama_measured_equals_the_formulas(precision):
@@ -115,6 +118,7 @@ def _peak_above_start(model: torch.nn.Module, batch) -> int:
     return max(totals) - totals[0]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_llama_activations_match_the_profilers_peak(checkpointing):
@@ -132,6 +136,7 @@ def test_llama_activations_match_the_profilers_peak(checkpointing):
     assert peak >= prof.activation_bytes(checkpointing)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(90)
 def test_a_20b_parameter_model_is_measured_without_allocating():
     proc = psutil.Process(os.getpid())
@@ -226,6 +231,7 @@ def test_measured_model_memory_predicted_vs_measured_on_2_ranks():
                 assert mem["optimizer"] == max(measured[r][name, strategy]["optimizer"] for r in range(2))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_profile_step_time_follows_the_alpha_beta_rules():
     prof = measure_model(model=MLP, data=REGRESSION, micro_batch=4, precision="bf16")
@@ -252,6 +258,7 @@ MLP_ARGS = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={in_dim:
             "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={n: 64}"]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_cli_reports_a_measured_model_and_names_a_broken_factory(capsys):
     assert main(["plan", "--gpus", "2", "--gpu-type", "L40S", *MLP_ARGS, "parallel.strategy=fsdp",

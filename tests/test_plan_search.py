@@ -35,6 +35,7 @@ def _search(cfg, model, spec, *, gpus, nodes=1, global_batch):
                          seq=seq, efficiency=DEFAULT_EFFICIENCY), seq
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_search_ranks_by_predicted_time_and_lists_layout_memory():
     cfg = load_config(None, ["precision.dtype=bf16"])
@@ -59,6 +60,7 @@ def test_search_ranks_by_predicted_time_and_lists_layout_memory():
                                                                   for r in result.ranked)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_rejections_name_the_memory_or_dptrains_own_message():
     p = presets.preset("llama2-7b")
@@ -138,6 +140,7 @@ def test_model_preset_is_the_lowest_layer(tmp_path):
     assert cfg.train.global_batch_size == 64
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_bad_input_exits_2_naming_the_value(capsys, tmp_path):
     cases = [
@@ -157,6 +160,7 @@ def test_bad_input_exits_2_naming_the_value(capsys, tmp_path):
         assert all(n in err for n in names), (argv, err)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_the_issues_llama7b_layout_is_accepted_and_reported_as_the_search_ranks_it(capsys):
     # DP8 x PP4 x TP2 fsdp + cpu_offload on 64 H100s (8 x 8): the single-layout report and the search agree

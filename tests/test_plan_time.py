@@ -16,6 +16,8 @@ from dptrain.tools.plan import calibrate, predict, specs, timing
 from dptrain.tools.plan.llama import param_counts, param_shapes
 from dptrain.tools.plan.memory import Layout
 
+pytestmark = pytest.mark.fast
+
 SIZES = [4 * 2**10 * 4**i for i in range(8)]
 
 

@@ -114,6 +114,7 @@ def _assert_loads(result: dict, expected: set[str]) -> None:
         assert img["complete"] and img["w"] > 100 and img["h"] > 50, (src, img)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_report_of_a_finished_two_rank_run(run_dir: Path, tmp_path: Path) -> None:
     from dptrain.tools.report import build_report
@@ -131,6 +132,7 @@ def test_report_of_a_finished_two_rank_run(run_dir: Path, tmp_path: Path) -> Non
         shutil.copy(result["screenshot"], keep)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_report_of_a_run_still_going(run_dir: Path, tmp_path: Path) -> None:
     """metrics.jsonl cut in the middle of a line, no summary.json, diagnostics.jsonl cut too."""
@@ -152,6 +154,7 @@ def test_report_of_a_run_still_going(run_dir: Path, tmp_path: Path) -> None:
     _assert_loads(_open_in_chromium(page, tmp_path), set(FIGURES))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_report_of_a_run_that_has_written_nothing_yet(tmp_path: Path) -> None:
     from dptrain.tools.report import build_report
@@ -164,6 +167,7 @@ def test_report_of_a_run_that_has_written_nothing_yet(tmp_path: Path) -> None:
     assert "last recorded step 0" in text
 
 
+@pytest.mark.fast
 def test_read_jsonl_skips_a_half_written_line(tmp_path: Path) -> None:
     from dptrain.tools.report.read import read_jsonl
 
@@ -173,6 +177,7 @@ def test_read_jsonl_skips_a_half_written_line(tmp_path: Path) -> None:
     assert records == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": None, "loss_nonfinite": "nan"}] and bad == 2
 
 
+@pytest.mark.fast
 def test_cli_report_errors(tmp_path: Path, monkeypatch, capsys) -> None:
     from dptrain.cli.main import main
 
@@ -195,6 +200,7 @@ def test_cli_report_on_the_run(run_dir: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted([*(f"{n}.png" for n in FIGURES), "index.html"])
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_the_browser_check_catches_a_missing_image(run_dir: Path, tmp_path: Path) -> None:
     """Guard: the Chromium check fails a page whose image is gone (so its passing means something)."""

@@ -35,12 +35,9 @@ def ctrl_c(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground process group
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("rundirs") / "ref"
-    r = dptrain("run", *TOY, "--nproc-per-node", "2", "--out", str(out), timeout=150)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+@pytest.fixture
+def reference(slow_toy_reference: Path) -> Path:
+    return slow_toy_reference  # conftest.py: one uninterrupted run, shared with the other end-to-end tests
 
 
 # ---------------------------------------------------------------------- Ctrl-C

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from support import parity as tp
-from support.checkpoints import fit_capturing
+from support.checkpoints import assert_restored_exactly, fit_capturing
 from support.cli import refused
 from support.parity import GLOBAL, tp_case
 
@@ -42,8 +42,7 @@ def test_dp_times_tp_matches_reference(rung, accum, tmp_path):
     drift = ("diagnostics.drift_every_steps=1",) if rung == "dp2xtp2" else ()
     tp_case(rung, accum, tmp_path, *drift)
     if drift:
-        checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
-        assert [c["ok"] for c in checks if c["kind"] == "drift"] == [True] * tp.STEPS
+        tp.assert_no_drift(tmp_path)
 
 
 @pytest.mark.timeout(120)
@@ -120,6 +119,7 @@ TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
        "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}"]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("overrides", "named"), [
     (["model.kwargs.n_heads=3", "model.kwargs.dim=48"], ["model.kwargs.n_heads=3 is not divisible by parallel.tp=2"]),
@@ -142,6 +142,7 @@ def test_tp_refusals_before_launch(capsys, tmp_path, overrides, named):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_sequence_length_is_not_checked_without_sequence_parallelism(tmp_path):
     from dptrain.config.load import load_config
@@ -201,14 +202,7 @@ def test_resume_across_tp_layouts_restores_model_and_optimizer_exactly(request, 
     else:
         _capture_run(before, run, 3, "saved")
     _capture_run(after, run, 5, "loaded")
-    saved, loaded = (torch.load(run / f"{w}_3.pt", weights_only=True) for w in ("saved", "loaded"))
-    assert saved["model"].keys() == loaded["model"].keys()
-    for k in saved["model"]:
-        assert torch.equal(saved["model"][k], loaded["model"][k]), k
-    s_state, l_state = saved["optim"]["state"], loaded["optim"]["state"]
-    assert s_state.keys() == l_state.keys() and len(s_state) > 0
-    for name in s_state:
-        assert torch.equal(s_state[name]["momentum_buffer"], l_state[name]["momentum_buffer"]), name
+    assert_restored_exactly(run, 3, ("momentum_buffer",))
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sorted({s for s in steps if s}) == [1, 2, 3, 4, 5]
 
@@ -270,6 +264,7 @@ def test_hf_llama_split_by_its_own_plan_matches_reference(tmp_path):
     tp.assert_weights_close(got, hf.reference("llama"))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_hf_shapes_that_cannot_be_split_are_refused():
     transformers = pytest.importorskip("transformers")

@@ -74,3 +74,17 @@ def losses(run_dir: Path) -> list[tuple[int, str]]:
 
 def weights_sha(run_dir: Path) -> str:
     return hashlib.sha256((run_dir / "final" / "model.safetensors").read_bytes()).hexdigest()
+
+
+def assert_restored_exactly(run_dir: Path, step: int, optimizer_keys: tuple[str, ...]) -> None:
+    """The full model and optimizer state fit_capturing wrote right after saving step `step`
+    (`saved_<step>.pt`) equal, bit for bit, what it wrote right after resuming from it (`loaded_<step>.pt`)."""
+    saved, loaded = (torch.load(run_dir / f"{w}_{step}.pt", weights_only=True) for w in ("saved", "loaded"))
+    assert saved["model"].keys() == loaded["model"].keys()
+    for k in saved["model"]:
+        assert torch.equal(saved["model"][k], loaded["model"][k]), k
+    s_state, l_state = saved["optim"]["state"], loaded["optim"]["state"]
+    assert s_state.keys() == l_state.keys() and len(s_state) > 0
+    for name in s_state:
+        for key in optimizer_keys:
+            assert torch.equal(torch.as_tensor(s_state[name][key]), torch.as_tensor(l_state[name][key])), (name, key)

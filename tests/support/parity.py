@@ -168,6 +168,13 @@ def assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def assert_no_drift(run_dir: Path) -> None:
+    """diagnostics.jsonl holds a drift check for every step (diagnostics.drift_every_steps=1), each ok:
+    every replica of every shard held the same weights."""
+    checks = [json.loads(line) for line in (run_dir / "diagnostics.jsonl").read_text().splitlines()]
+    assert [c["ok"] for c in checks if c["kind"] == "drift"] == [True] * STEPS
+
+
 def ladder_case(
     strategy: str, accum: int, world_size: int, out_dir: Path, model: str = "mlp", extra: tuple[str, ...] = (),
     timeout: float = 40,

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from dptrain.cli import main as cli
+import dptrain.cli.main as cli
 from dptrain.metrics.monitor import DASHBOARD
 from dptrain.metrics.prometheus import PrometheusExporter, metric_name
 from support.diag_helpers import TP_LLAMA
@@ -181,7 +181,6 @@ def finished_run(tmp_path_factory) -> tuple[Path, Any]:
     return run, proc
 
 
-@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_tensorboard_events_equal_metrics_jsonl(finished_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -201,7 +200,6 @@ def test_tensorboard_events_equal_metrics_jsonl(finished_run):
         assert got == {s: float(np.float32(v)) for s, v in by_step.items()}, key  # TensorBoard stores float32
 
 
-@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_console_log_holds_what_rank0_printed(finished_run):
     run, proc = finished_run
@@ -219,7 +217,6 @@ def test_console_log_holds_what_rank0_printed(finished_run):
     assert any("dptrain run summary" in ln for ln in lines)  # the rich table
 
 
-@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_top_renders_finished_run(finished_run, capsys, tmp_path):
     from dptrain.cli.top import render_text

@@ -114,7 +114,6 @@ def _assert_loads(result: dict, expected: set[str]) -> None:
         assert img["complete"] and img["w"] > 100 and img["h"] > 50, (src, img)
 
 
-@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_report_of_a_finished_two_rank_run(run_dir: Path, tmp_path: Path) -> None:
     from dptrain.tools.report import build_report
@@ -132,7 +131,6 @@ def test_report_of_a_finished_two_rank_run(run_dir: Path, tmp_path: Path) -> Non
         shutil.copy(result["screenshot"], keep)
 
 
-@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_report_of_a_run_still_going(run_dir: Path, tmp_path: Path) -> None:
     """metrics.jsonl cut in the middle of a line, no summary.json, diagnostics.jsonl cut too."""
@@ -200,7 +198,6 @@ def test_cli_report_on_the_run(run_dir: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted([*(f"{n}.png" for n in FIGURES), "index.html"])
 
 
-@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_the_browser_check_catches_a_missing_image(run_dir: Path, tmp_path: Path) -> None:
     """Guard: the Chromium check fails a page whose image is gone (so its passing means something)."""

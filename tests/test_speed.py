@@ -49,7 +49,6 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.fast
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,backend", [("ddp", "inductor"), ("fsdp", "aot_eager")])
 def test_compile_matches_eager_on_two_ranks(tmp_path: Path, strategy: str, backend: str) -> None:
@@ -63,7 +62,6 @@ def test_compile_matches_eager_on_two_ranks(tmp_path: Path, strategy: str, backe
         assert _max_diff(eager, short) > 1e-3
 
 
-@pytest.mark.fast
 @pytest.mark.timeout(200)
 def test_fsdp_explicit_prefetch_gives_the_same_weights(tmp_path: Path) -> None:
     items = ["parallel.strategy=fsdp", "model.kwargs.n_layers=3"]
@@ -74,7 +72,6 @@ def test_fsdp_explicit_prefetch_gives_the_same_weights(tmp_path: Path) -> None:
     assert _max_diff(implicit, explicit) == 0.0
 
 
-@pytest.mark.fast
 @pytest.mark.timeout(300)
 def test_reshard_after_forward_to_two_of_four_ranks_gives_the_same_weights(tmp_path: Path) -> None:
     items = ["parallel.strategy=fsdp", "train.max_steps=2"]
@@ -145,7 +142,6 @@ def test_dptrain_run_exits_2_on_a_bad_profile_range(tmp_path: Path) -> None:
     assert "profile_steps='8-20' ends after train.max_steps=10" in proc.stderr
 
 
-@pytest.mark.fast
 @pytest.mark.timeout(200)
 def test_profile_writes_a_trace_per_rank_and_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _, summaries = _train(tmp_path, "prof", ["parallel.strategy=ddp", "train.max_steps=4",

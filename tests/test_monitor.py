@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-import dptrain.cli.main as cli
+from dptrain.cli.main import main as cli_main
 from dptrain.metrics.monitor import DASHBOARD
 from dptrain.metrics.prometheus import PrometheusExporter, metric_name
 from support.diag_helpers import TP_LLAMA
@@ -119,7 +119,7 @@ def test_missing_package_is_refused_before_launch(what, tmp_path, monkeypatch, c
     missing = {"tensorboard": "tensorboard", "prometheus": "prometheus_client"}[what]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
     switch = "log.tensorboard=true" if what == "tensorboard" else "log.prometheus_port=9400"
-    assert cli.main(["run", "--out", str(tmp_path / "r"), *LM, switch]) == 2
+    assert cli_main(["run", "--out", str(tmp_path / "r"), *LM, switch]) == 2
     err = capsys.readouterr().err
     assert switch in err and "dptrain[monitor]" in err and "not installed" in err
     assert not (tmp_path / "r").exists()  # refused before anything was written or launched
@@ -128,15 +128,15 @@ def test_missing_package_is_refused_before_launch(what, tmp_path, monkeypatch, c
 @pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_bad_or_busy_prometheus_port_is_refused(tmp_path, capsys):
-    assert cli.main(["run", "--out", str(tmp_path / "a"), *LM, "log.prometheus_port=70000"]) == 2
+    assert cli_main(["run", "--out", str(tmp_path / "a"), *LM, "log.prometheus_port=70000"]) == 2
     assert "log.prometheus_port=70000 is not valid" in capsys.readouterr().err
-    assert cli.main(["run", "--out", str(tmp_path / "b"), *LM, "--nproc-per-node", "2", "log.prometheus_port=65535"]) == 2
+    assert cli_main(["run", "--out", str(tmp_path / "b"), *LM, "--nproc-per-node", "2", "log.prometheus_port=65535"]) == 2
     assert "past 65535" in capsys.readouterr().err
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
-        code = cli.main(["run", "--out", str(tmp_path / "c"), *LM, "--nproc-per-node", "1",
+        code = cli_main(["run", "--out", str(tmp_path / "c"), *LM, "--nproc-per-node", "1",
                          f"log.prometheus_port={busy}", "log.prometheus_addr=127.0.0.1"])
     assert code == 2
     assert f"port {busy} on 127.0.0.1 (local rank 0) is not free" in capsys.readouterr().err
@@ -227,7 +227,7 @@ def test_top_renders_finished_run(finished_run, capsys, tmp_path):
     assert "step 6/6" in frame and f"loss {last['loss']:.4f}" in frame and "finished" in frame
     rows = [ln for ln in frame.splitlines() if HOST in ln]
     assert len(rows) == 2 and all(" done " in ln and " 6 " in ln for ln in rows), frame
-    assert cli.main(["top", str(run), "--once"]) == 0
+    assert cli_main(["top", str(run), "--once"]) == 0
     # the same directory resumed on one rank: rank 1's file of the 2-rank attempt is no longer shown
     import shutil
 
@@ -238,7 +238,7 @@ def test_top_renders_finished_run(finished_run, capsys, tmp_path):
     (resumed / "status" / "rank0.json").write_text(json.dumps(status))
     assert len([ln for ln in render_text(resumed).splitlines() if HOST in ln]) == 1
     assert "dptrain top" in capsys.readouterr().out
-    assert cli.main(["top", str(run / "nope"), "--once"]) == 2
+    assert cli_main(["top", str(run / "nope"), "--once"]) == 2
 
 
 # ---------------------------------------------------------------------------- Prometheus + Grafana

@@ -62,8 +62,12 @@ def test_cluster_is_removed_on_exit():
 
 @pytest.mark.timeout(200)
 def test_two_host_benchmark_runs():
+    """The script end to end on two of its variants (raw DDP, the reference, and one compression): each
+    variant is a two-node run of its own, and the compressions themselves are tested in test_compression."""
     r = subprocess.run([sys.executable, "benchmarks/two_host.py", "--rates", "100mbit", "--steps", "3", "--warmup", "1",
-                        "--rounds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=190,
-                       env=subprocess_env(tests=False))
+                        "--rounds", "1", "--variant", "raw-ddp=parallel.strategy=ddp",
+                        "--variant", "fp16=parallel.strategy=ddp,parallel.grad_compression=fp16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=190, env=subprocess_env(tests=False))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| 100mbit | raw-ddp |" in r.stdout and "1.00x" in r.stdout
+    assert "| 100mbit | fp16 |" in r.stdout and "powersgd" not in r.stdout

@@ -13,7 +13,8 @@ from support import ROOT, subprocess_env
 @pytest.mark.timeout(180)
 def test_overhead_benchmark_runs_and_weights_match():
     r = subprocess.run([sys.executable, "benchmarks/overhead.py", "--steps", "4", "--warmup", "1", "--dim", "32",
-                        "--layers", "1", "--seq", "32"], cwd=ROOT, capture_output=True, text=True, timeout=170)
+                        "--layers", "1", "--seq", "32"], cwd=ROOT, capture_output=True, text=True, timeout=170,
+                       env=subprocess_env(tests=False))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ratio dptrain / raw" in r.stdout
     assert "per-step losses identical: True; final weights identical: True" in r.stdout

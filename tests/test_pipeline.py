@@ -78,19 +78,27 @@ def padded_with_val(*, n: int = 64, seq_len: int = 17, vocab_size: int = 256, se
     return PaddedRows(n, seq_len, vocab_size, seed), PaddedRows(16, seq_len, vocab_size, seed + 1)
 
 
+PADDED_DATA = ["data.factory=test_pipeline:padded_with_val", "train.eval_every_steps=2", "train.eval_batches=2"]
+
+
+@pytest.fixture(scope="module")
+def padded_single_run(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The one-process run every schedule below is compared with (the same for all three): trained once."""
+    single = tp.overrides(strategy="single", world_size=1, accum=2, model="llama", global_batch=8)
+    single += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()] + PADDED_DATA
+    return tp.train(single, 1, tmp_path_factory.mktemp("pp-single") / "single")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule,stages_per_rank", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_pp2_logs_the_loss_and_val_loss_of_one_process(schedule, stages_per_rank, tmp_path):
+def test_pp2_logs_the_loss_and_val_loss_of_one_process(schedule, stages_per_rank, tmp_path, padded_single_run):
     """The loss lives on the last stage; every rank logs the global batch's loss (token mean over
     rows with different numbers of valid labels), and evaluation (the schedule's forward-only path)
     gives the single process's validation loss."""
-    data = ["data.factory=test_pipeline:padded_with_val", "train.eval_every_steps=2", "train.eval_batches=2"]
-    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule=schedule, stages_per_rank=stages_per_rank) + data
-    weights, got = tp.train(items, 2, tmp_path / "pp", timeout=120)
-    single = tp.overrides(strategy="single", world_size=1, accum=2, model="llama", global_batch=8)
-    single += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()] + data
-    want_weights, want = tp.train(single, 1, tmp_path / "single")
+    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule=schedule, stages_per_rank=stages_per_rank)
+    weights, got = tp.train(items + PADDED_DATA, 2, tmp_path / "pp", timeout=120)
+    want_weights, want = padded_single_run
     tp.assert_weights_close(weights, want_weights)  # evaluating between steps changes no gradient
     for key in ("loss", "val_loss"):
         g = [r[key] for r in got if key in r]

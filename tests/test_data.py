@@ -190,15 +190,8 @@ def test_build_stdlib_lm(corpus_dir: Path) -> None:
 
 
 def _sampler(**kw) -> GlobalBatchSampler:
-    base = dict(
-        dataset_len=100,
-        global_batch_size=12,
-        micro_batch_size=12,
-        grad_accum_steps=1,
-        dp_rank=0,
-        dp_world_size=1,
-        seed=3,
-    )
+    base = dict(dataset_len=100, global_batch_size=12, micro_batch_size=12, grad_accum_steps=1, dp_rank=0, dp_world_size=1,
+                seed=3)
     base.update(kw)
     return GlobalBatchSampler(**base)
 
@@ -351,23 +344,8 @@ class _RandDataset(_IndexDataset):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_build_dataloader_yields_sampler_batches(num_workers: int) -> None:
-    s = _sampler(
-        dataset_len=50,
-        global_batch_size=8,
-        micro_batch_size=2,
-        grad_accum_steps=2,
-        dp_rank=1,
-        dp_world_size=2,
-        start_step=3,
-    )
-    ref = _sampler(
-        dataset_len=50,
-        global_batch_size=8,
-        micro_batch_size=2,
-        grad_accum_steps=2,
-        dp_rank=1,
-        dp_world_size=2,
-    )
+    kw = dict(dataset_len=50, global_batch_size=8, micro_batch_size=2, grad_accum_steps=2, dp_rank=1, dp_world_size=2)
+    s, ref = _sampler(start_step=3, **kw), _sampler(**kw)
     dl = build_dataloader(_IndexDataset(50), sampler=s, num_workers=num_workers, pin_memory=True, seed=1)
     assert not dl.pin_memory or torch.cuda.is_available()
     it = iter(dl)

@@ -13,7 +13,7 @@ from dptrain.config.load import load_config
 from dptrain.config.pipeline import stage_layer_counts
 from support import parity as tp
 from support.cli import refused
-from support.parity import PP_LLAMA, RESUME, dcp_optimizer_state, pp_items, pp_rung
+from support.parity import PP_LLAMA, RESUME, dcp_optimizer_state, fit_items, pp_items, pp_rung
 from support.parity import records as _records
 from support.parity import resolve_items as _resolve
 
@@ -261,21 +261,15 @@ def test_resume_pipeline_checkpoint_at_dp2_and_single(tmp_path, capsys):
               f"{tp.max_abs_diff(got, full_run):.3g}")
 
 
-def _resume_rank(rank: int, items: list[str], out_dir: str, resume: str) -> dict:
-    from dptrain.train.trainer import Trainer
-
-    return Trainer(load_config(None, items), out_dir=out_dir, resume=resume).fit()
-
-
 def _resume(items: list[str], world: int, out_dir: Path, resume: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     from support.mp import run_ranks
 
     if world == 1:
-        _resume_rank(0, items, str(out_dir), str(resume))
+        fit_items(0, items, str(out_dir), str(resume))
     else:
-        run_ranks(_resume_rank, world, items, str(out_dir), str(resume), timeout=120)
+        run_ranks(fit_items, world, items, str(out_dir), str(resume), timeout=120)
     return load_file(str(out_dir / "final" / "model.safetensors"))
 
 

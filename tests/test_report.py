@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.config.load import load_config
 from support import subprocess_env
 from support.mp import run_ranks
+from support.parity import fit_items
 
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (the optional extra: pip install 'dptrain[report]')")
 
@@ -46,16 +46,10 @@ def rank1_slow_loss(model, batch):
     return model(batch)
 
 
-def _fit_rank(rank: int, out_dir: str) -> dict:
-    from dptrain.train.trainer import Trainer
-
-    return Trainer(load_config(None, ITEMS), out_dir=out_dir).fit()
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("report") / "run"
-    run_ranks(_fit_rank, 2, str(out), timeout=200)
+    run_ranks(fit_items, 2, ITEMS, str(out), timeout=200)
     # A restart record as a restarted rank 0 writes it (the previous attempt's progress files).
     from dptrain.checkpoint.attempts import ProgressFile, report_restart
 

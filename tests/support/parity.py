@@ -138,18 +138,18 @@ def overrides(
     return out
 
 
-def _fit_rank(rank: int, items: list[str], out_dir: str) -> dict[str, Any]:
-    trainer = Trainer(load_config(None, items), out_dir=out_dir)
-    return trainer.fit()
+def fit_items(rank: int, items: list[str], out_dir: str, resume: str = "auto") -> dict[str, Any]:
+    """One rank's `Trainer(load_config(None, items)).fit()` (for run_ranks); its summary."""
+    return Trainer(load_config(None, items), out_dir=out_dir, resume=resume).fit()
 
 
 def train(items: list[str], world_size: int, out_dir: Path, *, timeout: float = 40) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Run the Trainer on `world_size` ranks (in this process for world_size 1, i.e. strategy
     single); return (final weights, metrics records)."""
     if world_size == 1:
-        _fit_rank(0, items, str(out_dir))
+        fit_items(0, items, str(out_dir))
     else:
-        summaries = run_ranks(_fit_rank, world_size, items, str(out_dir), timeout=timeout)
+        summaries = run_ranks(fit_items, world_size, items, str(out_dir), timeout=timeout)
         assert all(s["steps"] == summaries[0]["steps"] for s in summaries)
     weights = load_file(str(out_dir / "final" / "model.safetensors"))
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

@@ -3,7 +3,7 @@ prefetching, and FSDP2's explicit prefetch and reshard_after_forward.
 
     python benchmarks/speed_switches.py [--suite compile|loader|fsdp|all] [--rounds 3] [--steps 25]
 
-Each variant is one 2-rank job (ranks forked from this process by tests/mp.py's harness, a real
+Each variant is one 2-rank job (ranks forked from this process by tests/support/mp.py's harness, a real
 gloo group with torchrun's environment; forking skips the re-import of torch that makes a torchrun
 job cost a minute on this loaded machine) that builds the Trainer exactly as `dptrain run` does and
 times `end_step(train_step())` per step (a barrier before each, so a step's time is the slowest
@@ -81,7 +81,7 @@ def job(rank: int, items: list[str], steps: int) -> dict:
 
 def run_job(items: list[str], steps: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from mp import run_ranks
+    from support.mp import run_ranks
 
     return run_ranks(job, 2, items, steps, timeout=900)[0]
 

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-# Make the helpers in tests/ (mp.py, test modules used as data factories such as
-# `test_parity:tiny_tokens`) importable whatever pytest's import mode or rootdir.
+# Make tests/support (the shared helpers, and the factories configs name such as
+# `support.parity:tiny_tokens`) importable whatever pytest's import mode or rootdir.
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-from mp import DIST_ENV_VARS  # noqa: E402
+from support.mp import DIST_ENV_VARS  # noqa: E402
+from support.run_helpers import SLOW_TOY, dptrain, losses  # noqa: E402
 
 # Variables a launcher sets; a test that leaves them in os.environ makes every later test
 # (and every later Trainer) believe it was started by torchrun.
@@ -46,7 +47,7 @@ def no_leaked_distributed_state():
     yield
     problems = []
     patched = [name for name, fn in _patchable().items() if name in patched_before and patched_before[name] is not fn]
-    if patched:  # a helper that wraps these (tests/test_checkpoint.py:fit_capturing) must run in a forked rank
+    if patched:  # a helper that wraps these (tests/support/checkpoints.py:fit_capturing) must run in a forked rank
         import dptrain.checkpoint.manager as manager
 
         for name in patched:
@@ -68,3 +69,15 @@ def no_leaked_distributed_state():
         problems.append("environment variables leaked: " + ", ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in changed.items()))
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def slow_toy_reference(tmp_path_factory) -> Path:
+    """One uninterrupted `dptrain run` of SLOW_TOY on 2 ranks (30 steps, a checkpoint every 5): what the
+    signal, restart and run-directory tests (test_checkpoint_e2e, test_run_dirs) must end bit-identical
+    to. Trained once per session; a test that changes a run directory works on a copy."""
+    out = tmp_path_factory.mktemp("slow-toy") / "ref"
+    r = dptrain("run", *SLOW_TOY, "--nproc-per-node", "2", "--out", str(out), timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [s for s, _ in losses(out)] == list(range(1, 31))
+    return out

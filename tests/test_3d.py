@@ -10,11 +10,13 @@ import warnings
 from pathlib import Path
 
 import pytest
-import test_parity as tp
-import test_pipeline as tpp
 import torch
 
 from dptrain.config import ConfigError
+from support import parity as tp
+from support.checkpoints import fit, fit_capturing
+from support.cli import refused
+from support.mp import in_group
 
 warnings.filterwarnings("ignore", message=".*sequential all_(reduce|gather).*")
 
@@ -22,7 +24,7 @@ warnings.filterwarnings("ignore", message=".*sequential all_(reduce|gather).*")
 def items_3d(*, strategy: str, dp: int, accum: int, schedule: str = "1f1b", grad_clip: float | None = None,
              stages_per_rank: int = 1) -> list[str]:
     """pp2 x tp2 x dp `dp`: the pipeline rungs' items (2 pipeline micro-batches) plus parallel.tp=2."""
-    items = tpp.pp_items(strategy=strategy, world_size=2 * dp, accum=accum, schedule=schedule,
+    items = tp.pp_items(strategy=strategy, world_size=2 * dp, accum=accum, schedule=schedule,
                          stages_per_rank=stages_per_rank)
     if grad_clip is not None:
         items.append(f"optim.grad_clip={grad_clip}")
@@ -30,7 +32,7 @@ def items_3d(*, strategy: str, dp: int, accum: int, schedule: str = "1f1b", grad
 
 
 def rung(items: list[str], world: int, out_dir: Path, *, grad_clip: float | None = None, timeout: float = 200) -> float:
-    return tpp.pp_rung(items, world, out_dir, timeout=timeout, grad_clip=grad_clip)
+    return tp.pp_rung(items, world, out_dir, timeout=timeout, grad_clip=grad_clip)
 
 
 # ------------------------------------------------------------------ parity
@@ -74,12 +76,11 @@ def test_dp2_pp2_tp2_matches_reference(strategy, accum, tmp_path):
     diff = rung(items, 8, tmp_path, timeout=380)
     print(f"\nPARITY dp2xpp2xtp2 {strategy} accum={accum} worst|dw|={diff:.3g}")
     if strategy == "ddp":
-        checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
-        drift = [c for c in checks if c["kind"] == "drift"]
-        assert len(drift) == tp.STEPS and all(c["ok"] for c in drift)
+        tp.assert_no_drift(tmp_path)
 
 
 # ------------------------------------------------------------------ refusals
+@pytest.mark.fast
 @pytest.mark.parametrize(("items", "named"), [
     (("parallel.loss_parallel=true",), ["loss_parallel=true is refused with pp > 1", "loss_fn"]),
     (("parallel.tp_plan=dptrain.models.toy:build_mlp",), ["tp_plan='dptrain.models.toy:build_mlp'", "pp > 1"]),
@@ -87,13 +88,14 @@ def test_dp2_pp2_tp2_matches_reference(strategy, accum, tmp_path):
 ])
 def test_3d_refusals(items, named):
     with pytest.raises(ConfigError) as err:
-        tpp._resolve("parallel.pp=2", "parallel.tp=2", *items, world_size=4)
+        tp.resolve_items("parallel.pp=2", "parallel.tp=2", *items, world_size=4)
     for n in named:
         assert n in str(err.value), (n, str(err.value))
 
 
+@pytest.mark.fast
 def test_pp2_tp2_layout_resolves():
-    res = tpp._resolve("parallel.pp=2", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=4",
+    res = tp.resolve_items("parallel.pp=2", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=4",
                        world_size=8)
     assert (res.dims.pp, res.dims.tp, res.dp_world_size) == (2, 2, 2)
 
@@ -103,8 +105,6 @@ def _materialised_state(rank: int, strategy: str, layout: dict[str, int]) -> dic
     """This rank's pp2 x tp2 stages built on meta, split over tp, (sharded,) materialised; the
     consolidated model (full_state_dict: TP shards gathered, PP stages collected) on rank 0."""
     import gc
-
-    import test_mesh
 
     from dptrain.config import ParallelConfig
     from dptrain.config.fields import ModelConfig
@@ -116,7 +116,7 @@ def _materialised_state(rank: int, strategy: str, layout: dict[str, int]) -> dic
     def body() -> dict[str, torch.Tensor]:
         dims = ParallelDims.resolve(**layout, world_size=_world(layout))
         mesh = ParallelMesh.build(dims, device_type="cpu")
-        meta, reason = build_model_meta(ModelConfig(kwargs=tpp.PP_LLAMA), seed=7)
+        meta, reason = build_model_meta(ModelConfig(kwargs=tp.PP_LLAMA), seed=7)
         assert reason is None
         cfg = ParallelConfig(strategy=strategy, pp=2, tp=2, pp_microbatches=2)
         plan = parallelize_pipeline(meta, cfg=cfg, mesh=mesh, device=torch.device("cpu"),
@@ -128,7 +128,7 @@ def _materialised_state(rank: int, strategy: str, layout: dict[str, int]) -> dic
         gc.collect()
         return full
 
-    return test_mesh._in_group(body)
+    return in_group(body)
 
 
 def _world(layout: dict[str, int]) -> int:
@@ -144,10 +144,10 @@ def _world(layout: dict[str, int]) -> int:
                                                                marks=pytest.mark.slow)])
 def test_pp2_tp2_stages_materialise_bit_identical_to_the_eager_build(strategy, layout):
     from dptrain.models.llama import build_llama
-    from mp import run_ranks
+    from support.mp import run_ranks
 
     torch.manual_seed(7)
-    eager = build_llama(**tpp.PP_LLAMA).state_dict()
+    eager = build_llama(**tp.PP_LLAMA).state_dict()
     full = run_ranks(_materialised_state, _world(layout), strategy, layout, timeout=100)[0]
     assert full.keys() == eager.keys()
     for k in eager:
@@ -167,8 +167,8 @@ CHAIN = {  # name -> (world size, strategy, data-parallel degree, extra items)
 def chain_items(name: str, steps: int) -> list[str]:
     world, strategy, dp, extra = CHAIN[name]
     items = tp.overrides(strategy=strategy, world_size=dp, accum=1, model="llama", global_batch=8)
-    items += [f"model.kwargs.{k}={v}" for k, v in tpp.PP_LLAMA.items()]
-    return [*items, *extra, *tpp.RESUME[:1], "checkpoint.every_steps=1", "train.eval_every_steps=0",
+    items += [f"model.kwargs.{k}={v}" for k, v in tp.PP_LLAMA.items()]
+    return [*items, *extra, *tp.RESUME[:1], "checkpoint.every_steps=1", "train.eval_every_steps=0",
             f"train.max_steps={steps}"]
 
 
@@ -177,7 +177,7 @@ def _checkpoint_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str
     from dptrain.checkpoint.storage import load_full_model_state, load_torch
 
     if (step_dir / "dcp").is_dir():
-        return load_full_model_state(step_dir, fmt="dcp"), tpp.dcp_optimizer_state(step_dir)
+        return load_full_model_state(step_dir, fmt="dcp"), tp.dcp_optimizer_state(step_dir)
     osd = load_torch(step_dir / "optim.pt")
     optim = {f"state.{n}.{k}": v for n, st in osd["state"].items() for k, v in st.items()
              if isinstance(v, torch.Tensor) and v.dim() > 0}
@@ -185,8 +185,6 @@ def _checkpoint_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str
 
 
 def _fit_loaded(rank: int, out: Path, items: list[str]) -> dict:
-    from test_checkpoint import fit_capturing
-
     return fit_capturing(rank, out, items, "loaded")
 
 
@@ -199,15 +197,13 @@ def test_resume_dp2_pp2_tp2_as_dp4_tp2_then_dp2_then_single(tmp_path):
     and the losses and final weights are the uninterrupted 3-D run's."""
     from safetensors.torch import load_file
 
-    from mp import run_ranks
+    from support.mp import run_ranks
 
 
     ref = tmp_path / "uninterrupted"
     want, want_records = tp.train(chain_items("dp2xpp2xtp2", tp.STEPS), 8, ref, timeout=200)
     want_losses = {r["step"]: r["loss"] for r in want_records if "loss" in r}
     run = tmp_path / "run"
-    from test_checkpoint import fit
-
     from dptrain.cli.main import main
 
     run_ranks(fit, 8, run, chain_items("dp2xpp2xtp2", 1), timeout=200)
@@ -233,7 +229,7 @@ def test_resume_dp2_pp2_tp2_as_dp4_tp2_then_dp2_then_single(tmp_path):
             assert torch.equal(got_optim[k], saved_optim[k]), (name, k)
         print(f"\nRESUME step {step - 1} -> {name}: model ({len(saved_model)} tensors) and optimizer "
               f"({len(saved_optim)} tensors) exact")
-    records = tpp._records(run)
+    records = tp.records(run)
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert sorted(s for s in (r.get("step") for r in records if "loss" in r)) == [1, 2, 3, 4]  # each step once
     assert [losses[s] for s in range(1, 5)] == pytest.approx([want_losses[s] for s in range(1, 5)], rel=1e-5)
@@ -258,7 +254,8 @@ def test_miniature_llama_7b_deepspeed_config_trains_dp2_pp2_tp2_through_the_cli(
     import math
 
     import yaml
-    from diag_helpers import dptrain
+
+    from support.run_helpers import dptrain
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps(MINI_DS))
@@ -278,9 +275,8 @@ def test_miniature_llama_7b_deepspeed_config_trains_dp2_pp2_tp2_through_the_cli(
     assert losses[-1][1] < losses[0][1]
 
 
+@pytest.mark.fast
 def test_loss_parallel_under_pp_times_tp_exits_2_before_launch(capsys, tmp_path):
-    from test_bad_input import refused
-
     refused(capsys, ["run", "--nproc-per-node", "4", "parallel.pp=2", "parallel.tp=2", "parallel.loss_parallel=true",
                      "log.progress=false", "--out", str(tmp_path / "r")], "loss_parallel=true is refused with pp > 1")
     assert not (tmp_path / "r").exists()

@@ -18,27 +18,17 @@ from dptrain.cli.main import main
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config, load_yaml, parse_override, resolve_scalar
 from dptrain.config.resolve import _torch_build_has_gpu
+from support import ROOT, subprocess_env
+from support.cli import refused
 
-ROOT = Path(__file__).resolve().parents[1]
 TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
        "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
        "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_every_steps=0", "log.progress=false"]
 ONE = ["--nproc-per-node", "1", "parallel.strategy=single"]
 
 
-def refused(capsys: pytest.CaptureFixture[str], argv: list[str], *named: str) -> str:
-    """Run `dptrain argv` in this process; assert exit 2, no traceback, and every `named` text in the message."""
-    rc = main(argv)
-    out = capsys.readouterr()
-    text = out.out + out.err
-    assert rc == 2, f"exit {rc} for {argv}:\n{text}"
-    assert "Traceback" not in text, text
-    for n in named:
-        assert n in text, f"{n!r} not in the message for {argv}:\n{text}"
-    return text
-
-
 # ------------------------------------------------------------------ numeric ranges and finiteness
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("override", "named"), [
     ("optim.lr=inf", "optim.lr=inf is not valid; it must be a finite number > 0"),
@@ -75,6 +65,7 @@ def test_numeric_fields_out_of_range_or_not_finite(capsys, tmp_path, override, n
 
 
 # ------------------------------------------------------------------ parsing (YAML 1.2 scalars)
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("override", "named"), [
     ("launch.nnodes=1:2", "launch.nnodes='1:2'"),  # YAML 1.1 would read 62
@@ -86,6 +77,7 @@ def test_values_parsed_as_yaml_1_2_then_refused_by_their_field(capsys, tmp_path,
     refused(capsys, ["run", "--out", str(tmp_path / "r"), override], named)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("text", "value"), [
     ("1:2", "1:2"), ("no", "no"), ("off", "off"), ("yes", "yes"), ("On", "On"), ("y", "y"),
@@ -99,6 +91,7 @@ def test_yaml_1_2_core_scalars(text, value):
         assert load_yaml(f"k: {text}") == {"k": value}
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_yaml_1_2_in_files_and_overrides_keeps_collections():
     assert load_yaml("a: [0.9, 0.95]\nb: {x: 1:2}\nc: 'yes'\n") == {"a": [0.9, 0.95], "b": {"x": "1:2"}, "c": "yes"}
@@ -111,6 +104,7 @@ def isnan(x: object) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_overrides_and_options_in_any_order(capsys, tmp_path):
     cfg = tmp_path / "r.yaml"
@@ -131,6 +125,7 @@ def test_overrides_and_options_in_any_order(capsys, tmp_path):
 
 
 # ------------------------------------------------------------------ rendezvous endpoints
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("overrides", "named"), [
     (["launch.nnodes=2"], "launch.nnodes=2 needs launch.rdzv_endpoint=host:port"),
@@ -145,6 +140,7 @@ def test_endpoints_are_parsed(capsys, tmp_path, overrides, named):
 
 
 # ------------------------------------------------------------------ config files
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["non-utf8", "directory", "missing", "unreadable", "not-a-mapping"])
 def test_bad_config_files(capsys, monkeypatch, tmp_path, kind):
@@ -171,6 +167,7 @@ def test_bad_config_files(capsys, monkeypatch, tmp_path, kind):
 
 
 # ------------------------------------------------------------------ run and checkpoint directories
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("where", "named"), [
     ("out-is-file", "--out="), ("out-under-file", "is a file, not a directory"),
@@ -199,40 +196,37 @@ def test_run_and_checkpoint_directories(capsys, monkeypatch, tmp_path, where, na
 
 
 # ------------------------------------------------------------------ factories
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("overrides", "named"), [
     (["model.kwargs.bogus=1"], ["model.factory='dptrain.models.toy:build_mlp'", "'bogus'", "in_dim, hidden, out_dim, depth"]),
-    (["model.factory=bad_factories:needs_width", "model.kwargs={}"],
-     ["model.factory='bad_factories:needs_width'", "'width'", "its parameters: width, depth"]),
+    (["model.factory=support.bad_factories:needs_width", "model.kwargs={}"],
+     ["model.factory='support.bad_factories:needs_width'", "'width'", "its parameters: width, depth"]),
     (["data.kwargs.rows=4"], ["data.factory='dptrain.models.toy:build_regression_data'", "'rows'"]),
-    (["model.factory=bad_factories:returns_dict", "model.kwargs={}"],
-     ["model.factory='bad_factories:returns_dict' returned dict, not a torch.nn.Module"]),
+    (["model.factory=support.bad_factories:returns_dict", "model.kwargs={}"],
+     ["model.factory='support.bad_factories:returns_dict' returned dict, not a torch.nn.Module"]),
 ])
 def test_factory_kwargs_and_return_checked_before_launch(capsys, tmp_path, overrides, named):
     refused(capsys, ["run", *TOY, *ONE, *overrides, "--out", str(tmp_path / "r")], *named)
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_builtin_lm_seq_len_longer_than_context(capsys, tmp_path):
     refused(capsys, ["run", "data.kwargs.seq_len=256", "model.kwargs.max_seq_len=128", "--out", str(tmp_path / "r")],
             "data.kwargs.seq_len=256", "model.kwargs.max_seq_len=128")
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path}
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("factory", "user_line", "error"), [
-    ("model.factory=bad_factories:raising_model", 'raise ValueError(f"user bug', "ValueError: user bug: cannot build 4 layers"),
-    ("data.factory=bad_factories:raising_data", "raise FileNotFoundError", "FileNotFoundError: user data file for n=8"),
+    ("model.factory=support.bad_factories:raising_model", 'raise ValueError(f"user bug', "ValueError: user bug: cannot build 4 layers"),
+    ("data.factory=support.bad_factories:raising_data", "raise FileNotFoundError", "FileNotFoundError: user data file for n=8"),
 ])
 def test_factory_that_raises_shows_one_copy_of_the_users_traceback(tmp_path, factory, user_line, error):
     kwargs = "model.kwargs={}" if factory.startswith("model") else "data.kwargs={}"
     r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, factory, kwargs, "--nproc-per-node", "2",
-                        "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=150, env=_env(), cwd=ROOT)
+                        "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=150, env=subprocess_env(), cwd=ROOT)
     text = r.stdout + r.stderr
     assert r.returncode == 2, text
     head = text.strip().splitlines()[0]
@@ -244,6 +238,7 @@ def test_factory_that_raises_shows_one_copy_of_the_users_traceback(tmp_path, fac
 
 
 # ------------------------------------------------------------------ generate, ckpt, launch, doctor
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "named"), [
     (["--max-new-tokens", "-5"], "--max-new-tokens=-5"),
@@ -278,6 +273,7 @@ def test_generate_on_a_run_that_is_not_a_language_model(capsys, mlp_run):
     refused(capsys, ["generate", str(mlp_run)], "model.safetensors", "does not fit")
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("argv", "named"), [
     (["ckpt", "export", "RUN", "--out", "DIR"], "is a directory"),
@@ -290,6 +286,7 @@ def test_ckpt_launch_and_doctor_arguments(capsys, tmp_path, argv, named):
     refused(capsys, argv, named)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_launch_leaves_the_scripts_own_arguments_alone():
     from dptrain.cli.main import _check_nproc_option
@@ -331,11 +328,12 @@ def test_fast_commands_import_no_torch_or_no_distributed_stack(tmp_path, argv, h
     (tmp_path / "config.yaml").write_text("train: {}\n")
     argv = [a.replace("RUN", str(tmp_path)) for a in argv]
     r = subprocess.run([sys.executable, "-c", FAST.format(argv=argv, heavy=heavy)], capture_output=True,
-                       text=True, timeout=100, env=_env(), cwd=tmp_path)
+                       text=True, timeout=100, env=subprocess_env(), cwd=tmp_path)
     assert f"RESULT {rc} []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 # ------------------------------------------------------------------ strict JSON
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_strict_json_replaces_non_finite_numbers_with_null_and_a_flag():
     from dptrain.metrics import strict_json
@@ -354,10 +352,10 @@ def _reject(name: str) -> None:
 @pytest.mark.timeout(240)
 def test_every_json_file_of_a_run_with_a_nan_loss_parses_strictly(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, *ONE, "train.loss=bad_factories:nan_loss",
+    r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, *ONE, "train.loss=support.bad_factories:nan_loss",
                         "train.max_steps=4", "train.log_every_steps=1", "checkpoint.every_steps=2",
                         "optim.grad_clip=null", "--out", str(out)],
-                       capture_output=True, text=True, timeout=200, env=_env(), cwd=ROOT)
+                       capture_output=True, text=True, timeout=200, env=subprocess_env(), cwd=ROOT)
     files = [p for p in out.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl")]
     assert any(p.name == "metrics.jsonl" for p in files), r.stdout[-2000:] + r.stderr[-3000:]
     assert any(p.name == "summary.json" for p in files), r.stdout[-2000:] + r.stderr[-3000:]
@@ -370,6 +368,7 @@ def test_every_json_file_of_a_run_with_a_nan_loss_parses_strictly(tmp_path):
 
 
 # ------------------------------------------------------------------ generate: no silent waits
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_generate_reports_progress_and_slides_past_the_context(monkeypatch):
     import io

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT, subprocess_env
 
 
 @pytest.mark.timeout(180)
 def test_overhead_benchmark_runs_and_weights_match():
     r = subprocess.run([sys.executable, "benchmarks/overhead.py", "--steps", "4", "--warmup", "1", "--dim", "32",
-                        "--layers", "1", "--seq", "32"], cwd=ROOT, capture_output=True, text=True, timeout=170)
+                        "--layers", "1", "--seq", "32"], cwd=ROOT, capture_output=True, text=True, timeout=170,
+                       env=subprocess_env(tests=False))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ratio dptrain / raw" in r.stdout
     assert "per-step losses identical: True; final weights identical: True" in r.stdout
@@ -23,7 +22,7 @@ def test_overhead_benchmark_runs_and_weights_match():
 
 @pytest.mark.timeout(180)
 def test_diagnostics_overhead_benchmark_runs():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = subprocess_env(tests=False)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "benchmarks/diagnostics_overhead.py", "--rounds", "2"], cwd=ROOT, capture_output=True,
                        text=True, timeout=170, env=env)
@@ -32,7 +31,7 @@ def test_diagnostics_overhead_benchmark_runs():
 
 @pytest.mark.timeout(240)
 def test_meta_init_memory_benchmark_runs_and_weights_match():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = subprocess_env(tests=False)
     r = subprocess.run([sys.executable, "benchmarks/meta_init_memory.py", "--vocab", "64", "--dim", "32",
                         "--layers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=230, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -42,7 +41,7 @@ def test_meta_init_memory_benchmark_runs_and_weights_match():
 
 @pytest.mark.timeout(180)
 def test_tp_comm_benchmark_matches_theory():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = subprocess_env(tests=False)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "benchmarks/tp_comm.py", "--dim", "32", "--seq", "16", "--batch", "2"], cwd=ROOT,
                        capture_output=True, text=True, timeout=170, env=env)
@@ -52,7 +51,7 @@ def test_tp_comm_benchmark_matches_theory():
 
 @pytest.mark.timeout(240)
 def test_pipeline_bubble_benchmark_runs():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = subprocess_env(tests=False)
     r = subprocess.run([sys.executable, "benchmarks/pipeline_bubble.py", "--steps", "1", "--warmup", "1", "--dim", "32", "--layers", "2",
                         "--seq", "16", "--microbatches", "2,4"], cwd=ROOT, capture_output=True, text=True,
                        timeout=230, env=env)

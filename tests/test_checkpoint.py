@@ -5,7 +5,6 @@ Per-step losses are compared as float.hex and final weights by SHA-256: resume m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -16,69 +15,15 @@ import pytest
 import torch
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.config.load import load_config
-from dptrain.train.trainer import Trainer
-from mp import RankError, run_ranks
-
-TOY = [
-    "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
-    "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
-    "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every_steps=1", "train.eval_every_steps=0",
-    "optim.warmup_steps=2", "log.progress=false", "checkpoint.keep_last=null",
-]
-
-
-def fit(rank: int, out: Path, overrides: list[str], resume: str = "auto", trust: bool = False) -> dict:
-    strategy = [] if any(o.startswith("parallel.strategy") for o in overrides) else ["parallel.strategy=ddp"]
-    cfg = load_config(None, [*TOY, *strategy, *overrides])
-    return Trainer(cfg, out_dir=out, resume=resume, trust_checkpoint=trust).fit()
-
-
-def fit_dying_at_commit(rank: int, out: Path, overrides: list[str], step: int) -> dict:
-    """Rank 0 dies (os._exit, no cleanup) after the data files of `step` are written, before its marker."""
-    real = mf.commit
-
-    def commit(ckpt_dir: Path, *, manifest_sha256: str) -> None:
-        if mf.step_of(ckpt_dir) == step:
-            os._exit(9)
-        real(ckpt_dir, manifest_sha256=manifest_sha256)
-
-    mf.commit = commit
-    return fit(rank, out, overrides)
-
-
-def fit_capturing(rank: int, out: Path, overrides: list[str], what: str) -> dict:
-    """fit(), writing the full model+optimizer state right after each save (`saved`) or after the resume
-    (`loaded`) to out/<what>_<step>.pt, as seen through get_state_dict(full_state_dict=True)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    from dptrain.checkpoint.manager import CheckpointManager
-
-    def capture(state) -> None:  # the CheckpointState the Trainer hands to the manager
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        msd, osd = get_state_dict(state.model_parts[0].module, state.optimizers[0].optimizer, options=opts)
-        if rank == 0:
-            torch.save({"model": msd, "optim": osd}, out / f"{what}_{state.train.step}.pt")
-
-    name = "save" if what == "saved" else "maybe_resume"
-    real = getattr(CheckpointManager, name)
-
-    def wrapped(self, state, **kwargs):
-        result = real(self, state, **kwargs)
-        capture(state)
-        return result
-
-    setattr(CheckpointManager, name, wrapped)
-    return fit(rank, out, overrides)
-
-
-def losses(run_dir: Path) -> list[tuple[int, str]]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], float.hex(r["loss"])) for r in recs if "loss" in r]
-
-
-def weights_sha(run_dir: Path) -> str:
-    return hashlib.sha256((run_dir / "final" / "model.safetensors").read_bytes()).hexdigest()
+from support.checkpoints import (
+    assert_restored_exactly,
+    fit,
+    fit_capturing,
+    fit_dying_at_commit,
+    losses,
+    weights_sha,
+)
+from support.mp import RankError, run_ranks
 
 
 @pytest.mark.timeout(90)
@@ -180,15 +125,7 @@ def test_world_size_change_restores_model_and_optimizer_exactly(tmp_path, strate
     over = [f"parallel.strategy={strategy}", "checkpoint.every_steps=3"]
     run_ranks(fit_capturing, before, run, ["train.max_steps=3", *over], "saved")
     run_ranks(fit_capturing, after, run, ["train.max_steps=5", *over], "loaded")
-    saved, loaded = (torch.load(run / f"{w}_3.pt", weights_only=True) for w in ("saved", "loaded"))
-    assert saved["model"].keys() == loaded["model"].keys()
-    for k in saved["model"]:
-        assert torch.equal(saved["model"][k], loaded["model"][k]), k
-    s_state, l_state = saved["optim"]["state"], loaded["optim"]["state"]
-    assert s_state.keys() == l_state.keys() and len(s_state) > 0
-    for name in s_state:
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(torch.as_tensor(s_state[name][key]), torch.as_tensor(l_state[name][key])), (name, key)
+    assert_restored_exactly(run, 3, ("exp_avg", "exp_avg_sq", "step"))
     assert [s for s, _ in losses(run)] == [1, 2, 3, 4, 5]  # continues at the next global step
     meta = json.loads((run / "checkpoints" / "step_000005" / "manifest.json").read_text())["meta"]
     assert meta["world_size"] == after and meta["global_batch_size"] == 8 and meta["sampler"]["step"] == 5

@@ -9,89 +9,28 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from run_helpers import TOY_RUN, subprocess_env
 from safetensors.torch import load_file
 
 from dptrain.checkpoint import manifest as mf
-
-ROOT = Path(__file__).resolve().parents[1]
-TOY = [*TOY_RUN, "train.loss=slow_loss:slow_loss", "train.max_steps=30", "checkpoint.every_steps=5"]
-
-
-def dptrain(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dptrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env(), cwd=ROOT)
-
-
-def start(out: Path, *overrides: str, flags: tuple[str, ...] = ()) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dptrain", "run", *TOY, *overrides, "--nproc-per-node", "2",
-                             "--out", str(out), *flags],
-                            env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+from support.run_helpers import (
+    dptrain,
+    logged_steps,
+    losses,
+    start,
+    wait_for_step,
+    wait_training_again,
+    weights,
+    worker,
+)
 
 
-def logged_steps(out: Path) -> list[int]:
-    try:
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line)["step"] for line in lines if '"loss"' in line and line.endswith("}")]
-
-
-def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while max(logged_steps(out), default=0) < step:
-        assert proc.poll() is None, f"run ended before step {step}: {proc.communicate()[0][-3000:]}"
-        assert time.monotonic() < deadline, f"step {step} not reached in {timeout}s"
-        time.sleep(0.005)
-
-
-def worker(proc: subprocess.Popen, rank: int) -> psutil.Process:
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            if "dptrain.launch.worker" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
-                return child
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no worker process of rank {rank}")
-
-
-def wait_training_again(proc: subprocess.Popen, out: Path, *, attempt: int, timeout: float = 60) -> None:
-    """Until every rank of restart `attempt` has finished a step."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "the worker group did not train again"
-        try:
-            recs = [json.loads(p.read_text()) for p in (out / "attempts").glob("rank*.json")]
-        except ValueError:
-            recs = []
-        if len(recs) == 2 and all(r["attempt"] == attempt and r["step"] is not None for r in recs):
-            return
-        time.sleep(0.005)
-
-
-def losses(out: Path) -> list[tuple[int, str]]:
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], float.hex(r["loss"])) for r in recs if "loss" in r]
-
-
-def weights(out: Path) -> bytes:
-    return (out / "final" / "model.safetensors").read_bytes()
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt-e2e") / "ref"
-    proc = start(out)
-    assert proc.wait(timeout=120) == 0, proc.communicate()[0][-3000:]
-    assert [s for s, _ in losses(out)] == list(range(1, 31))
-    return out
+@pytest.fixture
+def reference(slow_toy_reference: Path) -> Path:
+    return slow_toy_reference  # conftest.py: one uninterrupted run, shared with the other end-to-end tests
 
 
 @pytest.mark.timeout(150)

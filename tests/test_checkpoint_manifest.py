@@ -20,6 +20,8 @@ from dptrain.checkpoint.rng import get_rng_state, set_rng_state
 from dptrain.checkpoint.safe_dcp import load_metadata
 from dptrain.checkpoint.storage import load_torch, save_torch
 
+pytestmark = pytest.mark.fast
+
 
 def make_ckpt(root: Path, step: int, *, commit: bool = True, files: dict[str, bytes] | None = None) -> Path:
     d = root / mf.step_dir_name(step)

@@ -36,6 +36,7 @@ def test_accumulation_is_rederived_for_a_new_world_size(tmp_path):
     assert (cfg.train.global_batch_size, cfg.train.grad_accum_steps) == (32, None)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("override,message", [
     ("precision.dtype=fp8", "precision.dtype='fp8' is not valid"),
     ("optim.lr_scaling=cubic", "optim.lr_scaling='cubic' is not valid"),
@@ -50,6 +51,7 @@ def test_a_real_config_error_surfaces_as_itself(tmp_path, override, message):
     assert "global batch" not in str(info.value), "the error must not be blamed on the checkpoint's batch"
 
 
+@pytest.mark.fast
 def test_dptrain_run_exits_2_with_the_message(tmp_path, capsys):
     _fake_checkpoint(tmp_path)
     assert main(["run", "--out", str(tmp_path), "precision.dtype=fp8", "parallel.device=cpu"]) == 2

@@ -3,28 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
+from support.cli import refused
+from support.run_helpers import dptrain
+
 TINY = [
     "model.kwargs.dim=32", "model.kwargs.n_layers=2", "model.kwargs.n_heads=2", "model.kwargs.max_seq_len=32",
     "data.kwargs.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
     "train.log_every_steps=2", "train.eval_every_steps=4", "train.eval_batches=2",
 ]
-
-
-def dptrain(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "dptrain", *args], capture_output=True, text=True, timeout=timeout, env=full_env,
-        cwd=ROOT,
-    )
 
 
 @pytest.mark.timeout(240)
@@ -89,19 +80,17 @@ def test_inconsistent_batch_is_refused_before_any_process_starts(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.timeout(240)  # five CLI processes; each imports torch (slow on a loaded machine)
-def test_bad_input_errors_exit_2_and_name_the_value(tmp_path):
-    r = dptrain("run", "train.max_step=5", "--out", str(tmp_path / "x"))
-    assert r.returncode == 2 and "train.max_step" in r.stderr and "max_steps" in r.stderr
-    r = dptrain("run", "parallel.strategy=dp", "--out", str(tmp_path / "x"))
-    assert r.returncode == 2 and "CUDA" in r.stderr and "ddp" in r.stderr
-    r = dptrain("run", str(tmp_path / "missing.yaml"))
-    assert r.returncode == 2 and "missing.yaml" in r.stderr
-    r = dptrain("run", "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs.n=10",
-                "model.factory=dptrain.models.toy:build_mlp", "--out", str(tmp_path / "x"))
-    assert r.returncode == 2 and "10" in r.stderr and "32" in r.stderr
-    r = dptrain("run", "model.factory=nosuch.module:fn", "--out", str(tmp_path / "x"))
-    assert r.returncode == 2 and "nosuch.module" in r.stderr
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_bad_input_errors_exit_2_and_name_the_value(tmp_path, capsys):
+    """In this process (the exit code's way out of `python -m dptrain` is the subprocess test above)."""
+    x = str(tmp_path / "x")
+    refused(capsys, ["run", "train.max_step=5", "--out", x], "train.max_step", "max_steps")
+    refused(capsys, ["run", "parallel.strategy=dp", "--out", x], "CUDA", "ddp")
+    refused(capsys, ["run", str(tmp_path / "missing.yaml")], "missing.yaml")
+    refused(capsys, ["run", "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs.n=10",
+                     "model.factory=dptrain.models.toy:build_mlp", "--out", x], "10", "32")
+    refused(capsys, ["run", "model.factory=nosuch.module:fn", "--out", x], "nosuch.module")
 
 
 @pytest.mark.timeout(60)
@@ -132,6 +121,7 @@ def test_docs_config_reference_matches_the_code():
     )
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_launch_fills_in_only_the_torchrun_defaults_the_user_left_out():
     from dptrain.launch.torchrun import user_script_args
@@ -145,6 +135,7 @@ def test_launch_fills_in_only_the_torchrun_defaults_the_user_left_out():
     assert user_script_args(given, default_nproc=4) == ["--nproc-per-node", "4", *given]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_launch_reads_restarts_only_from_torchrun_options_before_the_script():
     from dptrain.cli.main import _wants_restarts
@@ -156,6 +147,7 @@ def test_launch_reads_restarts_only_from_torchrun_options_before_the_script():
     assert not _wants_restarts(["--max-restarts", "0", "train.py"])
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_launch_checks_nproc_only_before_the_script_told_apart_by_torchruns_parser():
     from dptrain.cli.main import _check_nproc_option
@@ -205,10 +197,9 @@ def test_launch_failure_keeps_torchruns_root_cause_report(tmp_path):
 @pytest.mark.timeout(240)
 def test_run_failure_report_names_the_raising_rank_and_its_traceback(tmp_path):
     """dptrain's own worker runs under `record`: the report's root cause is the rank that raised, with its traceback."""
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     r = dptrain("run", "model.factory=dptrain.models.toy:build_mlp", "data.factory=dptrain.models.toy:build_regression_data",
-                "train.loss=bad_factories:fails_on_rank_1", "train.max_steps=3", "--nproc-per-node", "2",
-                "--out", str(tmp_path / "run"), env={"PYTHONPATH": path})
+                "train.loss=support.bad_factories:fails_on_rank_1", "train.max_steps=3", "--nproc-per-node", "2",
+                "--out", str(tmp_path / "run"))
     assert r.returncode == 1, r.stderr[-3000:]
     root = r.stderr[r.stderr.index("Root Cause (first observed failure):"):]
     assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1" in root
@@ -216,6 +207,7 @@ def test_run_failure_report_names_the_raising_rank_and_its_traceback(tmp_path):
     assert "dptrain: worker(s) failed:" in r.stderr
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_launch_runs_plain_scripts_under_record_and_leaves_other_commands_alone():
     from dptrain.launch.torchrun import record_failures

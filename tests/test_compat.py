@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import ROOT, subprocess_env
 
 from dptrain.config import Config
 from dptrain.config.load import load_config
+from support.run_helpers import ROOT, subprocess_env
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pre_layout"
 

@@ -20,9 +20,9 @@ from dptrain.config.compression import fsdp_reduce_dtype
 from dptrain.config.load import load_config
 from dptrain.parallel import onebit
 from dptrain.parallel.comm_hooks import _compressed_pieces, build_comm_hook
-from mp import run_ranks
+from support import ROOT
+from support.mp import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 TOY = [
     "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
     "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
@@ -59,6 +59,7 @@ def ref_onebit_step(grads: list[list[list[float]]], errors: list[list[list[float
             for t in range(len(decoded[0]))]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_sign_packing_matches_the_reference_and_round_trips():
     g = torch.Generator().manual_seed(0)
@@ -71,6 +72,7 @@ def test_sign_packing_matches_the_reference_and_round_trips():
     assert onebit.pack_signs(torch.tensor([True, False, False, False, False, False, False, True, True])).tolist() == [129, 128]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_encode_decode_and_error_feedback_match_the_reference():
     g = torch.Generator().manual_seed(1)
@@ -146,6 +148,7 @@ def test_onebit_hook_on_two_gloo_ranks_matches_the_reference_with_error_feedback
                             sum(abs(x) for e in errors[r] for x in e), rel_tol=1e-4)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_powersgd_pieces_follow_torchs_memory_layout():
     # torch's hook: matrices worth compressing, grouped by (rows, cols) in order of first appearance
@@ -157,6 +160,7 @@ def test_powersgd_pieces_follow_torchs_memory_layout():
 
 
 # ------------------------------------------------------------------ refusals before launch
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("overrides", "world", "message"), [
     (["parallel.grad_compression=bf16"], 2, "needs the nccl backend"),
@@ -182,6 +186,7 @@ def test_refusals_name_the_value_and_the_reason(overrides, world, message):
     assert message in str(err.value)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_fp16_and_bf16_under_fsdp2_are_the_reduce_dtype_without_a_hook():
     cfg = load_config(None, ["parallel.strategy=fsdp", "parallel.grad_compression=bf16"])

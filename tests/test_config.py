@@ -44,7 +44,7 @@ from dptrain.config.load import (
     parse_override,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.fast]
 
 
 def _train(g: int | None, m: int | None, a: int | None) -> TrainConfig:

@@ -29,6 +29,7 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_stdlib_corpus(cache_dir=str(tmp_path_factory.mktemp("cache")))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_corpus_builds_with_meta(corpus_dir: Path) -> None:
     meta = json.loads((corpus_dir / "meta.json").read_text())
@@ -41,6 +42,7 @@ def test_corpus_builds_with_meta(corpus_dir: Path) -> None:
     assert not list(corpus_dir.glob("*.tmp")), "temp files left behind"
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_corpus_deterministic(corpus_dir: Path, tmp_path: Path) -> None:
     other = prepare_stdlib_corpus(cache_dir=str(tmp_path))
@@ -76,6 +78,7 @@ def test_corpus_split_disjoint_by_file(corpus_dir: Path) -> None:
             assert data not in train_bytes
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_corpus_cached_second_call_fast(corpus_dir: Path) -> None:
     before = (corpus_dir / "train.bin").stat().st_mtime_ns
@@ -86,6 +89,7 @@ def test_corpus_cached_second_call_fast(corpus_dir: Path) -> None:
     assert (corpus_dir / "train.bin").stat().st_mtime_ns == before  # not rebuilt
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_corpus_rebuilds_damaged_cache(tmp_path: Path) -> None:
     d = prepare_stdlib_corpus(cache_dir=str(tmp_path))
@@ -125,6 +129,7 @@ def test_corpus_concurrent_prepare(corpus_dir: Path, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ TokenChunks
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_token_chunks_items(corpus_dir: Path) -> None:
     seq = 64
@@ -147,6 +152,7 @@ def test_token_chunks_items(corpus_dir: Path) -> None:
         ds[len(ds)]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_token_chunks_pickles_lazily(corpus_dir: Path) -> None:
     ds = TokenChunks(corpus_dir / "val.bin", 32)
@@ -160,6 +166,7 @@ def test_token_chunks_pickles_lazily(corpus_dir: Path) -> None:
     assert torch.equal(clone[3], first)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_token_chunks_tiny_file(tmp_path: Path) -> None:
     p = tmp_path / "t.bin"
@@ -183,19 +190,13 @@ def test_build_stdlib_lm(corpus_dir: Path) -> None:
 
 
 def _sampler(**kw) -> GlobalBatchSampler:
-    base = dict(
-        dataset_len=100,
-        global_batch_size=12,
-        micro_batch_size=12,
-        grad_accum_steps=1,
-        dp_rank=0,
-        dp_world_size=1,
-        seed=3,
-    )
+    base = dict(dataset_len=100, global_batch_size=12, micro_batch_size=12, grad_accum_steps=1, dp_rank=0, dp_world_size=1,
+                seed=3)
     base.update(kw)
     return GlobalBatchSampler(**base)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("accum", [1, 2])
@@ -223,6 +224,7 @@ def test_sampler_world_size_invariant(world: int, accum: int) -> None:
         assert sorted(union) == sorted(ref.micro_batches(step)[0])
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_sampler_iter_matches_micro_batches() -> None:
     s = _sampler(global_batch_size=12, micro_batch_size=3, grad_accum_steps=2, dp_rank=1, dp_world_size=2)
@@ -231,6 +233,7 @@ def test_sampler_iter_matches_micro_batches() -> None:
         assert [next(it) for _ in range(2)] == s.micro_batches(step)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_sampler_epochs_reshuffle_without_repeats() -> None:
     s = _sampler(dataset_len=100, global_batch_size=10, micro_batch_size=10)
@@ -253,6 +256,7 @@ def test_sampler_epochs_reshuffle_without_repeats() -> None:
     assert s3.global_batch_indices(3) == list(range(10, 20))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_sampler_resume_equals_skip() -> None:
     kw = dict(global_batch_size=12, micro_batch_size=2, grad_accum_steps=3, dp_rank=1, dp_world_size=2)
@@ -267,6 +271,7 @@ def test_sampler_resume_equals_skip() -> None:
     assert next(iter(s)) == _sampler(start_step=7, **kw).micro_batches(7)[0]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_sampler_state_dict_across_world_sizes() -> None:
     g = 12
@@ -305,6 +310,7 @@ def test_sampler_state_dict_across_world_sizes() -> None:
         _sampler(global_batch_size=6, micro_batch_size=6).load_state_dict(sd)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_sampler_errors() -> None:
     with pytest.raises(ValueError, match=r"dataset has 10 samples, fewer than one global batch of 16"):
@@ -334,26 +340,12 @@ class _RandDataset(_IndexDataset):
         return torch.rand(())
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_build_dataloader_yields_sampler_batches(num_workers: int) -> None:
-    s = _sampler(
-        dataset_len=50,
-        global_batch_size=8,
-        micro_batch_size=2,
-        grad_accum_steps=2,
-        dp_rank=1,
-        dp_world_size=2,
-        start_step=3,
-    )
-    ref = _sampler(
-        dataset_len=50,
-        global_batch_size=8,
-        micro_batch_size=2,
-        grad_accum_steps=2,
-        dp_rank=1,
-        dp_world_size=2,
-    )
+    kw = dict(dataset_len=50, global_batch_size=8, micro_batch_size=2, grad_accum_steps=2, dp_rank=1, dp_world_size=2)
+    s, ref = _sampler(start_step=3, **kw), _sampler(**kw)
     dl = build_dataloader(_IndexDataset(50), sampler=s, num_workers=num_workers, pin_memory=True, seed=1)
     assert not dl.pin_memory or torch.cuda.is_available()
     it = iter(dl)
@@ -363,6 +355,7 @@ def test_build_dataloader_yields_sampler_batches(num_workers: int) -> None:
     del it
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_build_dataloader_worker_seeding_deterministic() -> None:
     def draw(seed: int) -> list[float]:
@@ -374,6 +367,7 @@ def test_build_dataloader_worker_seeding_deterministic() -> None:
     assert a == b and a != c
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_split_train_val() -> None:
     tr, va = _IndexDataset(3), _IndexDataset(2)

@@ -14,8 +14,7 @@ import pytest
 from dptrain.config import ConfigError, resolve
 from dptrain.config.deepspeed import from_deepspeed, translate_deepspeed
 from dptrain.config.load import build_config, load_config
-
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
 
 
 def _batch(ds: dict[str, Any], world: int) -> tuple[int, int, int]:
@@ -23,6 +22,7 @@ def _batch(ds: dict[str, Any], world: int) -> tuple[int, int, int]:
     return r.global_batch_size, r.micro_batch_size, r.grad_accum_steps
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("ds", "world", "expected"),
     [
@@ -40,11 +40,13 @@ def test_batch_derived_by_deepspeeds_rules(ds, world, expected) -> None:
     assert _batch(ds, world) == expected
 
 
+@pytest.mark.fast
 def test_batch_not_divisible_is_refused_with_alternatives() -> None:
     with pytest.raises(ConfigError, match=r"1024 is not divisible by grad_accum_steps \* dp world size = 8 \* 256"):
         _batch({"train_batch_size": 1024, "gradient_accumulation_steps": 8}, 256)
 
 
+@pytest.mark.fast
 def test_native_batch_fields_derive_too() -> None:
     """Leave any one out and it is derived; the built-in 32/8 applies only when none is given (docs: batch sizes)."""
     r = resolve(load_config(None, ["train.micro_batch_size=1", "train.grad_accum_steps=1"]), world_size=2,
@@ -54,6 +56,7 @@ def test_native_batch_fields_derive_too() -> None:
     assert (r.global_batch_size, r.micro_batch_size, r.grad_accum_steps) == (32, 8, 2)
 
 
+@pytest.mark.fast
 def test_missing_keys_take_deepspeeds_defaults_and_are_listed() -> None:
     m = translate_deepspeed({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "fp16": {"enabled": True}})
     cfg = build_config(m.config)
@@ -69,6 +72,7 @@ def test_missing_keys_take_deepspeeds_defaults_and_are_listed() -> None:
     assert "optimizer.params.weight_decay (DeepSpeed default) -> optim.weight_decay = 0.0" in m.report()
 
 
+@pytest.mark.fast
 def test_adam_w_mode_false_is_coupled_adam() -> None:
     d, _ = from_deepspeed({"optimizer": {"type": "Adam", "params": {"lr": 0.1, "adam_w_mode": False}}})
     assert build_config(d).optim.name == "adam"
@@ -76,6 +80,7 @@ def test_adam_w_mode_false_is_coupled_adam() -> None:
     assert build_config(d).optim.name == "adamw"  # "AdamW" is always decoupled
 
 
+@pytest.mark.fast
 def test_bfloat16_alias_and_zero_optimization_bool() -> None:
     d, unknown = from_deepspeed({"bfloat16": {"enabled": True}, "zero_optimization": True})
     cfg = build_config(d)
@@ -86,6 +91,7 @@ def test_bfloat16_alias_and_zero_optimization_bool() -> None:
         from_deepspeed({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
 
 
+@pytest.mark.fast
 def test_disabled_precision_block_with_settings_is_reported() -> None:
     _, unknown = from_deepspeed({"fp16": {"enabled": False, "loss_scale_window": 100}})
     assert any(u.startswith("fp16.{loss_scale_window} (fp16 is not enabled)") for u in unknown)
@@ -93,6 +99,7 @@ def test_disabled_precision_block_with_settings_is_reported() -> None:
     assert unknown == []  # "auto": the Hugging Face Trainer decides, nothing is dropped silently
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("flag", "on"), [("true", True), ("false", False), (1, True), (0, False)])
 def test_lenient_enabled_flags_are_read_with_a_note(flag, on) -> None:
     m = translate_deepspeed({"fp16": {"enabled": flag}})
@@ -100,6 +107,7 @@ def test_lenient_enabled_flags_are_read_with_a_note(flag, on) -> None:
     assert any(f"fp16.enabled={flag!r} read as {on}" in n for n in m.notes)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("ds", "pattern"),
     [
@@ -127,6 +135,7 @@ def test_type_errors_name_key_value_and_choices(ds, pattern) -> None:
         from_deepspeed(ds)
 
 
+@pytest.mark.fast
 def test_pipeline_and_tensor_parallel_sections_map_to_the_layout() -> None:
     """DeepSpeed's pipeline engine streams gradient_accumulation_steps micro-batches through one schedule:
     dptrain pipelines the same rows (one micro-step, pp_microbatches = GAS), tensor_parallel.autotp_size -> tp."""

@@ -12,20 +12,19 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from run_helpers import subprocess_env
-from test_checkpoint_e2e import TOY
 
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config
 from dptrain.launch import torchrun as launch
 from dptrain.launch.cluster_env import cluster_launch
 from dptrain.tools.deploy.kubeflow import schema_problems
+from support import ROOT
+from support.run_helpers import SLOW_TOY as TOY
+from support.run_helpers import subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["train.micro_batch_size=1", "train.max_steps=50", "log.name=tiny"]
 
 
@@ -64,6 +63,7 @@ def test_dockerfile_passes_hadolint():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_dockerfile_invariants_pinned_cuda_base_non_root_user_dptrain_entrypoint():
     ins = _instructions((ROOT / "Dockerfile").read_text())
@@ -88,6 +88,7 @@ def test_dockerfile_invariants_pinned_cuda_base_non_root_user_dptrain_entrypoint
     assert {"pyproject.toml", "README.md", "src"} <= copied
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_dockerignore_keeps_the_context_small():
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
@@ -97,6 +98,7 @@ def test_dockerignore_keeps_the_context_small():
 
 
 # ---------------------------------------------------------------------- Kubeflow PyTorchJob
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_pytorchjob_master_workers_gpus_shm_pvc_and_config(tmp_path):
     docs = kubeflow_docs("--nnodes", "3", "--nproc-per-node", "4", "--shm-size", "16Gi", "--pvc", "team-runs")
@@ -124,6 +126,7 @@ def test_pytorchjob_master_workers_gpus_shm_pvc_and_config(tmp_path):
     assert schema_problems(job) == []
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_pytorchjob_elastic_policy_with_max_restarts_single_node_no_gpu_and_created_claim():
     docs = kubeflow_docs("--nnodes", "1", "--nproc-per-node", "2", "--gpus-per-node", "0", "--max-restarts", "3",
@@ -140,6 +143,7 @@ def test_pytorchjob_elastic_policy_with_max_restarts_single_node_no_gpu_and_crea
     assert schema_problems(job) == []
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_schema_check_catches_unknown_keys_wrong_types_and_enums():
     (_, job) = kubeflow_docs("--nnodes", "2", "--nproc-per-node", "1", "--no-validate")
@@ -155,6 +159,7 @@ def test_schema_check_catches_unknown_keys_wrong_types_and_enums():
     assert "not a valid PyTorchJob" in " ".join(schema_problems(job))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args, message", [
     (["--name", "My_Job"], "--name='My_Job' is not valid"),
@@ -194,6 +199,7 @@ def _argv(env: dict[str, str], *user_overrides: str) -> list[str]:
                                 module_args=["RUN"])
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_operator_environment_becomes_the_torchrun_argv():
     worker1 = operator_env(job="llm", replica="Worker", index=1, nnodes=3, nproc=8)
@@ -208,6 +214,7 @@ def test_operator_environment_becomes_the_torchrun_argv():
     assert _argv(worker1, "launch.nproc_per_node=2")[:2] == ["--nproc-per-node", "2"]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_operator_environment_edge_cases():
     assert cluster_launch({}) is None

@@ -6,17 +6,17 @@ import json
 
 import pytest
 import torch
-from diag_helpers import train
 from safetensors.torch import load_file
 
 from dptrain.diagnostics.preflight import compare_facts
-from mp import RankError, run_ranks
+from support.diag_helpers import train
+from support.mp import RankError, run_ranks
 
 
 @pytest.mark.timeout(60)
 def test_a_model_that_differs_on_one_rank_is_refused_with_the_same_message_everywhere(tmp_path):
     with pytest.raises(RankError) as info:
-        run_ranks(train, 2, str(tmp_path), ["model.factory=diag_helpers:mlp_wider_on_rank1", "train.max_steps=2"],
+        run_ranks(train, 2, str(tmp_path), ["model.factory=support.diag_helpers:mlp_wider_on_rank1", "train.max_steps=2"],
                   timeout=60)
     failed = info.value.failed
     assert sorted(failed) == [0, 1]
@@ -27,6 +27,7 @@ def test_a_model_that_differs_on_one_rank_is_refused_with_the_same_message_every
     assert "shape (32, 32) dtype float32 on rank 0, shape (48, 32) dtype float32 on rank 1" in messages[0]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_world_size_and_config_mismatches_name_the_difference():
     base = {"world_size": 2, "config_hash": "a", "config": {"train.max_steps": "10"}, "model": [("w", (2,), "float32")]}
@@ -53,7 +54,7 @@ def _records(run_dir, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-NAN = ["train.loss=diag_helpers:nan_batch_loss", "train.max_steps=6", "diagnostics.max_consecutive_skips=2"]
+NAN = ["train.loss=support.diag_helpers:nan_batch_loss", "train.max_steps=6", "diagnostics.max_consecutive_skips=2"]
 
 
 @pytest.mark.timeout(60)
@@ -83,7 +84,7 @@ def test_nonfinite_error_and_too_many_consecutive_skips_stop_every_rank_naming_s
     assert "step 3: 2 consecutive steps skipped" in info.value.failed[1]
 
 
-SLOW = ["data.factory=diag_helpers:slow_data", "train.loss=diag_helpers:slow_loss", "train.max_steps=8",
+SLOW = ["data.factory=support.diag_helpers:slow_data", "train.loss=support.diag_helpers:slow_loss", "train.max_steps=8",
         "diagnostics.straggler_every_steps=4"]
 
 
@@ -117,7 +118,7 @@ def test_a_healthy_run_names_no_straggler_and_times_the_last_steps_of_each_windo
 @pytest.mark.timeout(60)
 def test_a_parameter_nudged_on_one_rank_is_caught_at_the_next_check(tmp_path):
     with pytest.raises(RankError) as info:
-        run_ranks(train, 2, str(tmp_path), ["train.loss=diag_helpers:nudging_loss", "train.max_steps=8",
+        run_ranks(train, 2, str(tmp_path), ["train.loss=support.diag_helpers:nudging_loss", "train.max_steps=8",
                                             "diagnostics.drift_every_steps=2"],
                   timeout=60, env={"NUDGE_RANK": "1", "NUDGE_STEP": "3"})
     assert sorted(info.value.failed) == [0, 1]
@@ -136,6 +137,7 @@ def test_healthy_replicas_never_drift(tmp_path, strategy):
     assert len(checks) == 10 and all(c["ok"] for c in checks)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_checksums_see_any_single_element_change_and_majority_names_the_odd_rank():
     from dptrain.diagnostics.drift import find_drift, param_checksums
@@ -154,7 +156,7 @@ def test_checksums_see_any_single_element_change_and_majority_names_the_odd_rank
 
 @pytest.mark.timeout(60)
 def test_steady_memory_growth_on_one_rank_is_reported_with_its_slope(tmp_path):
-    run_ranks(train, 2, str(tmp_path), ["train.loss=diag_helpers:leaky_loss", "train.max_steps=8",
+    run_ranks(train, 2, str(tmp_path), ["train.loss=support.diag_helpers:leaky_loss", "train.max_steps=8",
                                         "diagnostics.memory_every_steps=1", "diagnostics.memory_window=5",
                                         "diagnostics.memory_leak_mb=10"], timeout=60, env={"LEAK_RANK": "1"})
     leaks = _records(tmp_path, "memory_leak")
@@ -164,6 +166,7 @@ def test_steady_memory_growth_on_one_rank_is_reported_with_its_slope(tmp_path):
     assert len(samples) == 8 and all(len(s["ranks"]) == 2 and s["ranks"][0]["rss_mb"] > 0 for s in samples)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_line_fit_and_stray_context_detection():
     from dptrain.diagnostics.memory import fit_line, stray_gpu0_contexts
@@ -180,7 +183,7 @@ def test_line_fit_and_stray_context_detection():
 @pytest.mark.timeout(60)
 def test_check_collectives_reports_a_mismatched_collective_on_every_rank_with_op_and_shapes(tmp_path):
     with pytest.raises(RankError) as info:
-        run_ranks(train, 2, str(tmp_path), ["train.loss=diag_helpers:mismatched_collective_loss", "train.max_steps=4",
+        run_ranks(train, 2, str(tmp_path), ["train.loss=support.diag_helpers:mismatched_collective_loss", "train.max_steps=4",
                                             "diagnostics.check_collectives=true",
                                             "parallel.strategy=fsdp"], timeout=60)
     assert sorted(info.value.failed) == [0, 1]

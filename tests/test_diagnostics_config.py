@@ -7,6 +7,8 @@ import pytest
 from dptrain.config import Config, ConfigError, hang_timeout, validate
 from dptrain.config.load import load_config
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.timeout(30)
 def test_defaults_are_valid_and_the_watchdog_fires_before_the_collective_timeout() -> None:

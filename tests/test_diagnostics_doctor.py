@@ -6,11 +6,11 @@ import json
 import re
 
 import pytest
-from diag_helpers import dptrain
 
 from dptrain.diagnostics.commcheck import SIZES, slow_links
 from dptrain.tools.doctor import arch_supported, check_environment, check_network
 from dptrain.tools.plan.calibrate import link_from_sweep
+from support.run_helpers import dptrain
 
 
 @pytest.mark.timeout(60)
@@ -27,6 +27,7 @@ def test_doctor_reports_versions_devices_network_and_environment():
     assert "NCCL_DEBUG=INFO" in out and "! NCCL_DEBUG=INFO logs heavily" in out  # a warning with its fix
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_doctor_warnings_name_the_fix(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuchnic0")
@@ -38,6 +39,7 @@ def test_doctor_warnings_name_the_fix(monkeypatch):
     assert any("OMP_NUM_THREADS=64 x 4 workers" in w for w in warnings)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_compute_capability_against_the_build_architectures():
     assert arch_supported(8, 6, ["sm_80", "sm_90"])  # same major, older minor: runs
@@ -46,6 +48,7 @@ def test_compute_capability_against_the_build_architectures():
     assert not arch_supported(7, 0, ["sm_80", "compute_80"])
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_slow_links_and_the_rank_they_share():
     bw = {(0, 1): 10.0, (0, 2): 10.0, (0, 3): 1.0, (1, 2): 10.0, (1, 3): 1.2, (2, 3): 0.9}
@@ -82,6 +85,7 @@ esac
 """
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_gpu_topology_pcie_width_and_gpu0_contexts_from_nvidia_smi(tmp_path, monkeypatch):
     smi = tmp_path / "nvidia-smi"

@@ -6,9 +6,10 @@ import re
 import time
 
 import pytest
-from diag_helpers import TOY, dptrain, processes_mentioning
 
 from dptrain.diagnostics.watchdog import EXIT_HANG, find_suspects
+from support.diag_helpers import TOY, processes_mentioning
+from support.run_helpers import dptrain
 
 
 @pytest.mark.timeout(120)
@@ -16,7 +17,7 @@ from dptrain.diagnostics.watchdog import EXIT_HANG, find_suspects
 def test_a_rank_that_sleeps_forever_is_named_with_every_rank_stack(tmp_path, strategy):
     out, mark = tmp_path / "run", tmp_path / "hang-started"
     timeout_s = 3.0
-    r = dptrain("run", *TOY, "train.max_steps=1000", "train.loss=diag_helpers:sleepy_loss",
+    r = dptrain("run", *TOY, "train.max_steps=1000", "train.loss=support.diag_helpers:sleepy_loss",
                 f"parallel.strategy={strategy}", f"diagnostics.hang_timeout_s={timeout_s}",
                 "--nproc-per-node", "2", "--out", str(out),
                 env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)})
@@ -70,7 +71,7 @@ def test_suspects_are_the_ranks_not_where_the_others_are():
 @pytest.mark.timeout(120)
 def test_a_rank_frozen_holding_the_gil_is_named_for_not_answering(tmp_path):
     out, mark = tmp_path / "run", tmp_path / "hang-started"
-    r = dptrain("run", *TOY, "train.max_steps=1000", "train.loss=diag_helpers:gil_holding_loss",
+    r = dptrain("run", *TOY, "train.max_steps=1000", "train.loss=support.diag_helpers:gil_holding_loss",
                 "diagnostics.hang_timeout_s=2", "--nproc-per-node", "2", "--out", str(out),
                 env={"HANG_RANK": "0", "HANG_STEP": "2", "HANG_MARK": str(mark)})
     ended = time.time()

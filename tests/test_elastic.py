@@ -22,8 +22,8 @@ from dptrain.config.load import load_config
 from dptrain.launch.elastic import config_for_world, worker_config
 from dptrain.launch.torchrun import torchrun_args
 from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason
+from support import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 REASON = unavailable_reason()
 needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster: {REASON}")
 RTOL, ATOL = 1e-5, 1e-6  # the parity tolerance (tests/test_parity.py)
@@ -31,20 +31,15 @@ TOY = [
     "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
     "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}", "optim.name=sgd",
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every_steps=1", "train.eval_every_steps=0",
-    "train.loss=slow_loss:slow_loss", "log.progress=false", "checkpoint.every_steps=5", "checkpoint.keep_last=null",
+    "train.loss=support.slow_loss:slow_loss", "log.progress=false", "checkpoint.every_steps=5", "checkpoint.keep_last=null",
 ]
 ELASTIC = ["launch.max_restarts=3", "launch.rdzv_conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"]
-
-
-def _env() -> dict[str, str]:
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
 def start(c: Cluster, node: int, out: Path, log: Path, *items: str) -> subprocess.Popen:
     argv = dptrain_argv([*TOY, *ELASTIC, *items, *c.launch_overrides(node, nnodes="1:2"), "--nproc-per-node", "1",
                          "--out", str(out)])
-    return c.popen(node, argv, cwd=ROOT, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    return c.popen(node, argv, cwd=ROOT, env=subprocess_env(OMP_NUM_THREADS="1"), stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
 
 def records(path: Path) -> list[dict]:
@@ -73,7 +68,7 @@ def membership(out: Path) -> list[dict]:
 
 def dptrain(*items: str, timeout: float = 200) -> None:
     r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, *items], capture_output=True, text=True,
-                       env=_env(), cwd=ROOT, timeout=timeout)
+                       env=subprocess_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -82,6 +77,7 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ config and batch arithmetic (no cluster)
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_nnodes_range_reaches_torchrun_with_the_rendezvous_settings():
     cfg = load_config(None, ["launch.nnodes=1:2", "launch.rdzv_endpoint=h0:29500", "launch.max_restarts=3",
@@ -94,6 +90,7 @@ def test_nnodes_range_reaches_torchrun_with_the_rendezvous_settings():
     assert resolve(cfg, world_size=None, cuda_available=False).world_size == 2 * 2  # planned at MAX nodes
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("override", "named"), [
     ("launch.nnodes=2:1", "launch.nnodes='2:1' is not valid"),
@@ -107,6 +104,7 @@ def test_bad_node_ranges_and_rendezvous_settings_refused(override, named):
         resolve(load_config(None, ["launch.rdzv_endpoint=h0:29500", override]), world_size=2, cuda_available=False)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_the_global_batch_is_kept_at_another_world_size_with_accumulation_re_derived():
     cfg = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=2", "train.grad_accum_steps=2",
@@ -117,6 +115,7 @@ def test_the_global_batch_is_kept_at_another_world_size_with_accumulation_re_der
     assert config_for_world(cfg, world_size=2) is cfg  # already fits: unchanged
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_a_global_batch_that_cannot_be_split_is_refused_and_recorded(tmp_path):
     cfg = load_config(None, ["train.global_batch_size=6", "train.micro_batch_size=3", "launch.nnodes=1:4",
@@ -128,6 +127,7 @@ def test_a_global_batch_that_cannot_be_split_is_refused_and_recorded(tmp_path):
     assert "not divisible by micro_batch_size * dp world size = 3 * 4" in rec["reason"]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_membership_report_names_the_node_that_left_and_the_steps_lost(tmp_path):
     from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
@@ -211,7 +211,7 @@ def test_node_rejoins_and_the_world_grows_back_to_2(tmp_path):
     out, logs = tmp_path / "run", [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-again.log"]
     pace = tmp_path / "pace"  # steps are slow while it exists: the run outlasts the node's return
     pace.write_text("")
-    items = ("train.max_steps=30", "train.loss=paced_loss:paced_loss")
+    items = ("train.max_steps=30", "train.loss=support.paced_loss:paced_loss")
     with Cluster(rate="1gbit") as c:
         os.environ["DPTRAIN_TEST_PACE_FILE"] = str(pace)
         try:

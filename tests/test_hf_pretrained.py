@@ -17,10 +17,10 @@ transformers = pytest.importorskip(
 )
 
 import torch  # noqa: E402
-from test_hf_models import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, overrides  # noqa: E402
 
 from dptrain.config.load import load_config  # noqa: E402
-from mp import run_ranks  # noqa: E402
+from support.hf import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, overrides  # noqa: E402
+from support.mp import run_ranks  # noqa: E402
 
 PROBE = torch.arange(3, 3 + 2 * SEQ).reshape(2, SEQ) % VOCAB  # a fixed input for the logits
 

@@ -6,28 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from dptrain.cli.main import main
+from support import ROOT
+from support.cli import refused
 
 pytestmark = pytest.mark.fast
-
-
-def refused(capsys, argv: list[str], *named: str) -> str:
-    """`dptrain argv` exits 2 (argparse's own exit included) with every `named` text and no traceback."""
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse's error path
-        rc = e.code
-    out = capsys.readouterr()
-    text = out.out + out.err
-    assert rc == 2, f"exit {rc} for {argv}:\n{text}"
-    assert "Traceback" not in text, text
-    for n in named:
-        assert n in text, f"{n!r} not in the message for {argv}:\n{text}"
-    return text
 
 
 @pytest.mark.parametrize(("override", "named"), [
@@ -117,7 +103,7 @@ def test_launch_help_is_dptrains_own_and_imports_no_torch():
     code = ("import sys; from dptrain.cli.main import main; rc = main(['launch', '--help']); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "usage: dptrain launch [torchrun options] SCRIPT [ARGS]" in out.stdout
 

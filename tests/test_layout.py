@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from dptrain.config import ConfigError, ParallelConfig, resolve
 from dptrain.config.deepspeed import from_deepspeed
@@ -17,8 +16,9 @@ from dptrain.config.load import build_config, load_config
 from dptrain.distributed.mesh import ParallelDims
 from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing, outermost_blocks
 from dptrain.parallel.fsdp import shard_units
+from support.nested import Flat, Nested
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.fast]
 
 
 # ------------------------------------------------------------------ ParallelDims
@@ -169,53 +169,6 @@ def test_parallel_options_are_checked_before_launch(items, match):
 
 
 # ------------------------------------------------------------------ FSDP units, bottom-up
-class Inner(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls = getattr(self, "calls", 0) + 1
-        return torch.tanh(self.lin(x))
-
-
-class Block(nn.Module):
-    """A block that nests its own ModuleList (the case that crashed parent-first sharding)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = nn.ModuleList([Inner(), Inner()])
-        self.out = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for m in self.inner:
-            x = m(x)
-        return self.out(x)
-
-
-class Nested(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, batch) -> torch.Tensor:
-        x, y = batch
-        for b in self.blocks:
-            x = b(x)
-        return torch.nn.functional.mse_loss(self.head(x).squeeze(-1), y)
-
-
-class Flat(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = Inner()
-        self.b = Inner()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
-
-
 def test_units_are_sharded_children_before_the_blocks_that_hold_them():
     model = Nested()
     units = shard_units(model)

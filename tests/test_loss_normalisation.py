@@ -13,7 +13,14 @@ from collections import namedtuple
 
 import pytest
 import torch
-from test_parity import (
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from dptrain import to_device
+from dptrain.data import GlobalBatchSampler
+from dptrain.models.llama import build_llama
+from dptrain.train.loss import count_targets, forward_loss, items_per_rank, takes_num_items
+from support.parity import (
     ATOL,
     GLOBAL_BATCH,
     LLAMA_KWARGS,
@@ -26,13 +33,6 @@ from test_parity import (
     overrides,
     train,
 )
-from torch import nn
-from torch.utils.data import Dataset, default_collate
-
-from dptrain import to_device
-from dptrain.data import GlobalBatchSampler
-from dptrain.models.llama import build_llama
-from dptrain.train.loss import count_targets, forward_loss, items_per_rank, takes_num_items
 
 PADDED_FACTORY = "test_loss_normalisation:padded_tokens"
 
@@ -110,6 +110,7 @@ def padded_overrides(strategy: str, *, world_size: int = 2, accum: int = 2) -> l
 
 
 # ------------------------------------------------------------------ parity with padded labels
+@pytest.mark.fast
 def test_padded_data_really_varies_per_micro_batch_and_rank():
     """Precondition of the parity tests: token counts differ between micro-batches and ranks."""
     ds = padded_tokens(**TOKENS_KWARGS)
@@ -139,6 +140,7 @@ def test_padded_labels_match_reference(strategy, tmp_path):
     assert [r["loss"] for r in records if "loss" in r] == pytest.approx(losses, rel=1e-5)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_mean_of_means_fails_the_parity_tolerance():
     """Guard: the old rule (each micro-step's mean / accum, averaged over ranks) is far outside the
@@ -179,6 +181,7 @@ class MeanModel(nn.Module):
         return (self.w * batch).mean()
 
 
+@pytest.mark.fast
 def test_forward_loss_calls_mapping_batches_with_keywords():
     model = KeywordModel()
     batch = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, -100, 3]]),
@@ -192,6 +195,7 @@ def test_forward_loss_calls_mapping_batches_with_keywords():
     assert float(forward_loss(MeanModel(), torch.tensor([1.0, 3.0])).detach()) == 2.0
 
 
+@pytest.mark.fast
 def test_which_rule_applies():
     assert takes_num_items(forward_loss, KeywordModel())  # **kwargs, as Hugging Face models
     assert takes_num_items(forward_loss, build_llama(**LLAMA_KWARGS))  # a num_items_in_batch parameter
@@ -210,6 +214,7 @@ def test_which_rule_applies():
     assert takes_num_items(summed, MeanModel()) and not takes_num_items(mean, KeywordModel())
 
 
+@pytest.mark.fast
 def test_count_targets_and_items_per_rank_at_world_size_one():
     a = {"input_ids": torch.zeros(2, 3), "labels": torch.tensor([[1, -100, 2], [-100, -100, 5]])}
     b = {"input_ids": torch.zeros(1, 3), "labels": torch.tensor([[-100, -100, -100]])}
@@ -222,6 +227,7 @@ def test_count_targets_and_items_per_rank_at_world_size_one():
     assert float(items_per_rank([b], device=torch.device("cpu"), dp_world_size=1)) == 1.0
 
 
+@pytest.mark.fast
 def test_to_device_walks_mappings_sequences_and_named_tuples():
     Pair = namedtuple("Pair", "x y")
     batch = {"a": torch.ones(2), "b": [torch.zeros(1), (torch.ones(1), "keep")], "c": Pair(torch.ones(1), 3)}
@@ -231,12 +237,14 @@ def test_to_device_walks_mappings_sequences_and_named_tuples():
     assert isinstance(out["b"][1], tuple)
 
 
+@pytest.mark.fast
 def test_a_compiled_module_is_judged_by_its_own_forward():
     """torch.compile's wrapper forwards *args, **kwargs: the rule must follow the module inside."""
     compiled = torch.compile(MeanModel())  # wrapping only; nothing is compiled until called
     assert not takes_num_items(forward_loss, compiled)
 
 
+@pytest.mark.fast
 def test_builtin_models_take_keyword_batches_and_num_items():
     from dptrain.models.toy import build_mlp
 

@@ -17,6 +17,8 @@ from dptrain.config.deepspeed import from_deepspeed
 from dptrain.config.load import build_config
 from dptrain.train.optim import build_scheduler, lr_lambda
 
+pytestmark = pytest.mark.fast
+
 
 def _trained_lrs(optim_cfg, *, max_steps: int, peak: float, steps: int) -> list[float]:
     """The lr each optimizer step trains at, read off a real optimizer driven by build_scheduler."""
@@ -120,7 +122,7 @@ def test_logged_lr_is_the_rate_each_step_trained_at(tmp_path) -> None:
     not the next step's: checked on a linear warmup, where every step's rate differs."""
     import json
 
-    from test_parity import overrides, train
+    from support.parity import overrides, train
 
     items = [*overrides(strategy="single", world_size=1, accum=1, steps=6), "optim.warmup_steps=4",
              "optim.schedule=cosine", "optim.min_lr_ratio=0.1", "optim.warmup_type=linear", "optim.lr=0.05"]

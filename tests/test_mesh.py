@@ -1,4 +1,4 @@
-"""The device mesh and `parallelize` on real gloo ranks (forked, tests/mp.py).
+"""The device mesh and `parallelize` on real gloo ranks (forked, tests/support/mp.py).
 
 - ranks and groups come from the mesh: the data-parallel rank of a rank that differs only in its
   tp coordinate is the same (so is its batch); the replica group is the dp_replicate dimension,
@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -19,22 +18,11 @@ from torch import nn
 
 from dptrain.config import ConfigError, ParallelConfig
 from dptrain.data import GlobalBatchSampler
-from dptrain.distributed.env import DistEnv
 from dptrain.distributed.mesh import ParallelDims, ParallelMesh
-from dptrain.distributed.process_group import destroy_process_group, init_process_group
-from mp import run_ranks
+from support.mp import in_group, run_ranks
+from support.nested import Flat, Nested
 
 CPU = torch.device("cpu")
-
-
-def _in_group(fn):
-    """Run fn() inside this rank's process group; free what fn made before the group goes."""
-    init_process_group(DistEnv.from_env(), backend="gloo", device=CPU, timeout_s=60)
-    try:
-        return fn()
-    finally:
-        gc.collect()
-        destroy_process_group()
 
 
 # ------------------------------------------------------------------ ranks and groups
@@ -54,7 +42,7 @@ def _mesh_facts(rank: int, layout: dict[str, int]) -> dict:
         mesh.release()
         return facts
 
-    return _in_group(body)
+    return in_group(body)
 
 
 @pytest.mark.timeout(90)
@@ -87,7 +75,6 @@ def test_four_ranks_replicas_per_model_parallel_coordinate():
 # ------------------------------------------------------------------ bottom-up FSDP units
 def _nested_step(rank: int, strategy: str) -> dict:
     import torch.distributed as dist
-    from test_layout import Nested
     from torch.distributed.fsdp import FSDPModule
 
     from dptrain.parallel import full_state_dict, parallelize_model
@@ -109,7 +96,7 @@ def _nested_step(rank: int, strategy: str) -> dict:
         mesh.release()
         return {"units": len(units), "state": state, "world": dist.get_world_size()}
 
-    return _in_group(body)
+    return in_group(body)
 
 
 def _nested_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,8 +107,6 @@ def _nested_data() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
 def test_a_block_nesting_a_module_list_is_sharded_and_trains_like_one_process(strategy):
-    from test_layout import Nested
-
     results = run_ranks(_nested_step, 2, strategy, timeout=60)
     assert results[0]["units"] == 2 * 2 + 2 + 1  # inner members, blocks, root
     torch.manual_seed(0)
@@ -169,7 +154,7 @@ def _materialize_order(rank: int, strategy: str) -> dict:
         mesh.release()
         return seen
 
-    return _in_group(body)
+    return in_group(body)
 
 
 @pytest.mark.timeout(90)
@@ -186,6 +171,7 @@ def test_materialize_runs_before_ddp_broadcasts_and_after_fsdp_shards():
     assert single[0]["was_meta"] and single[0]["values"] == [1.0]
 
 
+@pytest.mark.fast
 def test_meta_parameters_without_materialize_are_refused():
     from dptrain.parallel.single import apply_single
 
@@ -220,7 +206,7 @@ def _zero1_step(rank: int) -> dict:
         del plan, opt
         return out
 
-    return _in_group(body)
+    return in_group(body)
 
 
 @pytest.mark.timeout(90)
@@ -261,7 +247,7 @@ def _mp_dtypes(rank: int, param_dtype: str | None) -> dict:
         mesh.release()
         return out
 
-    return _in_group(body)
+    return in_group(body)
 
 
 @pytest.mark.timeout(90)
@@ -301,7 +287,7 @@ def _state_round_trip(rank: int, strategy: str) -> dict:
         del plan, opt
         return {"names": sorted(msd), "after_two": after_two, "again": again}
 
-    return _in_group(body)
+    return in_group(body)
 
 
 @pytest.mark.timeout(120)
@@ -321,8 +307,6 @@ def test_plan_state_dict_round_trip_replays_the_same_step(strategy):
 def _no_unit_warning(rank: int) -> list[str]:
     import warnings
 
-    from test_layout import Flat
-
     from dptrain.parallel.fsdp import apply_fsdp
 
     def body() -> list[str]:
@@ -332,7 +316,7 @@ def _no_unit_warning(rank: int) -> list[str]:
         del model
         return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "FSDP:" in str(w.message)]
 
-    return _in_group(body)
+    return in_group(body)
 
 
 @pytest.mark.timeout(60)
@@ -342,6 +326,7 @@ def test_fsdp_warns_when_a_model_has_no_block_to_shard():
     assert "Flat has no nn.ModuleList and no _no_split_modules" in messages[0] and "sharded as one unit" in messages[0]
 
 
+@pytest.mark.fast
 def test_comm_hooks_are_refused_outside_ddp():
     from dptrain.config.layout import STRATEGY_MODES
     from dptrain.parallel import ParallelModel

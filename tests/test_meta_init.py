@@ -2,7 +2,7 @@
 construction (`build_model(cfg, seed)`) under every strategy, and falls back with a reason for a
 factory that cannot be built on meta.
 
-Multi-process cases run on forked gloo ranks (tests/mp.py) in the order the strategies need:
+Multi-process cases run on forked gloo ranks (tests/support/mp.py) in the order the strategies need:
 zero2/fsdp shard the meta model first and materialize the shards; single/ddp/zero1 materialize
 the plain model, then wrap it (DDP broadcasts at construction). Each rank compares its own local
 shards with its chunk of the eager tensor, rank 0 compares the gathered full state dict, and both
@@ -27,7 +27,7 @@ from dptrain.distributed.process_group import destroy_process_group, init_proces
 from dptrain.parallel import apply_strategy, full_state_dict, unwrap
 from dptrain.parallel.materialize import check_init_contract, local_chunk, make_materializer, materialize
 from dptrain.train.build import build_model, build_model_meta
-from mp import run_ranks
+from support.mp import run_ranks
 
 SEED = 1234
 CPU = torch.device("cpu")
@@ -229,6 +229,7 @@ def test_local_chunk_matches_distribute_tensor_on_a_2d_mesh() -> None:
 
 
 # ------------------------------------------------------------------ single process: guard and fallback
+@pytest.mark.fast
 def test_wrong_seed_is_caught() -> None:
     """Guard: the comparison above is not vacuous; a materialized model under another seed
     differs from the eager one in every randomly initialised tensor."""
@@ -242,6 +243,7 @@ def test_wrong_seed_is_caught() -> None:
         assert set(bad) == set(random), key
 
 
+@pytest.mark.fast
 def test_activation_checkpoint_wrappers_applied_before_materialize() -> None:
     """`parallelize` applies activation checkpointing before FSDP, so materialize sees the wrappers.
     They forward unknown attributes (reset_parameters too) to the wrapped module; the replay must
@@ -261,6 +263,7 @@ def test_activation_checkpoint_wrappers_applied_before_materialize() -> None:
         assert mismatches(expected, model.state_dict()) == [], key
 
 
+@pytest.mark.fast
 def test_meta_build_holds_no_storage_and_leaves_rng() -> None:
     before = torch.get_rng_state()
     model, reason = build_model_meta(MODELS["llama"], seed=SEED)
@@ -287,6 +290,7 @@ def build_torch_layers() -> TorchLayers:
     return TorchLayers()
 
 
+@pytest.mark.fast
 def test_model_of_torch_layers_needs_no_hooks() -> None:
     cfg = ModelConfig(factory="test_meta_init:build_torch_layers", kwargs={})
     eager = build_model(cfg, seed=SEED)
@@ -384,6 +388,7 @@ def build_reaches_into_children() -> ReachesIntoChildren:
     return ReachesIntoChildren()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("factory", "why"), [
     ("build_scaled", "raised"),
     ("build_pretrained", "'w' was created on cpu"),
@@ -405,6 +410,7 @@ def test_unsupported_factory_falls_back_with_reason(factory: str, why: str) -> N
     assert not torch.equal(before, rng_after_fallback)  # the fallback is today's eager, seeded build
 
 
+@pytest.mark.fast
 def test_bad_kwargs_still_a_config_error() -> None:
     from dptrain.config import ConfigError
 

@@ -18,13 +18,14 @@ from torch import nn
 from dptrain.config.load import load_config
 from dptrain.metrics import comm, mfu
 from dptrain.models.llama import build_llama
-from mp import run_ranks
+from support.mp import run_ranks
 
 TINY = ["model.kwargs.dim=16", "model.kwargs.n_layers=2", "model.kwargs.n_heads=2", "model.kwargs.max_seq_len=16",
         "data.kwargs.seq_len=16"]
 
 
 # ---------------------------------------------------------------- FLOPs model
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("kv_heads", [None, 1])
 def test_llama_flops_per_token_is_6n_plus_attention_by_hand(kv_heads):
@@ -39,6 +40,7 @@ def test_llama_flops_per_token_is_6n_plus_attention_by_hand(kv_heads):
     assert got == want and "flops_per_token(4)" in source
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_6n_approximation_skips_input_embeddings_but_not_tied_ones_and_the_override_wins():
     emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
@@ -51,6 +53,7 @@ def test_6n_approximation_skips_input_embeddings_but_not_tied_ones_and_the_overr
 
 
 # ---------------------------------------------------------------- peaks
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("name", "dtype", "tflops"), [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.5), ("NVIDIA H100 PCIe", "bf16", 756.5), ("NVIDIA H100 NVL", "fp16", 835.5),
@@ -63,6 +66,7 @@ def test_peak_table_lookup(name, dtype, tflops):
     assert peak.flops == pytest.approx(tflops * 1e12) and "dense" in peak.source
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_peak_lookup_says_why_when_it_has_no_figure_and_the_override_wins():
     v100 = mfu.lookup_peak("Tesla V100-SXM2-16GB", "bf16")
@@ -82,6 +86,7 @@ def test_peak_lookup_says_why_when_it_has_no_figure_and_the_override_wins():
         torch.set_float32_matmul_precision(old)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_cpu_matmul_peak_is_short_and_plausible():
     t = time.perf_counter()
@@ -90,6 +95,7 @@ def test_cpu_matmul_peak_is_short_and_plausible():
     assert math.isfinite(peak) and 1e7 < peak < 1e14  # FLOP/s of one CPU process
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_mfu_formula():
     # 1000 tok/s over 2 devices at 1e6 FLOPs/token = 5e8 FLOP/s per device, peak 1e9: 50 %
@@ -97,6 +103,7 @@ def test_mfu_formula():
 
 
 # ---------------------------------------------------------------- communication model
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_ring_bytes_and_interval_union():
     assert comm.ring_bytes("all_reduce", 100, 4) == 150  # 2(n-1)/n
@@ -194,12 +201,13 @@ def test_fsdp_run_logs_analytic_bytes_and_null_times(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_comm_overlap_benchmark_runs():
-    import os
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    from support import ROOT as root
+    from support import subprocess_env
+
+    env = subprocess_env(tests=False)
     r = subprocess.run([sys.executable, "benchmarks/comm_overlap.py", "--dim", "32", "--layers", "1", "--seq", "8",
                         "--rounds", "2", "--buckets", "1", "--static", "off,on"], cwd=root, capture_output=True,
                        text=True, timeout=290, env=env)

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from dptrain.cli.generate import generate, generate_bytes, import_object, load_model_from_run
 from dptrain.models import LlamaLM, build_llama, build_mlp, build_regression_data
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.fast]
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, max_seq_len=64)
 

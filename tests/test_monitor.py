@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from diag_helpers import TP_LLAMA, dptrain
-from monitor_helpers import PROMETHEUS, SCRAPE_S, Prometheus, free_port_pair
 
-from dptrain.cli import main as cli
+from dptrain.cli.main import main as cli_main
 from dptrain.metrics.monitor import DASHBOARD
 from dptrain.metrics.prometheus import PrometheusExporter, metric_name
-from mp import find_free_port, run_ranks
+from support.diag_helpers import TP_LLAMA
+from support.monitor_helpers import PROMETHEUS, SCRAPE_S, Prometheus, free_port_pair
+from support.mp import find_free_port, run_ranks
+from support.run_helpers import dptrain
 
 LM = [*TP_LLAMA, "train.micro_batch_size=2"]  # global batch 4 = 2 x dp 2; tokens/s in every record
 HOST = socket.gethostname()
@@ -45,6 +46,7 @@ def _numeric(record: dict[str, Any]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- exporter, in this process
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_exporter_exports_every_numeric_key_and_counts_stragglers():
     from prometheus_client.parser import text_string_to_metric_families
@@ -75,12 +77,14 @@ def test_exporter_exports_every_numeric_key_and_counts_stragglers():
     assert not any(GPU_ONLY.fullmatch(n) for n in values), "no GPU/CUDA metric on a CPU rank"
 
 
+@pytest.mark.fast
 def test_gpu_sampler_is_absent_on_cpu():
     from dptrain.metrics.gpu import GpuSampler
 
     assert GpuSampler.open(torch.device("cpu")) is None
 
 
+@pytest.mark.fast
 def test_gpu_sampler_units_and_unsupported_readings():
     """The NVML calls' results as exported (no GPU here: NVML's answers given by a stand-in module)."""
     from types import SimpleNamespace
@@ -105,6 +109,7 @@ def test_gpu_sampler_units_and_unsupported_readings():
     assert "gpu_power_watts" not in GpuSampler(nvml, "h").sample()  # left out, not zero
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("what", ["tensorboard", "prometheus"])
 def test_missing_package_is_refused_before_launch(what, tmp_path, monkeypatch, capsys):
@@ -114,29 +119,31 @@ def test_missing_package_is_refused_before_launch(what, tmp_path, monkeypatch, c
     missing = {"tensorboard": "tensorboard", "prometheus": "prometheus_client"}[what]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
     switch = "log.tensorboard=true" if what == "tensorboard" else "log.prometheus_port=9400"
-    assert cli.main(["run", "--out", str(tmp_path / "r"), *LM, switch]) == 2
+    assert cli_main(["run", "--out", str(tmp_path / "r"), *LM, switch]) == 2
     err = capsys.readouterr().err
     assert switch in err and "dptrain[monitor]" in err and "not installed" in err
     assert not (tmp_path / "r").exists()  # refused before anything was written or launched
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_bad_or_busy_prometheus_port_is_refused(tmp_path, capsys):
-    assert cli.main(["run", "--out", str(tmp_path / "a"), *LM, "log.prometheus_port=70000"]) == 2
+    assert cli_main(["run", "--out", str(tmp_path / "a"), *LM, "log.prometheus_port=70000"]) == 2
     assert "log.prometheus_port=70000 is not valid" in capsys.readouterr().err
-    assert cli.main(["run", "--out", str(tmp_path / "b"), *LM, "--nproc-per-node", "2", "log.prometheus_port=65535"]) == 2
+    assert cli_main(["run", "--out", str(tmp_path / "b"), *LM, "--nproc-per-node", "2", "log.prometheus_port=65535"]) == 2
     assert "past 65535" in capsys.readouterr().err
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
-        code = cli.main(["run", "--out", str(tmp_path / "c"), *LM, "--nproc-per-node", "1",
+        code = cli_main(["run", "--out", str(tmp_path / "c"), *LM, "--nproc-per-node", "1",
                          f"log.prometheus_port={busy}", "log.prometheus_addr=127.0.0.1"])
     assert code == 2
     assert f"port {busy} on 127.0.0.1 (local rank 0) is not free" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- console.log, the tty path
+@pytest.mark.fast
 def test_console_log_keeps_each_redrawn_line_once_without_escapes(tmp_path, monkeypatch):
     from dptrain.metrics.console_log import console_log
     from dptrain.metrics.sinks import ConsoleSink
@@ -220,7 +227,7 @@ def test_top_renders_finished_run(finished_run, capsys, tmp_path):
     assert "step 6/6" in frame and f"loss {last['loss']:.4f}" in frame and "finished" in frame
     rows = [ln for ln in frame.splitlines() if HOST in ln]
     assert len(rows) == 2 and all(" done " in ln and " 6 " in ln for ln in rows), frame
-    assert cli.main(["top", str(run), "--once"]) == 0
+    assert cli_main(["top", str(run), "--once"]) == 0
     # the same directory resumed on one rank: rank 1's file of the 2-rank attempt is no longer shown
     import shutil
 
@@ -231,7 +238,7 @@ def test_top_renders_finished_run(finished_run, capsys, tmp_path):
     (resumed / "status" / "rank0.json").write_text(json.dumps(status))
     assert len([ln for ln in render_text(resumed).splitlines() if HOST in ln]) == 1
     assert "dptrain top" in capsys.readouterr().out
-    assert cli.main(["top", str(run / "nope"), "--once"]) == 2
+    assert cli_main(["top", str(run / "nope"), "--once"]) == 2
 
 
 # ---------------------------------------------------------------------------- Prometheus + Grafana
@@ -239,7 +246,7 @@ def _train_held(rank: int, out_dir: str, port: int) -> dict:
     from dptrain.config.load import load_config
     from dptrain.train.trainer import Trainer
 
-    cfg = load_config(None, [*LM, "log.progress=false", "train.max_steps=8", "train.loss=monitor_helpers:held_loss",
+    cfg = load_config(None, [*LM, "log.progress=false", "train.max_steps=8", "train.loss=support.monitor_helpers:held_loss",
                              f"log.prometheus_port={port}", "log.prometheus_addr=127.0.0.1", "log.status_every_s=0.5",
                              "diagnostics.hang_timeout_s=0"])  # the hold is a deliberate stall, not a hang to report
     return Trainer(cfg, out_dir=out_dir).fit()

@@ -20,7 +20,7 @@ nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed")
 pytest.importorskip("ipykernel", reason="ipykernel is not installed")
 pytest.importorskip("cloudpickle", reason="cloudpickle is not installed (the optional extra dptrain[notebook])")
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import subprocess_env  # noqa: E402
 
 TRAIN_CELL = '''
 import dptrain
@@ -57,7 +57,7 @@ def test_notebook_launch_from_a_real_kernel(tmp_path: Path, monkeypatch) -> None
 
     install(prefix=str(tmp_path / "jupyter"), kernel_name="dptrain-test")  # argv: this interpreter
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter" / "share" / "jupyter"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", subprocess_env(tests=False)["PYTHONPATH"])
     out = tmp_path / "run"
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(TRAIN_CELL), nbformat.v4.new_code_cell(LAUNCH_CELL.replace("OUT_DIR", repr(str(out))))]

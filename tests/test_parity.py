@@ -11,180 +11,30 @@ division or a sum-instead-of-mean gradient reduction.
 from __future__ import annotations
 
 import gc
-import json
 import math
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Dataset, default_collate
 
 from dptrain.config.load import load_config
-from dptrain.data import GlobalBatchSampler
-from dptrain.models.llama import build_llama
-from dptrain.models.toy import build_mlp, build_regression_data
 from dptrain.train.trainer import Trainer
-from mp import run_ranks
-
-SEED = 1234
-STEPS = 4
-LR = 0.05
-RTOL, ATOL = 1e-5, 1e-6
-
-MLP_KWARGS = {"in_dim": 8, "hidden": 16, "out_dim": 4, "depth": 2}
-MLP_DATA_KWARGS = {"n": 96, "in_dim": 8, "out_dim": 4, "seed": 0}
-LLAMA_KWARGS = {"dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 16}
-TOKENS_KWARGS = {"n": 64, "seq_len": 17, "vocab_size": 256, "seed": 0}
-
-MULTI = ("ddp", "zero1", "zero2", "fsdp")
-GLOBAL_BATCH = {1: 8, 2: 8, 3: 12, 4: 8}  # divisible by world_size * accum for accum in (1, 2)
-HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2")  # 4 ranks: 2 replicas x 2 shards
-
-
-# ------------------------------------------------------------------ a custom data factory
-class TokenRows(Dataset):
-    """Rows of token ids ``[seq_len]``: a batch is the ``[B, seq_len]`` LongTensor LlamaLM expects."""
-
-    def __init__(self, tokens: torch.Tensor) -> None:
-        self.tokens = tokens
-
-    def __len__(self) -> int:
-        return self.tokens.size(0)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.tokens[i]
-
-
-def tiny_tokens(*, n: int = 64, seq_len: int = 17, vocab_size: int = 256, seed: int = 0) -> TokenRows:
-    """Random token sequences (data factory `test_parity:tiny_tokens`)."""
-    g = torch.Generator().manual_seed(seed)
-    return TokenRows(torch.randint(0, vocab_size, (n, seq_len), generator=g))
-
-
-MODELS: dict[str, dict[str, Any]] = {
-    "mlp": {
-        "factory": "dptrain.models.toy:build_mlp", "build": build_mlp, "kwargs": MLP_KWARGS,
-        "data_factory": "dptrain.models.toy:build_regression_data", "data": build_regression_data,
-        "data_kwargs": MLP_DATA_KWARGS,
-    },
-    "llama": {
-        "factory": "dptrain.models.llama:build_llama", "build": build_llama, "kwargs": LLAMA_KWARGS,
-        "data_factory": "test_parity:tiny_tokens", "data": tiny_tokens, "data_kwargs": TOKENS_KWARGS,
-    },
-}
-
-
-# ------------------------------------------------------------------ reference and candidate
-def reference(
-    model: str = "mlp", *, global_batch: int, steps: int = STEPS, lr: float = LR, grad_clip: float | None = None,
-    skip: frozenset[int] = frozenset(), momentum: float = 0.0, weight_decay: float = 0.0,
-) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain single-process PyTorch on the global batch: (final state dict, pre-clip grad norm per step).
-    Steps in `skip` consume their batch but do not update (an fp16 overflow). Weight decay applies
-    to matrices only, not to biases and norm gains (dptrain's documented policy)."""
-    spec = MODELS[model]
-    ds = spec["data"](**spec["data_kwargs"])
-    torch.manual_seed(SEED)
-    net = spec["build"](**spec["kwargs"])
-    groups = [
-        {"params": [p for p in net.parameters() if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in net.parameters() if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.SGD(groups, lr=lr, momentum=momentum)
-    order = GlobalBatchSampler(
-        dataset_len=len(ds), global_batch_size=global_batch, micro_batch_size=global_batch,
-        grad_accum_steps=1, dp_rank=0, dp_world_size=1, seed=SEED, shuffle=True,
-    )
-    norms = []
-    for step in range(steps):
-        batch = default_collate([ds[i] for i in order.global_batch_indices(step)])
-        loss = net(batch)  # mean over the whole global batch
-        loss.backward()
-        grads = [p.grad for p in net.parameters() if p.grad is not None]
-        if grad_clip is None:
-            norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
-        else:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)))
-        if step not in skip:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}, norms
-
-
-def overrides(
-    *, strategy: str, world_size: int, accum: int, model: str = "mlp", steps: int = STEPS,
-    grad_clip: float | None = None, dtype: str = "fp32", global_batch: int | None = None,
-) -> list[str]:
-    spec = MODELS[model]
-    g = global_batch or GLOBAL_BATCH[world_size]
-    assert g % (world_size * accum) == 0
-    out = [
-        f"model.factory={spec['factory']}",
-        *(f"model.kwargs.{k}={v}" for k, v in spec["kwargs"].items()),
-        f"data.factory={spec['data_factory']}",
-        *(f"data.kwargs.{k}={v}" for k, v in spec["data_kwargs"].items()),
-        "data.num_workers=0",
-        "optim.name=sgd", f"optim.lr={LR}", "optim.weight_decay=0", "optim.momentum=0",
-        "optim.warmup_steps=0", "optim.schedule=constant",
-        f"optim.grad_clip={'null' if grad_clip is None else grad_clip}",
-        f"train.max_steps={steps}", f"train.seed={SEED}", "train.eval_batches=1", "train.log_every_steps=1",
-        f"train.global_batch_size={g}", f"train.micro_batch_size={g // (world_size * accum)}",
-        f"train.grad_accum_steps={accum}",
-        f"parallel.strategy={strategy}", "parallel.device=cpu", "parallel.timeout_s=60",
-        f"precision.dtype={dtype}", "log.progress=false",
-    ]
-    return out
-
-
-def _fit_rank(rank: int, items: list[str], out_dir: str) -> dict[str, Any]:
-    trainer = Trainer(load_config(None, items), out_dir=out_dir)
-    return trainer.fit()
-
-
-def train(items: list[str], world_size: int, out_dir: Path, *, timeout: float = 40) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Run the Trainer on `world_size` ranks (in this process for world_size 1, i.e. strategy
-    single); return (final weights, metrics records)."""
-    if world_size == 1:
-        _fit_rank(0, items, str(out_dir))
-    else:
-        summaries = run_ranks(_fit_rank, world_size, items, str(out_dir), timeout=timeout)
-        assert all(s["steps"] == summaries[0]["steps"] for s in summaries)
-    weights = load_file(str(out_dir / "final" / "model.safetensors"))
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return weights, records
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), f"state dict keys differ: {sorted(a.keys() ^ b.keys())}"
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
-def assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, rtol=RTOL, atol=ATOL) -> None:
-    assert got.keys() == want.keys(), f"state dict keys differ: {sorted(got.keys() ^ want.keys())}"
-    for k in want:
-        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
-        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
-
-
-def ladder_case(
-    strategy: str, accum: int, world_size: int, out_dir: Path, model: str = "mlp", extra: tuple[str, ...] = (),
-    timeout: float = 40,
-) -> float:
-    """Train one rung and return its max abs weight difference from the reference (asserts parity).
-    `extra`: more overrides (a layout, activation checkpointing)."""
-    g = GLOBAL_BATCH[world_size]
-    items = overrides(strategy=strategy, world_size=world_size, accum=accum, model=model) + list(extra)
-    got, records = train(items, world_size, out_dir, timeout=timeout)
-    want, norms = reference(model, global_batch=g)
-    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
-    assert_weights_close(got, want)
-    # The logged (pre-clip) gradient norm is the global-batch gradient's norm at every step.
-    logged = [r["grad_norm"] for r in records if "grad_norm" in r]
-    assert logged == pytest.approx(norms, rel=1e-4)
-    return max_abs_diff(got, want)
+from support.mp import run_ranks
+from support.parity import (
+    ATOL,
+    GLOBAL_BATCH,
+    HSDP,
+    LR,
+    MULTI,
+    STEPS,
+    assert_no_drift,
+    assert_weights_close,
+    ladder_case,
+    max_abs_diff,
+    overrides,
+    reference,
+    train,
+)
 
 
 # ------------------------------------------------------------------ the ladder
@@ -214,9 +64,7 @@ def test_hsdp_matches_reference(accum, tmp_path):
     """fsdp on a 2 x 2 (dp_replicate, dp_shard) mesh: shards reduce-scattered within a pair, all-reduced
     across the two replicas; the drift check compares each shard with its other replica every step."""
     ladder_case("fsdp", accum, 4, tmp_path, extra=(*HSDP, "diagnostics.drift_every_steps=1"), timeout=120)
-    checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
-    drift = [c for c in checks if c["kind"] == "drift"]
-    assert len(drift) == STEPS and all(c["ok"] for c in drift)
+    assert_no_drift(tmp_path)
 
 
 @pytest.mark.timeout(90)

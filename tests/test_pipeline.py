@@ -1,51 +1,21 @@
 """Pipeline parallelism (parallel.pp > 1): the parity ladder's pipeline rungs, the split, refusals,
-resume across layouts. Real gloo ranks forked by tests/mp.py; a tiny LLaMA, plain SGD."""
+resume across layouts. Real gloo ranks forked by tests/support/mp.py; a tiny LLaMA, plain SGD."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import test_parity as tp
 import torch
 
-from dptrain.config import ConfigError, resolve
+from dptrain.config import ConfigError
 from dptrain.config.load import load_config
 from dptrain.config.pipeline import stage_layer_counts
-
-PP_LLAMA = {"dim": 32, "n_layers": 4, "n_heads": 2, "max_seq_len": 16}
-RESULTS: dict[str, float] = {}
-
-
-def pp_items(*, strategy: str, world_size: int, accum: int, schedule: str, pp: int = 2, microbatches: int = 2,
-             stages_per_rank: int = 1, global_batch: int = 8) -> list[str]:
-    items = tp.overrides(strategy=strategy, world_size=world_size // pp, accum=accum, model="llama",
-                         global_batch=global_batch)
-    items += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()]
-    items += [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}", f"parallel.pp_microbatches={microbatches}",
-              f"parallel.pp_stages_per_rank={stages_per_rank}"]
-    return items
-
-
-def pp_reference(global_batch: int = 8, grad_clip: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
-    saved = tp.MODELS["llama"]["kwargs"]
-    tp.MODELS["llama"]["kwargs"] = PP_LLAMA
-    try:
-        return tp.reference("llama", global_batch=global_batch, grad_clip=grad_clip)
-    finally:
-        tp.MODELS["llama"]["kwargs"] = saved
-
-
-def pp_rung(items: list[str], world_size: int, out_dir: Path, *, rtol: float = tp.RTOL, atol: float = tp.ATOL,
-            timeout: float = 120, grad_clip: float | None = None) -> float:
-    got, records = tp.train(items, world_size, out_dir, timeout=timeout)
-    want, norms = pp_reference(grad_clip=grad_clip)
-    assert [r["step"] for r in records if "loss" in r] == list(range(1, tp.STEPS + 1))
-    tp.assert_weights_close(got, want, rtol=rtol, atol=atol)
-    logged = [r["grad_norm"] for r in records if "grad_norm" in r]
-    assert logged == pytest.approx(norms, rel=1e-4)  # the global norm over both stages
-    return tp.max_abs_diff(got, want)
+from support import parity as tp
+from support.cli import refused
+from support.parity import PP_LLAMA, RESUME, dcp_optimizer_state, fit_items, pp_items, pp_rung
+from support.parity import records as _records
+from support.parity import resolve_items as _resolve
 
 
 # ------------------------------------------------------------------ parity
@@ -72,9 +42,7 @@ def test_dp2_pp2_matches_reference(strategy, schedule, stages_per_rank, accum, t
     diff = pp_rung(items, 4, tmp_path, timeout=200)
     print(f"\nPARITY dp2xpp2 {strategy} {schedule} accum={accum} worst|dw|={diff:.3g}")
     if strategy == "ddp":
-        checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
-        drift = [c for c in checks if c["kind"] == "drift"]
-        assert len(drift) == tp.STEPS and all(c["ok"] for c in drift)
+        tp.assert_no_drift(tmp_path)
 
 
 @pytest.mark.slow
@@ -110,19 +78,27 @@ def padded_with_val(*, n: int = 64, seq_len: int = 17, vocab_size: int = 256, se
     return PaddedRows(n, seq_len, vocab_size, seed), PaddedRows(16, seq_len, vocab_size, seed + 1)
 
 
+PADDED_DATA = ["data.factory=test_pipeline:padded_with_val", "train.eval_every_steps=2", "train.eval_batches=2"]
+
+
+@pytest.fixture(scope="module")
+def padded_single_run(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The one-process run every schedule below is compared with (the same for all three): trained once."""
+    single = tp.overrides(strategy="single", world_size=1, accum=2, model="llama", global_batch=8)
+    single += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()] + PADDED_DATA
+    return tp.train(single, 1, tmp_path_factory.mktemp("pp-single") / "single")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule,stages_per_rank", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_pp2_logs_the_loss_and_val_loss_of_one_process(schedule, stages_per_rank, tmp_path):
+def test_pp2_logs_the_loss_and_val_loss_of_one_process(schedule, stages_per_rank, tmp_path, padded_single_run):
     """The loss lives on the last stage; every rank logs the global batch's loss (token mean over
     rows with different numbers of valid labels), and evaluation (the schedule's forward-only path)
     gives the single process's validation loss."""
-    data = ["data.factory=test_pipeline:padded_with_val", "train.eval_every_steps=2", "train.eval_batches=2"]
-    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule=schedule, stages_per_rank=stages_per_rank) + data
-    weights, got = tp.train(items, 2, tmp_path / "pp", timeout=120)
-    single = tp.overrides(strategy="single", world_size=1, accum=2, model="llama", global_batch=8)
-    single += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()] + data
-    want_weights, want = tp.train(single, 1, tmp_path / "single")
+    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule=schedule, stages_per_rank=stages_per_rank)
+    weights, got = tp.train(items + PADDED_DATA, 2, tmp_path / "pp", timeout=120)
+    want_weights, want = padded_single_run
     tp.assert_weights_close(weights, want_weights)  # evaluating between steps changes no gradient
     for key in ("loss", "val_loss"):
         g = [r[key] for r in got if key in r]
@@ -131,6 +107,7 @@ def test_pp2_logs_the_loss_and_val_loss_of_one_process(schedule, stages_per_rank
 
 
 # ------------------------------------------------------------------ the split
+@pytest.mark.fast
 def test_stage_layer_counts():
     assert stage_layer_counts(4, 2) == [2, 2]
     assert stage_layer_counts(5, 2) == [3, 2]
@@ -141,6 +118,7 @@ def test_stage_layer_counts():
         stage_layer_counts(2, 4)
 
 
+@pytest.mark.fast
 def test_stages_keep_plain_names_and_eager_weights():
     """Stages cut from the meta model and materialised one by one hold exactly the eager build's
     tensors under the plain names; together they cover the model once."""
@@ -172,10 +150,7 @@ def test_stages_keep_plain_names_and_eager_weights():
 
 
 # ------------------------------------------------------------------ refusals (before launch, exit 2)
-def _resolve(*items: str, world_size: int = 2):
-    return resolve(load_config(None, ["parallel.device=cpu", *items]), world_size=world_size)
-
-
+@pytest.mark.fast
 @pytest.mark.parametrize(("items", "world", "named"), [
     (("parallel.pp=2", "model.kwargs.n_layers=1"), 2, ["n_layers=1", "pp x pp_stages_per_rank = 2"]),
     (("parallel.pp=2", "parallel.pp_layers=[1,2]"), 2, ["parallel.pp_layers=[1, 2]", "n_layers=4"]),
@@ -201,13 +176,13 @@ def test_pipeline_refusals(items, world, named):
         assert n in str(err.value), (n, str(err.value))
 
 
+@pytest.mark.fast
 def test_pipeline_refusal_exits_2_before_launch(capsys):
-    from test_bad_input import refused
-
     refused(capsys, ["run", "--nproc-per-node", "2", "parallel.pp=2", "model.kwargs.n_layers=1", "log.progress=false"],
             "n_layers=1", "pp x pp_stages_per_rank = 2")
 
 
+@pytest.mark.fast
 def test_pipeline_layout_resolves():
     res = _resolve("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
                    "train.global_batch_size=16", "train.micro_batch_size=4", world_size=4)
@@ -218,22 +193,6 @@ def test_pipeline_layout_resolves():
 
 
 # ------------------------------------------------------------------ resume across layouts
-def dcp_optimizer_state(step_dir: Path) -> dict[str, torch.Tensor]:
-    """`state.<name>.<key>` -> tensor of a DCP checkpoint's optimizer, read without a process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from dptrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
-
-    reader = SafeFileSystemReader(step_dir / "dcp")
-    meta = reader.read_metadata()
-    state = {"optim": {k[len("optim."):]: torch.empty(m.size, dtype=m.properties.dtype)
-                       for k, m in meta.state_dict_metadata.items()
-                       if k.startswith("optim.state.") and isinstance(m, TensorStorageMetadata)}}
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-    return state["optim"]
-
-
 def _loaded_state_rank(rank: int, items: list[str], out_dir: str, resume: str) -> tuple[dict, dict]:
     """(model state, optimizer tensors by `state.<name>.<key>`) of a Trainer right after resuming."""
     import gc
@@ -257,9 +216,6 @@ def _loaded_state_rank(rank: int, items: list[str], out_dir: str, resume: str) -
     return model, optim
 
 
-RESUME = ["optim.momentum=0.9", "checkpoint.every_steps=2", "train.eval_every_steps=0"]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_pipeline_checkpoint_at_dp2_and_single(tmp_path, capsys):
@@ -270,7 +226,7 @@ def test_resume_pipeline_checkpoint_at_dp2_and_single(tmp_path, capsys):
 
     from dptrain.checkpoint.storage import load_full_model_state
     from dptrain.cli.main import main
-    from mp import run_ranks
+    from support.mp import run_ranks
 
     items = pp_items(strategy="ddp", world_size=2, accum=2, schedule="1f1b") + RESUME
     full_run, records = tp.train(items, 2, tmp_path / "pp2", timeout=120)
@@ -305,25 +261,15 @@ def test_resume_pipeline_checkpoint_at_dp2_and_single(tmp_path, capsys):
               f"{tp.max_abs_diff(got, full_run):.3g}")
 
 
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _resume_rank(rank: int, items: list[str], out_dir: str, resume: str) -> dict:
-    from dptrain.train.trainer import Trainer
-
-    return Trainer(load_config(None, items), out_dir=out_dir, resume=resume).fit()
-
-
 def _resume(items: list[str], world: int, out_dir: Path, resume: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from mp import run_ranks
+    from support.mp import run_ranks
 
     if world == 1:
-        _resume_rank(0, items, str(out_dir), str(resume))
+        fit_items(0, items, str(out_dir), str(resume))
     else:
-        run_ranks(_resume_rank, world, items, str(out_dir), str(resume), timeout=120)
+        run_ranks(fit_items, world, items, str(out_dir), str(resume), timeout=120)
     return load_file(str(out_dir / "final" / "model.safetensors"))
 
 
@@ -333,12 +279,12 @@ def _resume(items: list[str], world: int, out_dir: Path, resume: Path) -> dict[s
 def test_watchdog_names_the_rank_the_pipeline_waits_for(tmp_path):
     """pp2: rank 1 (the last stage) sleeps in data loading; rank 0 waits in the schedule's
     send/recv. The watchdog names rank 1 and says where rank 0 waits (phase `pipeline`)."""
-    from diag_helpers import dptrain
+    from support.run_helpers import dptrain
 
     out, mark = tmp_path / "run", tmp_path / "hang-started"
     items = pp_items(strategy="ddp", world_size=2, accum=1, schedule="1f1b")
     items = [i for i in items if not i.startswith(("train.max_steps=", "parallel.timeout_s="))]
-    r = dptrain("run", *items, "train.max_steps=1000", "data.collate=diag_helpers:sleepy_collate",
+    r = dptrain("run", *items, "train.max_steps=1000", "data.collate=support.diag_helpers:sleepy_collate",
                 "diagnostics.hang_timeout_s=3", "--nproc-per-node", "2", "--out", str(out),
                 env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)}, timeout=140)
     assert r.returncode != 0, r.stdout[-2000:]
@@ -356,7 +302,7 @@ def test_resume_dp2_pp2_fsdp_checkpoint_at_pp2_with_another_split(tmp_path):
     """dp2 x pp2 (FSDP2 shards within each stage, layers [2, 2]) -> pp2 with layers [1, 3] and
     gpipe: DCP reshards the stages' shards into the new split; the loaded state is exact."""
     from dptrain.checkpoint.storage import load_full_model_state
-    from mp import run_ranks
+    from support.mp import run_ranks
 
     items = pp_items(strategy="fsdp", world_size=4, accum=1, schedule="1f1b") + RESUME
     tp.train(items, 4, tmp_path / "dp2pp2", timeout=200)

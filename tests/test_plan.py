@@ -17,6 +17,9 @@ from dptrain.metrics import mfu
 from dptrain.models.llama import LlamaConfig, LlamaLM
 from dptrain.tools.plan import memory, timing
 from dptrain.tools.plan.llama import activation_bytes, param_counts
+from support.mp import local_bytes
+
+pytestmark = pytest.mark.fast
 
 CONFIGS = [
     dict(vocab_size=256, dim=64, n_layers=1, n_heads=4),
@@ -191,11 +194,6 @@ def test_alpha_beta_formulas_and_flops_model():
     assert main(["plan", "--gpus", "2", "--interconnect", "carrier-pigeon"]) == 2
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
 def _measure_states(rank: int, strategies: list[str]) -> dict[str, dict[str, int]]:
     """Per strategy, this rank's bytes of parameters, gradients and AdamW state after one step."""
     import torch.distributed as dist
@@ -216,9 +214,9 @@ def _measure_states(rank: int, strategies: list[str]) -> dict[str, dict[str, int
             inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer holds the rank's shard in .optim
             params = list(pm.module.parameters())
             out[strategy] = {
-                "params": sum(_local_bytes(p) for p in params),
-                "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-                "optimizer": sum(_local_bytes(v) for s in inner.state.values() for v in s.values() if v.dim() > 0),
+                "params": sum(local_bytes(p) for p in params),
+                "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+                "optimizer": sum(local_bytes(v) for s in inner.state.values() for v in s.values() if v.dim() > 0),
             }
     finally:
         dist.destroy_process_group()
@@ -227,7 +225,7 @@ def _measure_states(rank: int, strategies: list[str]) -> dict[str, dict[str, int
 
 @pytest.mark.timeout(120)
 def test_model_states_predicted_vs_measured_on_2_ranks():
-    from mp import run_ranks
+    from support.mp import run_ranks
 
     strategies = ["ddp", "zero1", "zero2", "fsdp"]
     measured = run_ranks(_measure_states, 2, strategies, timeout=100)

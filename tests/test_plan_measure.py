@@ -26,11 +26,11 @@ from dptrain.train.optim import build_optimizer
 
 MLP = ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs={"in_dim": 16, "hidden": 48, "depth": 3})
 REGRESSION = DataConfig(factory="dptrain.models.toy:build_regression_data", kwargs={"n": 32})
-CNN = ModelConfig(factory="plan_models:build_cnn", kwargs={})
-IMAGES = DataConfig(factory="plan_models:build_images", kwargs={})
+CNN = ModelConfig(factory="support.plan_models:build_cnn", kwargs={})
+IMAGES = DataConfig(factory="support.plan_models:build_images", kwargs={})
 LLAMA_KW = {"vocab_size": 256, "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32}
 LLAMA = ModelConfig(factory="dptrain.models.llama:build_llama", kwargs=LLAMA_KW)
-TOKENS = DataConfig(factory="plan_models:build_tokens", kwargs={"seq_len": 24})
+TOKENS = DataConfig(factory="support.plan_models:build_tokens", kwargs={"seq_len": 24})
 CASES = {"mlp": (MLP, REGRESSION), "cnn": (CNN, IMAGES), "llama": (LLAMA, TOKENS)}
 
 
@@ -43,6 +43,7 @@ def _real(model_cfg: ModelConfig, data_cfg: DataConfig, *, micro_batch: int, pre
                           seq_len=getattr(train, "seq_len", None))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -62,18 +63,20 @@ def test_fake_measurement_equals_the_real_one(case, precision):
     assert fake.training_flops("full") == fake.flops + fake.block_forward_flops > fake.flops
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
 def test_hugging_face_models_fake_equals_real(name):
     pytest.importorskip("transformers", reason="transformers is not installed (the optional extra)")
     # dict batches with labels (the token rule: num_items_in_batch), tied embeddings, T5's two stacks
-    model_cfg = ModelConfig(factory=f"test_hf_models:tiny_{name}", kwargs={})
-    data_cfg = DataConfig(factory="test_hf_models:hf_batches", kwargs={"seq2seq": name == "t5"})
+    model_cfg = ModelConfig(factory=f"support.hf:tiny_{name}", kwargs={})
+    data_cfg = DataConfig(factory="support.hf:hf_batches", kwargs={"seq2seq": name == "t5"})
     fake = measure_model(model=model_cfg, data=data_cfg, micro_batch=4, precision="bf16")
     assert fake == _real(model_cfg, data_cfg, micro_batch=4, precision="bf16")
     assert fake.units == (4 if name == "t5" else 2) and fake.saved_bytes > 0 and fake.flops > 0
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_llama_measured_equals_the_formulas(precision):
@@ -117,6 +120,7 @@ def _peak_above_start(model: torch.nn.Module, batch) -> int:
     return max(totals) - totals[0]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_llama_activations_match_the_profilers_peak(checkpointing):
@@ -124,7 +128,7 @@ def test_llama_activations_match_the_profilers_peak(checkpointing):
 
     kw = {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4, "max_seq_len": 64}
     model_cfg = ModelConfig(factory="dptrain.models.llama:build_llama", kwargs=kw)
-    prof = measure_model(model=model_cfg, data=DataConfig(factory="plan_models:build_tokens", kwargs={"seq_len": 64}),
+    prof = measure_model(model=model_cfg, data=DataConfig(factory="support.plan_models:build_tokens", kwargs={"seq_len": 64}),
                          micro_batch=4, precision="fp32")
     model = build_model(model_cfg, seed=0)
     apply_activation_checkpointing(model, mode=checkpointing)
@@ -134,6 +138,7 @@ def test_llama_activations_match_the_profilers_peak(checkpointing):
     assert peak >= prof.activation_bytes(checkpointing)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(90)
 def test_a_20b_parameter_model_is_measured_without_allocating():
     proc = psutil.Process(os.getpid())
@@ -175,9 +180,9 @@ def _states_and_activations(rank: int, cases: dict[str, tuple[ModelConfig, DataC
     """Per model and strategy: this rank's bytes of parameters, gradients and AdamW state after
     one real step, and the activations autograd saved in that step's forward."""
     import torch.distributed as dist
-    from test_plan import _local_bytes
 
     from dptrain import api
+    from support.mp import local_bytes
 
     api.init_distributed(device="cpu")
     out = {}
@@ -193,9 +198,9 @@ def _states_and_activations(rank: int, cases: dict[str, tuple[ModelConfig, DataC
                 inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer holds the rank's shard in .optim
                 params = list(pm.module.parameters())
                 out[name, strategy] = {
-                    "params": sum(_local_bytes(p) for p in params),
-                    "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-                    "optimizer": sum(_local_bytes(v) for s in inner.state.values() for v in s.values() if v.dim() > 0),
+                    "params": sum(local_bytes(p) for p in params),
+                    "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+                    "optimizer": sum(local_bytes(v) for s in inner.state.values() for v in s.values() if v.dim() > 0),
                     "activations": saved,
                 }
                 pm.release()
@@ -210,7 +215,7 @@ MEASURED_CASES = {"mlp": (MLP, REGRESSION, STRATEGIES), "cnn": (CNN, IMAGES, STR
 
 @pytest.mark.timeout(150)
 def test_measured_model_memory_predicted_vs_measured_on_2_ranks():
-    from mp import run_ranks
+    from support.mp import run_ranks
 
     measured = run_ranks(_states_and_activations, 2, MEASURED_CASES, 4, timeout=130)
     for name, (model_cfg, data_cfg, strategies) in MEASURED_CASES.items():
@@ -228,6 +233,7 @@ def test_measured_model_memory_predicted_vs_measured_on_2_ranks():
                 assert mem["optimizer"] == max(measured[r][name, strategy]["optimizer"] for r in range(2))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_profile_step_time_follows_the_alpha_beta_rules():
     prof = measure_model(model=MLP, data=REGRESSION, micro_batch=4, precision="bf16")
@@ -254,6 +260,7 @@ MLP_ARGS = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={in_dim:
             "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={n: 64}"]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_cli_reports_a_measured_model_and_names_a_broken_factory(capsys):
     assert main(["plan", "--gpus", "2", "--gpu-type", "L40S", *MLP_ARGS, "parallel.strategy=fsdp",
@@ -273,12 +280,12 @@ def test_cli_reports_a_measured_model_and_names_a_broken_factory(capsys):
     t = timing.profile_step_time(prof, lay, specs.gpu_spec("L40S"), gpus=2, nodes=1, interconnect="ib", accum=2,
                                  efficiency=0.4)
     assert f"step {t['step']:.4g} s" in out
-    assert main(["plan", "--gpus", "2", "model.factory=bad_factories:raising_model", "model.kwargs={}",
+    assert main(["plan", "--gpus", "2", "model.factory=support.bad_factories:raising_model", "model.kwargs={}",
                  *MLP_ARGS[2:]]) == 2
     err = capsys.readouterr().err
-    assert "'bad_factories:raising_model'" in err and "user bug: cannot build 4 layers" in err
+    assert "'support.bad_factories:raising_model'" in err and "user bug: cannot build 4 layers" in err
     assert main(["plan", "--gpus", "2", *MLP_ARGS, "parallel.strategy=fsdp", "parallel.tp=2"]) == 2
     assert "tp=2" in capsys.readouterr().err
-    with pytest.raises(MeasureError, match="data.factory 'bad_factories:raising_data'"):
-        measure_model(model=MLP, data=DataConfig(factory="bad_factories:raising_data", kwargs={}), micro_batch=2,
+    with pytest.raises(MeasureError, match="data.factory 'support.bad_factories:raising_data'"):
+        measure_model(model=MLP, data=DataConfig(factory="support.bad_factories:raising_data", kwargs={}), micro_batch=2,
                       precision="fp32")

@@ -4,10 +4,8 @@ presets' published parameter counts, bad input."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +23,8 @@ from dptrain.tools.plan.llama import param_counts
 from dptrain.tools.plan.memory import GB, layout_memory
 from dptrain.tools.plan.recommend import load_plan_config
 from dptrain.tools.plan.timing import step_time
+from support import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.kwargs.dim=32", "model.kwargs.n_layers=2", "model.kwargs.n_heads=2", "model.kwargs.max_seq_len=32",
         "data.kwargs.seq_len=32", "train.global_batch_size=8", "train.log_every_steps=1", "train.eval_every_steps=0",
         "train.eval_batches=1"]
@@ -38,6 +36,7 @@ def _search(cfg, model, spec, *, gpus, nodes=1, global_batch):
                          seq=seq, efficiency=DEFAULT_EFFICIENCY), seq
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_search_ranks_by_predicted_time_and_lists_layout_memory():
     cfg = load_config(None, ["precision.dtype=bf16"])
@@ -62,6 +61,7 @@ def test_search_ranks_by_predicted_time_and_lists_layout_memory():
                                                                   for r in result.ranked)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_rejections_name_the_memory_or_dptrains_own_message():
     p = presets.preset("llama2-7b")
@@ -93,7 +93,7 @@ def test_rejections_name_the_memory_or_dptrains_own_message():
 @pytest.mark.timeout(300)
 def test_write_recipe_is_trained_by_dptrain_run(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = subprocess_env(tests=False)
     argv = ["plan", *TINY, "optim.lr=0.002", "train.max_steps=2", "--gpus", "2", "--gpu-type", "A100-40GB",
             "--write", str(recipe)]
     assert main(argv) == 0
@@ -126,7 +126,7 @@ def test_presets_have_the_published_parameter_counts():
     assert sum(t.numel() for t in llama3.parameters()) == 8_030_261_248
     code = ("import sys, dptrain.tools.plan.presets, dptrain.tools.plan.search, dptrain.tools.plan.recommend, dptrain.cli.plan; "
             "assert 'torch' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env(tests=False))
 
 
 @pytest.mark.timeout(60)
@@ -141,6 +141,7 @@ def test_model_preset_is_the_lowest_layer(tmp_path):
     assert cfg.train.global_batch_size == 64
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_bad_input_exits_2_naming_the_value(capsys, tmp_path):
     cases = [
@@ -160,6 +161,7 @@ def test_bad_input_exits_2_naming_the_value(capsys, tmp_path):
         assert all(n in err for n in names), (argv, err)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_the_issues_llama7b_layout_is_accepted_and_reported_as_the_search_ranks_it(capsys):
     # DP8 x PP4 x TP2 fsdp + cpu_offload on 64 H100s (8 x 8): the single-layout report and the search agree

@@ -17,6 +17,8 @@ from dptrain.tools.plan import calibrate, predict, timing
 from dptrain.tools.plan.llama import param_counts, param_shapes
 from dptrain.tools.plan.memory import Layout
 
+pytestmark = pytest.mark.fast
+
 SIZES = [4 * 2**10 * 4**i for i in range(8)]
 
 

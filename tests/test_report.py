@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.config.load import load_config
-from mp import run_ranks
+from support import subprocess_env
+from support.mp import run_ranks
+from support.parity import fit_items
 
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (the optional extra: pip install 'dptrain[report]')")
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ROOT = Path(__file__).resolve().parents[1]
 SLOW_S = 0.03
 FIGURES = ("loss", "lr", "throughput", "step_time", "split", "memory", "events")
 
@@ -46,16 +46,10 @@ def rank1_slow_loss(model, batch):
     return model(batch)
 
 
-def _fit_rank(rank: int, out_dir: str) -> dict:
-    from dptrain.train.trainer import Trainer
-
-    return Trainer(load_config(None, ITEMS), out_dir=out_dir).fit()
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("report") / "run"
-    run_ranks(_fit_rank, 2, str(out), timeout=200)
+    run_ranks(fit_items, 2, ITEMS, str(out), timeout=200)
     # A restart record as a restarted rank 0 writes it (the previous attempt's progress files).
     from dptrain.checkpoint.attempts import ProgressFile, report_restart
 
@@ -152,6 +146,7 @@ def test_report_of_a_run_still_going(run_dir: Path, tmp_path: Path) -> None:
     _assert_loads(_open_in_chromium(page, tmp_path), set(FIGURES))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_report_of_a_run_that_has_written_nothing_yet(tmp_path: Path) -> None:
     from dptrain.tools.report import build_report
@@ -164,6 +159,7 @@ def test_report_of_a_run_that_has_written_nothing_yet(tmp_path: Path) -> None:
     assert "last recorded step 0" in text
 
 
+@pytest.mark.fast
 def test_read_jsonl_skips_a_half_written_line(tmp_path: Path) -> None:
     from dptrain.tools.report.read import read_jsonl
 
@@ -173,6 +169,7 @@ def test_read_jsonl_skips_a_half_written_line(tmp_path: Path) -> None:
     assert records == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": None, "loss_nonfinite": "nan"}] and bad == 2
 
 
+@pytest.mark.fast
 def test_cli_report_errors(tmp_path: Path, monkeypatch, capsys) -> None:
     from dptrain.cli.main import main
 
@@ -189,7 +186,7 @@ def test_cli_report_errors(tmp_path: Path, monkeypatch, capsys) -> None:
 
 @pytest.mark.timeout(300)
 def test_cli_report_on_the_run(run_dir: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env(tests=False)
     proc = subprocess.run([sys.executable, "-m", "dptrain", "report", str(run_dir), "--out", str(tmp_path / "r")],
                           capture_output=True, text=True, timeout=100, env=env)
     assert proc.returncode == 0, proc.stderr

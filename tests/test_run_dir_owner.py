@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from dptrain.checkpoint import manifest as mf
+from support import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
        "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
        "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every_steps=1",
        "train.eval_every_steps=0", "log.progress=false"]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+ENV = subprocess_env(tests=False)
 
 
 def command(out: Path, *overrides: str) -> list[str]:

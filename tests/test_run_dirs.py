@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import subprocess_env
-from test_checkpoint_e2e import TOY, dptrain, logged_steps, losses, wait_for_step, weights
 
 from dptrain.checkpoint import manifest as mf
-
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
+from support.run_helpers import SLOW_TOY as TOY
+from support.run_helpers import dptrain, logged_steps, losses, subprocess_env, wait_for_step, weights
 
 
 def start(out: Path, *overrides: str) -> subprocess.Popen:
@@ -36,12 +35,9 @@ def ctrl_c(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground process group
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("rundirs") / "ref"
-    r = dptrain("run", *TOY, "--nproc-per-node", "2", "--out", str(out), timeout=150)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+@pytest.fixture
+def reference(slow_toy_reference: Path) -> Path:
+    return slow_toy_reference  # conftest.py: one uninterrupted run, shared with the other end-to-end tests
 
 
 # ---------------------------------------------------------------------- Ctrl-C
@@ -149,7 +145,7 @@ def test_explicit_resume_of_a_run_dir_whose_checkpoints_are_all_corrupt_is_exit_
 def test_a_failed_start_leaves_no_config_and_the_corrected_command_runs(tmp_path):
     out = tmp_path / "run"
     # a loss that only the workers can judge: a per-sample vector
-    r = dptrain("run", *TOY, "train.loss=bad_losses:per_sample_loss", "--nproc-per-node", "2", "--out", str(out))
+    r = dptrain("run", *TOY, "train.loss=support.bad_losses:per_sample_loss", "--nproc-per-node", "2", "--out", str(out))
     assert r.returncode == 2, r.stderr[-3000:]
     assert "returned a loss of shape (2,), not a scalar" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("not a scalar") == 1  # one line, not one per rank
@@ -162,7 +158,7 @@ def test_a_failed_start_leaves_no_config_and_the_corrected_command_runs(tmp_path
 @pytest.mark.timeout(150)
 def test_a_loss_that_is_nan_from_the_first_step_is_reported_loudly_with_nonfinite_off(tmp_path):
     out = tmp_path / "run"
-    r = dptrain("run", *TOY, "train.loss=bad_losses:nan_loss", "train.max_steps=3", "diagnostics.nonfinite=off",
+    r = dptrain("run", *TOY, "train.loss=support.bad_losses:nan_loss", "train.max_steps=3", "diagnostics.nonfinite=off",
                 "--nproc-per-node", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "WARNING: the loss is nan at step 1" in r.stderr, r.stderr[-3000:]  # log.progress=false: on stderr

@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from run_helpers import subprocess_env
-from test_checkpoint_e2e import TOY, logged_steps
 
 from dptrain.config.load import load_config
 from dptrain.tools.deploy.slurm import CONFIG_NAME
+from support import ROOT
+from support.run_helpers import SLOW_TOY as TOY
+from support.run_helpers import logged_steps, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel")
 
 
@@ -225,6 +225,7 @@ def _simulate(tmp_path: Path, *, exit_code: int, sleep: float = 0, term_batch_af
     return proc.returncode, output, log, out
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_simulated_two_nodes_one_dptrain_per_node_rendezvous_on_the_first(tmp_path):
     rc, output, log, out = _simulate(tmp_path, exit_code=0)
@@ -241,6 +242,7 @@ def test_simulated_two_nodes_one_dptrain_per_node_rendezvous_on_the_first(tmp_pa
     assert not Path(f"{log}.scontrol").exists(), "a finished job is not requeued"
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("exit_code, requeued", [(143, True), (1, False), (2, False)])
 def test_simulated_exit_143_requeues_other_failures_do_not(tmp_path, exit_code, requeued):

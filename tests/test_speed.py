@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from dptrain.config import ConfigError, resolve
 from dptrain.config.load import load_config
 from dptrain.train.trainer import Trainer
-from mp import run_ranks
+from support import ROOT
+from support.mp import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.kwargs.dim=32", "model.kwargs.n_layers=2", "model.kwargs.n_heads=2", "model.kwargs.max_seq_len=16",
         "data.kwargs.seq_len=16", "data.num_workers=0", "optim.name=sgd", "optim.lr=0.5", "optim.weight_decay=0",
         "optim.warmup_steps=0", "optim.schedule=constant", "train.max_steps=3", "train.log_every_steps=1",
@@ -113,6 +113,7 @@ def test_prefetch_targets_are_the_next_and_previous_blocks() -> None:
     assert bwd == [[], [0], [1], [2]]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("value,message", [
     ("0-2", "first step must be >= 1"), ("5-3", "not after the last"), ("a-b", 'write it as "A-B"'),
     ("3-", 'write it as "A-B"'), ("2-9", "ends after train.max_steps=5"), ("1-2-3", 'write it as "A-B"'),
@@ -123,6 +124,7 @@ def test_profile_steps_refused_before_launch(value: str, message: str) -> None:
     assert "diagnostics.profile_steps" in str(e.value)
 
 
+@pytest.mark.fast
 def test_profile_steps_accepts_a_range_and_one_step() -> None:
     from dptrain.config.speed_checks import parse_profile_steps
 
@@ -158,6 +160,7 @@ def test_profile_writes_a_trace_per_rank_and_the_table(tmp_path: Path, capsys: p
     assert summary["profile"]["communication_share"] == pytest.approx(prof["communication_share"])
 
 
+@pytest.mark.fast
 def test_communication_names() -> None:
     from dptrain.diagnostics.profiler import is_communication
 
@@ -168,6 +171,7 @@ def test_communication_names() -> None:
         assert not is_communication(name), name
 
 
+@pytest.mark.fast
 def test_prefetch_factor_needs_workers() -> None:
     with pytest.raises(ConfigError, match=r"data.prefetch_factor=4 needs data.num_workers > 0"):
         resolve(load_config(None, ["data.prefetch_factor=4", "data.num_workers=0"]), world_size=2)
@@ -176,6 +180,7 @@ def test_prefetch_factor_needs_workers() -> None:
     resolve(load_config(None, ["data.prefetch_factor=4", "data.num_workers=2"]), world_size=2)
 
 
+@pytest.mark.fast
 def test_loader_gets_the_worker_settings() -> None:
     from dptrain.data import GlobalBatchSampler, build_dataloader
 
@@ -189,6 +194,7 @@ def test_loader_gets_the_worker_settings() -> None:
         build_dataloader(ds, sampler=sampler, num_workers=0, prefetch_factor=3)  # type: ignore[arg-type]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("items,message", [
     (["parallel.strategy=fsdp", "parallel.reshard_after_forward=2"], "dp_shard=2 has none, so use true or false"),
     (["parallel.strategy=fsdp", "parallel.reshard_after_forward=3"], "valid sizes at dp_shard=8: 2, 4"),
@@ -202,12 +208,14 @@ def test_fsdp_tuning_refusals(items: list[str], message: str) -> None:
         resolve(load_config(None, items), world_size=world)
 
 
+@pytest.mark.fast
 def test_reshard_after_forward_int_resolves_at_four_ranks() -> None:
     res = resolve(load_config(None, ["parallel.strategy=fsdp", "parallel.reshard_after_forward=2"]), world_size=4)
     assert res.dims.dp_shard == 4
     assert load_config(None, ["parallel.reshard_after_forward=true"]).parallel.reshard_after_forward is True
 
 
+@pytest.mark.fast
 def test_compile_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="train.compile_backend='tvm' is not valid; choose one of: inductor"):
         resolve(load_config(None, ["train.compile_backend=tvm"]), world_size=2)

@@ -15,6 +15,7 @@ joins a gloo thread that is waiting for the GIL). The rank function deletes the 
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import pytest
@@ -26,7 +27,7 @@ from dptrain.distributed.env import DistEnv
 from dptrain.distributed.process_group import destroy_process_group, init_process_group
 from dptrain.models.toy import build_mlp, build_regression_data
 from dptrain.parallel import apply_strategy, clip_grad_norm_, is_sharded, sync_gradients, unwrap
-from mp import run_ranks
+from support.mp import run_ranks
 
 SEED = 7
 WORLD = 2
@@ -137,10 +138,17 @@ def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 STRATEGIES = ["ddp", "zero2", "fsdp"]
 
 
+@functools.cache
+def no_sync_run(strategy: str) -> list[dict]:
+    """One 2-rank run per strategy (no-sync micro-steps, then a synchronised one, then the clip),
+    shared by the two tests that read it: it is the same run, and a run costs a fork of 2 ranks."""
+    return run_ranks(_rank_fn, WORLD, strategy, False, timeout=30)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_no_sync_accumulates_locally_then_sync_averages(strategy):
-    results = run_ranks(_rank_fn, WORLD, strategy, False, timeout=30)
+    results = no_sync_run(strategy)
     assert [r["sharded"] for r in results] == [strategy != "ddp"] * WORLD
 
     # Under no-sync: nothing was reduced, every rank holds only its own micro-batch's gradient.
@@ -173,7 +181,7 @@ def test_sync_each_micro_step_gives_the_same_gradients(strategy):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_clip_grad_norm_is_global(strategy):
-    results = run_ranks(_rank_fn, WORLD, strategy, False, timeout=30)
+    results = no_sync_run(strategy)
     want = {n: g / WORLD for n, g in reference_grads([(r, k) for r in range(WORLD) for k in range(ACCUM)]).items()}
     ref_norm = total_norm(want)
     assert ref_norm > 10 * MAX_NORM, "the clip must be active for this test to mean anything"
@@ -227,7 +235,7 @@ def test_run_ranks_reports_every_failing_rank_and_kills_the_hung_one(tmp_path, m
     import os
     import time
 
-    from mp import RankError
+    from support.mp import RankError
 
     monkeypatch.setenv("DPTRAIN_TEST_NATIVE_STACKS", "0")  # gdb would take seconds per rank
     t0 = time.monotonic()
@@ -248,7 +256,7 @@ def test_run_ranks_reports_every_failing_rank_and_kills_the_hung_one(tmp_path, m
 def test_run_ranks_timeout_kills_all_ranks(monkeypatch):
     import time
 
-    from mp import RankError
+    from support.mp import RankError
 
     monkeypatch.setenv("DPTRAIN_TEST_NATIVE_STACKS", "0")
     t0 = time.monotonic()

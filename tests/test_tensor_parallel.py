@@ -2,8 +2,8 @@
 and checkpoints that move between tensor-parallel and data-parallel layouts.
 
 Each rung trains the tiny LLaMA of the parity ladder with plain SGD on forked gloo ranks
-(`tests/mp.py`) and compares the final weights with the single-process reference of
-`tests/test_parity.py`, at the DP rungs' tolerance (rtol 1e-5, atol 1e-6), and the logged
+(`tests/support/mp.py`) and compares the final weights with the single-process reference of
+`tests/support/parity.py`, at the DP rungs' tolerance (rtol 1e-5, atol 1e-6), and the logged
 gradient norm with the reference's at every step. A tp rank group shares its dp rank's batch, so
 the global batch is split over dp only.
 """
@@ -16,35 +16,14 @@ import warnings
 from pathlib import Path
 
 import pytest
-import test_parity as tp
 import torch
-from test_bad_input import refused
+
+from support import parity as tp
+from support.checkpoints import assert_restored_exactly, fit_capturing
+from support.cli import refused
+from support.parity import GLOBAL, tp_case
 
 warnings.filterwarnings("ignore", message=".*sequential all_(reduce|gather).*")
-
-GLOBAL = 8
-# rung -> (strategy, data-parallel degree, world size)
-RUNGS = {"tp2": ("ddp", 1, 2), "dp2xtp2": ("ddp", 2, 4), "fsdp2xtp2": ("fsdp", 2, 4), "zero2xtp2": ("zero2", 2, 4)}
-
-
-def tp_items(rung: str, accum: int, *extra: str, model: str = "llama", grad_clip: float | None = None) -> list[str]:
-    strategy, dp, _ = RUNGS[rung]
-    return [*tp.overrides(strategy=strategy, world_size=dp, accum=accum, model=model, global_batch=GLOBAL,
-                          grad_clip=grad_clip), "parallel.tp=2", *extra]
-
-
-def tp_case(rung: str, accum: int, tmp_path: Path, *extra: str, model: str = "llama",
-            grad_clip: float | None = None) -> float:
-    """Train one rung; assert weights and per-step gradient norms match the reference; return max |dw|."""
-    world = RUNGS[rung][2]
-    got, records = tp.train(tp_items(rung, accum, *extra, model=model, grad_clip=grad_clip), world, tmp_path,
-                            timeout=150)
-    want, norms = tp.reference(model, global_batch=GLOBAL, grad_clip=grad_clip)
-    assert [r["step"] for r in records if "loss" in r] == list(range(1, tp.STEPS + 1))
-    tp.assert_weights_close(got, want)
-    assert [r["grad_norm"] for r in records if "grad_norm" in r] == pytest.approx(norms, rel=1e-4)
-    return tp.max_abs_diff(got, want)
-
 
 # ------------------------------------------------------------------ the parity ladder
 @pytest.mark.timeout(120)
@@ -63,8 +42,7 @@ def test_dp_times_tp_matches_reference(rung, accum, tmp_path):
     drift = ("diagnostics.drift_every_steps=1",) if rung == "dp2xtp2" else ()
     tp_case(rung, accum, tmp_path, *drift)
     if drift:
-        checks = [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
-        assert [c["ok"] for c in checks if c["kind"] == "drift"] == [True] * tp.STEPS
+        tp.assert_no_drift(tmp_path)
 
 
 @pytest.mark.timeout(120)
@@ -114,9 +92,9 @@ def test_fp16_under_tp_stays_close_to_fp32(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_users_own_plan_matches_reference(tmp_path):
-    """parallel.tp_plan: the toy MLP split by the user's function (tests/tp_plans.py)."""
+    """parallel.tp_plan: the toy MLP split by the user's function (tests/support/tp_plans.py)."""
     got, _ = tp.train([*tp.overrides(strategy="ddp", world_size=1, accum=2, global_batch=GLOBAL),
-                       "parallel.tp=2", "parallel.tp_plan=tp_plans:mlp_plan"], 2, tmp_path, timeout=100)
+                       "parallel.tp=2", "parallel.tp_plan=support.tp_plans:mlp_plan"], 2, tmp_path, timeout=100)
     want, _ = tp.reference("mlp", global_batch=GLOBAL)
     tp.assert_weights_close(got, want)
 
@@ -141,6 +119,7 @@ TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
        "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}"]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("overrides", "named"), [
     (["model.kwargs.n_heads=3", "model.kwargs.dim=48"], ["model.kwargs.n_heads=3 is not divisible by parallel.tp=2"]),
@@ -153,7 +132,7 @@ TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
     (["parallel.strategy=zero1"], ["parallel.strategy='zero1' with parallel.tp=2 is refused", "zero2"]),
     (TOY, ["ToyMLP has no tensor-parallel plan", "parallel.tp_plan=pkg.mod:fn"]),
     (["parallel.tp_plan=nosuch.mod:fn"], ["parallel.tp_plan='nosuch.mod:fn' cannot be used", "nosuch"]),
-    (["parallel.tp_plan=tp_plans:not_callable"], ["parallel.tp_plan='tp_plans:not_callable'", "not callable"]),
+    (["parallel.tp_plan=support.tp_plans:not_callable"], ["parallel.tp_plan='support.tp_plans:not_callable'", "not callable"]),
     (["parallel.tp_plan=no_import_path"], ["parallel.tp_plan='no_import_path' is not an import path"]),
     (["parallel.tp=3", "--nproc-per-node", "3"], ["model.kwargs.n_heads=4 is not divisible by parallel.tp=3"]),
 ])
@@ -163,6 +142,7 @@ def test_tp_refusals_before_launch(capsys, tmp_path, overrides, named):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_sequence_length_is_not_checked_without_sequence_parallelism(tmp_path):
     from dptrain.config.load import load_config
@@ -175,7 +155,7 @@ def test_sequence_length_is_not_checked_without_sequence_parallelism(tmp_path):
 
 # ------------------------------------------------------------------ checkpoints across layouts
 LLAMA = [f"model.kwargs.{k}={v}" for k, v in tp.LLAMA_KWARGS.items()] + [
-    "data.factory=test_parity:tiny_tokens", *(f"data.kwargs.{k}={v}" for k, v in tp.TOKENS_KWARGS.items()),
+    "data.factory=support.parity:tiny_tokens", *(f"data.kwargs.{k}={v}" for k, v in tp.TOKENS_KWARGS.items()),
     "model.factory=dptrain.models.llama:build_llama", "optim.name=sgd", "optim.momentum=0.9", "optim.weight_decay=0.1"]
 LAYOUTS = {  # name -> (world size, overrides)
     "tp2": (2, ["parallel.strategy=ddp", "parallel.tp=2"]),
@@ -188,13 +168,11 @@ LAYOUTS = {  # name -> (world size, overrides)
 
 
 def _fit_capturing(rank, out, overrides, what):
-    from test_checkpoint import fit_capturing
-
     return fit_capturing(rank, out, [*LLAMA, *overrides], what)
 
 
 def _capture_run(layout: str, run: Path, steps: int, what: str) -> None:
-    from mp import run_ranks
+    from support.mp import run_ranks
 
     world, over = LAYOUTS[layout]
     run_ranks(_fit_capturing, world, run, [f"train.max_steps={steps}", "checkpoint.every_steps=3", *over], what,
@@ -224,14 +202,7 @@ def test_resume_across_tp_layouts_restores_model_and_optimizer_exactly(request, 
     else:
         _capture_run(before, run, 3, "saved")
     _capture_run(after, run, 5, "loaded")
-    saved, loaded = (torch.load(run / f"{w}_3.pt", weights_only=True) for w in ("saved", "loaded"))
-    assert saved["model"].keys() == loaded["model"].keys()
-    for k in saved["model"]:
-        assert torch.equal(saved["model"][k], loaded["model"][k]), k
-    s_state, l_state = saved["optim"]["state"], loaded["optim"]["state"]
-    assert s_state.keys() == l_state.keys() and len(s_state) > 0
-    for name in s_state:
-        assert torch.equal(s_state[name]["momentum_buffer"], l_state[name]["momentum_buffer"]), name
+    assert_restored_exactly(run, 3, ("momentum_buffer",))
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sorted({s for s in steps if s}) == [1, 2, 3, 4, 5]
 
@@ -262,12 +233,12 @@ def test_a_rank_asleep_is_named_while_its_tp_partner_waits_in_a_tp_collective(tm
     blocks in the forward's first tensor-parallel collective; the watchdog names rank 1."""
     import re
 
-    from diag_helpers import TP_LLAMA, dptrain
-
     from dptrain.diagnostics.watchdog import EXIT_HANG
+    from support.diag_helpers import TP_LLAMA
+    from support.run_helpers import dptrain
 
     out, mark = tmp_path / "run", tmp_path / "hang-started"
-    r = dptrain("run", *TP_LLAMA, "train.max_steps=1000", "train.loss=diag_helpers:sleepy_loss", "parallel.tp=2",
+    r = dptrain("run", *TP_LLAMA, "train.max_steps=1000", "train.loss=support.diag_helpers:sleepy_loss", "parallel.tp=2",
                 "diagnostics.hang_timeout_s=3", "--nproc-per-node", "2", "--out", str(out),
                 env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)})
     assert r.returncode == EXIT_HANG or f"exit {EXIT_HANG}" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
@@ -286,13 +257,14 @@ def test_hf_llama_split_by_its_own_plan_matches_reference(tmp_path):
     """LlamaForCausalLM under tp2 through its `config.base_model_tp_plan` (translated into PyTorch's
     Colwise/RowwiseParallel) matches one plain process, as its ddp rung in test_hf_models.py does."""
     pytest.importorskip("transformers")
-    import test_hf_models as hf
+    from support import hf
 
     items = [*hf.overrides("llama", "ddp"), "parallel.tp=2", "train.micro_batch_size=8"]
     got, _ = tp.train(items, 2, tmp_path, timeout=140)
     tp.assert_weights_close(got, hf.reference("llama"))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_hf_shapes_that_cannot_be_split_are_refused():
     transformers = pytest.importorskip("transformers")

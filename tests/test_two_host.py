@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import TOY_RUN, subprocess_env
 
 from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason
+from support import ROOT
+from support.run_helpers import TOY_RUN, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster: {REASON}")
 TOY = [*TOY_RUN, "train.max_steps=4", "--nproc-per-node", "1"]
@@ -62,8 +62,12 @@ def test_cluster_is_removed_on_exit():
 
 @pytest.mark.timeout(200)
 def test_two_host_benchmark_runs():
+    """The script end to end on two of its variants (raw DDP, the reference, and one compression): each
+    variant is a two-node run of its own, and the compressions themselves are tested in test_compression."""
     r = subprocess.run([sys.executable, "benchmarks/two_host.py", "--rates", "100mbit", "--steps", "3", "--warmup", "1",
-                        "--rounds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=190,
-                       env=subprocess_env(tests=False))
+                        "--rounds", "1", "--variant", "raw-ddp=parallel.strategy=ddp",
+                        "--variant", "fp16=parallel.strategy=ddp,parallel.grad_compression=fp16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=190, env=subprocess_env(tests=False))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| 100mbit | raw-ddp |" in r.stdout and "1.00x" in r.stdout
+    assert "| 100mbit | fp16 |" in r.stdout and "powersgd" not in r.stdout

@@ -48,6 +48,7 @@ def _records(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("rank", [0, 1])
 def test_watchdog_death_is_said_and_recorded(tmp_path, monkeypatch, rank):
     diag, said = _start(tmp_path, monkeypatch, rank=rank)

@@ -5,17 +5,12 @@ variables, which torchrun passes on to its workers)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import torch
 from torch import nn
-
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
 
 TOY = [
     "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
@@ -29,14 +24,6 @@ TP_LLAMA = [  # the built-in LM, tiny, splittable over tp = 2
     "train.global_batch_size=4", "train.micro_batch_size=4", "train.log_every_steps=2", "train.eval_every_steps=0",
     "optim.name=sgd", "optim.lr=0.05", "optim.warmup_steps=0",
 ]
-
-
-def dptrain(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m dptrain ARGS` with this checkout's src/ and tests/ importable in every worker."""
-    path = os.pathsep.join([str(ROOT / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")])
-    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "dptrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=ROOT)
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:

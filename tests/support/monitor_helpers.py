@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mp import find_free_port
+from support.mp import find_free_port
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 SCRAPE_S = 2  # scrape interval and timeout: a loaded machine can take over a second to answer

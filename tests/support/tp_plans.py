@@ -1,4 +1,4 @@
-"""A user's own tensor-parallel plan (`parallel.tp_plan=tp_plans:mlp_plan`) for the toy MLP of the tests."""
+"""A user's own tensor-parallel plan (`parallel.tp_plan=support.tp_plans:mlp_plan`) for the toy MLP of the tests."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankError", "find_free_port", "run_ranks", "DIST_ENV_VARS"]
+__all__ = ["RankError", "find_free_port", "run_ranks", "in_group", "local_bytes", "DIST_ENV_VARS"]
 
 # Variables the harness sets in the children; the parent must never carry them (see conftest).
 DIST_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
@@ -256,3 +256,27 @@ def _collect(
             msg += f"\n\n===== rank {rank}: killed while running; its stacks =====\n{st}"
         raise RankError(msg, failed=failed, timed_out=timed_out, killed=killed)
     return results
+
+
+# ------------------------------------------------------------------ inside a rank
+def in_group(fn: Callable[[], Any]) -> Any:
+    """Run fn() inside this rank's process group; free what fn made before the group goes."""
+    import gc
+
+    import torch
+
+    from dptrain.distributed.env import DistEnv
+    from dptrain.distributed.process_group import destroy_process_group, init_process_group
+
+    init_process_group(DistEnv.from_env(), backend="gloo", device=torch.device("cpu"), timeout_s=60)
+    try:
+        return fn()
+    finally:
+        gc.collect()
+        destroy_process_group()
+
+
+def local_bytes(t: Any) -> int:
+    """Bytes this rank holds of a tensor or a DTensor (its local shard)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()

@@ -30,7 +30,7 @@ def test_defaults_are_valid_and_the_watchdog_fires_before_the_collective_timeout
         ("diagnostics.max_consecutive_skips=0", "diagnostics.max_consecutive_skips=0 is not valid; it must be an integer >= 1"),
         ("diagnostics.memory_window=2", "diagnostics.memory_window=2 is not valid; it must be an integer >= 3"),
         ("diagnostics.straggler_margin=0", "diagnostics.straggler_margin=0.0 is not valid; it must be a finite number > 0"),
-        ("diagnostics.hang_timeout_s=-5", "diagnostics.hang_timeout_s=-5.0 is not valid; it must be a finite number in [0, "),
+        ("diagnostics.hang_timeout_s=-5", "diagnostics.hang_timeout_s=-5.0 is not valid; it must be a finite number in \\[0, "),
         ("diagnostics.hang_timeout_s=700", "diagnostics.hang_timeout_s=700 must be below parallel.timeout_s=600"),
     ],
 )

@@ -138,7 +138,8 @@ TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
 ])
 def test_tp_refusals_before_launch(capsys, tmp_path, overrides, named):
     over = overrides if any(o.startswith("parallel.tp=") for o in overrides) else ["parallel.tp=2", *overrides]
-    refused(capsys, ["run", *BUILTIN, *over, "--out", str(tmp_path / "r")], *named)
+    base = BUILTIN[:-2] if "--nproc-per-node" in over else BUILTIN  # an option is given once
+    refused(capsys, ["run", *base, *over, "--out", str(tmp_path / "r")], *named)
     assert not (tmp_path / "r").exists()
 
 

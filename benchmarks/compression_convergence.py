@@ -8,7 +8,8 @@ stdlib corpus, AdamW, global batch 32) on 2 gloo ranks for `--steps` optimizer s
 of the steps, as torch's documentation suggests. The losses are deterministic (the same seed, data
 order and reduction order), so the variants may run side by side (`--jobs`): load changes their
 speed, never their numbers. A finished variant's run directory is reused (`dptrain run` on a
-finished run exits at once), so an interrupted benchmark continues where it stopped. bf16 is not run: its DDP hook needs NCCL.
+finished run exits at once), so an interrupted benchmark continues where it stopped. bf16 is not run:
+its DDP hook needs NCCL.
 
 Prints a Markdown table: final train loss (mean of the last logging window), final validation
 loss, their relative difference to none, and the bytes each rank hands to collectives per step
@@ -34,8 +35,15 @@ def variants(steps: int) -> dict[str, tuple[str, int, list[str]]]:
     start = max(WARMUP, steps // 10)
 
     def psgd(rank: int, begin: int) -> tuple[str, int, list[str]]:
-        return ("powersgd", rank, ["parallel.grad_compression=powersgd", f"parallel.powersgd_rank={rank}",
-                                   f"parallel.powersgd_start_step={begin}"])
+        return (
+            "powersgd",
+            rank,
+            [
+                "parallel.grad_compression=powersgd",
+                f"parallel.powersgd_rank={rank}",
+                f"parallel.powersgd_start_step={begin}",
+            ],
+        )
 
     def ob(begin: int) -> tuple[str, int, list[str]]:
         return ("onebit", 1, ["parallel.grad_compression=onebit", f"parallel.onebit_start_step={begin}"])
@@ -74,16 +82,29 @@ def bytes_per_step(name: str, rank: int) -> int:
         return numel * 2
     if name == "onebit":
         return onebit.payload_bytes(numel, len(params), 4)
-    p, q, uncompressed = _compressed_pieces([str(i) for i in range(len(params))], [x.shape for x in params],
-                                            rank=rank, min_rate=2)
+    p, q, uncompressed = _compressed_pieces(
+        [str(i) for i in range(len(params))], [x.shape for x in params], rank=rank, min_rate=2
+    )
     return (uncompressed + sum(n for _, n in p) + sum(n for _, n in q)) * 4
 
 
 def run(name: str, overrides: list[str], *, steps: int, out: Path) -> dict:
     run_dir = out / name.replace(" ", "-").replace(",", "")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "dptrain", "run", f"train.max_steps={steps}", "log.progress=false",
-           "checkpoint.every_steps=0", *overrides, "--nproc-per-node", "2", "--out", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dptrain",
+        "run",
+        f"train.max_steps={steps}",
+        "log.progress=false",
+        "checkpoint.every_steps=0",
+        *overrides,
+        "--nproc-per-node",
+        "2",
+        "--out",
+        str(run_dir),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode != 0:
         raise RuntimeError(f"{name}: dptrain run exited {r.returncode}:\n{r.stderr[-3000:]}")
@@ -98,12 +119,16 @@ def main() -> None:
     args = ap.parse_args()
     todo = variants(args.steps)
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {name: pool.submit(run, name, over, steps=args.steps, out=args.out)
-                   for name, (_, _, over) in todo.items()}
+        futures = {
+            name: pool.submit(run, name, over, steps=args.steps, out=args.out) for name, (_, _, over) in todo.items()
+        }
         results = {name: f.result() for name, f in futures.items()}
     base = results["none"]
     print(f"\n{args.steps} steps of the built-in LM recipe, 2 gloo ranks (torch {base['torch_version']})\n")
-    print("| compression | final train loss | vs none | final val loss | vs none | bytes/rank/step once compressing | vs none |")
+    print(
+        "| compression | final train loss | vs none | final val loss | vs none "
+        "| bytes/rank/step once compressing | vs none |"
+    )
     print("|---|---|---|---|---|---|---|")
     full = bytes_per_step("none", 1)
     for name, s in results.items():
@@ -111,8 +136,10 @@ def main() -> None:
         b = bytes_per_step(kind, rank)
         tr = (s["final_loss"] - base["final_loss"]) / base["final_loss"]
         va = (s["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
-        print(f"| {name} | {s['final_loss']:.4f} | {tr:+.2%} | {s['final_val_loss']:.4f} | {va:+.2%} | "
-              f"{b:,} | {b / full:.3f} |")
+        print(
+            f"| {name} | {s['final_loss']:.4f} | {tr:+.2%} | {s['final_val_loss']:.4f} | {va:+.2%} | "
+            f"{b:,} | {b / full:.3f} |"
+        )
     (args.out / "table.json").write_text(json.dumps(results, indent=2))
 
 

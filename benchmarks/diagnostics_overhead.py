@@ -1,6 +1,7 @@
 """Per-step cost of each diagnostic, measured on the real step under torchrun.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/diagnostics_overhead.py [--model toy|llama]
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \
+        benchmarks/diagnostics_overhead.py [--model toy|llama]
 
 Every variant gets its own Trainer on the same process group and runs `dptrain run`'s whole step
 (`end_step(train_step())`: logging, the preemption agreement, ...); variants take turns in rounds
@@ -26,8 +27,14 @@ import torch.distributed as dist
 
 from dptrain.tools.bench.harness import run_step
 
-OFF = ["diagnostics.hang_timeout_s=0", "diagnostics.straggler_every_steps=0", "diagnostics.drift_every_steps=0",
-       "diagnostics.memory_every_steps=0", "diagnostics.nonfinite=off", "diagnostics.preflight=false"]
+OFF = [
+    "diagnostics.hang_timeout_s=0",
+    "diagnostics.straggler_every_steps=0",
+    "diagnostics.drift_every_steps=0",
+    "diagnostics.memory_every_steps=0",
+    "diagnostics.nonfinite=off",
+    "diagnostics.preflight=false",
+]
 VARIANTS = {
     "off": [],
     "watchdog": ["diagnostics.hang_timeout_s=300"],
@@ -38,8 +45,12 @@ VARIANTS = {
     "off (again: the noise)": [],
 }
 MODELS = {
-    "toy": ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
-            "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={n: 100000}"],
+    "toy": [
+        "model.factory=dptrain.models.toy:build_mlp",
+        "model.kwargs={}",
+        "data.factory=dptrain.models.toy:build_regression_data",
+        "data.kwargs={n: 100000}",
+    ],
     "llama": [],  # the default recipe: 0.9 M-parameter LM on the stdlib corpus
 }
 MICRO = {"toy": 16, "llama": 8}
@@ -50,9 +61,20 @@ def build(variant: list[str], model: str, steps: int):
     from dptrain.train.trainer import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
-    cfg = load_config(None, [*MODELS[model], f"train.micro_batch_size={MICRO[model]}", "train.grad_accum_steps=1",
-                             f"train.global_batch_size={MICRO[model] * world}", "log.progress=false",
-                             "optim.warmup_steps=0", f"train.max_steps={steps}", *OFF, *variant])
+    cfg = load_config(
+        None,
+        [
+            *MODELS[model],
+            f"train.micro_batch_size={MICRO[model]}",
+            "train.grad_accum_steps=1",
+            f"train.global_batch_size={MICRO[model] * world}",
+            "log.progress=false",
+            "optim.warmup_steps=0",
+            f"train.max_steps={steps}",
+            *OFF,
+            *variant,
+        ],
+    )
     trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-diag-overhead-"))
     trainer.setup()  # outputs, model, data, diagnostics armed: as `dptrain run`
     return trainer
@@ -77,9 +99,11 @@ def micro_benchmarks(watchdog) -> dict[str, str]:
     for _ in range(5):
         param_checksums(big)
     gbps = 5 * 4097 * 4096 * 4 / (time.perf_counter() - t0) / 1e9
-    return {"watchdog heartbeat (per phase change)": f"{beat_us:.2f} us",
-            "watchdog tick (store set + add, once per second)": f"{tick_ms:.3f} ms",
-            "drift checksum throughput (CPU, 1 thread)": f"{gbps:.2f} GB/s of parameters"}
+    return {
+        "watchdog heartbeat (per phase change)": f"{beat_us:.2f} us",
+        "watchdog tick (store set + add, once per second)": f"{tick_ms:.3f} ms",
+        "drift checksum throughput (CPU, 1 thread)": f"{gbps:.2f} GB/s of parameters",
+    }
 
 
 def main() -> None:

@@ -123,8 +123,11 @@ def plan_memory_rows(root: Path, *, base: list[str], n: int, name: str) -> list[
             cfg = load_config(None, [i for i in items if not i.startswith(("parallel.device", "parallel.backend"))])
             pr = predict.predict(cfg, gpus=n, nodes=1, gpu_type=key, interconnect="nvlink", comm=None, efficiency=0.38)
             want = pr.memory["total"] - pr.memory["overhead"]
-            detail = (f"measured {max(peaks) / 1e9:.3f} GB, predicted {want / 1e9:.3f} GB ({want / max(peaks) - 1:+.1%})"
-                      if peaks else f"no cuda_peak_mb sample\n{r['tail']}")
+            detail = (
+                f"measured {max(peaks) / 1e9:.3f} GB, predicted {want / 1e9:.3f} GB ({want / max(peaks) - 1:+.1%})"
+                if peaks
+                else f"no cuda_peak_mb sample\n{r['tail']}"
+            )
             rows.append((f"plan memory, {strategy} {dtype}, {n} GPU(s)", f"exit {r['rc']}", detail))
     return rows
 
@@ -135,9 +138,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps (a first look, not a measurement)")
     a = p.parse_args(argv)
     if (why := no_gpu_reason()) is not None:
-        print(f"gpu_check: no GPU to check: {why}. This script measures dptrain's GPU paths (NCCL, bf16 MFU with "
-              "torch.compile, dp vs ddp); run it on a machine with an NVIDIA GPU and a CUDA build of torch.",
-              file=sys.stderr)
+        print(
+            f"gpu_check: no GPU to check: {why}. This script measures dptrain's GPU paths (NCCL, bf16 MFU with "
+            "torch.compile, dp vs ddp); run it on a machine with an NVIDIA GPU and a CUDA build of torch.",
+            file=sys.stderr,
+        )
         return 1
     import torch
 
@@ -149,36 +154,81 @@ def main(argv: list[str]) -> int:
     rows: list[tuple[str, str, str]] = []
     base = ["parallel.device=cuda", "parallel.backend=nccl", "optim.warmup_steps=0", "train.log_every_steps=5"]
     for strategy in ("ddp", "fsdp"):
-        r = dptrain_run(root / f"smoke-{strategy}", [*base, *model_args(SMALL), f"parallel.strategy={strategy}",
-                        f"launch.nproc_per_node={n}", "train.max_steps=10", "train.micro_batch_size=4",
-                        "train.grad_accum_steps=1"], timeout=60)
-        rows.append((f"NCCL {strategy} smoke, {n} GPU(s), 10 steps", f"exit {r['rc']}",
-                     f"loss {r.get('loss')}, {r['seconds']:.0f} s" + ("" if r["rc"] == 0 else f"\n{r['tail']}")))
+        r = dptrain_run(
+            root / f"smoke-{strategy}",
+            [
+                *base,
+                *model_args(SMALL),
+                f"parallel.strategy={strategy}",
+                f"launch.nproc_per_node={n}",
+                "train.max_steps=10",
+                "train.micro_batch_size=4",
+                "train.grad_accum_steps=1",
+            ],
+            timeout=60,
+        )
+        rows.append(
+            (
+                f"NCCL {strategy} smoke, {n} GPU(s), 10 steps",
+                f"exit {r['rc']}",
+                f"loss {r.get('loss')}, {r['seconds']:.0f} s" + ("" if r["rc"] == 0 else f"\n{r['tail']}"),
+            )
+        )
     with torch.device("meta"):
         big = build_llama(**LLAMA_1B)
     seq = LLAMA_1B["max_seq_len"]
     fpt, params = big.flops_per_token(seq), big.num_params(exclude_embedding=True)
-    r = dptrain_run(root / "mfu", [*base, *model_args(LLAMA_1B), "parallel.strategy=single", "launch.nproc_per_node=1",
-                    "precision.dtype=bf16", "train.compile=true", f"train.max_steps={steps}",
-                    "train.micro_batch_size=8", "train.grad_accum_steps=1", "diagnostics.memory_every_steps=0"],
-                    timeout=170)
+    r = dptrain_run(
+        root / "mfu",
+        [
+            *base,
+            *model_args(LLAMA_1B),
+            "parallel.strategy=single",
+            "launch.nproc_per_node=1",
+            "precision.dtype=bf16",
+            "train.compile=true",
+            f"train.max_steps={steps}",
+            "train.micro_batch_size=8",
+            "train.grad_accum_steps=1",
+            "diagnostics.memory_every_steps=0",
+        ],
+        timeout=170,
+    )
     peak, source = peak_bf16(name)
     tps = r.get("tokens_per_s")
     mfu = f"MFU {100 * tps * fpt / peak:.1f}%" if tps and peak else "MFU n/a"
-    rows.append((f"LLaMA {params / 1e9:.2f}B, 1 GPU, bf16, compile, seq {seq}, batch 8", f"exit {r['rc']}",
-                 f"{mfu}: {tps or 0:,.0f} tokens/s x {fpt / 1e9:.2f} GFLOP/token / {peak or 0:.3g} FLOP/s ({source}); "
-                 f"loss {r.get('loss')}" + ("" if r["rc"] == 0 else f"\n{r['tail']}")))
+    rows.append(
+        (
+            f"LLaMA {params / 1e9:.2f}B, 1 GPU, bf16, compile, seq {seq}, batch 8",
+            f"exit {r['rc']}",
+            f"{mfu}: {tps or 0:,.0f} tokens/s x {fpt / 1e9:.2f} GFLOP/token / {peak or 0:.3g} FLOP/s ({source}); "
+            f"loss {r.get('loss')}" + ("" if r["rc"] == 0 else f"\n{r['tail']}"),
+        )
+    )
     if n < 2:
         rows.append(("dp vs ddp", "skipped", f"one GPU ({name}): nn.DataParallel and DDP need >= 2 GPUs to differ"))
     else:
-        common = [*base, *model_args(SMALL), f"train.max_steps={steps}", f"train.global_batch_size={8 * n}",
-                  "train.grad_accum_steps=1"]
+        common = [
+            *base,
+            *model_args(SMALL),
+            f"train.max_steps={steps}",
+            f"train.global_batch_size={8 * n}",
+            "train.grad_accum_steps=1",
+        ]
         dp = dptrain_run(root / "dp", [*common, "parallel.strategy=dp", "launch.nproc_per_node=1"], timeout=60)
         ddp = dptrain_run(root / "ddp", [*common, "parallel.strategy=ddp", f"launch.nproc_per_node={n}"], timeout=60)
-        ratio = (f"ddp/dp {ddp['tokens_per_s'] / dp['tokens_per_s']:.2f}x"
-                 if dp.get("tokens_per_s") and ddp.get("tokens_per_s") else "ratio n/a")
-        rows.append((f"dp vs ddp, {n} GPUs", f"exit {dp['rc']}/{ddp['rc']}",
-                     f"{ratio}: dp {dp.get('tokens_per_s', 0):,.0f}, ddp {ddp.get('tokens_per_s', 0):,.0f} tokens/s"))
+        ratio = (
+            f"ddp/dp {ddp['tokens_per_s'] / dp['tokens_per_s']:.2f}x"
+            if dp.get("tokens_per_s") and ddp.get("tokens_per_s")
+            else "ratio n/a"
+        )
+        rows.append(
+            (
+                f"dp vs ddp, {n} GPUs",
+                f"exit {dp['rc']}/{ddp['rc']}",
+                f"{ratio}: dp {dp.get('tokens_per_s', 0):,.0f}, ddp {ddp.get('tokens_per_s', 0):,.0f} tokens/s",
+            )
+        )
     rows += plan_memory_rows(root, base=base, n=n, name=name)
     width = max(len(r[0]) for r in rows)
     print(f"\ndptrain GPU check: {n} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}; runs in {root}")

@@ -100,11 +100,17 @@ def worker(a: argparse.Namespace) -> None:
             print(f"world size {world}, {a.steps} steps ({a.warmup} warm-up excluded), accum {a.accum}, "
                   f"micro batch {a.micro}, dim {a.dim}, layers {a.layers}, seq {a.seq}")
             print(f"median step time: dptrain {med['dptrain'] * 1e3:.1f} ms, raw DDP loop {med['raw'] * 1e3:.1f} ms")
-            paired = statistics.median(d / r for d, r in zip(times["dptrain"][a.warmup:], times["raw"][a.warmup:], strict=True))
-            print(f"ratio dptrain / raw: {med['dptrain'] / med['raw']:.3f} of medians, {paired:.3f} median of "
-                  "back-to-back pairs  (target <= 1.02)")
-            print(f"per-step losses identical: {same_losses}; final weights identical: {same} "
-                  f"(sha256 {_sha(trainer.module)} vs {_sha(raw.module)})")
+            paired = statistics.median(
+                d / r for d, r in zip(times["dptrain"][a.warmup :], times["raw"][a.warmup :], strict=True)
+            )
+            print(
+                f"ratio dptrain / raw: {med['dptrain'] / med['raw']:.3f} of medians, {paired:.3f} median of "
+                "back-to-back pairs  (target <= 1.02)"
+            )
+            print(
+                f"per-step losses identical: {same_losses}; final weights identical: {same} "
+                f"(sha256 {_sha(trainer.module)} vs {_sha(raw.module)})"
+            )
 
 
 def main(argv: list[str]) -> int:

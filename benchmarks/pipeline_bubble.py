@@ -68,13 +68,28 @@ def measure(a: argparse.Namespace, *, schedule: str, m: int) -> tuple[float, flo
 
     world = int(os.environ["WORLD_SIZE"])
     micro = m * a.rows
-    cfg = load_config(None, [
-        f"model.kwargs.dim={a.dim}", f"model.kwargs.n_layers={a.layers}", f"model.kwargs.max_seq_len={a.seq}",
-        f"data.kwargs.seq_len={a.seq}", f"train.micro_batch_size={micro}", "train.grad_accum_steps=1",
-        f"train.global_batch_size={micro}", "optim.name=sgd", "optim.warmup_steps=0", "optim.schedule=constant",
-        "log.progress=false", f"train.max_steps={a.steps + a.warmup}", "train.eval_every_steps=0", "parallel.strategy=ddp",
-        f"parallel.pp={world}", f"parallel.pp_schedule={schedule}", f"parallel.pp_microbatches={m}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.kwargs.dim={a.dim}",
+            f"model.kwargs.n_layers={a.layers}",
+            f"model.kwargs.max_seq_len={a.seq}",
+            f"data.kwargs.seq_len={a.seq}",
+            f"train.micro_batch_size={micro}",
+            "train.grad_accum_steps=1",
+            f"train.global_batch_size={micro}",
+            "optim.name=sgd",
+            "optim.warmup_steps=0",
+            "optim.schedule=constant",
+            "log.progress=false",
+            f"train.max_steps={a.steps + a.warmup}",
+            "train.eval_every_steps=0",
+            "parallel.strategy=ddp",
+            f"parallel.pp={world}",
+            f"parallel.pp_schedule={schedule}",
+            f"parallel.pp_microbatches={m}",
+        ],
+    )
     trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-bubble-"))
     trainer.setup()
     plan: Any = trainer.parallel
@@ -117,13 +132,17 @@ def worker(a: argparse.Namespace) -> None:
                 step, inside, busy, bubble = (statistics.mean(r[k] for r in per_rank) for k in range(4))
                 rows.append((schedule, m, step, inside, busy, bubble, (p - 1) / (m + p - 1)))
         if env.rank == 0:
-            print(f"pipeline bubble: pp={p}, {a.steps} timed steps ({a.warmup} warm-up), {a.rows} rows per pipeline "
-                  f"micro-batch, dim {a.dim}, layers {a.layers}, seq {a.seq}")
+            print(
+                f"pipeline bubble: pp={p}, {a.steps} timed steps ({a.warmup} warm-up), {a.rows} rows per pipeline "
+                f"micro-batch, dim {a.dim}, layers {a.layers}, seq {a.seq}"
+            )
             print("| schedule | m | step ms | schedule ms | busy ms | measured bubble | theory (p-1)/(m+p-1) |")
             print("|---|---|---|---|---|---|---|")
             for schedule, m, step, inside, busy, bubble, theory in rows:
-                print(f"| {schedule} | {m} | {step * 1e3:.1f} | {inside * 1e3:.1f} | {busy * 1e3:.1f} | "
-                      f"{bubble:.3f} | {theory:.3f} |")
+                print(
+                    f"| {schedule} | {m} | {step * 1e3:.1f} | {inside * 1e3:.1f} | {busy * 1e3:.1f} | "
+                    f"{bubble:.3f} | {theory:.3f} |"
+                )
 
 
 def main(argv: list[str]) -> int:

@@ -38,15 +38,20 @@ def example(model_name: str, global_batch: int, efficiency: float) -> None:
 
     mine = [(i, r, label) for i, (r, label) in enumerate(distinct(result.ranked), 1) if chosen(r.cand)]
     refused = [r for r in result.rejected if chosen(r.cand)]
-    print(f"{model_name} DP8 x PP4 x TP2 fsdp + cpu_offload on 64 x {spec.name} (8 x 8, ib), global batch "
-          f"{global_batch} x {seq}, bf16 AdamW, efficiency {efficiency:g} (assumed): {len(mine)} variants accepted "
-          f"and fit, {len(refused)} rejected; of all {len(distinct(result.ranked))} distinct layouts that fit, its best ranks "
-          f"#{mine[0][0] if mine else '-'}")
+    print(
+        f"{model_name} DP8 x PP4 x TP2 fsdp + cpu_offload on 64 x {spec.name} (8 x 8, ib), global batch "
+        f"{global_batch} x {seq}, bf16 AdamW, efficiency {efficiency:g} (assumed): {len(mine)} variants accepted "
+        f"and fit, {len(refused)} rejected; of all {len(distinct(result.ranked))} distinct layouts that fit, "
+        "its best ranks "
+        f"#{mine[0][0] if mine else '-'}"
+    )
     print(f"{'rank':>5}  {'layout':<58}{'GB/GPU':>8}{'host GB':>9}{'step s':>8}{'tok/s/GPU':>11}{'MFU':>7}")
     for i, r, label in mine[:6]:
         tok = r.time["tokens_per_s"] * r.time["step"] / r.step_s / 64
-        print(f"{i:>5}  {label:<58}{r.memory['total'] / GB:>8.1f}{r.memory['host'] / GB:>9.2f}"
-              f"{r.step_s:>8.2f}{tok:>11,.0f}{r.mfu:>7.1%}")
+        print(
+            f"{i:>5}  {label:<58}{r.memory['total'] / GB:>8.1f}{r.memory['host'] / GB:>9.2f}"
+            f"{r.step_s:>8.2f}{tok:>11,.0f}{r.mfu:>7.1%}"
+        )
     for reason, items in rejected_groups(refused):
         print(f"  {len(items)} rejected: {reason} (e.g. {items[0].cand.label()}: {items[0].reason})")
 
@@ -59,9 +64,29 @@ def run() -> None:
     args = ap.parse_args()
     example(args.model, args.global_batch, args.efficiency)
     print()
-    main(["plan", "--model", args.model, "precision.dtype=bf16", "--gpus", "64", "--nodes", "8", "--gpu-type", "H100",
-          "--interconnect", "ib", "--global-batch", str(args.global_batch), "--efficiency", str(args.efficiency),
-          "--recommend", "--top", "5"])
+    main(
+        [
+            "plan",
+            "--model",
+            args.model,
+            "precision.dtype=bf16",
+            "--gpus",
+            "64",
+            "--nodes",
+            "8",
+            "--gpu-type",
+            "H100",
+            "--interconnect",
+            "ib",
+            "--global-batch",
+            str(args.global_batch),
+            "--efficiency",
+            str(args.efficiency),
+            "--recommend",
+            "--top",
+            "5",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -98,7 +98,9 @@ def main() -> int:
     p.add_argument("--ranks", default="1,2,4", help="loopback world sizes")
     p.add_argument("--calibrate-on", type=int, default=2, help="the loopback world size the efficiency comes from")
     p.add_argument("--rates", default="100mbit", help="two-host link rates (tc units); empty: skip")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"two-host gradient compressions ({', '.join(VARIANTS)})")
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"two-host gradient compressions ({', '.join(VARIANTS)})"
+    )
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("items", nargs="*", help="config overrides for every run (default: the built-in recipe)")
@@ -139,11 +141,17 @@ def main() -> int:
                         out = tmp / f"two-{rate}-{v}-{r}"
                         two_host(c, out=out, items=[*items, *VARIANTS[v]], port=port, timeout=args.timeout)
                         medians.setdefault(f"two hosts, {rate}, {v}", []).append(
-                            statistics.median(step_times(out, args.warmup)))
-                print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in medians.items()), file=sys.stderr,
-                      flush=True)
-            effs = [calibrated_efficiency(tmp / f"run{args.calibrate_on}-{r}", cpu=True, skip=args.warmup)[0]
-                    for r in range(args.rounds)]
+                            statistics.median(step_times(out, args.warmup))
+                        )
+                print(
+                    f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in medians.items()),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            effs = [
+                calibrated_efficiency(tmp / f"run{args.calibrate_on}-{r}", cpu=True, skip=args.warmup)[0]
+                for r in range(args.rounds)
+            ]
         finally:
             for c in clusters.values():
                 c.destroy()
@@ -158,24 +166,42 @@ def main() -> int:
         if two:
             os.environ["OMP_NUM_THREADS"] = "1"  # as each two-host worker ran
         try:
-            pr = predict(cfg, gpus=n, nodes=2 if two else 1, gpu_type="cpu", interconnect="ethernet",
-                         comm=link, efficiency=eff)
+            pr = predict(
+                cfg, gpus=n, nodes=2 if two else 1, gpu_type="cpu", interconnect="ethernet", comm=link, efficiency=eff
+            )
         finally:
             os.environ.pop("OMP_NUM_THREADS", None) if two else None
         measured = statistics.median(times)
-        rows.append({"setup": name, "ranks": n, "measured_s": measured, "min_s": min(times), "max_s": max(times),
-                     "predicted_s": pr.time["step"], "compute_s": pr.time["compute"],
-                     "exposed_comm_s": pr.time["exposed_comm"], "error": pr.time["step"] / measured - 1,
-                     "link_gbps": link.bandwidth / 1e9 if link else None, "alpha_us": link.alpha * 1e6 if link else None})
-    print(f"efficiency calibrated on the {args.calibrate_on}-rank runs: {eff:.3f} "
-          f"(per round: {', '.join(f'{e:.3f}' for e in effs)})")
-    print("| setup | ranks | link fitted (GB/s, alpha us) | measured step s [range] | predicted s (compute + "
-          "exposed comm) | error |")
+        rows.append(
+            {
+                "setup": name,
+                "ranks": n,
+                "measured_s": measured,
+                "min_s": min(times),
+                "max_s": max(times),
+                "predicted_s": pr.time["step"],
+                "compute_s": pr.time["compute"],
+                "exposed_comm_s": pr.time["exposed_comm"],
+                "error": pr.time["step"] / measured - 1,
+                "link_gbps": link.bandwidth / 1e9 if link else None,
+                "alpha_us": link.alpha * 1e6 if link else None,
+            }
+        )
+    print(
+        f"efficiency calibrated on the {args.calibrate_on}-rank runs: {eff:.3f} "
+        f"(per round: {', '.join(f'{e:.3f}' for e in effs)})"
+    )
+    print(
+        "| setup | ranks | link fitted (GB/s, alpha us) | measured step s [range] | predicted s (compute + "
+        "exposed comm) | error |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
         link = f"{r['link_gbps']:.3f}, {r['alpha_us']:.0f}" if r["link_gbps"] else "-"
-        print(f"| {r['setup']} | {r['ranks']} | {link} | {r['measured_s']:.3f} [{r['min_s']:.3f}-{r['max_s']:.3f}] | "
-              f"{r['predicted_s']:.3f} ({r['compute_s']:.3f} + {r['exposed_comm_s']:.3f}) | {r['error']:+.1%} |")
+        print(
+            f"| {r['setup']} | {r['ranks']} | {link} | {r['measured_s']:.3f} [{r['min_s']:.3f}-{r['max_s']:.3f}] | "
+            f"{r['predicted_s']:.3f} ({r['compute_s']:.3f} + {r['exposed_comm_s']:.3f}) | {r['error']:+.1%} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"efficiency": eff, "rows": rows}, indent=1))
     return 0

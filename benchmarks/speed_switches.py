@@ -114,7 +114,9 @@ def main(argv: list[str]) -> int:
             base = base or med
             firsts = ", ".join(f"{j['times'][0] * 1e3:.0f}" for j in jobs)
             rss = statistics.median(j["peak_rss_mb"] for j in jobs)
-            print(f"| {name} | {med:.1f} ({med / base:.2f}x) | {min(meds):.1f}-{max(meds):.1f} | {firsts} | {rss:.0f} |")
+            print(
+                f"| {name} | {med:.1f} ({med / base:.2f}x) | {min(meds):.1f}-{max(meds):.1f} | {firsts} | {rss:.0f} |"
+            )
     return 0
 
 

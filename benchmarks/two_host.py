@@ -142,16 +142,22 @@ def table(results: dict[tuple[str, str], dict], *, rates: list[str], variants: l
             loss = res["losses"][-1]  # deterministic per variant: every round has the same losses
             ratio = tps / (raw["tokens_per_step"] / statistics.median(raw["round_medians"])) if raw else float("nan")
             dloss = (loss / raw["losses"][-1] - 1) * 100 if raw else float("nan")
-            lines.append(f"| {rate} | {name} | {med:.3f} [{min(res['round_medians']):.3f}-{max(res['round_medians']):.3f}] "
-                         f"| {tps:,.0f} | {ratio:.2f}x | {loss:.4f} | {dloss:+.2f}% |")
+            lines.append(
+                f"| {rate} | {name} | {med:.3f} [{min(res['round_medians']):.3f}-{max(res['round_medians']):.3f}] "
+                f"| {tps:,.0f} | {ratio:.2f}x | {loss:.4f} | {dloss:+.2f}% |"
+            )
     return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", default="1gbit,100mbit", help="comma-separated tc rates")
-    p.add_argument("--variant", action="append", help="name=override[,override...] (repeatable; the first is the "
-                   "reference the ratios are taken against); default: raw DDP, fp16, powersgd, onebit")
+    p.add_argument(
+        "--variant",
+        action="append",
+        help="name=override[,override...] (repeatable; the first is the "
+        "reference the ratios are taken against); default: raw DDP, fp16, powersgd, onebit",
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the step-time median")
     p.add_argument("--rounds", type=int, default=3)

@@ -66,7 +66,9 @@ def no_leaked_distributed_state():
         else:
             os.environ[k] = old
     if changed:
-        problems.append("environment variables leaked: " + ", ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in changed.items()))
+        problems.append(
+            "environment variables leaked: " + ", ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in changed.items())
+        )
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
 

@@ -240,9 +240,15 @@ def test_resume_dp2_pp2_tp2_as_dp4_tp2_then_dp2_then_single(tmp_path):
 
 
 # ------------------------------------------------------------------ the DeepSpeed config, in miniature
-MINI_DS = {"train_batch_size": 16, "gradient_accumulation_steps": 2, "optimizer": {"type": "AdamW", "params": {"lr": 6e-4}},
-           "fp16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-           "pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": 2}}
+MINI_DS = {
+    "train_batch_size": 16,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 6e-4}},
+    "fp16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    "pipeline": {"stages": 2},
+    "tensor_parallel": {"autotp_size": 2},
+}
 
 
 @pytest.mark.slow
@@ -260,13 +266,34 @@ def test_miniature_llama_7b_deepspeed_config_trains_dp2_pp2_tp2_through_the_cli(
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps(MINI_DS))
     out = tmp_path / "run"
-    r = dptrain("run", str(ds), "model.kwargs.dim=32", "model.kwargs.n_layers=4", "model.kwargs.n_heads=2",
-                "model.kwargs.max_seq_len=32", "data.kwargs.seq_len=32", "train.max_steps=6", "train.log_every_steps=1",
-                "train.eval_every_steps=0", "parallel.device=cpu", "log.progress=false", "--nproc-per-node", "8",
-                "--out", str(out), timeout=280)
+    r = dptrain(
+        "run",
+        str(ds),
+        "model.kwargs.dim=32",
+        "model.kwargs.n_layers=4",
+        "model.kwargs.n_heads=2",
+        "model.kwargs.max_seq_len=32",
+        "data.kwargs.seq_len=32",
+        "train.max_steps=6",
+        "train.log_every_steps=1",
+        "train.eval_every_steps=0",
+        "parallel.device=cpu",
+        "log.progress=false",
+        "--nproc-per-node",
+        "8",
+        "--out",
+        str(out),
+        timeout=280,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     cfg = yaml.safe_load((out / "config.yaml").read_text())["parallel"]
-    assert (cfg["strategy"], cfg["cpu_offload"], cfg["pp"], cfg["tp"], cfg["pp_microbatches"]) == ("fsdp", True, 2, 2, 2)
+    assert (cfg["strategy"], cfg["cpu_offload"], cfg["pp"], cfg["tp"], cfg["pp_microbatches"]) == (
+        "fsdp",
+        True,
+        2,
+        2,
+        2,
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [(rec["step"], rec["loss"]) for rec in records if "loss" in rec]
     print("\nMINIATURE dp2xpp2xtp2 fp16 zero3+offload:", ", ".join(f"{s}:{v:.4f}" for s, v in losses))
@@ -277,6 +304,19 @@ def test_miniature_llama_7b_deepspeed_config_trains_dp2_pp2_tp2_through_the_cli(
 
 @pytest.mark.fast
 def test_loss_parallel_under_pp_times_tp_exits_2_before_launch(capsys, tmp_path):
-    refused(capsys, ["run", "--nproc-per-node", "4", "parallel.pp=2", "parallel.tp=2", "parallel.loss_parallel=true",
-                     "log.progress=false", "--out", str(tmp_path / "r")], "loss_parallel=true is refused with pp > 1")
+    refused(
+        capsys,
+        [
+            "run",
+            "--nproc-per-node",
+            "4",
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.loss_parallel=true",
+            "log.progress=false",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+        "loss_parallel=true is refused with pp > 1",
+    )
     assert not (tmp_path / "r").exists()

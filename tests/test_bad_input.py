@@ -192,20 +192,31 @@ def test_run_and_checkpoint_directories(capsys, monkeypatch, tmp_path, where, na
 
             real = os.access
             monkeypatch.setattr(lc.os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
-    refused(capsys, ["run", *TOY, *ONE, "--out", str(out), *extra], named, str(afile if where != "out-unwritable" else out))
+    where_named = str(afile if where != "out-unwritable" else out)
+    refused(capsys, ["run", *TOY, *ONE, "--out", str(out), *extra], named, where_named)
 
 
 # ------------------------------------------------------------------ factories
 @pytest.mark.fast
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("overrides", "named"), [
-    (["model.kwargs.bogus=1"], ["model.factory='dptrain.models.toy:build_mlp'", "'bogus'", "in_dim, hidden, out_dim, depth"]),
-    (["model.factory=support.bad_factories:needs_width", "model.kwargs={}"],
-     ["model.factory='support.bad_factories:needs_width'", "'width'", "its parameters: width, depth"]),
-    (["data.kwargs.rows=4"], ["data.factory='dptrain.models.toy:build_regression_data'", "'rows'"]),
-    (["model.factory=support.bad_factories:returns_dict", "model.kwargs={}"],
-     ["model.factory='support.bad_factories:returns_dict' returned dict, not a torch.nn.Module"]),
-])
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (
+            ["model.kwargs.bogus=1"],
+            ["model.factory='dptrain.models.toy:build_mlp'", "'bogus'", "in_dim, hidden, out_dim, depth"],
+        ),
+        (
+            ["model.factory=support.bad_factories:needs_width", "model.kwargs={}"],
+            ["model.factory='support.bad_factories:needs_width'", "'width'", "its parameters: width, depth"],
+        ),
+        (["data.kwargs.rows=4"], ["data.factory='dptrain.models.toy:build_regression_data'", "'rows'"]),
+        (
+            ["model.factory=support.bad_factories:returns_dict", "model.kwargs={}"],
+            ["model.factory='support.bad_factories:returns_dict' returned dict, not a torch.nn.Module"],
+        ),
+    ],
+)
 def test_factory_kwargs_and_return_checked_before_launch(capsys, tmp_path, overrides, named):
     refused(capsys, ["run", *TOY, *ONE, *overrides, "--out", str(tmp_path / "r")], *named)
     assert not (tmp_path / "r").exists()
@@ -214,19 +225,52 @@ def test_factory_kwargs_and_return_checked_before_launch(capsys, tmp_path, overr
 @pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_builtin_lm_seq_len_longer_than_context(capsys, tmp_path):
-    refused(capsys, ["run", "data.kwargs.seq_len=256", "model.kwargs.max_seq_len=128", "--out", str(tmp_path / "r")],
-            "data.kwargs.seq_len=256", "model.kwargs.max_seq_len=128")
+    refused(
+        capsys,
+        ["run", "data.kwargs.seq_len=256", "model.kwargs.max_seq_len=128", "--out", str(tmp_path / "r")],
+        "data.kwargs.seq_len=256",
+        "model.kwargs.max_seq_len=128",
+    )
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("factory", "user_line", "error"), [
-    ("model.factory=support.bad_factories:raising_model", 'raise ValueError(f"user bug', "ValueError: user bug: cannot build 4 layers"),
-    ("data.factory=support.bad_factories:raising_data", "raise FileNotFoundError", "FileNotFoundError: user data file for n=8"),
-])
+@pytest.mark.parametrize(
+    ("factory", "user_line", "error"),
+    [
+        (
+            "model.factory=support.bad_factories:raising_model",
+            'raise ValueError(f"user bug',
+            "ValueError: user bug: cannot build 4 layers",
+        ),
+        (
+            "data.factory=support.bad_factories:raising_data",
+            "raise FileNotFoundError",
+            "FileNotFoundError: user data file for n=8",
+        ),
+    ],
+)
 def test_factory_that_raises_shows_one_copy_of_the_users_traceback(tmp_path, factory, user_line, error):
     kwargs = "model.kwargs={}" if factory.startswith("model") else "data.kwargs={}"
-    r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, factory, kwargs, "--nproc-per-node", "2",
-                        "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=150, env=subprocess_env(), cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dptrain",
+            "run",
+            *TOY,
+            factory,
+            kwargs,
+            "--nproc-per-node",
+            "2",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
     text = r.stdout + r.stderr
     assert r.returncode == 2, text
     head = text.strip().splitlines()[0]
@@ -240,13 +284,16 @@ def test_factory_that_raises_shows_one_copy_of_the_users_traceback(tmp_path, fac
 # ------------------------------------------------------------------ generate, ckpt, launch, doctor
 @pytest.mark.fast
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("args", "named"), [
-    (["--max-new-tokens", "-5"], "--max-new-tokens=-5"),
-    (["--max-new-tokens", "0"], "--max-new-tokens=0"),
-    (["--temperature", "-1"], "--temperature=-1.0"),
-    (["--temperature", "nan"], "--temperature=nan"),
-    (["--top-k", "-3"], "--top-k=-3"),
-])
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--max-new-tokens", "-5"], "--max-new-tokens=-5"),
+        (["--max-new-tokens", "0"], "--max-new-tokens=0"),
+        (["--temperature", "-1"], "--temperature=-1.0"),
+        (["--temperature", "nan"], "--temperature=nan"),
+        (["--top-k", "-3"], "--top-k=-3"),
+    ],
+)
 def test_generate_arguments(capsys, tmp_path, args, named):
     refused(capsys, ["generate", str(tmp_path), *args], named)
 
@@ -261,7 +308,9 @@ def mlp_run(tmp_path: Path) -> Path:
     run = tmp_path / "mlp_run"
     (run / "final").mkdir(parents=True)
     (run / "config.yaml").write_text("model:\n  factory: dptrain.models.toy:build_mlp\n  kwargs: {}\n")
-    save_file({k: v.contiguous() for k, v in build_mlp().state_dict().items()}, str(run / "final" / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in build_mlp().state_dict().items()}, str(run / "final" / "model.safetensors")
+    )
     return run
 
 
@@ -275,12 +324,15 @@ def test_generate_on_a_run_that_is_not_a_language_model(capsys, mlp_run):
 
 @pytest.mark.fast
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("argv", "named"), [
-    (["ckpt", "export", "RUN", "--out", "DIR"], "is a directory"),
-    (["launch", "--nproc-per-node", "0", "train.py"], "--nproc-per-node='0'"),
-    (["launch", "--nproc_per_node=-2", "train.py"], "--nproc-per-node='-2'"),
-    (["doctor", "--comm", "--nproc-per-node", "0"], "--nproc-per-node=0"),
-])
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["ckpt", "export", "RUN", "--out", "DIR"], "is a directory"),
+        (["launch", "--nproc-per-node", "0", "train.py"], "--nproc-per-node='0'"),
+        (["launch", "--nproc_per_node=-2", "train.py"], "--nproc-per-node='-2'"),
+        (["doctor", "--comm", "--nproc-per-node", "0"], "--nproc-per-node=0"),
+    ],
+)
 def test_ckpt_launch_and_doctor_arguments(capsys, tmp_path, argv, named):
     argv = [str(tmp_path) if a in ("RUN", "DIR") else a for a in argv]
     refused(capsys, argv, named)
@@ -306,29 +358,46 @@ print("RESULT", rc, heavy)
 """
 # `import torch` itself loads torch.distributed's core (c10d, device_mesh, DDP's module); what a
 # launch adds on top, and what these commands must not pay for, is the launcher and the strategies.
-DIST_STACK = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.fsdp",
-              "torch.distributed.checkpoint", "torch.distributed.tensor")
+DIST_STACK = (
+    "torch.distributed.run",
+    "torch.distributed.elastic",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("argv", "heavy", "rc"), [
-    (["--help"], ("torch",), 0),
-    (["config", "docs"], ("torch",), 0),
-    (["ckpt", "ls", "RUN"], ("torch",), 0),
-    (["run", "optim.lr=inf", "--out", "RUN/x"], ("torch",), 2),
-    (["run", "launch.nnodes=1:2"], ("torch",), 2),
-    # a CPU build of torch cannot have CUDA, so `auto` device detection needs no torch at all
-    (["config", "show"], DIST_STACK if _torch_build_has_gpu() else ("torch",), 0),
-    (["run", "train.global_batch_size=7", "--nproc-per-node", "2", "--out", "RUN/x"], DIST_STACK, 2),
-    (["run", "train.global_batch_size=7", "--nproc-per-node", "2", "parallel.device=cpu", "--out", "RUN/x"],
-     ("torch",), 2),
-    (["run", *TOY, "model.kwargs.bogus=1", "--out", "RUN/x"], DIST_STACK, 2),
-])
+@pytest.mark.parametrize(
+    ("argv", "heavy", "rc"),
+    [
+        (["--help"], ("torch",), 0),
+        (["config", "docs"], ("torch",), 0),
+        (["ckpt", "ls", "RUN"], ("torch",), 0),
+        (["run", "optim.lr=inf", "--out", "RUN/x"], ("torch",), 2),
+        (["run", "launch.nnodes=1:2"], ("torch",), 2),
+        # a CPU build of torch cannot have CUDA, so `auto` device detection needs no torch at all
+        (["config", "show"], DIST_STACK if _torch_build_has_gpu() else ("torch",), 0),
+        (["run", "train.global_batch_size=7", "--nproc-per-node", "2", "--out", "RUN/x"], DIST_STACK, 2),
+        (
+            ["run", "train.global_batch_size=7", "--nproc-per-node", "2", "parallel.device=cpu", "--out", "RUN/x"],
+            ("torch",),
+            2,
+        ),
+        (["run", *TOY, "model.kwargs.bogus=1", "--out", "RUN/x"], DIST_STACK, 2),
+    ],
+)
 def test_fast_commands_import_no_torch_or_no_distributed_stack(tmp_path, argv, heavy, rc):
     (tmp_path / "config.yaml").write_text("train: {}\n")
     argv = [a.replace("RUN", str(tmp_path)) for a in argv]
-    r = subprocess.run([sys.executable, "-c", FAST.format(argv=argv, heavy=heavy)], capture_output=True,
-                       text=True, timeout=100, env=subprocess_env(), cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", FAST.format(argv=argv, heavy=heavy)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=subprocess_env(),
+        cwd=tmp_path,
+    )
     assert f"RESULT {rc} []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
@@ -338,11 +407,18 @@ def test_fast_commands_import_no_torch_or_no_distributed_stack(tmp_path, argv, h
 def test_strict_json_replaces_non_finite_numbers_with_null_and_a_flag():
     from dptrain.metrics import strict_json
 
-    text = strict_json.dumps({"loss": float("nan"), "lr": 1e-3, "norms": [1.0, float("inf")],
-                              "sub": {"x": float("-inf")}, "ok": None})
+    text = strict_json.dumps(
+        {"loss": float("nan"), "lr": 1e-3, "norms": [1.0, float("inf")], "sub": {"x": float("-inf")}, "ok": None}
+    )
     assert json.loads(text, parse_constant=_reject) == {
-        "loss": None, "loss_nonfinite": "nan", "lr": 1e-3, "norms": [1.0, None], "norms_nonfinite": "inf",
-        "sub": {"x": None, "x_nonfinite": "-inf"}, "ok": None}
+        "loss": None,
+        "loss_nonfinite": "nan",
+        "lr": 1e-3,
+        "norms": [1.0, None],
+        "norms_nonfinite": "inf",
+        "sub": {"x": None, "x_nonfinite": "-inf"},
+        "ok": None,
+    }
 
 
 def _reject(name: str) -> None:
@@ -352,16 +428,34 @@ def _reject(name: str) -> None:
 @pytest.mark.timeout(240)
 def test_every_json_file_of_a_run_with_a_nan_loss_parses_strictly(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, *ONE, "train.loss=support.bad_factories:nan_loss",
-                        "train.max_steps=4", "train.log_every_steps=1", "checkpoint.every_steps=2",
-                        "optim.grad_clip=null", "--out", str(out)],
-                       capture_output=True, text=True, timeout=200, env=subprocess_env(), cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dptrain",
+            "run",
+            *TOY,
+            *ONE,
+            "train.loss=support.bad_factories:nan_loss",
+            "train.max_steps=4",
+            "train.log_every_steps=1",
+            "checkpoint.every_steps=2",
+            "optim.grad_clip=null",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
     files = [p for p in out.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl")]
     assert any(p.name == "metrics.jsonl" for p in files), r.stdout[-2000:] + r.stderr[-3000:]
     assert any(p.name == "summary.json" for p in files), r.stdout[-2000:] + r.stderr[-3000:]
     nulls = 0
     for p in files:
-        for line in (p.read_text().splitlines() if p.suffix == ".jsonl" else [p.read_text()]):
+        for line in p.read_text().splitlines() if p.suffix == ".jsonl" else [p.read_text()]:
             record = json.loads(line, parse_constant=_reject)
             nulls += isinstance(record, dict) and record.get("loss_nonfinite") == "nan"
     assert nulls >= 1, "the NaN loss was not recorded as null + loss_nonfinite"

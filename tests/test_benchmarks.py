@@ -52,9 +52,29 @@ def test_tp_comm_benchmark_matches_theory():
 @pytest.mark.timeout(240)
 def test_pipeline_bubble_benchmark_runs():
     env = subprocess_env(tests=False)
-    r = subprocess.run([sys.executable, "benchmarks/pipeline_bubble.py", "--steps", "1", "--warmup", "1", "--dim", "32", "--layers", "2",
-                        "--seq", "16", "--microbatches", "2,4"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=230, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/pipeline_bubble.py",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--dim",
+            "32",
+            "--layers",
+            "2",
+            "--seq",
+            "16",
+            "--microbatches",
+            "2,4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith(("| gpipe", "| 1f1b"))]
     assert len(rows) == 4

@@ -119,7 +119,9 @@ def test_pickle_payload_in_a_re_hashed_checkpoint_never_runs(tmp_path, strategy)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("strategy", "before", "after"), [("ddp", 2, 1), ("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2)])
+@pytest.mark.parametrize(
+    ("strategy", "before", "after"), [("ddp", 2, 1), ("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2)]
+)
 def test_world_size_change_restores_model_and_optimizer_exactly(tmp_path, strategy, before, after):
     run = tmp_path / "run"
     over = [f"parallel.strategy={strategy}", "checkpoint.every_steps=3"]

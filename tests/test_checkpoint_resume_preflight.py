@@ -20,7 +20,9 @@ def _fake_checkpoint(run_dir: Path, *, global_batch: int = 32, world_size: int =
     """A committed checkpoint folder whose manifest meta is all the pre-flight reads."""
     step = run_dir / "checkpoints" / "step_000010"
     step.mkdir(parents=True)
-    sha = mf.write_manifest(step, files={}, meta={"global_batch_size": global_batch, "world_size": world_size, "step": 10})
+    sha = mf.write_manifest(
+        step, files={}, meta={"global_batch_size": global_batch, "world_size": world_size, "step": 10}
+    )
     mf.commit(step, manifest_sha256=sha)
 
 
@@ -31,18 +33,22 @@ def _prepare(run_dir: Path, *overrides: str, world_size: int):
 
 def test_accumulation_is_rederived_for_a_new_world_size(tmp_path):
     _fake_checkpoint(tmp_path)
-    cfg = _prepare(tmp_path, "train.global_batch_size=32", "train.micro_batch_size=8", "train.grad_accum_steps=2",
-                   world_size=4)
+    cfg = _prepare(
+        tmp_path, "train.global_batch_size=32", "train.micro_batch_size=8", "train.grad_accum_steps=2", world_size=4
+    )
     assert (cfg.train.global_batch_size, cfg.train.grad_accum_steps) == (32, None)
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("override,message", [
-    ("precision.dtype=fp8", "precision.dtype='fp8' is not valid"),
-    ("optim.lr_scaling=cubic", "optim.lr_scaling='cubic' is not valid"),
-    # Was replaced silently by a re-derived accumulation: the user's bad value vanished.
-    ("train.grad_accum_steps=0", "train.grad_accum_steps=0 is not valid"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("precision.dtype=fp8", "precision.dtype='fp8' is not valid"),
+        ("optim.lr_scaling=cubic", "optim.lr_scaling='cubic' is not valid"),
+        # Was replaced silently by a re-derived accumulation: the user's bad value vanished.
+        ("train.grad_accum_steps=0", "train.grad_accum_steps=0 is not valid"),
+    ],
+)
 def test_a_real_config_error_surfaces_as_itself(tmp_path, override, message):
     _fake_checkpoint(tmp_path)
     with pytest.raises(ConfigError) as info:

@@ -57,8 +57,15 @@ def plain_run(run_dir: Path, *, until: int, every: int = 3) -> tuple[list[str], 
     sampler = GlobalBatchSampler(dataset_len=64, global_batch_size=8, micro_batch_size=8, grad_accum_steps=1,
                                  dp_rank=0, dp_world_size=1, seed=3)
     progress = Progress()
-    state = CheckpointState(model_parts=[ModelState(model, full=True)], optimizers=[OptimizerState(model, opt, full=True)],
-                            schedule=sched, scaler=None, data=DataPosition(sampler, progress), train=progress, full=True)
+    state = CheckpointState(
+        model_parts=[ModelState(model, full=True)],
+        optimizers=[OptimizerState(model, opt, full=True)],
+        schedule=sched,
+        scaler=None,
+        data=DataPosition(sampler, progress),
+        train=progress,
+        full=True,
+    )
     cfg = load_config(None, [f"checkpoint.every_steps={every}", "checkpoint.keep_last=null"])
     mgr = CheckpointManager(cfg=cfg, run_dir=run_dir, env=DistEnv.from_env({}))
     mgr.maybe_resume(state)
@@ -138,7 +145,9 @@ def test_an_unknown_format_version_is_refused_naming_it(tmp_path):
     body["meta"]["format_version"] = 99
     mf.commit(ckpt, manifest_sha256=mf.write_manifest(ckpt, files=body["files"], meta=body["meta"]))
     assert mf.inspect_dir(ckpt).valid  # intact: refused for its version only
-    with pytest.raises(mf.CheckpointError, match=r"step_000003: checkpoint format version 99, but this dptrain .* reads versions 1, 2"):
+    with pytest.raises(
+        mf.CheckpointError, match=r"step_000003: checkpoint format version 99, but this dptrain .* reads versions 1, 2"
+    ):
         plain_run(run, until=6)
     with pytest.raises(ConfigError, match="checkpoint format version 99"):  # `dptrain run`: exit 2 before launch
         prepare_resume(load_config(None, []), run_dir=run, resume=str(ckpt), trust=False, world_size=1)
@@ -187,6 +196,7 @@ def fit_counting_syncs(rank: int, out: Path, overrides: list[str], log_every: in
             if where[0] is not None and caller.startswith(SRC) and not caller.endswith("sampler.py"):
                 seen[where[0]].append(f"{name} at {caller}:{frame.f_lineno}")
             return real(self, *args, **kwargs)
+
         return call
 
     torch.Tensor.item = counted(torch.Tensor.item, "item")
@@ -201,6 +211,7 @@ def fit_counting_syncs(rank: int, out: Path, overrides: list[str], log_every: in
                 return real(self, *args)
             finally:
                 where[0] = None
+
         return method
 
     real_train, real_end = Trainer.train_step, Trainer.end_step
@@ -219,8 +230,11 @@ def test_no_host_device_sync_on_the_step_path_except_at_logging_steps(tmp_path):
         assert rank_seen["other"] == []  # steps 1-4 and 6-9: no .item(), .tolist() or get_scale()
         assert any("item" in s for s in rank_seen["log"])  # the counter sees the log steps' reads
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    logged = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-              if "loss" in r}
+    logged = {
+        r["step"]: r
+        for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
     assert summary["steps"] == 10 and sorted(logged) == [5, 10]
     skipped = summary["skipped_steps"]
     assert 0 < skipped < 10 and logged[10]["skipped_steps"] == skipped

@@ -197,11 +197,19 @@ def test_launch_failure_keeps_torchruns_root_cause_report(tmp_path):
 @pytest.mark.timeout(240)
 def test_run_failure_report_names_the_raising_rank_and_its_traceback(tmp_path):
     """dptrain's own worker runs under `record`: the report's root cause is the rank that raised, with its traceback."""
-    r = dptrain("run", "model.factory=dptrain.models.toy:build_mlp", "data.factory=dptrain.models.toy:build_regression_data",
-                "train.loss=support.bad_factories:fails_on_rank_1", "train.max_steps=3", "--nproc-per-node", "2",
-                "--out", str(tmp_path / "run"))
+    r = dptrain(
+        "run",
+        "model.factory=dptrain.models.toy:build_mlp",
+        "data.factory=dptrain.models.toy:build_regression_data",
+        "train.loss=support.bad_factories:fails_on_rank_1",
+        "train.max_steps=3",
+        "--nproc-per-node",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert r.returncode == 1, r.stderr[-3000:]
-    root = r.stderr[r.stderr.index("Root Cause (first observed failure):"):]
+    root = r.stderr[r.stderr.index("Root Cause (first observed failure):") :]
     assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1" in root
     assert "ValueError: user bug: loss exploded on rank 1" in root and 'bad_factories.py", line' in root
     assert "dptrain: worker(s) failed:" in r.stderr
@@ -213,7 +221,20 @@ def test_launch_runs_plain_scripts_under_record_and_leaves_other_commands_alone(
     from dptrain.launch.torchrun import record_failures
 
     assert record_failures(["--nproc-per-node", "2", "--standalone", "t.py", "--lr", "1"]) == [
-        "--nproc-per-node", "2", "--standalone", "--module", "dptrain.launch.record_script", "t.py", "--lr", "1"]
-    for given in (["--standalone", "-m", "pkg.train"], ["--no-python", "bash", "x.py"], ["--run-path", "t.py"],
-                  ["--standalone", "train.sh"], ["--standalone"]):
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        "--module",
+        "dptrain.launch.record_script",
+        "t.py",
+        "--lr",
+        "1",
+    ]
+    for given in (
+        ["--standalone", "-m", "pkg.train"],
+        ["--no-python", "bash", "x.py"],
+        ["--run-path", "t.py"],
+        ["--standalone", "train.sh"],
+        ["--standalone"],
+    ):
         assert record_failures(given) == given

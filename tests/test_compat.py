@@ -40,8 +40,14 @@ def test_a_run_written_before_the_move_continues_exactly(tmp_path, name):
     run = tmp_path / name
     shutil.copytree(FIXTURES / name, run)
     expected = json.loads((run / "expected.json").read_text())
-    proc = subprocess.run([sys.executable, "-m", "dptrain", "run", "--out", str(run), "--nproc-per-node", "1"], env=subprocess_env(),
-                          cwd=ROOT, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dptrain", "run", "--out", str(run), "--nproc-per-node", "1"],
+        env=subprocess_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert losses(run) == [tuple(x) for x in expected["losses"][3:]]  # steps 4-6, bit for bit
     digest = hashlib.sha256((run / "final" / "model.safetensors").read_bytes()).hexdigest()

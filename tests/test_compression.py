@@ -69,7 +69,10 @@ def test_sign_packing_matches_the_reference_and_round_trips():
         assert packed.dtype == torch.uint8 and packed.numel() == (n + 7) // 8
         assert packed.tolist() == ref_pack((x >= 0).tolist())
         assert torch.equal(onebit.unpack_signs(packed, n), x >= 0)
-    assert onebit.pack_signs(torch.tensor([True, False, False, False, False, False, False, True, True])).tolist() == [129, 128]
+    assert onebit.pack_signs(torch.tensor([True, False, False, False, False, False, False, True, True])).tolist() == [
+        129,
+        128,
+    ]
 
 
 @pytest.mark.fast
@@ -144,8 +147,9 @@ def test_onebit_hook_on_two_gloo_ranks_matches_the_reference_with_error_feedback
     for r in range(2):  # the saved error feedback is the reference's, per parameter
         saved = out[r]["state"]["error"]
         assert saved and sum(t.numel() for t in saved.values()) == sum(s.numel() for s in shapes)
-        assert math.isclose(sum(float(t.abs().sum()) for t in saved.values()),
-                            sum(abs(x) for e in errors[r] for x in e), rel_tol=1e-4)
+        assert math.isclose(
+            sum(float(t.abs().sum()) for t in saved.values()), sum(abs(x) for e in errors[r] for x in e), rel_tol=1e-4
+        )
 
 
 @pytest.mark.fast
@@ -162,23 +166,41 @@ def test_powersgd_pieces_follow_torchs_memory_layout():
 # ------------------------------------------------------------------ refusals before launch
 @pytest.mark.fast
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("overrides", "world", "message"), [
-    (["parallel.grad_compression=bf16"], 2, "needs the nccl backend"),
-    (["parallel.grad_compression=int8"], 2, "parallel.grad_compression='int8' is not valid; choose one of: none"),
-    (["parallel.grad_compression=powersgd", "parallel.powersgd_rank=0"], 2, "parallel.powersgd_rank=0 is not valid"),
-    (["parallel.grad_compression=powersgd", "parallel.powersgd_start_step=1"], 2, "powersgd_start_step=1 is not valid"),
-    (["parallel.grad_compression=onebit", "parallel.onebit_start_step=-1"], 2, "onebit_start_step=-1 is not valid"),
-    (["parallel.grad_compression=fp16"], 1, "data-parallel world size of 1: there is no gradient communication"),
-    (["parallel.grad_compression=onebit", "parallel.sync_each_micro_step=true"], 2, "sync_each_micro_step"),
-    (["parallel.grad_compression=powersgd", "parallel.strategy=fsdp"], 2, "FSDP2, whose reduce-scatter has no hook"),
-    (["parallel.grad_compression=onebit", "parallel.strategy=zero2"], 2, "FSDP2, whose reduce-scatter has no hook"),
-    (["parallel.grad_compression=fp16", "parallel.strategy=single"], 1, "has none to compress"),
-    (["parallel.grad_compression=fp16", "parallel.strategy=fsdp", "parallel.fsdp_reduce_dtype=fp32"], 2,
-     "drop one of them"),
-    (["parallel.grad_compression=fp16", "parallel.tp=2"], 4, "no DDP communication hook"),
-    (["parallel.grad_compression=onebit", "parallel.strategy=fsdp", "parallel.tp=2"], 4, "FSDP2"),
-    (["parallel.grad_compression=onebit", "parallel.pp=2"], 4, "no DDP communication hook"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["parallel.grad_compression=bf16"], 2, "needs the nccl backend"),
+        (["parallel.grad_compression=int8"], 2, "parallel.grad_compression='int8' is not valid; choose one of: none"),
+        (
+            ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=0"],
+            2,
+            "parallel.powersgd_rank=0 is not valid",
+        ),
+        (
+            ["parallel.grad_compression=powersgd", "parallel.powersgd_start_step=1"],
+            2,
+            "powersgd_start_step=1 is not valid",
+        ),
+        (["parallel.grad_compression=onebit", "parallel.onebit_start_step=-1"], 2, "onebit_start_step=-1 is not valid"),
+        (["parallel.grad_compression=fp16"], 1, "data-parallel world size of 1: there is no gradient communication"),
+        (["parallel.grad_compression=onebit", "parallel.sync_each_micro_step=true"], 2, "sync_each_micro_step"),
+        (
+            ["parallel.grad_compression=powersgd", "parallel.strategy=fsdp"],
+            2,
+            "FSDP2, whose reduce-scatter has no hook",
+        ),
+        (["parallel.grad_compression=onebit", "parallel.strategy=zero2"], 2, "FSDP2, whose reduce-scatter has no hook"),
+        (["parallel.grad_compression=fp16", "parallel.strategy=single"], 1, "has none to compress"),
+        (
+            ["parallel.grad_compression=fp16", "parallel.strategy=fsdp", "parallel.fsdp_reduce_dtype=fp32"],
+            2,
+            "drop one of them",
+        ),
+        (["parallel.grad_compression=fp16", "parallel.tp=2"], 4, "no DDP communication hook"),
+        (["parallel.grad_compression=onebit", "parallel.strategy=fsdp", "parallel.tp=2"], 4, "FSDP2"),
+        (["parallel.grad_compression=onebit", "parallel.pp=2"], 4, "no DDP communication hook"),
+    ],
+)
 def test_refusals_name_the_value_and_the_reason(overrides, world, message):
     cfg = load_config(None, overrides)
     with pytest.raises(ConfigError) as err:
@@ -193,15 +215,22 @@ def test_fp16_and_bf16_under_fsdp2_are_the_reduce_dtype_without_a_hook():
     resolve(cfg, world_size=2, cuda_available=False)  # FSDP2's bf16 reduce-scatter runs on gloo
     assert fsdp_reduce_dtype(cfg.parallel) == "bf16"
     assert build_comm_hook(cfg.parallel, process_group=None, backend="gloo") is None
-    same = load_config(None, ["parallel.strategy=zero2", "parallel.grad_compression=fp16", "parallel.fsdp_reduce_dtype=fp16"])
+    same = load_config(
+        None, ["parallel.strategy=zero2", "parallel.grad_compression=fp16", "parallel.fsdp_reduce_dtype=fp16"]
+    )
     assert fsdp_reduce_dtype(same.parallel) == "fp16"
     assert build_comm_hook(load_config(None, []).parallel, process_group=None, backend="gloo") is None
 
 
 @pytest.mark.timeout(60)
 def test_dptrain_run_exits_2_before_launch():
-    r = subprocess.run([sys.executable, "-m", "dptrain", "run", "parallel.grad_compression=bf16", "--nproc-per-node", "2"],
-                       capture_output=True, text=True, timeout=50, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "dptrain", "run", "parallel.grad_compression=bf16", "--nproc-per-node", "2"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        cwd=ROOT,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "bf16_compress_hook" in r.stderr and "use fp16 on gloo" in r.stderr
 
@@ -222,8 +251,11 @@ def fit(rank: int, out: Path, overrides: list[str]) -> dict:
     cfg = load_config(None, [*TOY, *overrides])
     trainer = Trainer(cfg, out_dir=out)
     summary = trainer.fit()
-    return {"summary": summary, "hook": None if trainer.comm_hook is None else trainer.comm_hook.name,
-            "registered": registered[0] if registered else None}
+    return {
+        "summary": summary,
+        "hook": None if trainer.comm_hook is None else trainer.comm_hook.name,
+        "registered": registered[0] if registered else None,
+    }
 
 
 def losses(run_dir: Path) -> list[tuple[int, str]]:
@@ -238,11 +270,21 @@ def weights_sha(run_dir: Path) -> str:
 @pytest.mark.timeout(240)
 def test_each_compression_trains_on_two_gloo_ranks(tmp_path):
     # rank 2: the toy's matrices are worth compressing ((rows + cols) * rank * 2 < rows * cols)
-    steps = ["train.max_steps=6", "parallel.powersgd_start_step=2", "parallel.powersgd_rank=2",
-             "parallel.onebit_start_step=0"]
+    steps = [
+        "train.max_steps=6",
+        "parallel.powersgd_start_step=2",
+        "parallel.powersgd_rank=2",
+        "parallel.onebit_start_step=0",
+    ]
     final = {}
-    for name, extra in (("none", []), ("fp16", []), ("powersgd", []), ("onebit", []),
-                        ("fp16", ["parallel.strategy=fsdp"]), ("bf16", ["parallel.strategy=zero2"])):
+    for name, extra in (
+        ("none", []),
+        ("fp16", []),
+        ("powersgd", []),
+        ("onebit", []),
+        ("fp16", ["parallel.strategy=fsdp"]),
+        ("bf16", ["parallel.strategy=zero2"]),
+    ):
         out = tmp_path / f"{name}-{'-'.join(extra)}"
         res = run_ranks(fit, 2, out, [*steps, f"parallel.grad_compression={name}", *extra], timeout=100)
         assert res[0]["hook"] == (None if name == "none" or extra else name)
@@ -278,8 +320,12 @@ def test_fp16_ddp_matches_the_single_process_reference_within_fp16_round_off(tmp
 @pytest.mark.parametrize("name", ["powersgd", "onebit"])
 def test_resume_with_error_feedback_is_bit_identical(tmp_path, name):
     # both start compressing at step 3: the checkpoint of step 5 holds error feedback (and P/Q memories)
-    over = [f"parallel.grad_compression={name}", "parallel.powersgd_start_step=2", "parallel.powersgd_rank=2",
-            "parallel.onebit_start_step=2"]
+    over = [
+        f"parallel.grad_compression={name}",
+        "parallel.powersgd_start_step=2",
+        "parallel.powersgd_rank=2",
+        "parallel.onebit_start_step=2",
+    ]
     run_ranks(fit, 2, tmp_path / "ref", [*over, "train.max_steps=8"], timeout=100)
     run_ranks(fit, 2, tmp_path / "cut", [*over, "train.max_steps=5"], timeout=100)  # saves step 5 at the end
     run_ranks(fit, 2, tmp_path / "cut", [*over, "train.max_steps=8"], timeout=100)  # resumes from it

@@ -986,7 +986,9 @@ def _sections() -> list[tuple[str, type]]:
 
 def test_every_section_is_a_dataclass() -> None:
     names = [n for n, _ in _sections()]
-    assert names == ["model", "data", "train", "optim", "parallel", "precision", "launch", "log", "checkpoint", "diagnostics"]
+    assert names == [
+        "model", "data", "train", "optim", "parallel", "precision", "launch", "log", "checkpoint", "diagnostics"
+    ]
     for _, cls in _sections():
         assert dataclasses.is_dataclass(cls)
 

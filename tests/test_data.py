@@ -190,8 +190,15 @@ def test_build_stdlib_lm(corpus_dir: Path) -> None:
 
 
 def _sampler(**kw) -> GlobalBatchSampler:
-    base = dict(dataset_len=100, global_batch_size=12, micro_batch_size=12, grad_accum_steps=1, dp_rank=0, dp_world_size=1,
-                seed=3)
+    base = dict(
+        dataset_len=100,
+        global_batch_size=12,
+        micro_batch_size=12,
+        grad_accum_steps=1,
+        dp_rank=0,
+        dp_world_size=1,
+        seed=3,
+    )
     base.update(kw)
     return GlobalBatchSampler(**base)
 

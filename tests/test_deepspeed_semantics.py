@@ -113,7 +113,10 @@ def test_lenient_enabled_flags_are_read_with_a_note(flag, on) -> None:
     [
         ({"optimizer": "adam"}, r"optimizer='adam' is not valid; it must be a mapping"),
         ({"scheduler": ["WarmupLR"]}, r"scheduler=\['WarmupLR'\] is not valid; it must be a mapping"),
-        ({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}, r"optimizer.params.lr='fast' is not valid; it must be a number > 0"),
+        (
+            {"optimizer": {"type": "Adam", "params": {"lr": "fast"}}},
+            r"optimizer.params.lr='fast' is not valid; it must be a number > 0",
+        ),
         ({"optimizer": {"type": "Adam", "params": []}}, r"optimizer.params=\[\] is not valid"),
         ({"optimizer": {"type": "Adam", "params": {"betas": 0.9}}}, r"optimizer.params.betas=0.9 .*two numbers"),
         ({"optimizer": {"type": "RMSprop"}}, r"optimizer.type='RMSprop' is not valid; use one of: SGD, Adam, AdamW"),
@@ -123,9 +126,18 @@ def test_lenient_enabled_flags_are_read_with_a_note(flag, on) -> None:
         ({"fp16": True}, r"fp16=True is not valid; it must be a mapping"),
         ({"zero_optimization": 2}, r"zero_optimization=2 is not valid; use a mapping"),
         ({"zero_optimization": {"stage": "2"}}, r"zero_optimization.stage='2' is not valid; use 0, 1, 2 or 3"),
-        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, r"stage=1 is not supported.*use stage 2"),
-        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}}, r"warmup_type='cos' is not valid; use log or linear"),
-        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1.5}}}, r"warmup_num_steps=1.5 is not valid"),
+        (
+            {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+            r"stage=1 is not supported.*use stage 2",
+        ),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}},
+            r"warmup_type='cos' is not valid; use log or linear",
+        ),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1.5}}},
+            r"warmup_num_steps=1.5 is not valid",
+        ),
         ({"gradient_clipping": "1.0"}, r"gradient_clipping='1.0' is not valid; it must be a number"),
         ({"dptrain": {"train": 5}}, r"dptrain=\{'train': 5\} is not valid; it must map section names to mappings"),
     ],
@@ -139,9 +151,14 @@ def test_type_errors_name_key_value_and_choices(ds, pattern) -> None:
 def test_pipeline_and_tensor_parallel_sections_map_to_the_layout() -> None:
     """DeepSpeed's pipeline engine streams gradient_accumulation_steps micro-batches through one schedule:
     dptrain pipelines the same rows (one micro-step, pp_microbatches = GAS), tensor_parallel.autotp_size -> tp."""
-    d, unknown = from_deepspeed({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
-                                 "pipeline": {"stages": 2, "partition": "parameters"},
-                                 "tensor_parallel": {"autotp_size": 2}})
+    d, unknown = from_deepspeed(
+        {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 8,
+            "pipeline": {"stages": 2, "partition": "parameters"},
+            "tensor_parallel": {"autotp_size": 2},
+        }
+    )
     assert d["parallel"] == {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 8, "tp": 2}
     assert (d["train"]["micro_batch_size"], d["train"]["grad_accum_steps"]) == (32, 1)
     assert [u.split("=")[0] for u in unknown] == ["pipeline.partition"]
@@ -152,15 +169,27 @@ def test_pipeline_and_tensor_parallel_sections_map_to_the_layout() -> None:
 @pytest.mark.timeout(120)
 def test_cli_config_show_and_clean_errors(tmp_path: Path) -> None:
     def show(*items: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dptrain", "config", "show", *items, "--nproc-per-node", "2"],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        return subprocess.run(
+            [sys.executable, "-m", "dptrain", "config", "show", *items, "--nproc-per-node", "2"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
 
     r = show("train.micro_batch_size=1", "train.grad_accum_steps=1")
     assert r.returncode == 0, r.stderr
     assert "global_batch_size: 2" in r.stdout
     p = tmp_path / "ds.json"
-    p.write_text(json.dumps({"train_batch_size": 16, "comms_logger": {"enabled": False},
-                             "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}}))
+    p.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 16,
+                "comms_logger": {"enabled": False},
+                "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}},
+            }
+        )
+    )
     r = show(str(p))
     assert r.returncode == 0, r.stderr
     assert "#   train_batch_size -> train.global_batch_size = 16" in r.stdout

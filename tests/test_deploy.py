@@ -161,33 +161,64 @@ def test_schema_check_catches_unknown_keys_wrong_types_and_enums():
 
 @pytest.mark.fast
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("args, message", [
-    (["--name", "My_Job"], "--name='My_Job' is not valid"),
-    (["train.global_batch_size=12"], "train.global_batch_size=12 is not divisible by micro_batch_size * dp world size = 1 * 8"),
-    (["--max-restarts", "-1"], "argument --max-restarts: -1 is not valid"),
-    (["--gpus-per-node", "-2"], "argument --gpus-per-node: -2 is not valid"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--name", "My_Job"], "--name='My_Job' is not valid"),
+        (
+            ["train.global_batch_size=12"],
+            "train.global_batch_size=12 is not divisible by micro_batch_size * dp world size = 1 * 8",
+        ),
+        (["--max-restarts", "-1"], "argument --max-restarts: -1 is not valid"),
+        (["--gpus-per-node", "-2"], "argument --gpus-per-node: -2 is not valid"),
+    ],
+)
 def test_manifest_refuses_bad_input_with_exit_2(args, message):
-    r = manifest("kubeflow", "train.max_steps=5", "train.micro_batch_size=1", "--image", "x:1", "--nnodes", "2", "--nproc-per-node", "4", *args)
+    r = manifest(
+        "kubeflow",
+        "train.max_steps=5",
+        "train.micro_batch_size=1",
+        "--image",
+        "x:1",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        *args,
+    )
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert r.stdout == ""
 
 
 # ---------------------------------------------------------------------- dptrain run inside a PyTorchJob pod
-def operator_env(*, job: str, replica: str, index: int, nnodes: int, nproc: int, elastic: int | None = None,
-                 port: int = 23456) -> dict[str, str]:
+def operator_env(
+    *, job: str, replica: str, index: int, nnodes: int, nproc: int, elastic: int | None = None, port: int = 23456
+) -> dict[str, str]:
     """What the training operator v1 sets on the `pytorch` container (pkg/controller.v1/pytorch/envvar.go,
     master.go, elastic.go) for a job with a Master, nnodes - 1 Workers and nprocPerNode."""
     rank = index + (1 if replica == "Worker" else 0)
-    env = {"PYTHONUNBUFFERED": "0", "MASTER_PORT": str(port), "PET_MASTER_PORT": str(port),
-           "MASTER_ADDR": f"{job}-master-0", "PET_MASTER_ADDR": f"{job}-master-0",
-           "WORLD_SIZE": str(nnodes * nproc), "RANK": str(rank), "PET_NPROC_PER_NODE": str(nproc),
-           "PET_NODE_RANK": str(rank)}
+    env = {
+        "PYTHONUNBUFFERED": "0",
+        "MASTER_PORT": str(port),
+        "PET_MASTER_PORT": str(port),
+        "MASTER_ADDR": f"{job}-master-0",
+        "PET_MASTER_ADDR": f"{job}-master-0",
+        "WORLD_SIZE": str(nnodes * nproc),
+        "RANK": str(rank),
+        "PET_NPROC_PER_NODE": str(nproc),
+        "PET_NODE_RANK": str(rank),
+    }
     if elastic is None:
         env["PET_NNODES"] = str(nnodes)
     else:
-        env.update({"PET_RDZV_ENDPOINT": f"{job}-master-0:{port}", "PET_RDZV_BACKEND": "c10d",
-                    "PET_NNODES": f"{nnodes}:{nnodes}", "PET_MAX_RESTARTS": str(elastic)})
+        env.update(
+            {
+                "PET_RDZV_ENDPOINT": f"{job}-master-0:{port}",
+                "PET_RDZV_BACKEND": "c10d",
+                "PET_NNODES": f"{nnodes}:{nnodes}",
+                "PET_MAX_RESTARTS": str(elastic),
+            }
+        )
     return env
 
 
@@ -195,8 +226,9 @@ def _argv(env: dict[str, str], *user_overrides: str) -> list[str]:
     found = cluster_launch(env)
     assert found is not None
     cfg = load_config(None, [*found.overrides, *user_overrides])
-    return launch.torchrun_args(cfg.launch, nproc_per_node=int(cfg.launch.nproc_per_node), module="dptrain.launch.worker",
-                                module_args=["RUN"])
+    return launch.torchrun_args(
+        cfg.launch, nproc_per_node=int(cfg.launch.nproc_per_node), module="dptrain.launch.worker", module_args=["RUN"]
+    )
 
 
 @pytest.mark.fast
@@ -205,11 +237,13 @@ def test_operator_environment_becomes_the_torchrun_argv():
     worker1 = operator_env(job="llm", replica="Worker", index=1, nnodes=3, nproc=8)
     assert shlex.join(_argv(worker1)) == (
         "--nproc-per-node 8 --nnodes 3 --rdzv-backend c10d --rdzv-endpoint llm-master-0:23456 --rdzv-id dptrain "
-        "--node-rank 2 --max-restarts 0 --module dptrain.launch.worker RUN")
+        "--node-rank 2 --max-restarts 0 --module dptrain.launch.worker RUN"
+    )
     master = operator_env(job="llm", replica="Master", index=0, nnodes=3, nproc=8, elastic=4)
     assert shlex.join(_argv(master)) == (
         "--nproc-per-node 8 --nnodes 3 --rdzv-backend c10d --rdzv-endpoint llm-master-0:23456 --rdzv-id dptrain "
-        "--node-rank 0 --max-restarts 4 --module dptrain.launch.worker RUN")
+        "--node-rank 0 --max-restarts 4 --module dptrain.launch.worker RUN"
+    )
     # the command line's own overrides win over the environment
     assert _argv(worker1, "launch.nproc_per_node=2")[:2] == ["--nproc-per-node", "2"]
 
@@ -240,11 +274,20 @@ def test_dptrain_run_in_a_simulated_single_replica_pytorchjob_pod(tmp_path):
     """A one-pod job (Master only, nprocPerNode 2): `dptrain run` without --nproc-per-node or launch
     flags takes the layout from the operator's variables and trains on 2 workers, rendezvous at
     MASTER_ADDR:MASTER_PORT (here 127.0.0.1: the pod's own name resolves to itself in a cluster)."""
-    env = {**subprocess_env(), **operator_env(job="demo", replica="Master", index=0, nnodes=1, nproc=2, port=_free_port())}
+    env = {
+        **subprocess_env(),
+        **operator_env(job="demo", replica="Master", index=0, nnodes=1, nproc=2, port=_free_port()),
+    }
     env.update({"MASTER_ADDR": "127.0.0.1", "PET_MASTER_ADDR": "127.0.0.1"})
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, "train.max_steps=4", "--out", str(out)],
-                       capture_output=True, text=True, timeout=200, env=env, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "dptrain", "run", *TOY, "train.max_steps=4", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "launch.nproc_per_node=2 (from PET_NPROC_PER_NODE)" in r.stderr
     assert f"c10d rendezvous at 127.0.0.1:{env['MASTER_PORT']}" in r.stdout

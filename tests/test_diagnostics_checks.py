@@ -16,12 +16,19 @@ from support.mp import RankError, run_ranks
 @pytest.mark.timeout(60)
 def test_a_model_that_differs_on_one_rank_is_refused_with_the_same_message_everywhere(tmp_path):
     with pytest.raises(RankError) as info:
-        run_ranks(train, 2, str(tmp_path), ["model.factory=support.diag_helpers:mlp_wider_on_rank1", "train.max_steps=2"],
-                  timeout=60)
+        run_ranks(
+            train,
+            2,
+            str(tmp_path),
+            ["model.factory=support.diag_helpers:mlp_wider_on_rank1", "train.max_steps=2"],
+            timeout=60,
+        )
     failed = info.value.failed
     assert sorted(failed) == [0, 1]
-    messages = [next(line for line in tb.splitlines() if line.startswith("dptrain.diagnostics.preflight.PreflightError"))
-                for tb in failed.values()]
+    messages = [
+        next(line for line in tb.splitlines() if line.startswith("dptrain.diagnostics.preflight.PreflightError"))
+        for tb in failed.values()
+    ]
     assert messages[0] == messages[1]
     assert "rank 1's model differs from rank 0's at parameter 'layers.1.fc.weight'" in messages[0]
     assert "shape (32, 32) dtype float32 on rank 0, shape (48, 32) dtype float32 on rank 1" in messages[0]
@@ -33,7 +40,8 @@ def test_world_size_and_config_mismatches_name_the_difference():
     base = {"world_size": 2, "config_hash": "a", "config": {"train.max_steps": "10"}, "model": [("w", (2,), "float32")]}
     assert compare_facts([base, dict(base)], joined=2) is None
     assert "rank 1 was started with WORLD_SIZE=3 but 2 ranks joined" in compare_facts(
-        [base, {**base, "world_size": 3}], joined=2)
+        [base, {**base, "world_size": 3}], joined=2
+    )
     other = {**base, "config_hash": "b", "config": {"train.max_steps": "12"}}
     assert "first differing key: train.max_steps = 10 on rank 0, 12 on rank 1" in compare_facts([base, other], joined=2)
     # node-local settings (each node's launch.node_rank, run directory) are not compared
@@ -41,12 +49,15 @@ def test_world_size_and_config_mismatches_name_the_difference():
 
     from dptrain.diagnostics.preflight import local_facts
 
-    node0, node1 = ({"train": {"max_steps": 10}, "launch": {"node_rank": r}, "log": {"out_dir": f"runs/n{r}"}}
-                    for r in (0, 1))
+    node0, node1 = (
+        {"train": {"max_steps": 10}, "launch": {"node_rank": r}, "log": {"out_dir": f"runs/n{r}"}} for r in (0, 1)
+    )
     facts = [local_facts(world_size=2, config=c, model=nn.Linear(2, 2)) for c in (node0, node1)]
     assert compare_facts(facts, joined=2) is None
     extra = {**base, "model": [("w", (2,), "float32"), ("b", (1,), "float32")]}
-    assert "at parameter 'b': absent on rank 0, shape (1,) dtype float32 on rank 1" in compare_facts([base, extra], joined=2)
+    assert "at parameter 'b': absent on rank 0, shape (1,) dtype float32 on rank 1" in compare_facts(
+        [base, extra], joined=2
+    )
 
 
 def _records(run_dir, kind: str) -> list[dict]:
@@ -59,8 +70,14 @@ NAN = ["train.loss=support.diag_helpers:nan_batch_loss", "train.max_steps=6", "d
 
 @pytest.mark.timeout(60)
 def test_nan_in_one_rank_batch_is_skipped_on_every_rank(tmp_path):
-    summaries = run_ranks(train, 2, str(tmp_path), [*NAN, "diagnostics.nonfinite=skip"], timeout=60,
-                          env={"NAN_RANK": "1", "NAN_STEPS": "3"})
+    summaries = run_ranks(
+        train,
+        2,
+        str(tmp_path),
+        [*NAN, "diagnostics.nonfinite=skip"],
+        timeout=60,
+        env={"NAN_RANK": "1", "NAN_STEPS": "3"},
+    )
     assert [s["nonfinite_skipped_steps"] for s in summaries] == [1, 1]
     assert summaries[0]["steps"] == 6
     (record,) = _records(tmp_path, "nonfinite")
@@ -72,20 +89,36 @@ def test_nan_in_one_rank_batch_is_skipped_on_every_rank(tmp_path):
 @pytest.mark.timeout(60)
 def test_nonfinite_error_and_too_many_consecutive_skips_stop_every_rank_naming_step_and_rank(tmp_path):
     with pytest.raises(RankError) as info:
-        run_ranks(train, 2, str(tmp_path), [*NAN, "diagnostics.nonfinite=error"], timeout=60,
-                  env={"NAN_RANK": "1", "NAN_STEPS": "4"})
+        run_ranks(
+            train,
+            2,
+            str(tmp_path),
+            [*NAN, "diagnostics.nonfinite=error"],
+            timeout=60,
+            env={"NAN_RANK": "1", "NAN_STEPS": "4"},
+        )
     assert sorted(info.value.failed) == [0, 1]
     for tb in info.value.failed.values():
         assert "NonFiniteError: step 4: non-finite loss from the data of rank(s) 1; stopping" in tb
     with pytest.raises(RankError) as info:
-        run_ranks(train, 2, str(tmp_path / "skips"), [*NAN, "diagnostics.nonfinite=skip"], timeout=60,
-                  env={"NAN_RANK": "0", "NAN_STEPS": "2,3"})
+        run_ranks(
+            train,
+            2,
+            str(tmp_path / "skips"),
+            [*NAN, "diagnostics.nonfinite=skip"],
+            timeout=60,
+            env={"NAN_RANK": "0", "NAN_STEPS": "2,3"},
+        )
     assert sorted(info.value.failed) == [0, 1]
     assert "step 3: 2 consecutive steps skipped" in info.value.failed[1]
 
 
-SLOW = ["data.factory=support.diag_helpers:slow_data", "train.loss=support.diag_helpers:slow_loss", "train.max_steps=8",
-        "diagnostics.straggler_every_steps=4"]
+SLOW = [
+    "data.factory=support.diag_helpers:slow_data",
+    "train.loss=support.diag_helpers:slow_loss",
+    "train.max_steps=8",
+    "diagnostics.straggler_every_steps=4",
+]
 
 
 @pytest.mark.timeout(60)
@@ -107,8 +140,9 @@ def test_a_slowed_rank_is_named_as_the_straggler_with_the_slow_part(tmp_path, wh
 
 @pytest.mark.timeout(60)
 def test_a_healthy_run_names_no_straggler_and_times_the_last_steps_of_each_window(tmp_path):
-    run_ranks(train, 2, str(tmp_path), [*SLOW, "train.max_steps=24", "diagnostics.straggler_every_steps=12"],
-              timeout=60)
+    run_ranks(
+        train, 2, str(tmp_path), [*SLOW, "train.max_steps=24", "diagnostics.straggler_every_steps=12"], timeout=60
+    )
     splits = _records(tmp_path, "step_split")
     assert [s["steps"] for s in splits] == [[3, 12], [15, 24]]  # SAMPLE_STEPS = 10 of every 12
     assert all(row["steps"] == 10 for s in splits for row in s["ranks"])
@@ -118,9 +152,14 @@ def test_a_healthy_run_names_no_straggler_and_times_the_last_steps_of_each_windo
 @pytest.mark.timeout(60)
 def test_a_parameter_nudged_on_one_rank_is_caught_at_the_next_check(tmp_path):
     with pytest.raises(RankError) as info:
-        run_ranks(train, 2, str(tmp_path), ["train.loss=support.diag_helpers:nudging_loss", "train.max_steps=8",
-                                            "diagnostics.drift_every_steps=2"],
-                  timeout=60, env={"NUDGE_RANK": "1", "NUDGE_STEP": "3"})
+        run_ranks(
+            train,
+            2,
+            str(tmp_path),
+            ["train.loss=support.diag_helpers:nudging_loss", "train.max_steps=8", "diagnostics.drift_every_steps=2"],
+            timeout=60,
+            env={"NUDGE_RANK": "1", "NUDGE_STEP": "3"},
+        )
     assert sorted(info.value.failed) == [0, 1]
     for tb in info.value.failed.values():
         assert "ReplicaDriftError: replica drift at step 4: parameter 'layers.1.fc.weight' differs on rank(s) 1" in tb
@@ -131,8 +170,13 @@ def test_a_parameter_nudged_on_one_rank_is_caught_at_the_next_check(tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_healthy_replicas_never_drift(tmp_path, strategy):
-    run_ranks(train, 2, str(tmp_path), ["train.max_steps=10", "diagnostics.drift_every_steps=1",
-                                        "optim.name=adamw", f"parallel.strategy={strategy}"], timeout=60)
+    run_ranks(
+        train,
+        2,
+        str(tmp_path),
+        ["train.max_steps=10", "diagnostics.drift_every_steps=1", "optim.name=adamw", f"parallel.strategy={strategy}"],
+        timeout=60,
+    )
     checks = _records(tmp_path, "drift")
     assert len(checks) == 10 and all(c["ok"] for c in checks)
 
@@ -156,9 +200,20 @@ def test_checksums_see_any_single_element_change_and_majority_names_the_odd_rank
 
 @pytest.mark.timeout(60)
 def test_steady_memory_growth_on_one_rank_is_reported_with_its_slope(tmp_path):
-    run_ranks(train, 2, str(tmp_path), ["train.loss=support.diag_helpers:leaky_loss", "train.max_steps=8",
-                                        "diagnostics.memory_every_steps=1", "diagnostics.memory_window=5",
-                                        "diagnostics.memory_leak_mb=10"], timeout=60, env={"LEAK_RANK": "1"})
+    run_ranks(
+        train,
+        2,
+        str(tmp_path),
+        [
+            "train.loss=support.diag_helpers:leaky_loss",
+            "train.max_steps=8",
+            "diagnostics.memory_every_steps=1",
+            "diagnostics.memory_window=5",
+            "diagnostics.memory_leak_mb=10",
+        ],
+        timeout=60,
+        env={"LEAK_RANK": "1"},
+    )
     leaks = _records(tmp_path, "memory_leak")
     assert leaks and {leak["rank"] for leak in leaks} == {1}
     assert leaks[0]["memory"] == "rss" and 2.5 < leaks[0]["mb_per_step"] < 5.5, leaks[0]  # 4 MiB kept per step
@@ -174,18 +229,29 @@ def test_line_fit_and_stray_context_detection():
     slope, r2 = fit_line([1, 2, 3, 4], [10, 12, 14, 16])
     assert slope == pytest.approx(2.0) and r2 == pytest.approx(1.0)
     assert fit_line([1, 2, 3, 4], [10, 10, 10, 10]) == (0.0, 0.0)
-    rows = [{"rank": 0, "host": "a", "pid": 10, "local_rank": 0, "gpu0_pids": [10, 11, 99]},
-            {"rank": 1, "host": "a", "pid": 11, "local_rank": 1},
-            {"rank": 2, "host": "b", "pid": 11, "local_rank": 1}]
+    rows = [
+        {"rank": 0, "host": "a", "pid": 10, "local_rank": 0, "gpu0_pids": [10, 11, 99]},
+        {"rank": 1, "host": "a", "pid": 11, "local_rank": 1},
+        {"rank": 2, "host": "b", "pid": 11, "local_rank": 1},
+    ]
     assert stray_gpu0_contexts(rows) == [{"rank": 1, "host": "a", "pid": 11}]
 
 
 @pytest.mark.timeout(60)
 def test_check_collectives_reports_a_mismatched_collective_on_every_rank_with_op_and_shapes(tmp_path):
     with pytest.raises(RankError) as info:
-        run_ranks(train, 2, str(tmp_path), ["train.loss=support.diag_helpers:mismatched_collective_loss", "train.max_steps=4",
-                                            "diagnostics.check_collectives=true",
-                                            "parallel.strategy=fsdp"], timeout=60)
+        run_ranks(
+            train,
+            2,
+            str(tmp_path),
+            [
+                "train.loss=support.diag_helpers:mismatched_collective_loss",
+                "train.max_steps=4",
+                "diagnostics.check_collectives=true",
+                "parallel.strategy=fsdp",
+            ],
+            timeout=60,
+        )
     assert sorted(info.value.failed) == [0, 1]
     for tb in info.value.failed.values():
         assert "Detected mismatch between collectives on ranks" in tb

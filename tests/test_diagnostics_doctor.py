@@ -82,7 +82,7 @@ case "$*" in
   *query-gpu=index,pci.bus_id*) echo "0, 00000000:18:00.0"; echo "1, 00000000:2A:00.0" ;;
   *query-compute-apps*) echo "1234, 00000000:18:00.0"; echo "1235, 00000000:18:00.0"; echo "1235, 00000000:2A:00.0" ;;
 esac
-"""
+"""  # noqa: E501 (the fake nvidia-smi script as a shell writes it)
 
 
 @pytest.mark.fast

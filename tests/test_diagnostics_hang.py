@@ -39,7 +39,10 @@ def test_a_rank_that_sleeps_forever_is_named_with_every_rank_stack(tmp_path, str
     assert re.search(r"torch/(distributed|autograd)/", where["0"]), report  # waiting for rank 1
     assert where["1"].endswith("in sleepy_loss"), report
     detected = (out / "hang_report.txt").stat().st_mtime - float(mark.read_text())
-    print(f"\nhang detected {detected:.2f}s after the rank fell asleep; job ended {ended - float(mark.read_text()):.2f}s after")
+    print(
+        f"\nhang detected {detected:.2f}s after the rank fell asleep; "
+        f"job ended {ended - float(mark.read_text()):.2f}s after"
+    )
     assert timeout_s <= detected < timeout_s + 4
     assert ended - float(mark.read_text()) < timeout_s + 10
     assert processes_mentioning(str(out)) == []  # no orphan worker
@@ -71,9 +74,18 @@ def test_suspects_are_the_ranks_not_where_the_others_are():
 @pytest.mark.timeout(120)
 def test_a_rank_frozen_holding_the_gil_is_named_for_not_answering(tmp_path):
     out, mark = tmp_path / "run", tmp_path / "hang-started"
-    r = dptrain("run", *TOY, "train.max_steps=1000", "train.loss=support.diag_helpers:gil_holding_loss",
-                "diagnostics.hang_timeout_s=2", "--nproc-per-node", "2", "--out", str(out),
-                env={"HANG_RANK": "0", "HANG_STEP": "2", "HANG_MARK": str(mark)})
+    r = dptrain(
+        "run",
+        *TOY,
+        "train.max_steps=1000",
+        "train.loss=support.diag_helpers:gil_holding_loss",
+        "diagnostics.hang_timeout_s=2",
+        "--nproc-per-node",
+        "2",
+        "--out",
+        str(out),
+        env={"HANG_RANK": "0", "HANG_STEP": "2", "HANG_MARK": str(mark)},
+    )
     ended = time.time()
     assert r.returncode != 0
     report = (out / "hang_report.txt").read_text()

@@ -28,18 +28,33 @@ REASON = unavailable_reason()
 needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster: {REASON}")
 RTOL, ATOL = 1e-5, 1e-6  # the parity tolerance (tests/test_parity.py)
 TOY = [
-    "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
-    "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}", "optim.name=sgd",
-    "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every_steps=1", "train.eval_every_steps=0",
-    "train.loss=support.slow_loss:slow_loss", "log.progress=false", "checkpoint.every_steps=5", "checkpoint.keep_last=null",
+    "model.factory=dptrain.models.toy:build_mlp",
+    "model.kwargs={}",
+    "data.factory=dptrain.models.toy:build_regression_data",
+    "data.kwargs={}",
+    "optim.name=sgd",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.log_every_steps=1",
+    "train.eval_every_steps=0",
+    "train.loss=support.slow_loss:slow_loss",
+    "log.progress=false",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep_last=null",
 ]
-ELASTIC = ["launch.max_restarts=3", "launch.rdzv_conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"]
+ELASTIC = [
+    "launch.max_restarts=3",
+    "launch.rdzv_conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+]
 
 
 def start(c: Cluster, node: int, out: Path, log: Path, *items: str) -> subprocess.Popen:
-    argv = dptrain_argv([*TOY, *ELASTIC, *items, *c.launch_overrides(node, nnodes="1:2"), "--nproc-per-node", "1",
-                         "--out", str(out)])
-    return c.popen(node, argv, cwd=ROOT, env=subprocess_env(OMP_NUM_THREADS="1"), stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    argv = dptrain_argv(
+        [*TOY, *ELASTIC, *items, *c.launch_overrides(node, nnodes="1:2"), "--nproc-per-node", "1", "--out", str(out)]
+    )
+    return c.popen(
+        node, argv, cwd=ROOT, env=subprocess_env(OMP_NUM_THREADS="1"), stdout=open(log, "w"), stderr=subprocess.STDOUT
+    )  # noqa: SIM115
 
 
 def records(path: Path) -> list[dict]:
@@ -53,8 +68,10 @@ def wait_until(what: str, cond, *, timeout: float, procs: list[subprocess.Popen]
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-            raise AssertionError(f"{what}: not reached; exit codes {[p.poll() for p in procs]}\n" +
-                                 "\n----\n".join(log.read_text()[-3000:] for log in logs))
+            raise AssertionError(
+                f"{what}: not reached; exit codes {[p.poll() for p in procs]}\n"
+                + "\n----\n".join(log.read_text()[-3000:] for log in logs)
+            )
         time.sleep(0.05)
 
 
@@ -67,8 +84,14 @@ def membership(out: Path) -> list[dict]:
 
 
 def dptrain(*items: str, timeout: float = 200) -> None:
-    r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, *items], capture_output=True, text=True,
-                       env=subprocess_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "dptrain", "run", *TOY, *items],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(OMP_NUM_THREADS="1"),
+        cwd=ROOT,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -80,8 +103,15 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_nnodes_range_reaches_torchrun_with_the_rendezvous_settings():
-    cfg = load_config(None, ["launch.nnodes=1:2", "launch.rdzv_endpoint=h0:29500", "launch.max_restarts=3",
-                             "launch.rdzv_conf=last_call_timeout=2,join_timeout=60"])
+    cfg = load_config(
+        None,
+        [
+            "launch.nnodes=1:2",
+            "launch.rdzv_endpoint=h0:29500",
+            "launch.max_restarts=3",
+            "launch.rdzv_conf=last_call_timeout=2,join_timeout=60",
+        ],
+    )
     assert cfg.launch.nnodes == "1:2"  # YAML 1.2 scalars: not the base-60 integer 62
     argv = torchrun_args(cfg.launch, nproc_per_node=1, module="dptrain.launch.worker", module_args=[])
     assert argv[argv.index("--nnodes") + 1] == "1:2" and argv[argv.index("--rdzv-backend") + 1] == "c10d"
@@ -92,13 +122,16 @@ def test_nnodes_range_reaches_torchrun_with_the_rendezvous_settings():
 
 @pytest.mark.fast
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("override", "named"), [
-    ("launch.nnodes=2:1", "launch.nnodes='2:1' is not valid"),
-    ("launch.nnodes=0:2", "launch.nnodes='0:2' is not valid"),
-    ("launch.nnodes=one:two", "launch.nnodes='one:two' is not valid"),
-    ("launch.rdzv_conf=last_call=2", "'last_call=2' is not valid"),
-    ("launch.rdzv_conf=join_timeout=-1", "'join_timeout=-1' is not valid"),
-])
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("launch.nnodes=2:1", "launch.nnodes='2:1' is not valid"),
+        ("launch.nnodes=0:2", "launch.nnodes='0:2' is not valid"),
+        ("launch.nnodes=one:two", "launch.nnodes='one:two' is not valid"),
+        ("launch.rdzv_conf=last_call=2", "'last_call=2' is not valid"),
+        ("launch.rdzv_conf=join_timeout=-1", "'join_timeout=-1' is not valid"),
+    ],
+)
 def test_bad_node_ranges_and_rendezvous_settings_refused(override, named):
     with pytest.raises(ConfigError, match=named):
         resolve(load_config(None, ["launch.rdzv_endpoint=h0:29500", override]), world_size=2, cuda_available=False)
@@ -107,8 +140,17 @@ def test_bad_node_ranges_and_rendezvous_settings_refused(override, named):
 @pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_the_global_batch_is_kept_at_another_world_size_with_accumulation_re_derived():
-    cfg = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=2", "train.grad_accum_steps=2",
-                             "launch.nnodes=1:2", "launch.rdzv_endpoint=h0:29500", "launch.nproc_per_node=1"])
+    cfg = load_config(
+        None,
+        [
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            "train.grad_accum_steps=2",
+            "launch.nnodes=1:2",
+            "launch.rdzv_endpoint=h0:29500",
+            "launch.nproc_per_node=1",
+        ],
+    )
     assert resolve(cfg, world_size=2, cuda_available=False).grad_accum_steps == 2
     one = resolve(config_for_world(cfg, world_size=1), world_size=1, cuda_available=False)
     assert (one.global_batch_size, one.micro_batch_size, one.grad_accum_steps) == (8, 2, 4)
@@ -118,8 +160,10 @@ def test_the_global_batch_is_kept_at_another_world_size_with_accumulation_re_der
 @pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_a_global_batch_that_cannot_be_split_is_refused_and_recorded(tmp_path):
-    cfg = load_config(None, ["train.global_batch_size=6", "train.micro_batch_size=3", "launch.nnodes=1:4",
-                             "launch.rdzv_endpoint=h0:29500"])
+    cfg = load_config(
+        None,
+        ["train.global_batch_size=6", "train.micro_batch_size=3", "launch.nnodes=1:4", "launch.rdzv_endpoint=h0:29500"],
+    )
     with pytest.raises(ConfigError, match="cannot keep the global batch of 6 at the new world size 4"):
         worker_config(cfg, run_dir=tmp_path, world_size=4, rank=0, attempt=2)
     (rec,) = records(tmp_path / "attempts.jsonl")
@@ -174,8 +218,9 @@ def test_node_lost_node0_continues_alone_and_matches_a_2_to_1_resume(tmp_path):
             wait_until("both nodes past step 7", lambda: last_step(out) >= 7, timeout=90, procs=procs, logs=logs)
             c.kill_node(1)  # the whole node: launcher, torchrun agent and worker, SIGKILL
             killed = time.monotonic()
-            wait_until("node 0 training alone", lambda: training_in_generation(out, 1), timeout=90, procs=procs[:1],
-                       logs=logs)
+            wait_until(
+                "node 0 training alone", lambda: training_in_generation(out, 1), timeout=90, procs=procs[:1], logs=logs
+            )
             again_s = time.monotonic() - killed
             assert procs[0].wait(timeout=120) == 0, logs[0].read_text()[-4000:]
         finally:
@@ -189,14 +234,23 @@ def test_node_lost_node0_continues_alone_and_matches_a_2_to_1_resume(tmp_path):
     assert (lost["world_size_before"], lost["world_size_after"]) == (2, 1)
     k = lost["resumed_step"]
     assert k >= 5 and k % 5 == 0 and lost["steps_lost"] == lost["last_step"] - k >= 0
-    assert f"node(s) {host1} left after step {lost['last_step']}: world size 2 -> 1, resuming at step {k}" in \
-        logs[0].read_text()
+    assert (
+        f"node(s) {host1} left after step {lost['last_step']}: world size 2 -> 1, resuming at step {k}"
+        in logs[0].read_text()
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 20 and summary["global_batch_size"] == 8
     # The reference: 2 ranks to the same committed step, then `--resume` that checkpoint at world size 1.
     dptrain(f"train.max_steps={k}", "--nproc-per-node", "2", "--out", str(tmp_path / "ref2"))
-    dptrain("train.max_steps=20", "--nproc-per-node", "1", "--out", str(tmp_path / "ref1"),
-            "--resume", str(tmp_path / "ref2" / "checkpoints" / f"step_{k:06d}"))
+    dptrain(
+        "train.max_steps=20",
+        "--nproc-per-node",
+        "1",
+        "--out",
+        str(tmp_path / "ref1"),
+        "--resume",
+        str(tmp_path / "ref2" / "checkpoints" / f"step_{k:06d}"),
+    )
     got, want = final_weights(out), final_weights(tmp_path / "ref1")
     assert got.keys() == want.keys()
     for name in want:
@@ -221,11 +275,17 @@ def test_node_rejoins_and_the_world_grows_back_to_2(tmp_path):
         try:
             wait_until("both nodes past step 6", lambda: last_step(out) >= 6, timeout=90, procs=procs, logs=logs)
             c.kill_node(1)
-            wait_until("node 0 training alone", lambda: training_in_generation(out, 1), timeout=90, procs=procs[:1],
-                       logs=logs)
+            wait_until(
+                "node 0 training alone", lambda: training_in_generation(out, 1), timeout=90, procs=procs[:1], logs=logs
+            )
             procs.append(start(c, 1, out, logs[2], *items))  # the same command on node 1 again
-            wait_until("node 1 taken in", lambda: len(membership(out)) >= 2 and training_in_generation(out, 2),
-                       timeout=120, procs=[procs[0], procs[2]], logs=logs)
+            wait_until(
+                "node 1 taken in",
+                lambda: len(membership(out)) >= 2 and training_in_generation(out, 2),
+                timeout=120,
+                procs=[procs[0], procs[2]],
+                logs=logs,
+            )
             pace.unlink()
             assert procs[0].wait(timeout=120) == 0, logs[0].read_text()[-4000:]
             assert procs[2].wait(timeout=60) == 0, logs[2].read_text()[-4000:]

@@ -49,7 +49,9 @@ def _fit_and_probe(rank: int, items: list[str], out_dir: str) -> torch.Tensor:
 def test_final_dir_loads_with_from_pretrained(tied: bool, tmp_path: Path) -> None:
     items = overrides("llama", "ddp")
     if tied:
-        items = [i for i in items if not i.startswith("model.factory=")] + ["model.factory=test_hf_pretrained:tiny_llama_tied"]
+        items = [i for i in items if not i.startswith("model.factory=")] + [
+            "model.factory=test_hf_pretrained:tiny_llama_tied"
+        ]
     logits = run_ranks(_fit_and_probe, 2, items, str(tmp_path), timeout=200)
     final = tmp_path / "final"
     assert sorted(p.name for p in final.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]

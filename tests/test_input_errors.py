@@ -38,17 +38,31 @@ def test_a_hash_inside_an_override_value_is_kept_literally(capsys):
     refused(capsys, ["config", "show", "train.max_steps=5 #x"], "train.max_steps='5 #x' has the wrong type")
 
 
-@pytest.mark.parametrize(("suffix", "text", "named"), [
-    (".yaml", "train:\n  max_steps: 3\n  max_steps: 5\n", "duplicate key 'max_steps': 3 (line 2) and 5 (line 3)"),
-    (".yaml", "train: {max_steps: 3}\ntrain: {seed: 1}\n", "duplicate key 'train'"),
-    (".json", '{"train": {"max_steps": 3, "max_steps": 5}}', "duplicate key 'max_steps': 3 and 5"),
-    (".json", '{"train_batch_size": 8, "train_batch_size": 16}', "duplicate key 'train_batch_size': 8 and 16"),
-    (".json", '{"train": {"max_steps": 3}, "trian": {}}', "unknown config key 'trian'"),
-    (".json", '{"train_batch_size": 8, "zero_optimization": {"stage": [2]}}', "zero_optimization.stage=[2] is not valid"),
-    (".json", '{"train_batch_size": 8, "scheduler": {"type": ["WarmupLR"]}}', "scheduler.type=['WarmupLR'] is not valid"),
-    (".json", '{"train_batch_size": 8, "fp16": {"enabled": true, "initial_scale_power": 5000}}',
-     "fp16.initial_scale_power=5000 is not valid"),
-])
+@pytest.mark.parametrize(
+    ("suffix", "text", "named"),
+    [
+        (".yaml", "train:\n  max_steps: 3\n  max_steps: 5\n", "duplicate key 'max_steps': 3 (line 2) and 5 (line 3)"),
+        (".yaml", "train: {max_steps: 3}\ntrain: {seed: 1}\n", "duplicate key 'train'"),
+        (".json", '{"train": {"max_steps": 3, "max_steps": 5}}', "duplicate key 'max_steps': 3 and 5"),
+        (".json", '{"train_batch_size": 8, "train_batch_size": 16}', "duplicate key 'train_batch_size': 8 and 16"),
+        (".json", '{"train": {"max_steps": 3}, "trian": {}}', "unknown config key 'trian'"),
+        (
+            ".json",
+            '{"train_batch_size": 8, "zero_optimization": {"stage": [2]}}',
+            "zero_optimization.stage=[2] is not valid",
+        ),
+        (
+            ".json",
+            '{"train_batch_size": 8, "scheduler": {"type": ["WarmupLR"]}}',
+            "scheduler.type=['WarmupLR'] is not valid",
+        ),
+        (
+            ".json",
+            '{"train_batch_size": 8, "fp16": {"enabled": true, "initial_scale_power": 5000}}',
+            "fp16.initial_scale_power=5000 is not valid",
+        ),
+    ],
+)
 def test_config_files_with_two_meanings_or_wrong_shapes_are_refused(capsys, tmp_path, suffix, text, named):
     path = tmp_path / f"cfg{suffix}"
     path.write_text(text)
@@ -60,34 +74,49 @@ def test_a_config_read_from_a_pipe_is_read(tmp_path):
     fifo = tmp_path / "cfg"
     os.mkfifo(fifo)
     writer = subprocess.Popen(["sh", "-c", f"printf 'train: {{max_steps: 4}}\\n' > {fifo}"])
-    out = subprocess.run([sys.executable, "-m", "dptrain", "config", "show", str(fifo)], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "dptrain", "config", "show", str(fifo)], capture_output=True, text=True, timeout=60
+    )
     writer.wait(timeout=10)
     assert out.returncode == 0 and "max_steps: 4" in out.stdout, out.stderr
 
 
-@pytest.mark.parametrize(("argv", "named"), [
-    (["run", "--out", "a", "--out", "b"], "--out given twice: 'a' and 'b'"),
-    (["run", "--out", "train.max_steps=3"], "--out 'train.max_steps=3' looks like a section.field=value override"),
-    (["run", "--out", ""], "--out is empty"),
-    (["run", "--max-restarts", "1", "--max-restarts", "2"], "--max-restarts given twice: 1 and 2"),
-    (["config", "show", "--nproc-per-node", "2", "launch.nproc_per_node=3"],
-     "--nproc-per-node 2 and the override launch.nproc_per_node=3 disagree"),
-    (["run", "--out", "x", "log.out_dir=y", "train.max_steps=1"], "--out x and the override log.out_dir=y disagree"),
-])
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["run", "--out", "a", "--out", "b"], "--out given twice: 'a' and 'b'"),
+        (["run", "--out", "train.max_steps=3"], "--out 'train.max_steps=3' looks like a section.field=value override"),
+        (["run", "--out", ""], "--out is empty"),
+        (["run", "--max-restarts", "1", "--max-restarts", "2"], "--max-restarts given twice: 1 and 2"),
+        (
+            ["config", "show", "--nproc-per-node", "2", "launch.nproc_per_node=3"],
+            "--nproc-per-node 2 and the override launch.nproc_per_node=3 disagree",
+        ),
+        (
+            ["run", "--out", "x", "log.out_dir=y", "train.max_steps=1"],
+            "--out x and the override log.out_dir=y disagree",
+        ),
+    ],
+)
 def test_options_with_two_meanings_are_refused(capsys, argv, named):
     refused(capsys, argv, named)
 
 
-@pytest.mark.parametrize(("argv", "named"), [
-    (["plan", "--params", "nan", "--gpus", "8"], "argument --params: nan is not valid"),
-    (["plan", "--params", "7e9", "--gpus", "0"], "argument --gpus: 0 is not valid"),
-    (["manifest", "slurm", "--nnodes", "1", "--nproc-per-node", "0"], "argument --nproc-per-node: 0 is not valid"),
-    (["manifest", "slurm", "--nnodes", "1", "--nproc-per-node", "-1"], "argument --nproc-per-node: -1 is not valid"),
-    (["ckpt", "ls", "/nonexistent/run"], "'/nonexistent/run' does not exist"),
-    (["ckpt", "verify", "/nonexistent/run"], "'/nonexistent/run' does not exist"),
-    (["launch", "/nonexistent/train.py"], "script '/nonexistent/train.py' does not exist"),
-])
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["plan", "--params", "nan", "--gpus", "8"], "argument --params: nan is not valid"),
+        (["plan", "--params", "7e9", "--gpus", "0"], "argument --gpus: 0 is not valid"),
+        (["manifest", "slurm", "--nnodes", "1", "--nproc-per-node", "0"], "argument --nproc-per-node: 0 is not valid"),
+        (
+            ["manifest", "slurm", "--nnodes", "1", "--nproc-per-node", "-1"],
+            "argument --nproc-per-node: -1 is not valid",
+        ),
+        (["ckpt", "ls", "/nonexistent/run"], "'/nonexistent/run' does not exist"),
+        (["ckpt", "verify", "/nonexistent/run"], "'/nonexistent/run' does not exist"),
+        (["launch", "/nonexistent/train.py"], "script '/nonexistent/train.py' does not exist"),
+    ],
+)
 def test_other_commands_name_the_bad_value(capsys, argv, named):
     refused(capsys, argv, named)
 
@@ -100,23 +129,27 @@ def test_ckpt_ls_of_a_file_and_report_of_a_non_run_are_refused(capsys, tmp_path)
 
 
 def test_launch_help_is_dptrains_own_and_imports_no_torch():
-    code = ("import sys; from dptrain.cli.main import main; rc = main(['launch', '--help']); "
-            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT)
+    code = (
+        "import sys; from dptrain.cli.main import main; rc = main(['launch', '--help']); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "usage: dptrain launch [torchrun options] SCRIPT [ARGS]" in out.stdout
 
 
-@pytest.mark.parametrize("argv", [
-    ["run", "--out", "/proc/dptrain-run", "train.max_steps=1"],
-    ["run", "--out", "/sys/dptrain-run", "train.max_steps=1"],
-    ["report", "RUN", "--out", "/proc/report"],
-    ["ckpt", "export", "RUN", "--out", "/proc/model.safetensors"],
-    ["doctor", "--comm", "--json", "/proc/sweep.json"],
-    ["plan", "--model", "llama-7b", "--gpus", "8", "--recommend", "--write", "/proc/recipe.yaml"],
-    ["bench", "--out", "/proc/bench"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--out", "/proc/dptrain-run", "train.max_steps=1"],
+        ["run", "--out", "/sys/dptrain-run", "train.max_steps=1"],
+        ["report", "RUN", "--out", "/proc/report"],
+        ["ckpt", "export", "RUN", "--out", "/proc/model.safetensors"],
+        ["doctor", "--comm", "--json", "/proc/sweep.json"],
+        ["plan", "--model", "llama-7b", "--gpus", "8", "--recommend", "--write", "/proc/recipe.yaml"],
+        ["bench", "--out", "/proc/bench"],
+    ],
+)
 def test_outputs_where_no_file_can_be_written_are_refused(capsys, tmp_path, argv):
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
@@ -174,27 +207,50 @@ def returns_empty_val():
     return build_regression_data(), []
 
 
-TOY_FLAGS = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
-             "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}", "train.max_steps=1",
-             "--nproc-per-node", "1"]
+TOY_FLAGS = [
+    "model.factory=dptrain.models.toy:build_mlp",
+    "model.kwargs={}",
+    "data.factory=dptrain.models.toy:build_regression_data",
+    "data.kwargs={}",
+    "train.max_steps=1",
+    "--nproc-per-node",
+    "1",
+]
 
 
-@pytest.mark.parametrize(("override", "named"), [
-    ("model.factory=test_input_errors:no_parameters", "returned Frozen with no trainable parameters"),
-    ("data.factory=test_input_errors:returns_int", "data factory returned builtins.int"),
-    ("data.factory=test_input_errors:returns_none", "data factory returned builtins.NoneType"),
-    ("data.factory=test_input_errors:returns_three", "data factory returned a tuple of length 3"),
-    ("data.factory=test_input_errors:returns_iterable", "the train split is an IterableDataset (returns_iterable.<locals>.Stream)"),
-    ("data.factory=test_input_errors:returns_empty_val", "the validation split is empty"),
-])
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("model.factory=test_input_errors:no_parameters", "returned Frozen with no trainable parameters"),
+        ("data.factory=test_input_errors:returns_int", "data factory returned builtins.int"),
+        ("data.factory=test_input_errors:returns_none", "data factory returned builtins.NoneType"),
+        ("data.factory=test_input_errors:returns_three", "data factory returned a tuple of length 3"),
+        (
+            "data.factory=test_input_errors:returns_iterable",
+            "the train split is an IterableDataset (returns_iterable.<locals>.Stream)",
+        ),
+        ("data.factory=test_input_errors:returns_empty_val", "the validation split is empty"),
+    ],
+)
 def test_factories_returning_what_cannot_train_are_refused_before_launch(capsys, tmp_path, override, named):
     refused(capsys, ["run", *TOY_FLAGS, override, "--out", str(tmp_path / "run")], named)
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
 def test_a_vocabulary_smaller_than_the_data_is_refused(capsys, tmp_path):
-    refused(capsys, ["run", "model.kwargs.vocab_size=100", "train.max_steps=1", "--nproc-per-node", "1",
-                     "--out", str(tmp_path / "run")], "model vocab_size=100 is smaller than the data's vocabulary")
+    refused(
+        capsys,
+        [
+            "run",
+            "model.kwargs.vocab_size=100",
+            "train.max_steps=1",
+            "--nproc-per-node",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        "model vocab_size=100 is smaller than the data's vocabulary",
+    )
 
 
 @pytest.mark.timeout(60)
@@ -202,9 +258,13 @@ def test_top_stops_at_ctrl_c_even_when_started_with_sigint_ignored(tmp_path):
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "top", str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # a background job's
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dptrain", "top", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # a background job's
     try:
         time.sleep(3)  # importing, drawing the first frame
         proc.send_signal(signal.SIGINT)
@@ -232,5 +292,6 @@ def test_generate_with_truncated_weights_says_so(capsys, tmp_path):
 
 
 def test_more_workers_than_the_machine_can_start_is_refused_saying_why(capsys):
-    refused(capsys, ["run", "--nproc-per-node", "4096"], "launch.nproc_per_node=4096 workers on this node's",
-            "CPU core(s)")
+    refused(
+        capsys, ["run", "--nproc-per-node", "4096"], "launch.nproc_per_node=4096 workers on this node's", "CPU core(s)"
+    )

@@ -160,7 +160,10 @@ def test_every_deepspeed_stage_keeps_its_strategy_and_layout():
     [
         (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing='some' is not valid"),
         (["parallel.fsdp_param_dtype=bf16"], "applies to FSDP2 only"),
-        (["parallel.strategy=fsdp", "parallel.fsdp_reduce_dtype=int8"], "parallel.fsdp_reduce_dtype='int8' is not valid"),
+        (
+            ["parallel.strategy=fsdp", "parallel.fsdp_reduce_dtype=int8"],
+            "parallel.fsdp_reduce_dtype='int8' is not valid",
+        ),
     ],
 )
 def test_parallel_options_are_checked_before_launch(items, match):

@@ -145,7 +145,9 @@ def _materialize_order(rank: int, strategy: str) -> dict:
         dims = ParallelDims.resolve(**({"dp_shard": -1} if strategy == "fsdp" else {"dp_replicate": -1}),
                                     world_size=dist.get_world_size())
         mesh = ParallelMesh.build(dims, device_type="cpu")
-        plan = parallelize_model(model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=CPU, materialize=materialize)
+        plan = parallelize_model(
+            model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=CPU, materialize=materialize
+        )
         local = [(p.to_local() if isinstance(p, DTensor) else p) for p in unwrap(plan).parameters()]
         seen["values"] = sorted({float(v) for t in local for v in t.reshape(-1).tolist()})
         seen["on_cpu"] = all(t.device == CPU for t in local)
@@ -200,8 +202,11 @@ def _zero1_step(rank: int) -> dict:
             plan.module((x, torch.zeros(4, 2))).backward()
         norm = dptrain.clip_grad_norm_(plan, None)
         opt.step()
-        out = {"zero": isinstance(opt, ZeroRedundancyOptimizer), "norm": float(norm),
-               "state": dptrain.full_state_dict(plan)}
+        out = {
+            "zero": isinstance(opt, ZeroRedundancyOptimizer),
+            "norm": float(norm),
+            "state": dptrain.full_state_dict(plan),
+        }
         plan.release()
         del plan, opt
         return out
@@ -221,7 +226,9 @@ def test_zero1_through_parallelize_shards_the_optimizer_and_keeps_replicas_equal
 def test_prepare_model_refuses_zero1_naming_the_api_that_does_it():
     import dptrain
 
-    with pytest.raises(ConfigError, match=r"cannot shard the optimizer.*dptrain.parallelize\(model, strategy='zero1'\)"):
+    with pytest.raises(
+        ConfigError, match=r"cannot shard the optimizer.*dptrain.parallelize\(model, strategy='zero1'\)"
+    ):
         dptrain.prepare_model(nn.Linear(2, 2), strategy="zero1")
     with pytest.raises(ConfigError, match="parallel.strategy='zero9' is not valid"):
         dptrain.prepare_model(nn.Linear(2, 2), strategy="zero9")
@@ -238,11 +245,16 @@ def _mp_dtypes(rank: int, param_dtype: str | None) -> dict:
         seen: list[torch.dtype] = []
         model.layers[0].fc.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
         mesh = ParallelMesh.build(ParallelDims.resolve(dp_shard=2, world_size=2), device_type="cpu")
-        cfg = ParallelConfig(strategy="fsdp", fsdp_param_dtype=param_dtype, fsdp_reduce_dtype="fp32" if param_dtype else None)
+        cfg = ParallelConfig(
+            strategy="fsdp", fsdp_param_dtype=param_dtype, fsdp_reduce_dtype="fp32" if param_dtype else None
+        )
         plan = parallelize_model(model, cfg=cfg, mesh=mesh, device=CPU)
         plan.module((torch.randn(4, 4), torch.zeros(4, 2))).backward()
-        out = {"compute": seen[0], "params": {p.dtype for p in unwrap(plan).parameters()},
-               "grads": {p.grad.dtype for p in unwrap(plan).parameters()}}
+        out = {
+            "compute": seen[0],
+            "params": {p.dtype for p in unwrap(plan).parameters()},
+            "grads": {p.grad.dtype for p in unwrap(plan).parameters()},
+        }
         del plan, model
         mesh.release()
         return out
@@ -296,8 +308,14 @@ def test_plan_state_dict_round_trip_replays_the_same_step(strategy):
     """Save after step 1, take step 2, load, take step 2 again: the same weights (model and
     optimizer state restored), under the plain module's parameter names."""
     results = run_ranks(_state_round_trip, 2, strategy, timeout=90)
-    assert results[0]["names"] == ["head.bias", "head.weight", "layers.0.fc.bias", "layers.0.fc.weight",
-                                   "layers.1.fc.bias", "layers.1.fc.weight"]
+    assert results[0]["names"] == [
+        "head.bias",
+        "head.weight",
+        "layers.0.fc.bias",
+        "layers.0.fc.weight",
+        "layers.1.fc.bias",
+        "layers.1.fc.weight",
+    ]
     for r in results:
         for k, v in r["after_two"].items():
             assert torch.equal(r["again"][k], v), k

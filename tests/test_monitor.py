@@ -65,7 +65,9 @@ def test_exporter_exports_every_numeric_key_and_counts_stragglers():
     finally:
         exp.close()
     samples = {s.name: s for fam in text_string_to_metric_families(text) for s in fam.samples}
-    assert {s.labels["rank"] for s in samples.values()} == {"1"} and {s.labels["host"] for s in samples.values()} == {"h1"}
+    assert {s.labels["rank"] for s in samples.values()} == {"1"} and {s.labels["host"] for s in samples.values()} == {
+        "h1"
+    }
     values = {name: s.value for name, s in samples.items()}
     assert values["dptrain_step"] == 3 and values["dptrain_loss"] == 1.25
     assert values["dptrain_mfu"] == 0.375 and values["dptrain_comm_bytes"] == 4096
@@ -98,13 +100,19 @@ def test_gpu_sampler_units_and_unsupported_readings():
         raise NVMLError("Not Supported")
 
     nvml = SimpleNamespace(
-        NVMLError=NVMLError, NVML_TEMPERATURE_GPU=0,
+        NVMLError=NVMLError,
+        NVML_TEMPERATURE_GPU=0,
         nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=87, memory=40),
         nvmlDeviceGetTemperature=lambda h, sensor: 64,
         nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=3 * 2**30, total=80 * 2**30),
-        nvmlDeviceGetPowerUsage=lambda h: 412_500)  # milliwatts
-    assert GpuSampler(nvml, "h").sample() == {"gpu_utilization_percent": 87.0, "gpu_temperature_celsius": 64.0,
-                                              "gpu_memory_used_bytes": float(3 * 2**30), "gpu_power_watts": 412.5}
+        nvmlDeviceGetPowerUsage=lambda h: 412_500,
+    )  # milliwatts
+    assert GpuSampler(nvml, "h").sample() == {
+        "gpu_utilization_percent": 87.0,
+        "gpu_temperature_celsius": 64.0,
+        "gpu_memory_used_bytes": float(3 * 2**30),
+        "gpu_power_watts": 412.5,
+    }
     nvml.nvmlDeviceGetPowerUsage = no_power
     assert "gpu_power_watts" not in GpuSampler(nvml, "h").sample()  # left out, not zero
 
@@ -130,14 +138,26 @@ def test_missing_package_is_refused_before_launch(what, tmp_path, monkeypatch, c
 def test_bad_or_busy_prometheus_port_is_refused(tmp_path, capsys):
     assert cli_main(["run", "--out", str(tmp_path / "a"), *LM, "log.prometheus_port=70000"]) == 2
     assert "log.prometheus_port=70000 is not valid" in capsys.readouterr().err
-    assert cli_main(["run", "--out", str(tmp_path / "b"), *LM, "--nproc-per-node", "2", "log.prometheus_port=65535"]) == 2
+    assert (
+        cli_main(["run", "--out", str(tmp_path / "b"), *LM, "--nproc-per-node", "2", "log.prometheus_port=65535"]) == 2
+    )
     assert "past 65535" in capsys.readouterr().err
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
-        code = cli_main(["run", "--out", str(tmp_path / "c"), *LM, "--nproc-per-node", "1",
-                         f"log.prometheus_port={busy}", "log.prometheus_addr=127.0.0.1"])
+        code = cli_main(
+            [
+                "run",
+                "--out",
+                str(tmp_path / "c"),
+                *LM,
+                "--nproc-per-node",
+                "1",
+                f"log.prometheus_port={busy}",
+                "log.prometheus_addr=127.0.0.1",
+            ]
+        )
     assert code == 2
     assert f"port {busy} on 127.0.0.1 (local rank 0) is not free" in capsys.readouterr().err
 
@@ -175,8 +195,9 @@ def test_console_log_keeps_each_redrawn_line_once_without_escapes(tmp_path, monk
 def finished_run(tmp_path_factory) -> tuple[Path, Any]:
     """`dptrain run` on 2 ranks (torchrun), TensorBoard on, stdout not a terminal."""
     run = tmp_path_factory.mktemp("monitor") / "run"
-    proc = dptrain("run", "--out", str(run), "--nproc-per-node", "2", *LM, "train.max_steps=6",
-                   "log.tensorboard=true", timeout=280)
+    proc = dptrain(
+        "run", "--out", str(run), "--nproc-per-node", "2", *LM, "train.max_steps=6", "log.tensorboard=true", timeout=280
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run, proc
 
@@ -246,9 +267,19 @@ def _train_held(rank: int, out_dir: str, port: int) -> dict:
     from dptrain.config.load import load_config
     from dptrain.train.trainer import Trainer
 
-    cfg = load_config(None, [*LM, "log.progress=false", "train.max_steps=8", "train.loss=support.monitor_helpers:held_loss",
-                             f"log.prometheus_port={port}", "log.prometheus_addr=127.0.0.1", "log.status_every_s=0.5",
-                             "diagnostics.hang_timeout_s=0"])  # the hold is a deliberate stall, not a hang to report
+    cfg = load_config(
+        None,
+        [
+            *LM,
+            "log.progress=false",
+            "train.max_steps=8",
+            "train.loss=support.monitor_helpers:held_loss",
+            f"log.prometheus_port={port}",
+            "log.prometheus_addr=127.0.0.1",
+            "log.status_every_s=0.5",
+            "diagnostics.hang_timeout_s=0",
+        ],
+    )  # the hold is a deliberate stall, not a hang to report
     return Trainer(cfg, out_dir=out_dir).fit()
 
 
@@ -273,8 +304,10 @@ def _check_live(prom: Prometheus, run: Path, results: dict[str, Any]) -> None:
     time.sleep(SCRAPE_S + 0.5)  # one more scrape, so every gauge of step 6 is in
     records = _records(run)
     names = set(EXPECTED) | {metric_name(k) for r in records for k in _numeric(r)}
-    results["per_rank"] = {n: sorted((s["metric"]["rank"], s["metric"]["host"], s["metric"]["job"])
-                                     for s in prom.query(n)) for n in sorted(names)}
+    results["per_rank"] = {
+        n: sorted((s["metric"]["rank"], s["metric"]["host"], s["metric"]["job"]) for s in prom.query(n))
+        for n in sorted(names)
+    }
     results["loss"] = {s["metric"]["rank"]: float(s["value"][1]) for s in prom.query("dptrain_loss")}
     results["step_time"] = {s["metric"]["rank"]: float(s["value"][1]) for s in prom.query("dptrain_step_time_seconds")}
     results["records"] = records
@@ -287,8 +320,10 @@ def _check_live(prom: Prometheus, run: Path, results: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason=f"no Prometheus server binary at {PROMETHEUS} "
-                    "(Debian package `prometheus`)")
+@pytest.mark.skipif(
+    not os.access(PROMETHEUS, os.X_OK),
+    reason=f"no Prometheus server binary at {PROMETHEUS} (Debian package `prometheus`)",
+)
 def test_prometheus_scrapes_each_rank_and_the_dashboard_has_data(tmp_path):
     port = free_port_pair()
     prom = Prometheus(tmp_path / "prom", [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"])
@@ -308,8 +343,7 @@ def test_prometheus_scrapes_each_rank_and_the_dashboard_has_data(tmp_path):
     try:
         checker = threading.Thread(target=check, daemon=True)
         checker.start()
-        run_ranks(_train_held, 2, str(run), port, timeout=400,
-                  env={"HOLD_CALL": "7", "HOLD_FILE": str(hold)})
+        run_ranks(_train_held, 2, str(run), port, timeout=400, env={"HOLD_CALL": "7", "HOLD_FILE": str(hold)})
         checker.join(30)
     finally:
         prom.stop()

@@ -60,7 +60,10 @@ def test_notebook_launch_from_a_real_kernel(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setenv("PYTHONPATH", subprocess_env(tests=False)["PYTHONPATH"])
     out = tmp_path / "run"
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(TRAIN_CELL), nbformat.v4.new_code_cell(LAUNCH_CELL.replace("OUT_DIR", repr(str(out))))]
+    nb.cells = [
+        nbformat.v4.new_code_cell(TRAIN_CELL),
+        nbformat.v4.new_code_cell(LAUNCH_CELL.replace("OUT_DIR", repr(str(out)))),
+    ]
     client = nbclient.NotebookClient(nb, kernel_name="dptrain-test", timeout=540, allow_errors=False)
     client.execute()
     text = "".join(o.get("text", "") for o in nb.cells[1].outputs if o.get("output_type") == "stream")

@@ -112,7 +112,9 @@ def test_stage_layer_counts():
     assert stage_layer_counts(4, 2) == [2, 2]
     assert stage_layer_counts(5, 2) == [3, 2]
     assert stage_layer_counts(8, 4, (1, 3, 3, 1)) == [1, 3, 3, 1]
-    with pytest.raises(ConfigError, match=r"needs pp x pp_stages_per_rank = 2 entries.*n_layers=4.*3 entries summing to 4"):
+    with pytest.raises(
+        ConfigError, match=r"needs pp x pp_stages_per_rank = 2 entries.*n_layers=4.*3 entries summing to 4"
+    ):
         stage_layer_counts(4, 2, (1, 2, 1))
     with pytest.raises(ConfigError, match="n_layers=2 cannot be split into pp x pp_stages_per_rank = 4"):
         stage_layer_counts(2, 4)
@@ -151,24 +153,58 @@ def test_stages_keep_plain_names_and_eager_weights():
 
 # ------------------------------------------------------------------ refusals (before launch, exit 2)
 @pytest.mark.fast
-@pytest.mark.parametrize(("items", "world", "named"), [
-    (("parallel.pp=2", "model.kwargs.n_layers=1"), 2, ["n_layers=1", "pp x pp_stages_per_rank = 2"]),
-    (("parallel.pp=2", "parallel.pp_layers=[1,2]"), 2, ["parallel.pp_layers=[1, 2]", "n_layers=4"]),
-    (("parallel.pp=2", "train.global_batch_size=6", "train.micro_batch_size=3", "parallel.pp_microbatches=2"), 2,
-     ["train.micro_batch_size=3 is not divisible by parallel.pp_microbatches=2", "micro_batch_size 3 x grad_accum_steps 2 x dp 1"]),
-    (("parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=1"), 2, ["needs parallel.pp_microbatches >= pp", "pp=2"]),
-    (("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"), 2, ["pp_stages_per_rank >= 2"]),
-    (("parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_stages_per_rank=2"), 2, ["needs parallel.pp_schedule=interleaved_1f1b"]),
-    (("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
-      "train.global_batch_size=10", "train.micro_batch_size=5", "parallel.pp_microbatches=5"), 4,
-     ["max(1, pp_microbatches // pp) = max(1, 5 // 2) = 2", "got pp_microbatches=5"]),
-    (("parallel.pp=2", "parallel.pp_schedule=zigzag"), 2, ["parallel.pp_schedule='zigzag' is not valid"]),
-    (("parallel.pp=2", "model.factory=dptrain.models.toy:build_mlp"), 2, ["dptrain.models.toy:build_mlp", "built-in LLaMA"]),
-    (("parallel.pp=2", "parallel.strategy=zero1"), 4, ["zero1", "rank 0"]),
-    (("parallel.pp=2", "model.kwargs.tie_embeddings=true"), 2, ["tie_embeddings", "first"]),
-    (("parallel.pp=2", "parallel.pp_microbatches=0"), 2, ["parallel.pp_microbatches=0 is not valid"]),
-    (("parallel.pp=2", "train.loss=dptrain.train.loss:forward_loss"), 2, ["train.loss='dptrain.train.loss:forward_loss'", "last stage"]),
-])
+@pytest.mark.parametrize(
+    ("items", "world", "named"),
+    [
+        (("parallel.pp=2", "model.kwargs.n_layers=1"), 2, ["n_layers=1", "pp x pp_stages_per_rank = 2"]),
+        (("parallel.pp=2", "parallel.pp_layers=[1,2]"), 2, ["parallel.pp_layers=[1, 2]", "n_layers=4"]),
+        (
+            ("parallel.pp=2", "train.global_batch_size=6", "train.micro_batch_size=3", "parallel.pp_microbatches=2"),
+            2,
+            [
+                "train.micro_batch_size=3 is not divisible by parallel.pp_microbatches=2",
+                "micro_batch_size 3 x grad_accum_steps 2 x dp 1",
+            ],
+        ),
+        (
+            ("parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=1"),
+            2,
+            ["needs parallel.pp_microbatches >= pp", "pp=2"],
+        ),
+        (("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"), 2, ["pp_stages_per_rank >= 2"]),
+        (
+            ("parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_stages_per_rank=2"),
+            2,
+            ["needs parallel.pp_schedule=interleaved_1f1b"],
+        ),
+        (
+            (
+                "parallel.pp=2",
+                "parallel.pp_schedule=interleaved_1f1b",
+                "parallel.pp_stages_per_rank=2",
+                "train.global_batch_size=10",
+                "train.micro_batch_size=5",
+                "parallel.pp_microbatches=5",
+            ),
+            4,
+            ["max(1, pp_microbatches // pp) = max(1, 5 // 2) = 2", "got pp_microbatches=5"],
+        ),
+        (("parallel.pp=2", "parallel.pp_schedule=zigzag"), 2, ["parallel.pp_schedule='zigzag' is not valid"]),
+        (
+            ("parallel.pp=2", "model.factory=dptrain.models.toy:build_mlp"),
+            2,
+            ["dptrain.models.toy:build_mlp", "built-in LLaMA"],
+        ),
+        (("parallel.pp=2", "parallel.strategy=zero1"), 4, ["zero1", "rank 0"]),
+        (("parallel.pp=2", "model.kwargs.tie_embeddings=true"), 2, ["tie_embeddings", "first"]),
+        (("parallel.pp=2", "parallel.pp_microbatches=0"), 2, ["parallel.pp_microbatches=0 is not valid"]),
+        (
+            ("parallel.pp=2", "train.loss=dptrain.train.loss:forward_loss"),
+            2,
+            ["train.loss='dptrain.train.loss:forward_loss'", "last stage"],
+        ),
+    ],
+)
 def test_pipeline_refusals(items, world, named):
     with pytest.raises(ConfigError) as err:
         _resolve(*items, world_size=world)
@@ -178,17 +214,29 @@ def test_pipeline_refusals(items, world, named):
 
 @pytest.mark.fast
 def test_pipeline_refusal_exits_2_before_launch(capsys):
-    refused(capsys, ["run", "--nproc-per-node", "2", "parallel.pp=2", "model.kwargs.n_layers=1", "log.progress=false"],
-            "n_layers=1", "pp x pp_stages_per_rank = 2")
+    refused(
+        capsys,
+        ["run", "--nproc-per-node", "2", "parallel.pp=2", "model.kwargs.n_layers=1", "log.progress=false"],
+        "n_layers=1",
+        "pp x pp_stages_per_rank = 2",
+    )
 
 
 @pytest.mark.fast
 def test_pipeline_layout_resolves():
-    res = _resolve("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
-                   "train.global_batch_size=16", "train.micro_batch_size=4", world_size=4)
+    res = _resolve(
+        "parallel.pp=2",
+        "parallel.pp_schedule=interleaved_1f1b",
+        "parallel.pp_stages_per_rank=2",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=4",
+        world_size=4,
+    )
     assert (res.dims.pp, res.dims.dp_replicate, res.dp_world_size, res.grad_accum_steps) == (2, 2, 2, 2)
-    assert res.pipeline == ("4 stages (2 per rank), blocks per stage [1, 1, 1, 1], schedule interleaved_1f1b; "
-                            "each micro-batch of 4 -> 2 pipeline micro-batches of 2")
+    assert res.pipeline == (
+        "4 stages (2 per rank), blocks per stage [1, 1, 1, 1], schedule interleaved_1f1b; "
+        "each micro-batch of 4 -> 2 pipeline micro-batches of 2"
+    )
     assert _resolve("parallel.pp=1").pipeline is None
 
 
@@ -206,8 +254,12 @@ def _loaded_state_rank(rank: int, items: list[str], out_dir: str, resume: str) -
         t.setup()
         model = {k: v.detach().clone() for k, v in t.module.state_dict().items()}
         names = param_names(t.model, t.optimizer)
-        optim = {f"state.{names[i]}.{k}": v.clone() for i, st in t.optimizer.state_dict()["state"].items()
-                 for k, v in st.items() if isinstance(v, torch.Tensor)}
+        optim = {
+            f"state.{names[i]}.{k}": v.clone()
+            for i, st in t.optimizer.state_dict()["state"].items()
+            for k, v in st.items()
+            if isinstance(v, torch.Tensor)
+        }
         t.close()
         t.model = t.parallel.release()
         t.mesh.release()
@@ -240,12 +292,15 @@ def test_resume_pipeline_checkpoint_at_dp2_and_single(tmp_path, capsys):
     assert all(torch.equal(exported[k], model2[k]) for k in model2)
     want_losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     for name, strategy, world in (("dp2", "ddp", 2), ("single", "single", 1)):
-        base = tp.overrides(strategy=strategy, world_size=world, accum=2 if world == 1 else 1, model="llama",
-                            global_batch=8)
+        base = tp.overrides(
+            strategy=strategy, world_size=world, accum=2 if world == 1 else 1, model="llama", global_batch=8
+        )
         base += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()] + RESUME
         # what the trainer holds right after loading, on every rank
         args = (base, str(tmp_path / f"{name}-loaded"), str(step2))
-        states = [_loaded_state_rank(0, *args)] if world == 1 else run_ranks(_loaded_state_rank, world, *args, timeout=120)
+        states = (
+            [_loaded_state_rank(0, *args)] if world == 1 else run_ranks(_loaded_state_rank, world, *args, timeout=120)
+        )
         for got, optim_here in states:
             assert got.keys() == model2.keys() and all(torch.equal(got[k], model2[k]) for k in model2), name
             assert optim_here.keys() == optim2.keys()
@@ -257,8 +312,10 @@ def test_resume_pipeline_checkpoint_at_dp2_and_single(tmp_path, capsys):
         losses = {r["step"]: r["loss"] for r in _records(on_dir) if "loss" in r}
         assert sorted(losses) == [3, 4]
         assert [losses[s] for s in (3, 4)] == pytest.approx([want_losses[s] for s in (3, 4)], rel=1e-5)
-        print(f"\nRESUME pp2 -> {name}: loaded model/optimizer exact; final worst|dw|="
-              f"{tp.max_abs_diff(got, full_run):.3g}")
+        print(
+            f"\nRESUME pp2 -> {name}: loaded model/optimizer exact; final worst|dw|="
+            f"{tp.max_abs_diff(got, full_run):.3g}"
+        )
 
 
 def _resume(items: list[str], world: int, out_dir: Path, resume: Path) -> dict[str, torch.Tensor]:
@@ -284,9 +341,19 @@ def test_watchdog_names_the_rank_the_pipeline_waits_for(tmp_path):
     out, mark = tmp_path / "run", tmp_path / "hang-started"
     items = pp_items(strategy="ddp", world_size=2, accum=1, schedule="1f1b")
     items = [i for i in items if not i.startswith(("train.max_steps=", "parallel.timeout_s="))]
-    r = dptrain("run", *items, "train.max_steps=1000", "data.collate=support.diag_helpers:sleepy_collate",
-                "diagnostics.hang_timeout_s=3", "--nproc-per-node", "2", "--out", str(out),
-                env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)}, timeout=140)
+    r = dptrain(
+        "run",
+        *items,
+        "train.max_steps=1000",
+        "data.collate=support.diag_helpers:sleepy_collate",
+        "diagnostics.hang_timeout_s=3",
+        "--nproc-per-node",
+        "2",
+        "--out",
+        str(out),
+        env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)},
+        timeout=140,
+    )
     assert r.returncode != 0, r.stdout[-2000:]
     assert "exit 3" in r.stderr, r.stderr[-2000:]
     report = (out / "hang_report.txt").read_text()

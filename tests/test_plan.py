@@ -182,14 +182,18 @@ def test_alpha_beta_formulas_and_flops_model():
     cfg = LlamaConfig(**CONFIGS[2])
     with torch.device("meta"):
         model = LlamaLM(cfg)
-    lay = memory.Layout(strategy="ddp", dp_shard=1, tp=1, pp=1, micro_batch=2, seq=32, precision="bf16", optimizer="adam")
+    lay = memory.Layout(
+        strategy="ddp", dp_shard=1, tp=1, pp=1, micro_batch=2, seq=32, precision="bf16", optimizer="adam"
+    )
     h100 = specs.gpu_spec("H100")
     t = timing.step_time(cfg, lay, h100, gpus=1, nodes=1, interconnect="nvlink", accum=1, efficiency=0.5)
     assert t["flops_per_token"] == model.flops_per_token(32)
     assert t["compute"] == pytest.approx(64 * t["flops_per_token"] / (989.5e12 * 0.5)) and t["dp_comm"] == 0
     assert t["mfu"] == pytest.approx(0.5)  # one GPU, no communication: the stated efficiency
     t2 = timing.step_time(cfg, lay, h100, gpus=2, nodes=2, interconnect="ethernet", accum=1, efficiency=0.5)
-    assert t2["dp_comm"] == pytest.approx(timing.all_reduce_time(4 * param_counts(cfg).total, 2, timing.Link(12.5e9, 30e-6)))
+    assert t2["dp_comm"] == pytest.approx(
+        timing.all_reduce_time(4 * param_counts(cfg).total, 2, timing.Link(12.5e9, 30e-6))
+    )
     assert main(["plan", "--gpus", "4", "--nodes", "3"]) == 2
     assert main(["plan", "--gpus", "2", "--interconnect", "carrier-pigeon"]) == 2
 
@@ -231,8 +235,9 @@ def test_model_states_predicted_vs_measured_on_2_ranks():
     measured = run_ranks(_measure_states, 2, strategies, timeout=100)
     cfg = LlamaConfig(**CONFIGS[0])
     for strategy in strategies:
-        lay = memory.Layout(strategy=strategy, dp_shard=2, tp=1, pp=1, micro_batch=2, seq=16,
-                            precision="fp32", optimizer="adamw")
+        lay = memory.Layout(
+            strategy=strategy, dp_shard=2, tp=1, pp=1, micro_batch=2, seq=16, precision="fp32", optimizer="adamw"
+        )
         mem = memory.layout_memory(cfg, lay)
         for rank in range(2):
             for key, got in measured[rank][strategy].items():

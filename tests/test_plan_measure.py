@@ -54,9 +54,14 @@ def test_fake_measurement_equals_the_real_one(case, precision):
     if case == "cnn" and precision != "fp32":
         # batch norm on bf16 input: the CPU kernel saves its mean and invstd in fp32, PyTorch's meta
         # kernel (fake tensors) in the input's dtype: 2 x 8 channels x 2 bytes less per block
-        assert [r - f for r, f in zip(real.block_recompute_bytes, fake.block_recompute_bytes, strict=True)] == [32, 32, 32]
-        real = dataclasses.replace(real, saved_bytes=real.saved_bytes - 96,
-                                   block_recompute_bytes=fake.block_recompute_bytes)
+        assert [r - f for r, f in zip(real.block_recompute_bytes, fake.block_recompute_bytes, strict=True)] == [
+            32,
+            32,
+            32,
+        ]
+        real = dataclasses.replace(
+            real, saved_bytes=real.saved_bytes - 96, block_recompute_bytes=fake.block_recompute_bytes
+        )
     assert fake == real  # every count, exactly: parameters, saved bytes per block, FLOPs, FSDP units
     assert fake.saved_bytes > 0 and fake.flops > 0 and len(fake.block_recompute_bytes) == 3
     assert fake.activation_bytes("full") < fake.activation_bytes("none")
@@ -93,8 +98,9 @@ def test_llama_measured_equals_the_formulas(precision):
     # measured FLOPs vs the 6N + 12 L d T model (counts the norms' and the head's N, not the SDPA's causal half)
     model_flops = B * T * (6 * (counts.total - counts.embedding) + 12 * cfg.n_layers * cfg.dim * T)
     assert prof.flops == pytest.approx(model_flops, rel=0.10)
-    lay = memory.Layout(strategy="fsdp", dp_shard=4, tp=1, pp=1, micro_batch=B, seq=T, precision=precision,
-                        optimizer="adamw")
+    lay = memory.Layout(
+        strategy="fsdp", dp_shard=4, tp=1, pp=1, micro_batch=B, seq=T, precision=precision, optimizer="adamw"
+    )
     assert memory.profile_memory(prof, lay) | {"stage": 0} == {**memory.layout_memory(cfg, lay), "stage": 0}
 
 
@@ -112,7 +118,9 @@ def _peak_above_start(model: torch.nn.Module, batch) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         model(batch).backward()
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # export_memory_timeline: deprecated in favour of CUDA-only tools
+        warnings.simplefilter(
+            "ignore", FutureWarning
+        )  # export_memory_timeline: deprecated in favour of CUDA-only tools
         prof.export_memory_timeline(f"{d}/timeline.json", device="cpu")
         with open(f"{d}/timeline.json") as f:
             _, sizes = json.load(f)
@@ -128,8 +136,12 @@ def test_llama_activations_match_the_profilers_peak(checkpointing):
 
     kw = {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4, "max_seq_len": 64}
     model_cfg = ModelConfig(factory="dptrain.models.llama:build_llama", kwargs=kw)
-    prof = measure_model(model=model_cfg, data=DataConfig(factory="support.plan_models:build_tokens", kwargs={"seq_len": 64}),
-                         micro_batch=4, precision="fp32")
+    prof = measure_model(
+        model=model_cfg,
+        data=DataConfig(factory="support.plan_models:build_tokens", kwargs={"seq_len": 64}),
+        micro_batch=4,
+        precision="fp32",
+    )
     model = build_model(model_cfg, seed=0)
     apply_activation_checkpointing(model, mode=checkpointing)
     peak = _peak_above_start(model, torch.randint(0, 256, (4, 65)))
@@ -152,8 +164,12 @@ def test_a_20b_parameter_model_is_measured_without_allocating():
     assert prof.activation_bytes() > 2 * prof.params  # autocast's bf16 copy of every weight
     assert grown < 300e6, f"RSS grew by {grown / 1e6:.0f} MB"
     assert seconds < 60, seconds
-    mem = memory.profile_memory(prof, memory.Layout(strategy="fsdp", dp_shard=64, tp=1, pp=1, micro_batch=8, seq=0,
-                                                    precision="bf16", optimizer="adamw"))
+    mem = memory.profile_memory(
+        prof,
+        memory.Layout(
+            strategy="fsdp", dp_shard=64, tp=1, pp=1, micro_batch=8, seq=0, precision="bf16", optimizer="adamw"
+        ),
+    )
     assert mem["params"] == mem["grads"] == prof.param_bytes / 64 and mem["optimizer"] == 2 * prof.param_bytes / 64
 
 
@@ -175,8 +191,9 @@ def _saved_after_backward(module: torch.nn.Module, batch) -> int:
     return sum(s.nbytes() for s in seen.values())
 
 
-def _states_and_activations(rank: int, cases: dict[str, tuple[ModelConfig, DataConfig, list[str]]],
-                            micro_batch: int) -> dict[tuple[str, str], dict[str, int]]:
+def _states_and_activations(
+    rank: int, cases: dict[str, tuple[ModelConfig, DataConfig, list[str]]], micro_batch: int
+) -> dict[tuple[str, str], dict[str, int]]:
     """Per model and strategy: this rank's bytes of parameters, gradients and AdamW state after
     one real step, and the activations autograd saved in that step's forward."""
     import torch.distributed as dist
@@ -221,8 +238,9 @@ def test_measured_model_memory_predicted_vs_measured_on_2_ranks():
     for name, (model_cfg, data_cfg, strategies) in MEASURED_CASES.items():
         prof = measure_model(model=model_cfg, data=data_cfg, micro_batch=4, precision="fp32")
         for strategy in strategies:
-            lay = memory.Layout(strategy=strategy, dp_shard=2, tp=1, pp=1, micro_batch=4, seq=0, precision="fp32",
-                                optimizer="adamw")
+            lay = memory.Layout(
+                strategy=strategy, dp_shard=2, tp=1, pp=1, micro_batch=4, seq=0, precision="fp32", optimizer="adamw"
+            )
             mem = memory.profile_memory(prof, lay)
             for rank in range(2):
                 for key, got in measured[rank][name, strategy].items():
@@ -238,8 +256,9 @@ def test_measured_model_memory_predicted_vs_measured_on_2_ranks():
 def test_profile_step_time_follows_the_alpha_beta_rules():
     prof = measure_model(model=MLP, data=REGRESSION, micro_batch=4, precision="bf16")
     h100 = specs.gpu_spec("H100")
-    lay = memory.Layout(strategy="ddp", dp_shard=1, tp=1, pp=1, micro_batch=4, seq=0, precision="bf16",
-                        optimizer="adamw")
+    lay = memory.Layout(
+        strategy="ddp", dp_shard=1, tp=1, pp=1, micro_batch=4, seq=0, precision="bf16", optimizer="adamw"
+    )
     one = timing.profile_step_time(prof, lay, h100, gpus=1, nodes=1, interconnect="nvlink", accum=2, efficiency=0.5)
     assert one["compute"] == pytest.approx(2 * prof.flops / (989.5e12 * 0.5)) and one["dp_comm"] == 0
     assert one["mfu"] == pytest.approx(0.5) and one["samples_per_s"] == pytest.approx(8 / one["step"])
@@ -256,36 +275,76 @@ def test_profile_step_time_follows_the_alpha_beta_rules():
 
 
 MLP_KW = {"in_dim": 16, "hidden": 2048, "depth": 4}
-MLP_ARGS = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={in_dim: 16, hidden: 2048, depth: 4}",
-            "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={n: 64}"]
+MLP_ARGS = [
+    "model.factory=dptrain.models.toy:build_mlp",
+    "model.kwargs={in_dim: 16, hidden: 2048, depth: 4}",
+    "data.factory=dptrain.models.toy:build_regression_data",
+    "data.kwargs={n: 64}",
+]
 
 
 @pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_cli_reports_a_measured_model_and_names_a_broken_factory(capsys):
-    assert main(["plan", "--gpus", "2", "--gpu-type", "L40S", *MLP_ARGS, "parallel.strategy=fsdp",
-                 "precision.dtype=bf16", "train.micro_batch_size=8", "train.grad_accum_steps=2"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--gpus",
+                "2",
+                "--gpu-type",
+                "L40S",
+                *MLP_ARGS,
+                "parallel.strategy=fsdp",
+                "precision.dtype=bf16",
+                "train.micro_batch_size=8",
+                "train.grad_accum_steps=2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    prof = measure_model(model=ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs=MLP_KW), data=REGRESSION,
-                         micro_batch=8, precision="bf16")
+    prof = measure_model(
+        model=ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs=MLP_KW),
+        data=REGRESSION,
+        micro_batch=8,
+        precision="bf16",
+    )
     assert "measured on fake tensors" in out and f"{prof.params:,} parameters" in out and prof.params > 12e6
     assert "fsdp on 2 x L40S" in out and "micro-batch 8 samples" in out and "samples/s" in out and "MFU" in out
-    lay = memory.Layout(strategy="fsdp", dp_shard=2, tp=1, pp=1, micro_batch=8, seq=0, precision="bf16",
-                        optimizer="adamw")
+    lay = memory.Layout(
+        strategy="fsdp", dp_shard=2, tp=1, pp=1, micro_batch=8, seq=0, precision="bf16", optimizer="adamw"
+    )
     mem = memory.profile_memory(prof, lay)
     for key in ("params", "grads", "optimizer", "activations", "temporary", "total"):
         assert f"  {key:<12}{mem[key] / 1e9:>10.3f}" in out, key
     assert mem["activations"] > 0.02e9 and "fits" in out
     assert f"checkpointing none {prof.activation_bytes('none') / 1e9:.4g} GB, full" in out
-    t = timing.profile_step_time(prof, lay, specs.gpu_spec("L40S"), gpus=2, nodes=1, interconnect="ib", accum=2,
-                                 efficiency=0.4)
+    t = timing.profile_step_time(
+        prof, lay, specs.gpu_spec("L40S"), gpus=2, nodes=1, interconnect="ib", accum=2, efficiency=0.4
+    )
     assert f"step {t['step']:.4g} s" in out
-    assert main(["plan", "--gpus", "2", "model.factory=support.bad_factories:raising_model", "model.kwargs={}",
-                 *MLP_ARGS[2:]]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "--gpus",
+                "2",
+                "model.factory=support.bad_factories:raising_model",
+                "model.kwargs={}",
+                *MLP_ARGS[2:],
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "'support.bad_factories:raising_model'" in err and "user bug: cannot build 4 layers" in err
     assert main(["plan", "--gpus", "2", *MLP_ARGS, "parallel.strategy=fsdp", "parallel.tp=2"]) == 2
     assert "tp=2" in capsys.readouterr().err
     with pytest.raises(MeasureError, match="data.factory 'support.bad_factories:raising_data'"):
-        measure_model(model=MLP, data=DataConfig(factory="support.bad_factories:raising_data", kwargs={}), micro_batch=2,
-                      precision="fp32")
+        measure_model(
+            model=MLP,
+            data=DataConfig(factory="support.bad_factories:raising_data", kwargs={}),
+            micro_batch=2,
+            precision="fp32",
+        )

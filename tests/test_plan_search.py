@@ -87,15 +87,27 @@ def test_rejections_name_the_memory_or_dptrains_own_message():
     with torch.device("meta"):
         meta = LlamaLM(LlamaConfig(**small.model.kwargs))
     expected = tp_problem(meta, tp=8, tp_plan=None, sequence_parallel=True, seq_len=128)
-    assert expected and {r.reason for r in result.rejected if r.cand.tp == 8 and r.cand.strategy != "zero1"} == {expected}
+    assert expected and {r.reason for r in result.rejected if r.cand.tp == 8 and r.cand.strategy != "zero1"} == {
+        expected
+    }
 
 
 @pytest.mark.timeout(300)
 def test_write_recipe_is_trained_by_dptrain_run(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     env = subprocess_env(tests=False)
-    argv = ["plan", *TINY, "optim.lr=0.002", "train.max_steps=2", "--gpus", "2", "--gpu-type", "A100-40GB",
-            "--write", str(recipe)]
+    argv = [
+        "plan",
+        *TINY,
+        "optim.lr=0.002",
+        "train.max_steps=2",
+        "--gpus",
+        "2",
+        "--gpu-type",
+        "A100-40GB",
+        "--write",
+        str(recipe),
+    ]
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     written = load_config(recipe)
@@ -107,16 +119,28 @@ def test_write_recipe_is_trained_by_dptrain_run(tmp_path, capsys):
     assert written.parallel == best.cfg.parallel and written.train == best.cfg.train  # the chosen layout
     assert written.optim.lr == 0.002 and written.launch.nproc_per_node == 2  # the user's other fields kept
     out = tmp_path / "run"
-    run = subprocess.run([sys.executable, "-m", "dptrain", "run", str(recipe), "--out", str(out)],
-                         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "dptrain", "run", str(recipe), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "dptrain run summary" in run.stdout and (out / "summary.json").is_file()
 
 
 @pytest.mark.timeout(120)
 def test_presets_have_the_published_parameter_counts():
-    published_b = {"llama-7b": 6.74, "llama2-7b": 6.74, "llama2-13b": 13.02, "llama2-70b": 68.98,
-                   "llama3-8b": 8.03, "llama3-70b": 70.55}
+    published_b = {
+        "llama-7b": 6.74,
+        "llama2-7b": 6.74,
+        "llama2-13b": 13.02,
+        "llama2-70b": 68.98,
+        "llama3-8b": 8.03,
+        "llama3-70b": 70.55,
+    }
     assert set(presets.PRESETS) == set(published_b)
     for name, p in presets.PRESETS.items():
         n = param_counts(LlamaConfig(**p.kwargs)).total
@@ -124,8 +148,11 @@ def test_presets_have_the_published_parameter_counts():
     with torch.device("meta"):
         llama3 = LlamaLM(LlamaConfig(**presets.preset("llama3-8b").kwargs))
     assert sum(t.numel() for t in llama3.parameters()) == 8_030_261_248
-    code = ("import sys, dptrain.tools.plan.presets, dptrain.tools.plan.search, dptrain.tools.plan.recommend, dptrain.cli.plan; "
-            "assert 'torch' not in sys.modules")
+    code = (
+        "import sys, dptrain.tools.plan.presets, dptrain.tools.plan.search, dptrain.tools.plan.recommend; "
+        "import dptrain.cli.plan; "
+        "assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env(tests=False))
 
 
@@ -147,8 +174,10 @@ def test_bad_input_exits_2_naming_the_value(capsys, tmp_path):
     cases = [
         (["--recommend", "--top", "0"], ["--top 0"]),
         (["--recommend", "--model", "gpt5"], ["'gpt5'", "llama2-7b", "llama3-70b"]),
-        (["--recommend", "model.kwargs.n_layers=3", "--gpus", "2", "--nodes", "2", "--global-batch", "3"],
-         ["--global-batch 3", "dp = gpus / (tp * pp): 2"]),
+        (
+            ["--recommend", "model.kwargs.n_layers=3", "--gpus", "2", "--nodes", "2", "--global-batch", "3"],
+            ["--global-batch 3", "dp = gpus / (tp * pp): 2"],
+        ),
         (["--recommend", "--global-batch", "0"], ["--global-batch 0"]),
         (["--write", str(tmp_path / "nope" / "r.yaml")], ["nope"]),
         (["--params", "1e9", "--model", "llama3-8b"], ["--model llama3-8b"]),
@@ -165,8 +194,16 @@ def test_bad_input_exits_2_naming_the_value(capsys, tmp_path):
 @pytest.mark.timeout(120)
 def test_the_issues_llama7b_layout_is_accepted_and_reported_as_the_search_ranks_it(capsys):
     # DP8 x PP4 x TP2 fsdp + cpu_offload on 64 H100s (8 x 8): the single-layout report and the search agree
-    fixed = ["precision.dtype=bf16", "parallel.strategy=fsdp", "parallel.cpu_offload=true", "parallel.tp=2",
-             "parallel.pp=4", "train.global_batch_size=1024", "train.micro_batch_size=128", "parallel.pp_microbatches=64"]
+    fixed = [
+        "precision.dtype=bf16",
+        "parallel.strategy=fsdp",
+        "parallel.cpu_offload=true",
+        "parallel.tp=2",
+        "parallel.pp=4",
+        "train.global_batch_size=1024",
+        "train.micro_batch_size=128",
+        "parallel.pp_microbatches=64",
+    ]
     assert main(["plan", "--model", "llama2-7b", "--gpus", "64", "--nodes", "8", *fixed]) == 0
     out = capsys.readouterr().out
     assert "6,738,415,616 parameters; fsdp + cpu_offload on 64 x H100 SXM: dp_shard 8, tp 2, pp 4" in out

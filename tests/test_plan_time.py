@@ -35,7 +35,9 @@ def test_alpha_beta_recovered_from_a_sweep(n):
     got = calibrate.link_from_sweep(_sweep(link, n))
     assert got.bandwidth == pytest.approx(link.bandwidth, rel=1e-9) and got.alpha == pytest.approx(link.alpha, rel=1e-9)
     noisy = calibrate.link_from_sweep(_sweep(link, n, [0.05, -0.05, 0.03, -0.02, 0.04, -0.05, 0.02, -0.03]))
-    assert noisy.bandwidth == pytest.approx(link.bandwidth, rel=0.1) and noisy.alpha == pytest.approx(link.alpha, rel=0.2)
+    assert noisy.bandwidth == pytest.approx(link.bandwidth, rel=0.1) and noisy.alpha == pytest.approx(
+        link.alpha, rel=0.2
+    )
 
 
 @pytest.mark.timeout(30)
@@ -69,8 +71,17 @@ def test_ddp_buckets_and_their_overlap_with_backward():
 
 
 def _lay(**kw) -> Layout:
-    base = dict(strategy="ddp", dp_shard=1, tp=1, pp=1, micro_batch=8, seq=128, precision="fp32", optimizer="adamw",
-                bucket_cap_mb=5.0)
+    base = dict(
+        strategy="ddp",
+        dp_shard=1,
+        tp=1,
+        pp=1,
+        micro_batch=8,
+        seq=128,
+        precision="fp32",
+        optimizer="adamw",
+        bucket_cap_mb=5.0,
+    )
     return Layout(**{**base, **kw})
 
 
@@ -83,20 +94,43 @@ def test_the_cpu_overlaps_nothing_a_gpu_hides_buckets_behind_backward():
     cpu = specs.GpuSpec("cpu", "", "CPU", 16, dict(gpu.peaks), 0, 0)
     g = timing.step_time(cfg, _lay(), gpu, gpus=2, nodes=1, interconnect="nvlink", accum=1, efficiency=0.5, comm=link)
     c = timing.step_time(cfg, _lay(), cpu, gpus=2, nodes=1, interconnect="nvlink", accum=1, efficiency=0.5, comm=link)
-    assert g["dp_comm"] == c["dp_comm"] == pytest.approx(sum(
-        timing.all_reduce_time(b, 2, link) for b in timing.ddp_buckets(4 * n, 5.0)))
+    assert (
+        g["dp_comm"]
+        == c["dp_comm"]
+        == pytest.approx(sum(timing.all_reduce_time(b, 2, link) for b in timing.ddp_buckets(4 * n, 5.0)))
+    )
     assert c["exposed_comm"] == c["dp_comm"] and c["step"] == pytest.approx(c["compute"] + c["dp_comm"])
     assert g["exposed_comm"] < g["dp_comm"]
-    z1 = timing.step_time(cfg, _lay(strategy="zero1"), cpu, gpus=2, nodes=1, interconnect="nvlink", accum=1,
-                          efficiency=0.5, comm=link)
+    z1 = timing.step_time(
+        cfg, _lay(strategy="zero1"), cpu, gpus=2, nodes=1, interconnect="nvlink", accum=1, efficiency=0.5, comm=link
+    )
     assert z1["dp_comm"] == pytest.approx(c["dp_comm"] + timing.gather_time(4 * n, 2, link))
-    half = timing.step_time(cfg, _lay(grad_dtype="fp16"), cpu, gpus=2, nodes=1, interconnect="nvlink", accum=1,
-                            efficiency=0.5, comm=link)
+    half = timing.step_time(
+        cfg, _lay(grad_dtype="fp16"), cpu, gpus=2, nodes=1, interconnect="nvlink", accum=1, efficiency=0.5, comm=link
+    )
     assert half["dp_comm"] < 0.6 * c["dp_comm"]  # fp16 gradients: half the bytes, the same alphas
-    fsdp = timing.step_time(cfg, _lay(strategy="fsdp", dp_shard=2), cpu, gpus=2, nodes=1, interconnect="nvlink",
-                            accum=4, efficiency=0.5, comm=link)
-    bf16 = timing.step_time(cfg, _lay(strategy="fsdp", dp_shard=2, param_dtype="bf16", reduce_dtype="fp32"), cpu,
-                            gpus=2, nodes=1, interconnect="nvlink", accum=4, efficiency=0.5, comm=link)
+    fsdp = timing.step_time(
+        cfg,
+        _lay(strategy="fsdp", dp_shard=2),
+        cpu,
+        gpus=2,
+        nodes=1,
+        interconnect="nvlink",
+        accum=4,
+        efficiency=0.5,
+        comm=link,
+    )
+    bf16 = timing.step_time(
+        cfg,
+        _lay(strategy="fsdp", dp_shard=2, param_dtype="bf16", reduce_dtype="fp32"),
+        cpu,
+        gpus=2,
+        nodes=1,
+        interconnect="nvlink",
+        accum=4,
+        efficiency=0.5,
+        comm=link,
+    )
     gather = timing.gather_time(4 * n, 2, link)
     assert fsdp["dp_comm"] == pytest.approx(4 * 2 * gather + gather)  # 2 gathers per micro-step, 1 reduce-scatter
     assert bf16["dp_comm"] == pytest.approx(4 * 2 * timing.gather_time(2 * n, 2, link) + gather)
@@ -106,12 +140,22 @@ def test_the_cpu_overlaps_nothing_a_gpu_hides_buckets_behind_backward():
 def test_torchtitan_llama3_8b_on_8_h100_within_15_percent():
     # torchtitan docs/performance.md, table 1: Llama 3.1 8B, 8 H100s, FSDP, local batch 2 x 8192 tokens,
     # selective activation checkpointing, bf16 parameters for compute and fp32 reduction: 5,762 tokens/s per GPU
-    cfg = LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
-                      max_seq_len=8192)
-    lay = _lay(strategy="fsdp", dp_shard=8, micro_batch=2, seq=8192, precision="bf16", checkpointing="selective",
-               param_dtype="bf16", reduce_dtype="fp32")
-    t = timing.step_time(cfg, lay, specs.gpu_spec("H100"), gpus=8, nodes=1, interconnect="nvlink", accum=1,
-                         efficiency=DEFAULT_EFFICIENCY)
+    cfg = LlamaConfig(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, max_seq_len=8192
+    )
+    lay = _lay(
+        strategy="fsdp",
+        dp_shard=8,
+        micro_batch=2,
+        seq=8192,
+        precision="bf16",
+        checkpointing="selective",
+        param_dtype="bf16",
+        reduce_dtype="fp32",
+    )
+    t = timing.step_time(
+        cfg, lay, specs.gpu_spec("H100"), gpus=8, nodes=1, interconnect="nvlink", accum=1, efficiency=DEFAULT_EFFICIENCY
+    )
     assert abs(t["tokens_per_s"] / 8 / 5762 - 1) < 0.15
     assert t["exposed_comm"] < 0.01 * t["step"]  # FSDP's gathers hide behind 2.5 s of compute on NVLink
 
@@ -148,9 +192,11 @@ def test_cli_time_options_and_bad_input(capsys, tmp_path):
     assert main(["plan", "--gpus", "2", "--gpu-type", "A100-40GB", "--comm", str(sweep), "--scaling"]) == 0
     out = capsys.readouterr().out
     assert f"measured, {sweep}" in out and "scaling" in out and "exposed" in out
-    for argv, words in [(["--gpu-type", "cpu", "--gpus", "2"], ["--comm FILE", "doctor --comm --json"]),
-                        (["--calibrate", str(tmp_path)], ["no metrics.jsonl"]),
-                        (["--comm", str(tmp_path / "missing.json")], ["cannot read"])]:
+    for argv, words in [
+        (["--gpu-type", "cpu", "--gpus", "2"], ["--comm FILE", "doctor --comm --json"]),
+        (["--calibrate", str(tmp_path)], ["no metrics.jsonl"]),
+        (["--comm", str(tmp_path / "missing.json")], ["cannot read"]),
+    ]:
         assert main(["plan", *argv]) == 2
         err = capsys.readouterr().err
         assert all(w in err for w in words), err
@@ -166,8 +212,10 @@ def test_powersgd_and_onebit_shrink_what_a_bucket_costs():
     cost = timing.compression_cost(param_shapes(cfg), lay, 2, link)
     shapes = param_shapes(cfg)
     numel = sum(math.prod(s) for s in shapes)
-    sent = sum(4 * (s[0] + math.prod(s[1:])) if len(s) == 2 and 8 * (s[0] + s[1]) < s[0] * s[1] else math.prod(s)
-               for s in shapes)
+    sent = sum(
+        4 * (s[0] + math.prod(s[1:])) if len(s) == 2 and 8 * (s[0] + s[1]) < s[0] * s[1] else math.prod(s)
+        for s in shapes
+    )
     assert cost(4 * numel) == pytest.approx(timing.all_reduce_time(4 * sent, 2, link))
     onebit = timing.compression_cost(param_shapes(cfg), _lay(grad_compression="onebit"), 4, link)
     assert onebit(4 * numel) == pytest.approx(timing.gather_time(4 * (numel / 8 + 4 * len(shapes)), 4, link))

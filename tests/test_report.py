@@ -23,19 +23,33 @@ from support import subprocess_env
 from support.mp import run_ranks
 from support.parity import fit_items
 
-pytest.importorskip("matplotlib", reason="matplotlib is not installed (the optional extra: pip install 'dptrain[report]')")
+pytest.importorskip(
+    "matplotlib", reason="matplotlib is not installed (the optional extra: pip install 'dptrain[report]')"
+)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SLOW_S = 0.03
 FIGURES = ("loss", "lr", "throughput", "step_time", "split", "memory", "events")
 
 ITEMS = [
-    "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
-    "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}", "data.num_workers=0",
-    "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=20", "train.log_every_steps=2",
-    "train.eval_every_steps=10", "train.loss=test_report:rank1_slow_loss", "parallel.strategy=ddp",
-    "parallel.device=cpu", "parallel.timeout_s=60", "log.progress=false", "checkpoint.every_steps=10",
-    "diagnostics.straggler_every_steps=10", "diagnostics.memory_every_steps=5",
+    "model.factory=dptrain.models.toy:build_mlp",
+    "model.kwargs={}",
+    "data.factory=dptrain.models.toy:build_regression_data",
+    "data.kwargs={}",
+    "data.num_workers=0",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.max_steps=20",
+    "train.log_every_steps=2",
+    "train.eval_every_steps=10",
+    "train.loss=test_report:rank1_slow_loss",
+    "parallel.strategy=ddp",
+    "parallel.device=cpu",
+    "parallel.timeout_s=60",
+    "log.progress=false",
+    "checkpoint.every_steps=10",
+    "diagnostics.straggler_every_steps=10",
+    "diagnostics.memory_every_steps=5",
 ]
 
 
@@ -82,19 +96,34 @@ window.addEventListener('load', () => {
   out.textContent = JSON.stringify({imgs: imgs, errors: dptrainErrors});
   document.body.appendChild(out);
 });
-</script>"""
+</script>"""  # noqa: E501 (the page's script, one statement a line)
     html = (copy / page.name).read_text()
     (copy / "check.html").write_text(html.replace("<head>", "<head>" + check, 1))
     base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp / 'chromium-profile'}"]
-    proc = subprocess.run([*base, "--virtual-time-budget=10000", "--enable-logging=stderr", "--v=0", "--dump-dom",
-                           (copy / "check.html").as_uri()], capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(
+        [
+            *base,
+            "--virtual-time-budget=10000",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--dump-dom",
+            (copy / "check.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     m = re.search(r'<pre id="dptrain-check">(.*?)</pre>', proc.stdout, re.S)
     assert m, f"the check script did not run: rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     result = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
     result["console"] = [line for line in proc.stderr.splitlines() if "CONSOLE" in line]
     shot = tmp / "screenshot.png"
-    subprocess.run([*base, "--hide-scrollbars", "--window-size=1100,3800", f"--screenshot={shot}",
-                    (copy / page.name).as_uri()], capture_output=True, timeout=90, check=True)
+    subprocess.run(
+        [*base, "--hide-scrollbars", "--window-size=1100,3800", f"--screenshot={shot}", (copy / page.name).as_uri()],
+        capture_output=True,
+        timeout=90,
+        check=True,
+    )
     assert shot.stat().st_size > 10_000
     result["screenshot"] = shot
     return result
@@ -164,7 +193,9 @@ def test_read_jsonl_skips_a_half_written_line(tmp_path: Path) -> None:
     from dptrain.tools.report.read import read_jsonl
 
     path = tmp_path / "m.jsonl"
-    path.write_text('{"step": 1, "loss": 2.0}\n\n{"step": 2, "loss": null, "loss_nonfinite": "nan"}\n[1]\n{"step": 3, "lo')
+    path.write_text(
+        '{"step": 1, "loss": 2.0}\n\n{"step": 2, "loss": null, "loss_nonfinite": "nan"}\n[1]\n{"step": 3, "lo'
+    )
     records, bad = read_jsonl(path)
     assert records == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": None, "loss_nonfinite": "nan"}] and bad == 2
 
@@ -187,8 +218,13 @@ def test_cli_report_errors(tmp_path: Path, monkeypatch, capsys) -> None:
 @pytest.mark.timeout(300)
 def test_cli_report_on_the_run(run_dir: Path, tmp_path: Path) -> None:
     env = subprocess_env(tests=False)
-    proc = subprocess.run([sys.executable, "-m", "dptrain", "report", str(run_dir), "--out", str(tmp_path / "r")],
-                          capture_output=True, text=True, timeout=100, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dptrain", "report", str(run_dir), "--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted([*(f"{n}.png" for n in FIGURES), "index.html"])
 
@@ -216,9 +252,22 @@ def test_mfu_and_cuda_memory_get_their_own_axes(tmp_path: Path) -> None:
     run.mkdir()
     rows = [{"step": s, "loss": 3.0 - s / 10, "lr": 1e-3, "tokens_per_s": 1e5, "mfu": 0.41} for s in (1, 2, 3)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    mem = {"kind": "memory", "step": 2, "ranks": [
-        {"rank": r, "host": "h", "rss_mb": 900.0, "cuda_allocated_mb": 1000.0 + r, "cuda_reserved_mb": 1500.0,
-         "cuda_peak_mb": 1200.0, "leaks": []} for r in (0, 1)]}
+    mem = {
+        "kind": "memory",
+        "step": 2,
+        "ranks": [
+            {
+                "rank": r,
+                "host": "h",
+                "rss_mb": 900.0,
+                "cuda_allocated_mb": 1000.0 + r,
+                "cuda_reserved_mb": 1500.0,
+                "cuda_peak_mb": 1200.0,
+                "leaks": [],
+            }
+            for r in (0, 1)
+        ],
+    }
     (run / "diagnostics.jsonl").write_text(json.dumps(mem) + "\n")
     records = read_run(run)
     throughput, memory = plots.throughput_figure(records), plots.memory_figure(records)

@@ -132,8 +132,11 @@ def test_a_continue_whose_every_checkpoint_is_corrupt_is_refused_and_touches_not
     r = run(out, "train.max_steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=null")
     assert r.returncode == 0, r.stderr[-3000:]
     folders = mf.step_dirs(out / "checkpoints")
-    damage = [lambda d: _flip(d / "model.pt"), lambda d: (d / "optim.pt").write_bytes((d / "optim.pt").read_bytes()[:64]),
-              lambda d: (d / "stray.bin").write_bytes(b"x")]
+    damage = [
+        lambda d: _flip(d / "model.pt"),
+        lambda d: (d / "optim.pt").write_bytes((d / "optim.pt").read_bytes()[:64]),
+        lambda d: (d / "stray.bin").write_bytes(b"x"),
+    ]
     for d, spoil in zip(folders, damage, strict=True):  # a flipped byte, a truncated file, a stray file
         spoil(d)
     before = _tree_hashes(out / "checkpoints")

@@ -145,7 +145,8 @@ def test_explicit_resume_of_a_run_dir_whose_checkpoints_are_all_corrupt_is_exit_
 def test_a_failed_start_leaves_no_config_and_the_corrected_command_runs(tmp_path):
     out = tmp_path / "run"
     # a loss that only the workers can judge: a per-sample vector
-    r = dptrain("run", *TOY, "train.loss=support.bad_losses:per_sample_loss", "--nproc-per-node", "2", "--out", str(out))
+    loss = "train.loss=support.bad_losses:per_sample_loss"
+    r = dptrain("run", *TOY, loss, "--nproc-per-node", "2", "--out", str(out))
     assert r.returncode == 2, r.stderr[-3000:]
     assert "returned a loss of shape (2,), not a scalar" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("not a scalar") == 1  # one line, not one per rank
@@ -158,8 +159,17 @@ def test_a_failed_start_leaves_no_config_and_the_corrected_command_runs(tmp_path
 @pytest.mark.timeout(150)
 def test_a_loss_that_is_nan_from_the_first_step_is_reported_loudly_with_nonfinite_off(tmp_path):
     out = tmp_path / "run"
-    r = dptrain("run", *TOY, "train.loss=support.bad_losses:nan_loss", "train.max_steps=3", "diagnostics.nonfinite=off",
-                "--nproc-per-node", "2", "--out", str(out))
+    r = dptrain(
+        "run",
+        *TOY,
+        "train.loss=support.bad_losses:nan_loss",
+        "train.max_steps=3",
+        "diagnostics.nonfinite=off",
+        "--nproc-per-node",
+        "2",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "WARNING: the loss is nan at step 1" in r.stderr, r.stderr[-3000:]  # log.progress=false: on stderr
     diag = [json.loads(line) for line in (out / "diagnostics.jsonl").read_text().splitlines()]
@@ -177,10 +187,28 @@ def test_waiting_for_a_node_that_never_arrives_says_who_is_awaited(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**subprocess_env(), "DPTRAIN_WAIT_REPORT_S": "2"}
-    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "run", *TOY, "--nproc-per-node", "1", "launch.nnodes=2",
-                             "launch.node_rank=0", f"launch.rdzv_endpoint=127.0.0.1:{port}", "--out", str(tmp_path / "r")],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dptrain",
+            "run",
+            *TOY,
+            "--nproc-per-node",
+            "1",
+            "launch.nnodes=2",
+            "launch.node_rank=0",
+            f"launch.rdzv_endpoint=127.0.0.1:{port}",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     deadline = time.monotonic() + 90
     try:
@@ -193,4 +221,6 @@ def test_waiting_for_a_node_that_never_arrives_says_who_is_awaited(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     said = "".join(lines)
-    assert "for the other node(s) of launch.nnodes=2: this is node_rank 0; node_rank(s) 1 have not all joined" in said, said
+    assert (
+        "for the other node(s) of launch.nnodes=2: this is node_rank 0; node_rank(s) 1 have not all joined" in said
+    ), said

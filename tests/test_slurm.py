@@ -175,7 +175,8 @@ def test_real_slurm_time_limit_signal_checkpoints_requeues_and_resumes_to_the_en
     assert logged_steps(out) == list(range(1, 41)), "steps continue after the resume, none lost or repeated"
     assert json.loads((out / "summary.json").read_text())["steps"] == 40
     ran, written = load_config(out / "config.yaml"), load_config(out / CONFIG_NAME)
-    assert ran.launch.rdzv_id == f"slurm-{job}" and ran.launch.rdzv_endpoint == f"{socket.gethostname()}:{29500 + int(job) % 1000}"
+    assert ran.launch.rdzv_id == f"slurm-{job}"
+    assert ran.launch.rdzv_endpoint == f"{socket.gethostname()}:{29500 + int(job) % 1000}"
     assert dataclasses.replace(ran, launch=written.launch) == written, "the run trained the script's config"
 
 
@@ -208,16 +209,52 @@ def _simulate(tmp_path: Path, *, exit_code: int, sleep: float = 0, term_batch_af
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "dptrain", "manifest", "slurm", *TOY, "train.micro_batch_size=1", "--nnodes", "2",
-                        "--nproc-per-node", "4", "--out", str(out), "--dptrain", str(stubs / "fake-dptrain"),
-                        "-o", str(tmp_path / "job.sh")], capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dptrain",
+            "manifest",
+            "slurm",
+            *TOY,
+            "train.micro_batch_size=1",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "4",
+            "--out",
+            str(out),
+            "--dptrain",
+            str(stubs / "fake-dptrain"),
+            "-o",
+            str(tmp_path / "job.sh"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
     log = tmp_path / "stub"
-    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(log), "STUB_EXIT": str(exit_code),
-           "STUB_SLEEP": str(sleep), "SLURM_JOB_ID": "4321", "SLURM_JOB_NODELIST": "gpu-a[017-018]",
-           "SLURM_JOB_NUM_NODES": "2"}
-    proc = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "STUB_LOG": str(log),
+        "STUB_EXIT": str(exit_code),
+        "STUB_SLEEP": str(sleep),
+        "SLURM_JOB_ID": "4321",
+        "SLURM_JOB_NODELIST": "gpu-a[017-018]",
+        "SLURM_JOB_NUM_NODES": "2",
+    }
+    proc = subprocess.Popen(
+        ["bash", str(tmp_path / "job.sh")],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     if term_batch_after is not None:
         time.sleep(term_batch_after)
         proc.send_signal(signal.SIGTERM)  # a preemption signals the batch shell too

@@ -201,9 +201,17 @@ def test_clip_grad_norm_is_global(strategy):
 def _env_and_result(rank: int, scale: int) -> dict:
     import os
 
-    return {"rank": rank, "value": rank * scale, "threads": torch.get_num_threads(), "pid": os.getpid(),
-            "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS")},
-            "launched": DistEnv.from_env().launched}
+    return {
+        "rank": rank,
+        "value": rank * scale,
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+        "env": {
+            k: os.environ.get(k)
+            for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS")
+        },
+        "launched": DistEnv.from_env().launched,
+    }
 
 
 def _fail_some(rank: int, pid_dir: str) -> None:
@@ -225,8 +233,14 @@ def test_run_ranks_returns_results_in_rank_order_with_launcher_env():
     assert [r["value"] for r in results] == [0, 10, 20]
     for rank, r in enumerate(results):
         assert r["launched"] and r["threads"] == 1
-        assert r["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
-                            "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+        assert r["env"] == {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "LOCAL_WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "OMP_NUM_THREADS": "1",
+        }
     assert len({r["pid"] for r in results}) == 3
 
 

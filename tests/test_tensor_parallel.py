@@ -121,21 +121,35 @@ TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
 
 @pytest.mark.fast
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("overrides", "named"), [
-    (["model.kwargs.n_heads=3", "model.kwargs.dim=48"], ["model.kwargs.n_heads=3 is not divisible by parallel.tp=2"]),
-    (["model.kwargs.n_kv_heads=1"], ["model.kwargs.n_kv_heads=1 is not divisible by parallel.tp=2"]),
-    (["model.kwargs.ffn_hidden=33"], ["model.kwargs.ffn_hidden=33 is not divisible by parallel.tp=2"]),
-    (["model.kwargs.vocab_size=257"], ["model.kwargs.vocab_size=257 is not divisible by parallel.tp=2"]),
-    (["data.kwargs.seq_len=31"], ["input sequence length 31 is not divisible by parallel.tp=2",
-                                  "parallel.sequence_parallel=false"]),
-    (["model.kwargs.tie_embeddings=true"], ["parallel.tp=2 with model.kwargs.tie_embeddings=true is refused", "unties"]),
-    (["parallel.strategy=zero1"], ["parallel.strategy='zero1' with parallel.tp=2 is refused", "zero2"]),
-    (TOY, ["ToyMLP has no tensor-parallel plan", "parallel.tp_plan=pkg.mod:fn"]),
-    (["parallel.tp_plan=nosuch.mod:fn"], ["parallel.tp_plan='nosuch.mod:fn' cannot be used", "nosuch"]),
-    (["parallel.tp_plan=support.tp_plans:not_callable"], ["parallel.tp_plan='support.tp_plans:not_callable'", "not callable"]),
-    (["parallel.tp_plan=no_import_path"], ["parallel.tp_plan='no_import_path' is not an import path"]),
-    (["parallel.tp=3", "--nproc-per-node", "3"], ["model.kwargs.n_heads=4 is not divisible by parallel.tp=3"]),
-])
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (
+            ["model.kwargs.n_heads=3", "model.kwargs.dim=48"],
+            ["model.kwargs.n_heads=3 is not divisible by parallel.tp=2"],
+        ),
+        (["model.kwargs.n_kv_heads=1"], ["model.kwargs.n_kv_heads=1 is not divisible by parallel.tp=2"]),
+        (["model.kwargs.ffn_hidden=33"], ["model.kwargs.ffn_hidden=33 is not divisible by parallel.tp=2"]),
+        (["model.kwargs.vocab_size=257"], ["model.kwargs.vocab_size=257 is not divisible by parallel.tp=2"]),
+        (
+            ["data.kwargs.seq_len=31"],
+            ["input sequence length 31 is not divisible by parallel.tp=2", "parallel.sequence_parallel=false"],
+        ),
+        (
+            ["model.kwargs.tie_embeddings=true"],
+            ["parallel.tp=2 with model.kwargs.tie_embeddings=true is refused", "unties"],
+        ),
+        (["parallel.strategy=zero1"], ["parallel.strategy='zero1' with parallel.tp=2 is refused", "zero2"]),
+        (TOY, ["ToyMLP has no tensor-parallel plan", "parallel.tp_plan=pkg.mod:fn"]),
+        (["parallel.tp_plan=nosuch.mod:fn"], ["parallel.tp_plan='nosuch.mod:fn' cannot be used", "nosuch"]),
+        (
+            ["parallel.tp_plan=support.tp_plans:not_callable"],
+            ["parallel.tp_plan='support.tp_plans:not_callable'", "not callable"],
+        ),
+        (["parallel.tp_plan=no_import_path"], ["parallel.tp_plan='no_import_path' is not an import path"]),
+        (["parallel.tp=3", "--nproc-per-node", "3"], ["model.kwargs.n_heads=4 is not divisible by parallel.tp=3"]),
+    ],
+)
 def test_tp_refusals_before_launch(capsys, tmp_path, overrides, named):
     over = overrides if any(o.startswith("parallel.tp=") for o in overrides) else ["parallel.tp=2", *overrides]
     base = BUILTIN[:-2] if "--nproc-per-node" in over else BUILTIN  # an option is given once
@@ -156,8 +170,13 @@ def test_sequence_length_is_not_checked_without_sequence_parallelism(tmp_path):
 
 # ------------------------------------------------------------------ checkpoints across layouts
 LLAMA = [f"model.kwargs.{k}={v}" for k, v in tp.LLAMA_KWARGS.items()] + [
-    "data.factory=support.parity:tiny_tokens", *(f"data.kwargs.{k}={v}" for k, v in tp.TOKENS_KWARGS.items()),
-    "model.factory=dptrain.models.llama:build_llama", "optim.name=sgd", "optim.momentum=0.9", "optim.weight_decay=0.1"]
+    "data.factory=support.parity:tiny_tokens",
+    *(f"data.kwargs.{k}={v}" for k, v in tp.TOKENS_KWARGS.items()),
+    "model.factory=dptrain.models.llama:build_llama",
+    "optim.name=sgd",
+    "optim.momentum=0.9",
+    "optim.weight_decay=0.1",
+]
 LAYOUTS = {  # name -> (world size, overrides)
     "tp2": (2, ["parallel.strategy=ddp", "parallel.tp=2"]),
     "dp2xtp2": (4, ["parallel.strategy=ddp", "parallel.tp=2"]),
@@ -176,8 +195,9 @@ def _capture_run(layout: str, run: Path, steps: int, what: str) -> None:
     from support.mp import run_ranks
 
     world, over = LAYOUTS[layout]
-    run_ranks(_fit_capturing, world, run, [f"train.max_steps={steps}", "checkpoint.every_steps=3", *over], what,
-              timeout=150)
+    run_ranks(
+        _fit_capturing, world, run, [f"train.max_steps={steps}", "checkpoint.every_steps=3", *over], what, timeout=150
+    )
 
 
 @pytest.fixture(scope="module")
@@ -190,10 +210,17 @@ def tp2_saved(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("before", "after"), [
-    ("tp2", "dp2"), ("tp2", "single"), ("dp2", "tp2"), ("tp2", "fsdp2"),
-    pytest.param("dp2xtp2", "tp2", marks=pytest.mark.slow), pytest.param("fsdp2xtp2", "single", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("tp2", "dp2"),
+        ("tp2", "single"),
+        ("dp2", "tp2"),
+        ("tp2", "fsdp2"),
+        pytest.param("dp2xtp2", "tp2", marks=pytest.mark.slow),
+        pytest.param("fsdp2xtp2", "single", marks=pytest.mark.slow),
+    ],
+)
 def test_resume_across_tp_layouts_restores_model_and_optimizer_exactly(request, tmp_path, before, after):
     """Saved at step 3 in one layout, resumed in another: the whole model and momentum state
     equal bit for bit, and training continues at step 4 with the same global batch."""
@@ -239,9 +266,19 @@ def test_a_rank_asleep_is_named_while_its_tp_partner_waits_in_a_tp_collective(tm
     from support.run_helpers import dptrain
 
     out, mark = tmp_path / "run", tmp_path / "hang-started"
-    r = dptrain("run", *TP_LLAMA, "train.max_steps=1000", "train.loss=support.diag_helpers:sleepy_loss", "parallel.tp=2",
-                "diagnostics.hang_timeout_s=3", "--nproc-per-node", "2", "--out", str(out),
-                env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)})
+    r = dptrain(
+        "run",
+        *TP_LLAMA,
+        "train.max_steps=1000",
+        "train.loss=support.diag_helpers:sleepy_loss",
+        "parallel.tp=2",
+        "diagnostics.hang_timeout_s=3",
+        "--nproc-per-node",
+        "2",
+        "--out",
+        str(out),
+        env={"HANG_RANK": "1", "HANG_STEP": "3", "HANG_MARK": str(mark)},
+    )
     assert r.returncode == EXIT_HANG or f"exit {EXIT_HANG}" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     report = (out / "hang_report.txt").read_text()
     assert "suspect rank(s): rank 1 (" in report, report
@@ -271,8 +308,14 @@ def test_hf_shapes_that_cannot_be_split_are_refused():
     transformers = pytest.importorskip("transformers")
     from dptrain.parallel.tensor import tp_problem
 
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=3, num_key_value_heads=3)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+    )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
     why = tp_problem(model, tp=2, tp_plan=None, sequence_parallel=True)

@@ -1,4 +1,5 @@
-"""Prints the tensor-parallel parity ladder as a table: `python tests/tp_parity_table.py` (the code: tests/support/tp_parity_table.py)."""
+"""Prints the tensor-parallel parity ladder as a table: `python tests/tp_parity_table.py` (the code:
+tests/support/tp_parity_table.py)."""
 
 import sys
 from pathlib import Path

@@ -149,7 +149,9 @@ def run_ranks(
         try:
             for rank in range(world_size):
                 child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                p = ctx.Process(target=_child, args=(fn, rank, args, child_env, workdir), name=f"rank{rank}", daemon=False)
+                p = ctx.Process(
+                    target=_child, args=(fn, rank, args, child_env, workdir), name=f"rank{rank}", daemon=False
+                )
                 p.start()
                 procs.append(p)
             timed_out, killed = _wait(procs, timeout, grace, Path(workdir))
@@ -189,7 +191,9 @@ def _wait(
 
 
 # Frames of the Python interpreter itself: noise in a native stack (the Python stack is dumped separately).
-_INTERPRETER_FRAME = re.compile(r"Python/|Objects/|Include/|Modules/|Programs/|\b_?Py[A-Z_]\w* \(|pybind11::|libc-start|_start \(")
+_INTERPRETER_FRAME = re.compile(
+    r"Python/|Objects/|Include/|Modules/|Programs/|\b_?Py[A-Z_]\w* \(|pybind11::|libc-start|_start \("
+)
 
 
 def _dump_stacks(procs: list[mp.process.BaseProcess], workdir: Path) -> None:
@@ -210,19 +214,26 @@ def _dump_stacks(procs: list[mp.process.BaseProcess], workdir: Path) -> None:
         try:
             out = subprocess.run(
                 [gdb, "-p", str(p.pid), "-batch", "-nx", "-ex", "thread apply all bt 25"],
-                capture_output=True, text=True, timeout=20,
+                capture_output=True,
+                text=True,
+                timeout=20,
             ).stdout
         except (subprocess.TimeoutExpired, OSError):
             continue
         frames = [
-            line[:180] for line in out.splitlines()
+            line[:180]
+            for line in out.splitlines()
             if line.startswith("Thread ") or (line.startswith("#") and not _INTERPRETER_FRAME.search(line))
         ]
         (workdir / f"rank{rank}.native").write_text("\n".join(frames[:400]))
 
 
 def _collect(
-    procs: list[mp.process.BaseProcess], workdir: Path, timed_out: list[int], killed: list[int], timeout: float,
+    procs: list[mp.process.BaseProcess],
+    workdir: Path,
+    timed_out: list[int],
+    killed: list[int],
+    timeout: float,
     grace: float,
 ) -> list[Any]:
     results: list[Any] = []

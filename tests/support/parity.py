@@ -143,7 +143,9 @@ def fit_items(rank: int, items: list[str], out_dir: str, resume: str = "auto") -
     return Trainer(load_config(None, items), out_dir=out_dir, resume=resume).fit()
 
 
-def train(items: list[str], world_size: int, out_dir: Path, *, timeout: float = 40) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def train(
+    items: list[str], world_size: int, out_dir: Path, *, timeout: float = 40
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Run the Trainer on `world_size` ranks (in this process for world_size 1, i.e. strategy
     single); return (final weights, metrics records)."""
     if world_size == 1:
@@ -176,7 +178,12 @@ def assert_no_drift(run_dir: Path) -> None:
 
 
 def ladder_case(
-    strategy: str, accum: int, world_size: int, out_dir: Path, model: str = "mlp", extra: tuple[str, ...] = (),
+    strategy: str,
+    accum: int,
+    world_size: int,
+    out_dir: Path,
+    model: str = "mlp",
+    extra: tuple[str, ...] = (),
     timeout: float = 40,
 ) -> float:
     """Train one rung and return its max abs weight difference from the reference (asserts parity).
@@ -197,13 +204,27 @@ def ladder_case(
 PP_LLAMA = {"dim": 32, "n_layers": 4, "n_heads": 2, "max_seq_len": 16}
 
 
-def pp_items(*, strategy: str, world_size: int, accum: int, schedule: str, pp: int = 2, microbatches: int = 2,
-             stages_per_rank: int = 1, global_batch: int = 8) -> list[str]:
-    items = overrides(strategy=strategy, world_size=world_size // pp, accum=accum, model="llama",
-                         global_batch=global_batch)
+def pp_items(
+    *,
+    strategy: str,
+    world_size: int,
+    accum: int,
+    schedule: str,
+    pp: int = 2,
+    microbatches: int = 2,
+    stages_per_rank: int = 1,
+    global_batch: int = 8,
+) -> list[str]:
+    items = overrides(
+        strategy=strategy, world_size=world_size // pp, accum=accum, model="llama", global_batch=global_batch
+    )
     items += [f"model.kwargs.{k}={v}" for k, v in PP_LLAMA.items()]
-    items += [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}", f"parallel.pp_microbatches={microbatches}",
-              f"parallel.pp_stages_per_rank={stages_per_rank}"]
+    items += [
+        f"parallel.pp={pp}",
+        f"parallel.pp_schedule={schedule}",
+        f"parallel.pp_microbatches={microbatches}",
+        f"parallel.pp_stages_per_rank={stages_per_rank}",
+    ]
     return items
 
 
@@ -216,8 +237,16 @@ def pp_reference(global_batch: int = 8, grad_clip: float | None = None) -> tuple
         MODELS["llama"]["kwargs"] = saved
 
 
-def pp_rung(items: list[str], world_size: int, out_dir: Path, *, rtol: float = RTOL, atol: float = ATOL,
-            timeout: float = 120, grad_clip: float | None = None) -> float:
+def pp_rung(
+    items: list[str],
+    world_size: int,
+    out_dir: Path,
+    *,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    timeout: float = 120,
+    grad_clip: float | None = None,
+) -> float:
     got, records = train(items, world_size, out_dir, timeout=timeout)
     want, norms = pp_reference(grad_clip=grad_clip)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
@@ -244,9 +273,13 @@ def dcp_optimizer_state(step_dir: Path) -> dict[str, torch.Tensor]:
 
     reader = SafeFileSystemReader(step_dir / "dcp")
     meta = reader.read_metadata()
-    state = {"optim": {k[len("optim."):]: torch.empty(m.size, dtype=m.properties.dtype)
-                       for k, m in meta.state_dict_metadata.items()
-                       if k.startswith("optim.state.") and isinstance(m, TensorStorageMetadata)}}
+    state = {
+        "optim": {
+            k[len("optim.") :]: torch.empty(m.size, dtype=m.properties.dtype)
+            for k, m in meta.state_dict_metadata.items()
+            if k.startswith("optim.state.") and isinstance(m, TensorStorageMetadata)
+        }
+    }
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return state["optim"]
 
@@ -263,16 +296,21 @@ RUNGS = {"tp2": ("ddp", 1, 2), "dp2xtp2": ("ddp", 2, 4), "fsdp2xtp2": ("fsdp", 2
 
 def tp_items(rung: str, accum: int, *extra: str, model: str = "llama", grad_clip: float | None = None) -> list[str]:
     strategy, dp, _ = RUNGS[rung]
-    return [*overrides(strategy=strategy, world_size=dp, accum=accum, model=model, global_batch=GLOBAL,
-                          grad_clip=grad_clip), "parallel.tp=2", *extra]
+    return [
+        *overrides(
+            strategy=strategy, world_size=dp, accum=accum, model=model, global_batch=GLOBAL, grad_clip=grad_clip
+        ),
+        "parallel.tp=2",
+        *extra,
+    ]
 
 
-def tp_case(rung: str, accum: int, tmp_path: Path, *extra: str, model: str = "llama",
-            grad_clip: float | None = None) -> float:
+def tp_case(
+    rung: str, accum: int, tmp_path: Path, *extra: str, model: str = "llama", grad_clip: float | None = None
+) -> float:
     """Train one rung; assert weights and per-step gradient norms match the reference; return max |dw|."""
     world = RUNGS[rung][2]
-    got, records = train(tp_items(rung, accum, *extra, model=model, grad_clip=grad_clip), world, tmp_path,
-                            timeout=150)
+    got, records = train(tp_items(rung, accum, *extra, model=model, grad_clip=grad_clip), world, tmp_path, timeout=150)
     want, norms = reference(model, global_batch=GLOBAL, grad_clip=grad_clip)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
     assert_weights_close(got, want)

@@ -55,7 +55,8 @@ def main() -> int:
                   ("fsdp", 2, 2, "llama", "ac selective")]
     print(f"parity vs plain single-process PyTorch on the global batch: SGD lr={tp.LR}, {tp.STEPS} steps, "
           f"tolerance rtol={tp.RTOL:g} atol={tp.ATOL:g}")
-    header = f"{'model':<6} {'strategy':<8} {'layout/option':<13} {'accum':>5} {'world':>5} {'global':>6} {'micro':>5}  {'max |dw|':>10}  {'time':>6}  result"
+    header = (f"{'model':<6} {'strategy':<8} {'layout/option':<13} {'accum':>5} {'world':>5} {'global':>6} "
+              f"{'micro':>5}  {'max |dw|':>10}  {'time':>6}  result")
     print(header)
     print("-" * len(header))
     failures = 0
@@ -63,8 +64,12 @@ def main() -> int:
         g = tp.GLOBAL_BATCH[world]
         diff, ok, seconds = rung(strategy, accum, world, model, label)
         failures += not ok
-        print(f"{model:<6} {strategy:<8} {label or '-':<13} {accum:>5} {world:>5} {g:>6} {g // (world * accum):>5}  {diff:>10.3e}  "
-              f"{seconds:>5.1f}s  {'ok' if ok else 'FAIL'}", flush=True)
+        print(
+            f"{model:<6} {strategy:<8} {label or '-':<13} {accum:>5} {world:>5} {g:>6} {g // (world * accum):>5}  "
+            f"{diff:>10.3e}  "
+            f"{seconds:>5.1f}s  {'ok' if ok else 'FAIL'}",
+            flush=True,
+        )
     print(f"{len(rungs) - failures}/{len(rungs)} rungs within tolerance")
     return 1 if failures else 0
 

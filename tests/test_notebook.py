@@ -73,7 +73,7 @@ def test_notebook_launch_from_a_real_kernel(tmp_path: Path, monkeypatch) -> None
 
 
 def test_a_notebook_function_without_cloudpickle_is_refused(monkeypatch) -> None:
-    from dptrain.tools.deploy import notebook
+    from dptrain.launch import notebook
 
     monkeypatch.setitem(sys.modules, "cloudpickle", None)
 
@@ -89,7 +89,7 @@ def test_a_notebook_function_without_cloudpickle_is_refused(monkeypatch) -> None
 
 
 def test_arguments_that_cannot_travel_are_refused_before_any_process() -> None:
-    from dptrain.tools.deploy import notebook
+    from dptrain.launch import notebook
 
     with pytest.raises(notebook.NotPicklableError, match="cannot send 'getcwd'.*build models"):
         notebook.notebook_launch(os.getcwd, threading.Lock(), nproc=2)
@@ -101,6 +101,6 @@ def test_arguments_that_cannot_travel_are_refused_before_any_process() -> None:
 
 
 def test_the_payload_round_trips() -> None:
-    from dptrain.tools.deploy import notebook
+    from dptrain.launch import notebook
 
     assert notebook.run_pickled(notebook.dumps_callable(lambda a, b: a * b, (6, 7))) == 42

@@ -19,6 +19,7 @@ from dptrain.config import ConfigError
 from dptrain.config.load import load_config, load_yaml, parse_override, resolve_scalar
 from dptrain.config.resolve import _torch_build_has_gpu
 from support import ROOT, subprocess_env
+from support import overrides as join
 from support.cli import refused
 
 TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
@@ -218,7 +219,7 @@ def test_run_and_checkpoint_directories(capsys, monkeypatch, tmp_path, where, na
     ],
 )
 def test_factory_kwargs_and_return_checked_before_launch(capsys, tmp_path, overrides, named):
-    refused(capsys, ["run", *TOY, *ONE, *overrides, "--out", str(tmp_path / "r")], *named)
+    refused(capsys, ["run", *join(TOY, ONE, overrides), "--out", str(tmp_path / "r")], *named)
     assert not (tmp_path / "r").exists()
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dptrain.cli.main import main
-from support import ROOT
+from support import ROOT, overrides
 from support.cli import refused
 
 pytestmark = pytest.mark.fast
@@ -233,7 +233,7 @@ TOY_FLAGS = [
     ],
 )
 def test_factories_returning_what_cannot_train_are_refused_before_launch(capsys, tmp_path, override, named):
-    refused(capsys, ["run", *TOY_FLAGS, override, "--out", str(tmp_path / "run")], named)
+    refused(capsys, ["run", *overrides(TOY_FLAGS, [override]), "--out", str(tmp_path / "run")], named)
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
@@ -295,3 +295,9 @@ def test_more_workers_than_the_machine_can_start_is_refused_saying_why(capsys):
     refused(
         capsys, ["run", "--nproc-per-node", "4096"], "launch.nproc_per_node=4096 workers on this node's", "CPU core(s)"
     )
+
+
+def test_an_override_given_twice_with_two_values_is_refused(capsys):
+    refused(capsys, ["config", "show", "train.max_steps=3", "train.max_steps=5"],
+            "override train.max_steps given twice: train.max_steps=3 and train.max_steps=5")
+    assert main(["config", "show", "train.max_steps=3", "train.max_steps=3"]) == 0  # one value twice: one meaning

@@ -23,12 +23,13 @@ import torch
 from dptrain.cli.main import main as cli_main
 from dptrain.metrics.monitor import DASHBOARD
 from dptrain.metrics.prometheus import PrometheusExporter, metric_name
+from support import overrides
 from support.diag_helpers import TP_LLAMA
 from support.monitor_helpers import PROMETHEUS, SCRAPE_S, Prometheus, free_port_pair
 from support.mp import find_free_port, run_ranks
 from support.run_helpers import dptrain
 
-LM = [*TP_LLAMA, "train.micro_batch_size=2"]  # global batch 4 = 2 x dp 2; tokens/s in every record
+LM = overrides(TP_LLAMA, ["train.micro_batch_size=2"])  # global batch 4 = 2 x dp 2; tokens/s in every record
 HOST = socket.gethostname()
 # Always exported on every rank (besides one gauge per numeric record key, checked from metrics.jsonl).
 EXPECTED = ["dptrain_rss_bytes", "dptrain_nonfinite_skipped_steps", "dptrain_restarts",

@@ -23,6 +23,7 @@ import pytest
 from dptrain.config.load import load_config
 from dptrain.tools.deploy.slurm import CONFIG_NAME
 from support import ROOT
+from support import overrides as join
 from support.run_helpers import SLOW_TOY as TOY
 from support.run_helpers import logged_steps, subprocess_env
 
@@ -124,7 +125,7 @@ def _job(env: dict[str, str], job: str) -> dict[str, str]:
 
 def _write_script(tmp: Path, out: Path, *overrides: str, name: str) -> Path:
     script = tmp / f"{name}.sh"
-    r = subprocess.run([sys.executable, "-m", "dptrain", "manifest", "slurm", *TOY, *overrides, "--nnodes", "1",
+    r = subprocess.run([sys.executable, "-m", "dptrain", "manifest", "slurm", *join(TOY, overrides), "--nnodes", "1",
                         "--nproc-per-node", "2", "--gpus-per-node", "0", "--cpus-per-task", str(os.cpu_count() or 1),
                         "--out", str(out), "--job-name", name, "--dptrain", f"{sys.executable} -m dptrain",
                         "-o", str(script)], capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=ROOT)
@@ -216,8 +217,7 @@ def _simulate(tmp_path: Path, *, exit_code: int, sleep: float = 0, term_batch_af
             "dptrain",
             "manifest",
             "slurm",
-            *TOY,
-            "train.micro_batch_size=1",
+            *join(TOY, ["train.micro_batch_size=1"]),
             "--nnodes",
             "2",
             "--nproc-per-node",

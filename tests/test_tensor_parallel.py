@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support import overrides as join
 from support import parity as tp
 from support.checkpoints import assert_restored_exactly, fit_capturing
 from support.cli import refused
@@ -153,7 +154,7 @@ TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
 def test_tp_refusals_before_launch(capsys, tmp_path, overrides, named):
     over = overrides if any(o.startswith("parallel.tp=") for o in overrides) else ["parallel.tp=2", *overrides]
     base = BUILTIN[:-2] if "--nproc-per-node" in over else BUILTIN  # an option is given once
-    refused(capsys, ["run", *base, *over, "--out", str(tmp_path / "r")], *named)
+    refused(capsys, ["run", *join(base, over), "--out", str(tmp_path / "r")], *named)
     assert not (tmp_path / "r").exists()
 
 

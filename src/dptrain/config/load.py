@@ -354,8 +354,13 @@ def load_command_line(items: list[str], *, extra: Sequence[str] | Mapping[str, s
     existing `run_dir`'s config.yaml is the base (continuing that run)."""
     files = [item for item in items if "=" not in item]
     overrides = [item for item in items if "=" in item]
+    given: dict[str, Any] = {}
+    for item in overrides:  # one value per key on a command line: the later one would silently win
+        key, value = parse_override(item)
+        if key in given and given[key] != value:
+            raise ConfigError(f"override {key} given twice: {key}={given[key]!r} and {key}={value!r}; keep one")
+        given[key] = value
     if isinstance(extra, Mapping):
-        given = dict(parse_override(o) for o in overrides)
         for field, item in extra.items():
             _, value = parse_override(item)
             if field in given and given[field] != value:

@@ -7,26 +7,24 @@ import argparse
 import math
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (a count of nodes, workers, GPUs, steps)."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; give a whole number >= 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number >= {low}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; give a whole number >= {low}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a count of nodes, workers, GPUs, steps)."""
+    return _int_at_least(text, 1)
 
 
 def nonnegative_int(text: str) -> int:
     """An integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; give a whole number >= 0")
-    return value
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:

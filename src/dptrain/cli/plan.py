@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from dptrain.cli.arg_types import positive_float, positive_int
 from dptrain.metrics.hardware import GpuSpec, gpu_spec
@@ -174,15 +175,7 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, s
     cfg = load_plan_config(args.items, model=args.model)
     if cfg.model.factory != LLAMA:
         return measured_report(args, cfg, comm=comm, efficiency=efficiency)
-    pr = predict(
-        cfg,
-        gpus=args.gpus,
-        nodes=args.nodes,
-        gpu_type=args.gpu_type,
-        interconnect=args.interconnect,
-        comm=comm,
-        efficiency=efficiency[0],
-    )
+    pr = predict(cfg, **_cluster(args), comm=comm, efficiency=efficiency[0])
     model, lay, mem, t, spec, seq = pr.model, pr.layout, pr.memory, pr.time, pr.spec, pr.layout.seq
 
     lines = [
@@ -199,16 +192,13 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, s
     return "\n".join(lines)
 
 
+def _cluster(args: argparse.Namespace) -> dict[str, Any]:
+    """The cluster the command line describes, as `predict` and `scaling` take it."""
+    return {"gpus": args.gpus, "nodes": args.nodes, "gpu_type": args.gpu_type, "interconnect": args.interconnect}
+
+
 def _scaling_lines(args: argparse.Namespace, cfg, *, comm, efficiency: float) -> list[str]:  # noqa: ANN001
-    rows = scaling(
-        cfg,
-        gpus=args.gpus,
-        nodes=args.nodes,
-        gpu_type=args.gpu_type,
-        interconnect=args.interconnect,
-        comm=comm,
-        efficiency=efficiency,
-    )
+    rows = scaling(cfg, **_cluster(args), comm=comm, efficiency=efficiency)
     lines = [
         "scaling (the config resolved at each world size; efficiency = tokens/s per rank / tokens/s at 1 rank):",
         f"  {'ranks':>5} {'nodes':>5} {'global':>7} {'micro x accum':>13} {'step s':>9} {'tokens/s':>11} "

@@ -346,15 +346,8 @@ def parallelize_model(
         module = apply_dp(apply_single(model, device=device, materialize=materialize), device=device)
     else:
         module = apply_single(model, device=device, materialize=materialize)
-    plan = ParallelModel(
-        module,
-        plain=model,
-        mode=mode,
-        mesh=mesh,
-        loss_parallel=cfg.loss_parallel,
-        device=device,
-        sync_each_micro_step=cfg.sync_each_micro_step,
-    )
+    plan = ParallelModel(module, plain=model, mode=mode, mesh=mesh, loss_parallel=cfg.loss_parallel, device=device,
+                         sync_each_micro_step=cfg.sync_each_micro_step)
     if comm_hook is not None:
         plan.register_comm_hook(*comm_hook)
     return plan

@@ -88,17 +88,8 @@ def predict(
     lay = layout_from_config(
         cfg, resolved, seq=int(cfg.data.kwargs.get("seq_len", model.max_seq_len)), cpu=spec.key == "cpu"
     )
-    t = step_time(
-        model,
-        lay,
-        spec,
-        gpus=gpus,
-        nodes=nodes,
-        interconnect=interconnect,
-        accum=resolved.grad_accum_steps,
-        efficiency=efficiency,
-        comm=comm if gpus > 1 else None,
-    )
+    t = step_time(model, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect,
+                  accum=resolved.grad_accum_steps, efficiency=efficiency, comm=comm if gpus > 1 else None)
     return Prediction(model, resolved, lay, spec, layout_memory(model, lay), t)
 
 

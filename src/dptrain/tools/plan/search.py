@@ -255,17 +255,8 @@ def search(
                 )
             )
             continue
-        t = step_time(
-            model,
-            lay,
-            spec,
-            gpus=gpus,
-            nodes=nodes,
-            interconnect=interconnect,
-            accum=resolved.grad_accum_steps,
-            efficiency=efficiency,
-            comm=comm,
-        )
+        t = step_time(model, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect,
+                      accum=resolved.grad_accum_steps, efficiency=efficiency, comm=comm)
         ranked.append(Ranked(cand, cfg, mem, t))
     ranked.sort(key=_rank_key)
     return SearchResult(ranked, rejected, global_batch, seq)

@@ -301,3 +301,37 @@ def test_an_override_given_twice_with_two_values_is_refused(capsys):
     refused(capsys, ["config", "show", "train.max_steps=3", "train.max_steps=5"],
             "override train.max_steps given twice: train.max_steps=3 and train.max_steps=5")
     assert main(["config", "show", "train.max_steps=3", "train.max_steps=3"]) == 0  # one value twice: one meaning
+
+
+def returns_text():
+    from torch import nn
+
+    class Text(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(4, 1)
+
+        def forward(self, batch):
+            return "a loss"
+
+    return Text()
+
+
+def text_loss(model, batch):
+    return "a loss"
+
+
+def test_a_float_for_an_integer_factory_argument_is_refused(capsys):
+    refused(capsys, ["run", "data.kwargs.seq_len=16.5", "--nproc-per-node", "1"],
+            "data.kwargs.seq_len=16.5 is not an integer", "seq_len: int")
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("model.factory=test_input_errors:returns_text", "the model's forward returned str, not a loss tensor"),
+    ("train.loss=test_input_errors:text_loss", "train.loss='test_input_errors:text_loss' returned str"),
+])
+@pytest.mark.timeout(120)
+def test_a_forward_or_loss_returning_no_tensor_is_one_line(capsys, tmp_path, override, named):
+    """Found by the run itself (a one-process run here: in this process): exit 2, one line."""
+    refused(capsys, ["run", *overrides(TOY_FLAGS, [override, "train.global_batch_size=8", "train.micro_batch_size=8"]),
+                     "--out", str(tmp_path / "run")], named)

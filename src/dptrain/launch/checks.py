@@ -76,6 +76,13 @@ def check_signature(fn: Any, kwargs: dict[str, Any], *, key: str, spec: str) -> 
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # builtins and C callables: let the call itself decide
+    for name, value in kwargs.items():  # `seq_len=16.5`: a float where the factory says int
+        p = sig.parameters.get(name)
+        if p is not None and p.annotation in (int, "int") and isinstance(value, float):
+            raise ConfigError(
+                f"{key.rsplit('.', 1)[0]}.kwargs.{name}={value!r} is not an integer, but {spec} takes {name}: int; "
+                f"give a whole number"
+            )
     try:
         sig.bind(**kwargs)
     except TypeError as e:

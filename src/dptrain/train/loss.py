@@ -52,7 +52,7 @@ def forward_loss(model: nn.Module, batch: Any, *, num_items_in_batch: torch.Tens
     out = model(**batch, **extra) if isinstance(batch, Mapping) else model(batch, **extra)
     loss = getattr(out, "loss", out)
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(
+        raise ConfigError(
             f"the model's forward returned {type(out).__name__}, not a loss tensor; "
             "return the loss, an object with .loss, or set train.loss=pkg.mod:fn"
         )
@@ -63,6 +63,10 @@ def check_scalar(loss: torch.Tensor, *, model: nn.Module, source: str) -> torch.
     """`loss` if it is one number; nn.DataParallel's one loss per GPU -> their mean (the batch mean
     for equal splits). Anything else is refused naming its shape: averaging a per-sample vector
     silently would hide a reduction the user forgot, and a sum would change the learning rate."""
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            f"{source} returned {type(loss).__name__} ({loss!r:.40}), not a loss tensor; return a scalar tensor"
+        )
     if loss.ndim == 0:
         return loss
     if isinstance(model, nn.DataParallel) and loss.ndim == 1 and loss.numel() == len(model.device_ids or [None]):

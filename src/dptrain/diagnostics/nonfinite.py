@@ -55,14 +55,17 @@ class NonFiniteGuard:
             return False
         what = (f"non-finite loss from the data of rank(s) {', '.join(map(str, ranks))}" if ranks
                 else "non-finite gradient norm (the loss was finite on every rank)")
+        record = {"step": step, "ranks": ranks, "grad_norm_nonfinite": bad_norm}
         if self.policy == "error":
+            self.report("nonfinite", {**record, "action": "stopped", "policy": "error"}, None)
             raise NonFiniteError(f"step {step}: {what}; stopping (diagnostics.nonfinite=error)")
         self.consecutive += 1
         self.skipped += 1
-        self.report("nonfinite", {"step": step, "ranks": ranks, "grad_norm_nonfinite": bad_norm,
-                                  "consecutive": self.consecutive, "action": "skipped"},
+        self.report("nonfinite", {**record, "consecutive": self.consecutive, "action": "skipped"},
                     f"step {step}: skipped the update on every rank: {what}")
         if self.consecutive >= self.max_consecutive:
+            self.report("nonfinite", {**record, "consecutive": self.consecutive, "action": "stopped",
+                                      "policy": "skip"}, None)
             raise NonFiniteError(
                 f"step {step}: {self.consecutive} consecutive steps skipped for non-finite values (last: {what}); "
                 "stopping (diagnostics.max_consecutive_skips). Lower the learning rate, check the data of the "

@@ -63,7 +63,7 @@ def run_torchrun(
     """Run torchrun in this process; the exit code: 0 done, 1 a worker failed (after torchrun's
     failure report, root-cause rank first: host, exit code, error file, traceback; then dptrain's
     one-line list of failed ranks), 2 the workers refused their input, 3 the hang watchdog
-    stopped the run, 130 interrupted
+    stopped the run, 4 diagnostics.nonfinite stopped it, 130 interrupted
     (Ctrl-C) and 143 preempted (SIGTERM), both with the last finished step checkpointed.
     `ckpt_root`: where the run's checkpoints go, to say what a second Ctrl-C leaves unsaved;
     `launch_cfg`: for the lines printed while other nodes are awaited."""
@@ -74,6 +74,7 @@ def run_torchrun(
     # lazy: torch: the launcher imports it only to start workers
     from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
     from dptrain.diagnostics.watchdog import EXIT_HANG
+    from dptrain.launch.worker import EXIT_NONFINITE
 
     if restarts:
         os.environ.update(RESTART_ENV)
@@ -110,6 +111,8 @@ def run_torchrun(
             return EXIT_INTERRUPTED
         if codes == {2}:
             return 2  # the workers refused their input; rank 0 said why (one line, above)
+        if EXIT_NONFINITE in codes and codes <= {EXIT_NONFINITE, -signal.SIGTERM, EXIT_PREEMPTED}:
+            return EXIT_NONFINITE  # diagnostics.nonfinite stopped every rank; rank 0 said why (one line, above)
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
         if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL}:  # a frozen rank is SIGKILLed by the watchdog
             print(

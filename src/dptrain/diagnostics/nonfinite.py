@@ -27,7 +27,7 @@ class NonFiniteGuard:
     """Decides, identically on every rank, whether this step's update must be skipped."""
 
     def __init__(self, *, policy: str, max_consecutive: int, rank: int, world_size: int, device: torch.device,
-                 check_grad_norm: bool, report: Callable[[str, dict[str, Any], str], None]) -> None:
+                 check_grad_norm: bool, report: Callable[[str, dict[str, Any], str | None], None]) -> None:
         if policy not in ("skip", "error"):
             raise ValueError(f"NonFiniteGuard policy must be skip or error, got {policy!r}")
         self.policy, self.max_consecutive = policy, max_consecutive

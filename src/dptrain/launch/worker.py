@@ -137,8 +137,12 @@ def first_line(error: BaseException) -> str:
     """The error's message without the C++ call sites gloo appends ("...: Connection closed by peer ...")."""
     text = str(error).strip()
     line = text.splitlines()[0] if text else ""
-    while line.startswith("Got the following error when running the callback: "):
-        line = line.removeprefix("Got the following error when running the callback: ")
+    callback = "Got the following error when running the callback: "
+    while line.startswith(callback):  # DDP's comm hook wraps the error once per future: "...: RuntimeError: ..."
+        line = line.removeprefix(callback)
+        name, sep, rest = line.partition(": ")
+        if sep and name.isidentifier():
+            line = rest
     return line[:300]
 
 

@@ -38,6 +38,7 @@ from dptrain.launch.checks import (
     check_dir_writable,
     check_file_writable,
     check_model,
+    check_rdzv_endpoint,
     check_signature,
     check_tensor_parallel,
     check_vocabulary,
@@ -244,6 +245,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     check_workers_fit(local_world_size(cfg.launch))  # `--nproc-per-node 4096`: said before the batch arithmetic
     validate(cfg)  # before anything imports torch: a refusal is instant
+    check_rdzv_endpoint(cfg.launch.rdzv_endpoint)  # an unknown host: said now, not after torchrun's retries
     run_dir = Path(default_out_dir(cfg))
     check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")
     if cfg.checkpoint.dir is not None:
@@ -325,6 +327,7 @@ def _launch(cfg: Config, *, res: Any, nproc: int, run_dir: Path, pending: Path, 
             restarts=cfg.launch.max_restarts > 0,
             launch_cfg=cfg.launch,
             ckpt_root=checkpoint_root(cfg.checkpoint, run_dir),
+            abandon=lambda: pending.unlink(missing_ok=True),
         )
     finally:
         pending.unlink(missing_ok=True)

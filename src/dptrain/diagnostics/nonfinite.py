@@ -27,7 +27,7 @@ class NonFiniteGuard:
     """Decides, identically on every rank, whether this step's update must be skipped."""
 
     def __init__(self, *, policy: str, max_consecutive: int, rank: int, world_size: int, device: torch.device,
-                 check_grad_norm: bool, report: Callable[[str, dict[str, Any], str], None]) -> None:
+                 check_grad_norm: bool, report: Callable[[str, dict[str, Any], str | None], None]) -> None:
         if policy not in ("skip", "error"):
             raise ValueError(f"NonFiniteGuard policy must be skip or error, got {policy!r}")
         self.policy, self.max_consecutive = policy, max_consecutive
@@ -55,14 +55,17 @@ class NonFiniteGuard:
             return False
         what = (f"non-finite loss from the data of rank(s) {', '.join(map(str, ranks))}" if ranks
                 else "non-finite gradient norm (the loss was finite on every rank)")
+        record = {"step": step, "ranks": ranks, "grad_norm_nonfinite": bad_norm}
         if self.policy == "error":
+            self.report("nonfinite", {**record, "action": "stopped", "policy": "error"}, None)
             raise NonFiniteError(f"step {step}: {what}; stopping (diagnostics.nonfinite=error)")
         self.consecutive += 1
         self.skipped += 1
-        self.report("nonfinite", {"step": step, "ranks": ranks, "grad_norm_nonfinite": bad_norm,
-                                  "consecutive": self.consecutive, "action": "skipped"},
+        self.report("nonfinite", {**record, "consecutive": self.consecutive, "action": "skipped"},
                     f"step {step}: skipped the update on every rank: {what}")
         if self.consecutive >= self.max_consecutive:
+            self.report("nonfinite", {**record, "consecutive": self.consecutive, "action": "stopped",
+                                      "policy": "skip"}, None)
             raise NonFiniteError(
                 f"step {step}: {self.consecutive} consecutive steps skipped for non-finite values (last: {what}); "
                 "stopping (diagnostics.max_consecutive_skips). Lower the learning rate, check the data of the "

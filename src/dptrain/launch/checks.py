@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 from dptrain.config import ConfigError
 from dptrain.config.imports import import_object
+from dptrain.config.resolve import parse_endpoint
 
 
 def check_dir_writable(path: str | Path, *, what: str) -> None:
@@ -60,6 +62,21 @@ def check_workers_fit(nproc: int, *, cores: int | None = None) -> None:
             f"its own (an interpreter, its memory and threads), and more than {WORKERS_PER_CORE} per core "
             f"({WORKERS_PER_CORE * cores} here) cannot run; use one per GPU, or a few per node on the CPU"
         )
+
+
+def check_rdzv_endpoint(endpoint: str | None) -> None:
+    """`launch.rdzv_endpoint`'s host resolves (torchrun would retry an unknown name until its store
+    timeout, printing C++ warnings); refused at once naming the host otherwise."""
+    if endpoint is None:
+        return
+    host, port = parse_endpoint(endpoint)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(
+            f"launch.rdzv_endpoint={endpoint!r}: the host {host!r} does not resolve ({getattr(e, 'strerror', e)}); "
+            "give the host name or address of the node that runs launch.node_rank=0"
+        ) from None
 
 
 def check_file_writable(path: str | Path, *, what: str) -> None:

@@ -6,18 +6,30 @@ dptrain never spawns workers itself: `run_torchrun` hands an argv to PyTorch's e
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import ipaddress
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dptrain.checkpoint import manifest as mf
 from dptrain.config import LaunchConfig
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, torchrun_nnodes
+from dptrain.config.resolve import parse_endpoint
+
+EXIT_RENDEZVOUS = 2
+"""The rendezvous did not complete (nobody hosts it, a node never came, its port is taken): one line, no worker ran."""
+TORCH_JOIN_TIMEOUT_S = 600
+"""torchrun's c10d join_timeout when launch.rdzv_conf sets none."""
+RENDEZVOUS_GRACE_S = 5.0
+"""How long past join_timeout the launcher waits for torchrun's own verdict before it gives its own."""
 
 # torchrun with gloo cannot re-rendezvous after a worker dies while the agent shares its TCP
 # store with the workers (pytorch#135712); a separate store per restart round makes it work.
@@ -58,22 +70,32 @@ def describe_rendezvous(cfg: LaunchConfig) -> str:
 
 
 def run_torchrun(
-    argv: list[str], *, restarts: bool, ckpt_root: Path | None = None, launch_cfg: LaunchConfig | None = None
+    argv: list[str],
+    *,
+    restarts: bool,
+    ckpt_root: Path | None = None,
+    launch_cfg: LaunchConfig | None = None,
+    abandon: Callable[[], None] | None = None,
 ) -> int:
     """Run torchrun in this process; the exit code: 0 done, 1 a worker failed (after torchrun's
     failure report, root-cause rank first: host, exit code, error file, traceback; then dptrain's
     one-line list of failed ranks), 2 the workers refused their input, 3 the hang watchdog
-    stopped the run, 130 interrupted
+    stopped the run, 4 diagnostics.nonfinite stopped it, 130 interrupted
     (Ctrl-C) and 143 preempted (SIGTERM), both with the last finished step checkpointed.
     `ckpt_root`: where the run's checkpoints go, to say what a second Ctrl-C leaves unsaved;
-    `launch_cfg`: for the lines printed while other nodes are awaited."""
+    `launch_cfg`: for the lines printed while other nodes are awaited. A rendezvous that does not complete
+    (RendezvousError, or torchrun still stuck connecting join_timeout + RENDEZVOUS_GRACE_S after the start)
+    ends with one line naming the endpoint and what is missing, exit 2; `abandon` is called before the
+    launcher exits in the second case (torchrun cannot be unwound from there)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     # lazy: torch: the launcher imports it only to start workers
     from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
     from dptrain.diagnostics.watchdog import EXIT_HANG
+    from dptrain.launch.worker import EXIT_NONFINITE
 
     if restarts:
         os.environ.update(RESTART_ENV)
@@ -87,9 +109,12 @@ def run_torchrun(
         argv = ["--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT", *argv]
     args = get_args_parser().parse_args(argv)
     interrupts = CtrlC(ckpt_root)
-    waiting = NodeWait(launch_cfg) if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None
+    waiting = NodeWait(launch_cfg, abandon=abandon) if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None
     try:
         run(args)
+    except RendezvousError as e:
+        print(f"dptrain: error: {rendezvous_failed(e, launch_cfg, args)}", file=sys.stderr)
+        return EXIT_RENDEZVOUS
     except SignalException as e:  # torchrun itself got SIGTERM/SIGINT: workers were signalled and saved
         if e.sigval == signal.SIGINT:
             if interrupts.count == 1:
@@ -110,6 +135,8 @@ def run_torchrun(
             return EXIT_INTERRUPTED
         if codes == {2}:
             return 2  # the workers refused their input; rank 0 said why (one line, above)
+        if EXIT_NONFINITE in codes and codes <= {EXIT_NONFINITE, -signal.SIGTERM, EXIT_PREEMPTED}:
+            return EXIT_NONFINITE  # diagnostics.nonfinite stopped every rank; rank 0 said why (one line, above)
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
         if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL}:  # a frozen rank is SIGKILLed by the watchdog
             print(
@@ -128,6 +155,81 @@ def run_torchrun(
         if waiting is not None:
             waiting.stop()
     return 0
+
+
+def rendezvous_failed(error: BaseException, cfg: LaunchConfig | None, args: Any) -> str:
+    """torchrun's rendezvous error as one line: the endpoint, and who or what is missing."""
+    # lazy: torch: only after torchrun ran
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    endpoint = cfg.rdzv_endpoint if cfg is not None else args.rdzv_endpoint
+    where = f"the rendezvous at {endpoint} (job id {cfg.rdzv_id if cfg is not None else args.rdzv_id!r})"
+    if isinstance(error, RendezvousTimeoutError):
+        timeout = join_timeout_s(cfg)
+        if cfg is not None:
+            others = ", ".join(str(r) for r in range(max_nodes(cfg)) if r != cfg.node_rank)
+            missing = (f"launch.nnodes={cfg.nnodes} needs the other node(s) (node_rank {others}) and they did not "
+                       f"all join (this is node_rank {cfg.node_rank})")
+        else:
+            missing = f"--nnodes={args.nnodes}: not every node joined"
+        return (f"{where} did not complete within join_timeout={timeout}s: {missing}. Start the same command on "
+                "every node with the same rdzv_endpoint and rdzv_id, or raise join_timeout in launch.rdzv_conf")
+    cause = error.__cause__ or error.__context__
+    reason = (str(cause).strip().splitlines() or [""])[0] if cause is not None else str(error)
+    if isinstance(error, RendezvousConnectionError):
+        return (f"could not connect to the rendezvous store at {endpoint}: {reason or type(cause).__name__}. "
+                "Start node_rank 0 first and check that this node reaches that host and port")
+    return f"{where} failed: {type(error).__name__}: {reason or error}"
+
+
+def join_timeout_s(cfg: LaunchConfig | None) -> int:
+    """The c10d join_timeout torchrun applies: launch.rdzv_conf's, else torchrun's default."""
+    if cfg is None:
+        return TORCH_JOIN_TIMEOUT_S
+    return parse_rdzv_conf(cfg.rdzv_conf).get("join_timeout", TORCH_JOIN_TIMEOUT_S)
+
+
+def port_holder(endpoint: str) -> str | None:
+    """Who listens on the endpoint's port on this machine when it is not this process (a program
+    that is not torchrun's store), as 'pid N (command)'; None when nobody or this process does, or
+    when the host is not this machine."""
+    import psutil
+
+    host, port = parse_endpoint(endpoint)
+    try:
+        addrs = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        local = {ipaddress.ip_address(a.address) for nics in psutil.net_if_addrs().values() for a in nics
+                 if a.family in (socket.AF_INET, socket.AF_INET6) and "%" not in a.address}
+    except (OSError, ValueError):
+        return None
+    if not any(a.is_loopback or a in local for a in addrs):
+        return None
+    try:
+        listeners = [c for c in psutil.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+    except psutil.Error:
+        return None
+    for c in listeners:
+        if c.pid == os.getpid():
+            return None
+    for c in listeners:
+        if c.pid is None:
+            return "another user's program"
+        try:
+            cmd = " ".join(psutil.Process(c.pid).cmdline()) or psutil.Process(c.pid).name()
+        except psutil.Error:
+            cmd = "?"
+        if "dptrain" in cmd or "torch.distributed.run" in cmd or "torchrun" in cmd:
+            return None  # another node's launcher on this machine: a real store
+        return f"pid {c.pid} ({' '.join(cmd.split())[:120]})"
+    if not listeners:  # bound without listening (connections are refused): our own bind tells
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return "a program on this machine that binds it without listening"
+    return None
 
 
 def last_saved(ckpt_root: Path | None) -> str:
@@ -182,11 +284,16 @@ class CtrlC:
 
 class NodeWait:
     """While this node's workers have not started (torchrun is still waiting for the other nodes at
-    the rendezvous), print a line every `DPTRAIN_WAIT_REPORT_S` seconds (30) saying who is awaited."""
+    the rendezvous), print a line every `DPTRAIN_WAIT_REPORT_S` seconds (30) saying who is awaited.
+    torchrun ends a rendezvous that does not complete at join_timeout (RendezvousTimeoutError), but
+    not one stuck connecting to a port that another program holds (its store client waits for an
+    answer that never comes): join_timeout + RENDEZVOUS_GRACE_S after the start, with still no
+    worker, this thread says so in one line and ends the launcher (exit 2)."""
 
-    def __init__(self, cfg: LaunchConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: LaunchConfig, *, abandon: Callable[[], None] | None = None) -> None:
+        self.cfg, self.abandon = cfg, abandon
         self.every = float(os.environ.get("DPTRAIN_WAIT_REPORT_S", "30"))
+        self.deadline_s = join_timeout_s(cfg) + RENDEZVOUS_GRACE_S
         self._stop = threading.Event()
         self._t0 = time.monotonic()
         threading.Thread(target=self._loop, name="dptrain-node-wait", daemon=True).start()
@@ -195,9 +302,16 @@ class NodeWait:
         import psutil
 
         me = psutil.Process()
-        while not self._stop.wait(self.every):
+        next_line = self.every
+        while not self._stop.wait(min(1.0, self.every)):
             if me.children():  # the rendezvous completed: this node's workers are running
                 return
+            waited = time.monotonic() - self._t0
+            if waited >= self.deadline_s:
+                self._give_up(waited)
+            if waited < next_line:
+                continue
+            next_line += self.every
             others = ", ".join(str(r) for r in range(max_nodes(self.cfg)) if r != self.cfg.node_rank)
             print(
                 f"dptrain: waiting {time.monotonic() - self._t0:.0f}s at the rendezvous {self.cfg.rdzv_endpoint} "
@@ -207,6 +321,25 @@ class NodeWait:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def _give_up(self, waited: float) -> None:
+        endpoint = self.cfg.rdzv_endpoint or "?"
+        holder = port_holder(endpoint) if self.cfg.rdzv_endpoint else None
+        if holder is not None:
+            why = (f"its port is held by another program, {holder}, which is not a torch.distributed store; pick a "
+                   "free port for launch.rdzv_endpoint (the same on every node) or stop that program")
+        else:
+            why = ("no rendezvous store answered there; start node_rank 0 first and check that this node reaches "
+                   "that host and port")
+        if self._stop.is_set():
+            return
+        print(f"dptrain: error: the rendezvous at {endpoint} (job id {self.cfg.rdzv_id!r}) did not start within "
+              f"{waited:.0f}s (join_timeout={join_timeout_s(self.cfg)}s): {why}", file=sys.stderr, flush=True)
+        if self.abandon is not None:
+            with contextlib.suppress(Exception):
+                self.abandon()
+        sys.stdout.flush()
+        os._exit(EXIT_RENDEZVOUS)  # the main thread is inside torchrun's store client (C++): nothing else ends it
 
     def stop(self) -> None:
         self._stop.set()

@@ -4,7 +4,9 @@
 The launcher has already resolved and validated the config and written it to `--config` (RUN_DIR/
 config.pending.yaml); rank 0 writes RUN_DIR/config.yaml once the run has trained its first step.
 Exit codes: 0 done, 130 interrupted (Ctrl-C) and 143 preempted (SIGTERM), both with a checkpoint of the last
-finished step committed; 2 a ConfigError only the run could find (e.g. a loss that is not a scalar).
+finished step committed; 2 a ConfigError only the run could find (e.g. a loss that is not a scalar); 4 stopped
+by `diagnostics.nonfinite` (error, or too many consecutive skips; recorded in diagnostics.jsonl); 1 any other failure,
+with one line instead of a traceback when this rank only lost a peer (the rank that died is the root cause).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pathlib import Path
 
 EXIT_INTERRUPTED = 130  # = dptrain.checkpoint.preempt.EXIT_INTERRUPTED (not imported: it imports torch)
 EXIT_PREEMPTED = 143
+EXIT_NONFINITE = 4
+"""diagnostics.nonfinite stopped the run (the launcher maps it, launch/torchrun.py)."""
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing")
+"""How gloo says that another rank's process is gone (the survivors' collectives fail with it)."""
 LAUNCHER_PID = "DPTRAIN_LAUNCHER_PID"
 """Set by the launcher (launch/torchrun.py) for its workers: the process whose death they must follow."""
 
@@ -65,6 +71,7 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
     from dptrain.config import ConfigError
     from dptrain.config.load import load_config
     from dptrain.config.nodes import is_elastic, max_nodes
+    from dptrain.diagnostics.nonfinite import NonFiniteError
     from dptrain.launch.elastic import worker_config
     from dptrain.train.trainer import Trainer
 
@@ -99,12 +106,44 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
         if trainer.env.is_main:
             print(f"dptrain: error: {e}", file=sys.stderr)
         return 2
-    except BaseException:
+    except NonFiniteError as e:  # the policy's report: recorded in diagnostics.jsonl, one line, exit 4
+        trainer.ckpt.record_error(f"NonFiniteError: {e}")
+        if trainer.env.is_main:
+            print(f"dptrain: stopped: {e}; recorded in {run_dir / 'diagnostics.jsonl'}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except Exception as e:
+        if peer_lost(e):  # another rank died (its own failure is the root cause): one line, not a traceback
+            line = f"{type(e).__name__}: {first_line(e)}"
+            trainer.ckpt.record_error(f"lost a peer rank: {line}")
+            print(f"dptrain: rank {trainer.env.rank}: lost a peer rank during step {trainer.state.step + 1} ({line})",
+                  file=sys.stderr)
+            return 1
         trainer.ckpt.record_error(traceback.format_exc())  # for the restart report (attempts.jsonl)
+        raise
+    except BaseException:
+        trainer.ckpt.record_error(traceback.format_exc())
         raise
     if summary.get("preempted"):
         return EXIT_INTERRUPTED if summary.get("interrupted") else EXIT_PREEMPTED
     return 0
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` is a collective failing because another rank's process is gone."""
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in PEER_LOST)
+
+
+def first_line(error: BaseException) -> str:
+    """The error's message without the C++ call sites gloo appends ("...: Connection closed by peer ...")."""
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    callback = "Got the following error when running the callback: "
+    while line.startswith(callback):  # DDP's comm hook wraps the error once per future: "...: RuntimeError: ..."
+        line = line.removeprefix(callback)
+        name, sep, rest = line.partition(": ")
+        if sep and name.isidentifier():
+            line = rest
+    return line[:300]
 
 
 def _interrupted_during_setup(signum: int, frame: object) -> None:

@@ -1,0 +1,185 @@
+"""Launcher and worker failures that must end with one line, never a traceback: a rendezvous that
+does not complete, a rank SIGKILLed under --max-restarts, Ctrl-C while the launcher starts its
+workers, and a NaN loss under diagnostics.nonfinite=error|skip.
+
+Self-contained (imports no other test module): the toy recipe's overrides are copied here, and
+`nan_loss` below is the loss the NaN cases name (`train.loss=test_launch_failures:nan_loss`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = [
+    "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
+    "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
+    "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every_steps=1", "train.eval_every_steps=0",
+    "log.progress=false",
+]
+JOIN_TIMEOUT_S = 3
+
+
+def nan_loss(model, batch):
+    """NaN from the first step on."""
+    return model(batch) * float("nan")
+
+
+def slow_loss(model, batch):
+    """The model's own loss, after a short sleep (steps slow enough to signal a worker mid-run)."""
+    time.sleep(0.02)
+    return model(batch)
+
+
+def env() -> dict[str, str]:
+    paths = [str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def dptrain_run(out: Path, *overrides: str, nproc: int = 1, timeout: float = 90) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "dptrain", "run", *TOY, "train.max_steps=3", *overrides,
+                        "--nproc-per-node", str(nproc), "--out", str(out)],
+                       capture_output=True, text=True, timeout=timeout, env=env(), cwd=ROOT)
+    return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def no_traceback(output: str) -> None:
+    assert "Traceback" not in output and "frame #" not in output, output[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- rendezvous
+def two_nodes(port: int | str, rank: int) -> list[str]:
+    endpoint = port if isinstance(port, str) else f"127.0.0.1:{port}"
+    return ["launch.nnodes=2", f"launch.node_rank={rank}", f"launch.rdzv_endpoint={endpoint}",
+            f"launch.rdzv_conf=join_timeout={JOIN_TIMEOUT_S}"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank", [1, 0], ids=["nobody-hosts-it", "the-other-node-never-comes"])
+def test_rendezvous_that_nobody_completes_ends_with_one_line(tmp_path, rank):
+    port = free_port()
+    code, output, took = dptrain_run(tmp_path / "run", *two_nodes(port, rank))
+    assert code == 2, output[-3000:]
+    no_traceback(output)
+    line = next(ln for ln in output.splitlines() if ln.startswith("dptrain: error:"))
+    assert f"127.0.0.1:{port}" in line and f"join_timeout={JOIN_TIMEOUT_S}s" in line
+    assert f"node_rank {1 - rank}" in line
+    assert took < JOIN_TIMEOUT_S + 30  # start-up (imports, factories) + join_timeout + a few seconds
+
+
+@pytest.mark.timeout(60)
+def test_unresolvable_rendezvous_host_is_refused_before_launch(tmp_path):
+    code, output, took = dptrain_run(tmp_path / "run", *two_nodes("no-such-host.invalid:29500", 1))
+    assert code == 2, output[-3000:]
+    no_traceback(output)
+    assert "'no-such-host.invalid' does not resolve" in output and "launch.rdzv_endpoint" in output
+    assert took < 20
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("listen", [True, False], ids=["listening", "bound-only"])
+def test_rendezvous_port_taken_by_another_program_is_named(tmp_path, listen):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        port = squatter.getsockname()[1]
+        if listen:
+            squatter.listen()  # accepts connections and never answers: torchrun's store client waits forever
+        code, output, took = dptrain_run(tmp_path / "run", *two_nodes(port, 0))
+    assert code == 2, output[-3000:]
+    no_traceback(output)
+    line = next(ln for ln in output.splitlines() if ln.startswith("dptrain: error:"))
+    assert f"127.0.0.1:{port}" in line and "held by another program" in line, line
+    if listen:
+        assert f"pid {os.getpid()}" in line
+    assert took < JOIN_TIMEOUT_S + 30
+    assert not (tmp_path / "run" / "config.pending.yaml").exists()
+
+
+# -------------------------------------------------------------------------------- SIGKILL under restarts
+@pytest.mark.timeout(30)
+def test_a_lost_peer_is_told_from_the_gloo_error():
+    from dptrain.launch.worker import first_line, peer_lost
+
+    gloo = RuntimeError(
+        "Got the following error when running the callback: RuntimeError: Got the following error when running "
+        "the callback: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+        "by peer [127.0.0.1]:57514. This is typically caused by a remote worker crashing.\n\nAt:\n  x.py(31): f\n"
+    )
+    assert peer_lost(gloo) and not peer_lost(RuntimeError("shape mismatch")) and not peer_lost(ValueError("x"))
+    assert first_line(gloo).startswith("[/pytorch") and "Connection closed by peer" in first_line(gloo)
+
+
+def logged_steps(out: Path) -> list[int]:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(ln)["step"] for ln in lines if '"loss"' in ln and ln.endswith("}")]
+
+
+def losses(out: Path) -> list[tuple[int, str]]:
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], float.hex(r["loss"])) for r in recs if "loss" in r]
+
+
+def start(out: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dptrain", "run", *TOY, "train.loss=test_launch_failures:slow_loss",
+         "train.max_steps=20", "checkpoint.every_steps=5", "--nproc-per-node", "2", "--out", str(out), *flags],
+        env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_rank_1_with_restarts_recovers_without_a_traceback(tmp_path):
+    ref = start(tmp_path / "ref")
+    assert ref.wait(timeout=120) == 0, ref.communicate()[0][-3000:]
+    out = tmp_path / "run"
+    proc = start(out, "--max-restarts", "2")
+    deadline = time.monotonic() + 90
+    while max(logged_steps(out), default=0) < 8:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.005)
+    victim = next(c for c in psutil.Process(proc.pid).children(recursive=True)
+                  if "dptrain.launch.worker" in " ".join(c.cmdline()) and c.environ().get("RANK") == "1")
+    victim.send_signal(signal.SIGKILL)
+    output = proc.communicate(timeout=150)[0]
+    assert proc.returncode == 0, output[-3000:]
+    no_traceback(output)
+    assert "restart 1: attempt 0 failed" in output and "resumed from" in output
+    assert losses(out) == losses(tmp_path / "ref")
+    assert (out / "final" / "model.safetensors").read_bytes() == (tmp_path / "ref" / "final" /
+                                                                   "model.safetensors").read_bytes()
+
+
+# -------------------------------------------------------------------------------------------- NaN loss
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_nan_loss_ends_with_the_policy_report(tmp_path, policy):
+    out = tmp_path / "run"
+    code, output, _ = dptrain_run(out, "train.loss=test_launch_failures:nan_loss", f"diagnostics.nonfinite={policy}",
+                                  "diagnostics.max_consecutive_skips=2", "train.max_steps=6", nproc=2)
+    assert code == 4, output[-3000:]
+    no_traceback(output)
+    assert "FAILED" not in output  # no torchrun failure report either
+    stop = [ln for ln in output.splitlines() if ln.startswith("dptrain: stopped: ")]
+    assert len(stop) == 1 and f"step {1 if policy == 'error' else 2}:" in stop[0], output[-3000:]
+    assert "diagnostics.jsonl" in stop[0]
+    records = [json.loads(ln) for ln in (out / "diagnostics.jsonl").read_text().splitlines()]
+    stopped = [r for r in records if r["kind"] == "nonfinite" and r["action"] == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["policy"] == policy and stopped[0]["ranks"] == [0, 1]

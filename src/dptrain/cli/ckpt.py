@@ -21,7 +21,6 @@ def _root_of(target: Path) -> Path:
     if mf.step_of(target) is not None:
         return target.parent
     if (target / "config.yaml").is_file():
-
         return checkpoint_root(load_config(target / "config.yaml").checkpoint, target)
     return target
 
@@ -37,7 +36,6 @@ def _diff(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[str]:
 
 
 def _newest_meta(cfg: Config, *, run_dir: Path, resume: str, trust: bool) -> dict[str, Any] | None:
-
     if resume != "auto":
         choice = choose_checkpoint(resume, root=run_dir, trust=trust)
         if choice.error:
@@ -54,7 +52,6 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
     """Check that `cfg` can continue the run in `run_dir` (same model, same global batch) and
     re-derive gradient accumulation for a new world size. Raises ConfigError (exit 2)."""
     if resume == "none":
-
         root = checkpoint_root(cfg.checkpoint, run_dir)
         usable = next((d for d in reversed(mf.step_dirs(root)) if mf.inspect_dir(d).valid), None)
         if usable is not None:  # unusable folders only: check_run_dir moves them aside with the records
@@ -65,7 +62,6 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
         return cfg
     old_cfg = run_dir / "config.yaml"
     if old_cfg.is_file():
-
         changed = _diff(to_dict(load_config(old_cfg).model), to_dict(cfg.model), "model")
         if changed:
             raise ConfigError(

@@ -235,7 +235,6 @@ def _flag_overrides(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-
     cluster = cluster_launch()  # a Kubeflow pod's PET_* layout: after the file, before the command line's overrides
     if cluster is not None:
         print(cluster.describe(), file=sys.stderr)
@@ -261,7 +260,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: Any) -> int:
-
     nproc = local_world_size(cfg.launch)
 
     check_monitoring(cfg.log, nproc_per_node=nproc)  # packages installed, Prometheus ports free
@@ -278,7 +276,6 @@ def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: A
         launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc),
     )
     if is_elastic(cfg.launch):
-
         cfg = pin_global_batch(cfg, res=res)  # workers at another world size keep it (accumulation re-derived)
         if cfg.launch.max_restarts == 0:
             print(
@@ -313,10 +310,8 @@ def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: A
 
 
 def _launch(cfg: Config, *, res: Any, nproc: int, run_dir: Path, pending: Path, worker_args: list[str]) -> int:
-
     try:
         if res.world_size == 1:
-
             return worker_main(worker_args)
         argv = launch.torchrun_args(
             cfg.launch, nproc_per_node=nproc, module="dptrain.launch.worker", module_args=worker_args
@@ -370,7 +365,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-
     if not args.argv:
         raise ConfigError("dptrain launch needs a script: dptrain launch [torchrun options] SCRIPT [ARGS]")
     if args.argv[0] in ("-h", "--help"):  # before torch is imported: help stays instant
@@ -431,7 +425,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.json and not args.comm:
         raise ConfigError(f"--json {args.json} writes the --comm sweep; add --comm")
     if args.json:
-
         check_file_writable(args.json, what="--json")
     return _doctor().run_doctor(comm=args.comm, nproc=args.nproc_per_node, json_path=args.json)
 
@@ -448,7 +441,6 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         f"x dp {res.dp_world_size}"
     )
     if args.items and "=" not in args.items[0]:
-
         mapping = mapping_for_file(args.items[0])
         if mapping is not None:
             print(mapping.report(), end="")

@@ -121,7 +121,6 @@ def _gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_kubeflow(args: argparse.Namespace) -> int:
-
     base = _job_config(args, out_dir=None)
     name = args.name or base.log.name.lower().replace("_", "-")
     spec = kubeflow.JobSpec(
@@ -149,7 +148,6 @@ def cmd_kubeflow(args: argparse.Namespace) -> int:
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
-
     base = _job_config(args, out_dir=args.out)
     run_dir = default_out_dir(base)  # fixed now: every attempt of the job uses the same directory
     cfg = dataclasses.replace(base, log=dataclasses.replace(base.log, out_dir=run_dir))

@@ -20,7 +20,6 @@ def add_report_parser(sub: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-
     run = Path(args.run_dir)
     if not run.is_dir() or not any((run / name).is_file() for name in ("metrics.jsonl", "config.yaml", "console.log")):
         raise ConfigError(
@@ -28,7 +27,6 @@ def cmd_report(args: argparse.Namespace) -> int:
             "pass the --out folder of a dptrain run"
         )
     if args.out is not None:
-
         check_dir_writable(args.out, what="--out")
     try:
         page = build_report(args.run_dir, out_dir=args.out)

@@ -164,7 +164,6 @@ def add_top_parser(sub: Any) -> None:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"{args.run_dir!r} is not a directory; pass a run directory (the --out of dptrain run)")

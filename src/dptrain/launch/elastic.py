@@ -51,6 +51,5 @@ def worker_config(cfg: Config, *, run_dir: Path, world_size: int, rank: int, att
         return config_for_world(cfg, world_size=world_size)
     except ConfigError as e:
         if rank == 0:
-
             record_refusal(run_dir, attempt=attempt, world_size=world_size, reason=str(e))
         raise

@@ -65,7 +65,6 @@ class RunMeters:
         plain module; meta is fine), the peak FLOP/s (measured on CPU: every rank, then the mean)."""
         dims = self.mesh.dims
         if self.mode.wrapper == "fsdp" and dims.tp == 1 and dims.pp == 1:
-
             fixed = fsdp_comm_bytes(
                 model,
                 shard=dims.dp_shard,

@@ -38,7 +38,6 @@ def _smi(*args: str) -> str | None:
 
 
 def check_versions() -> Report:
-
     lines = [f"dptrain {__version__}, Python {platform.python_version()}, {platform.platform()}",
              f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}"]
     warnings = []

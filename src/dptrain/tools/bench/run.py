@@ -62,7 +62,6 @@ def _spec(cells: list[Cell], *, world: int, opts: BenchOptions, out: Path) -> Pa
 
 
 def _launch(cfg: Config, *, world: int, spec: Path, nproc: int) -> int:
-
     launch_cfg = dataclasses.replace(cfg.launch, max_restarts=0)
     argv = launch.torchrun_args(launch_cfg, nproc_per_node=world, module=WORKER, module_args=[str(spec)])
     with _threads(nproc):

@@ -103,7 +103,6 @@ def recommend(args: argparse.Namespace, *, comm: Link | None, efficiency: tuple[
     if args.write and not Path(args.write).parent.is_dir():
         raise ConfigError(f"--write {args.write!r}: the directory {str(Path(args.write).parent)!r} does not exist")
     if args.write:
-
         check_file_writable(args.write, what="--write")
     cfg = load_plan_config(args.items, model=args.model)
     if cfg.model.factory != LLAMA:

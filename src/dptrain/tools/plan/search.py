@@ -190,14 +190,12 @@ class Checker:
     with tp > 1, the launcher's `check_tensor_parallel` on the model built once on meta."""
 
     def __init__(self, base: Config, *, gpus: int, seq: int) -> None:
-
         self.gpus = gpus
         self.model = check_model(base.model)  # meta device: no memory
         self.seq = seq
         self._tp: dict[tuple[Any, ...], str | None] = {}
 
     def refusal(self, cfg: Config) -> tuple[Resolved | None, str | None]:
-
         try:
             resolved = resolve(cfg, world_size=self.gpus, cuda_available=True)
         except ConfigError as e:

@@ -22,6 +22,7 @@ from dptrain.launch import torchrun as launch
 from dptrain.launch.cluster_env import cluster_launch
 from dptrain.tools.deploy.kubeflow import schema_problems
 from support import ROOT
+from support import overrides as join
 from support.run_helpers import SLOW_TOY as TOY
 from support.run_helpers import subprocess_env
 
@@ -281,7 +282,7 @@ def test_dptrain_run_in_a_simulated_single_replica_pytorchjob_pod(tmp_path):
     env.update({"MASTER_ADDR": "127.0.0.1", "PET_MASTER_ADDR": "127.0.0.1"})
     out = tmp_path / "run"
     r = subprocess.run(
-        [sys.executable, "-m", "dptrain", "run", *TOY, "train.max_steps=4", "--out", str(out)],
+        [sys.executable, "-m", "dptrain", "run", *join(TOY, ["train.max_steps=4"]), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=200,

@@ -23,6 +23,7 @@ from dptrain.launch.elastic import config_for_world, worker_config
 from dptrain.launch.torchrun import torchrun_args
 from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason
 from support import ROOT, subprocess_env
+from support import overrides as join
 
 REASON = unavailable_reason()
 needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster: {REASON}")
@@ -85,7 +86,7 @@ def membership(out: Path) -> list[dict]:
 
 def dptrain(*items: str, timeout: float = 200) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "dptrain", "run", *TOY, *items],
+        [sys.executable, "-m", "dptrain", "run", *join(TOY, items)],
         capture_output=True,
         text=True,
         env=subprocess_env(OMP_NUM_THREADS="1"),

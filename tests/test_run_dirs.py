@@ -20,13 +20,14 @@ import pytest
 
 from dptrain.checkpoint import manifest as mf
 from support import ROOT
+from support import overrides as join
 from support.run_helpers import SLOW_TOY as TOY
 from support.run_helpers import dptrain, logged_steps, losses, subprocess_env, wait_for_step, weights
 
 
 def start(out: Path, *overrides: str) -> subprocess.Popen:
     """`dptrain run` in a process group of its own (a terminal's foreground job), stdout+stderr piped."""
-    return subprocess.Popen([sys.executable, "-m", "dptrain", "run", *TOY, *overrides, "--nproc-per-node", "2",
+    return subprocess.Popen([sys.executable, "-m", "dptrain", "run", *join(TOY, overrides), "--nproc-per-node", "2",
                              "--out", str(out)], env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import psutil
 
-from support import ROOT, subprocess_env
+from support import ROOT, overrides, subprocess_env
+from support import overrides as join
 
 __all__ = ["ROOT", "SLOW_TOY", "TOY_RUN", "dptrain", "logged_steps", "losses", "start", "subprocess_env",
            "wait_for_step", "wait_training_again", "weights", "worker"]
@@ -33,13 +34,14 @@ SLOW_TOY = [*TOY_RUN, "train.loss=support.slow_loss:slow_loss", "train.max_steps
 
 def dptrain(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m dptrain ARGS` from the checkout, with its src/ and tests/ importable in every worker."""
-    return subprocess.run([sys.executable, "-m", "dptrain", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dptrain", *overrides(args)], capture_output=True, text=True,
                           timeout=timeout, env={**subprocess_env(), **(env or {})}, cwd=ROOT)
 
 
 def start(out: Path, *overrides: str, flags: tuple[str, ...] = ()) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dptrain", "run", *SLOW_TOY, *overrides, "--nproc-per-node", "2",
-                             "--out", str(out), *flags],
+    argv = [sys.executable, "-m", "dptrain", "run", *join(SLOW_TOY, overrides), "--nproc-per-node", "2",
+            "--out", str(out), *flags]
+    return subprocess.Popen(argv,
                             env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

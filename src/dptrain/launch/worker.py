@@ -15,6 +15,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -22,6 +23,8 @@ EXIT_INTERRUPTED = 130  # = dptrain.checkpoint.preempt.EXIT_INTERRUPTED (not imp
 EXIT_PREEMPTED = 143
 EXIT_NONFINITE = 4
 """diagnostics.nonfinite stopped the run (the launcher maps it, launch/torchrun.py)."""
+PEER_LOST_GRACE_S = 10.0
+"""How long a rank that only lost a peer waits before it exits (torchrun ends it sooner)."""
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing")
 """How gloo says that another rank's process is gone (the survivors' collectives fail with it)."""
 LAUNCHER_PID = "DPTRAIN_LAUNCHER_PID"
@@ -117,6 +120,10 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
             trainer.ckpt.record_error(f"lost a peer rank: {line}")
             print(f"dptrain: rank {trainer.env.rank}: lost a peer rank during step {trainer.state.step + 1} ({line})",
                   file=sys.stderr)
+            # Let the rank that failed be the first failure torchrun observes (its report names the root
+            # cause by time): torchrun stops this one as soon as it sees that rank gone.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing left to save: torchrun's stop ends the wait
+            time.sleep(PEER_LOST_GRACE_S)
             return 1
         trainer.ckpt.record_error(traceback.format_exc())  # for the restart report (attempts.jsonl)
         raise

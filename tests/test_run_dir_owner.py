@@ -38,8 +38,16 @@ def run(out: Path, *overrides: str, timeout: float = 150) -> subprocess.Complete
 
 
 def losses(run_dir: Path) -> list[tuple[int, str]]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], float.hex(r["loss"])) for r in recs if "loss" in r]
+    """(step, loss as float.hex) of every whole record; a line still being written by a live run is skipped."""
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in rec:
+            out.append((rec["step"], float.hex(rec["loss"])))
+    return out
 
 
 def weights(run_dir: Path) -> str:

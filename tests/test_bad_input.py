@@ -372,7 +372,7 @@ DIST_STACK = (
     [
         (["--help"], ("torch",), 0),
         (["config", "docs"], ("torch",), 0),
-        (["ckpt", "ls", "RUN"], ("torch",), 0),
+        (["ckpt", "ls", "RUN"], ("torch",), 1),  # no checkpoint there: exit 1
         (["run", "optim.lr=inf", "--out", "RUN/x"], ("torch",), 2),
         (["run", "launch.nnodes=1:2"], ("torch",), 2),
         # a CPU build of torch cannot have CUDA, so `auto` device detection needs no torch at all

@@ -84,6 +84,7 @@ class CheckpointManager:
         self.trust = trust
         self.last_saved_step: int | None = None
         self.resumed_from: Path | None = None
+        self.resumed_message = ""  # what a second Ctrl-C says was saved last, once resumed
         self.interrupted = False  # the run stopped for a Ctrl-C (SIGINT) rather than a SIGTERM
         self.initial_val_loss: float | None = None
         self.preemption: PreemptionFlag | None = None
@@ -99,13 +100,17 @@ class CheckpointManager:
     def _flag(self) -> PreemptionFlag:
         if self.preemption is None:  # made at the same point on every rank: it creates a process group
             self.preemption = PreemptionFlag()
+            if self.resumed_message:
+                self.preemption.last_saved = self.resumed_message
         return self.preemption
 
     # ------------------------------------------------------------------ resume
-    def maybe_resume(self, state: CheckpointState) -> bool:
+    def maybe_resume(self, state: CheckpointState, *, preemption: bool = True) -> bool:
         """Restore the newest usable checkpoint (per `resume`) into `state`; True if one was loaded.
-        Also installs the SIGTERM handler and its agreement (collective: call on every rank)."""
-        self._flag()
+        With `preemption`, also installs the SIGTERM handler and its agreement (else the first
+        `maybe_save` does). Collective: call on every rank."""
+        if preemption:
+            self._flag()
         choice = ResumeChoice()
         elastic = self.env.launched and is_elastic(self.root_cfg.launch)
         # every rank's (host, restart count): a node that joined has a restart count of its own
@@ -155,7 +160,9 @@ class CheckpointManager:
         step = self._load(state, Path(choice.path), choice.meta)
         self.resumed_from = Path(choice.path)
         self.last_saved_step = step
-        self._flag().last_saved = f"the last committed checkpoint is {choice.path} (step {step})"
+        self.resumed_message = f"the last committed checkpoint is {choice.path} (step {step})"
+        if self.preemption is not None:
+            self.preemption.last_saved = self.resumed_message
         if self.env.is_main:
             self.initial_val_loss = truncate_metrics(self.run_dir / "metrics.jsonl", step=step)
         self._say(f"dptrain: resumed from {choice.path} at step {step}")

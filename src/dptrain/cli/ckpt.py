@@ -17,12 +17,24 @@ from dptrain.launch.checks import check_file_writable
 
 
 def _root_of(target: Path) -> Path:
-    """The folder holding step folders for a run directory, a checkpoint directory or a step folder."""
+    """The folder holding step folders for a run directory (of `dptrain run`: its config names it; of a
+    `dptrain.Checkpointer`: its checkpoints/), a checkpoint directory or a step folder."""
     if mf.step_of(target) is not None:
         return target.parent
     if (target / "config.yaml").is_file():
         return checkpoint_root(load_config(target / "config.yaml").checkpoint, target)
+    if (target / "checkpoints").is_dir() and not mf.step_dirs(target):
+        return target / "checkpoints"
     return target
+
+
+def _nothing_there(target: str) -> str:
+    root = _root_of(Path(target))
+    where = f"{root}" if root == Path(target) else f"{root} (the checkpoint folder of {target})"
+    return (
+        f"dptrain: error: no checkpoints under {where}: no step_NNNNNN folder. Pass a run directory of `dptrain "
+        "run` or of a dptrain.Checkpointer (its out_dir), its checkpoints/ folder, or a step_NNNNNN folder"
+    )
 
 
 def _step_folders(target: Path) -> list[Path]:
@@ -143,8 +155,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     _check_target(args.target)
     folders = _step_folders(Path(args.target))
     if not folders:
-        print(f"no checkpoints under {args.target}")
-        return 0
+        print(_nothing_there(args.target), file=sys.stderr)
+        return 1
     print(f"{'step':>8}  {'state':<11}  {'size':>10}  {'world':>5}  {'strategy':<8}  path / reason")
     for d in folders:
         info = mf.inspect_dir(d)
@@ -160,7 +172,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _check_target(args.target)
     folders = _step_folders(Path(args.target))
     if not folders:
-        print(f"dptrain: error: no checkpoints under {args.target}", file=sys.stderr)
+        print(_nothing_there(args.target), file=sys.stderr)
         return 1
     bad = 0
     for d in folders:

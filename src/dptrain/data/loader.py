@@ -49,6 +49,7 @@ def build_dataloader(
     seed: int = 0,
     persistent_workers: bool = True,
     prefetch_factor: int | None = None,
+    loader_cls: type[DataLoader] = DataLoader,
 ) -> DataLoader:
     """A DataLoader yielding this rank's micro-batches in :class:`GlobalBatchSampler` order.
 
@@ -56,6 +57,7 @@ def build_dataloader(
     inside ``__getitem__`` is reproducible; ``persistent_workers`` and ``prefetch_factor`` (None:
     the DataLoader's default) apply only with workers (``prefetch_factor`` without is an error).
     ``pin_memory`` is ignored when CUDA is unavailable (pinning needs a CUDA runtime and would only warn).
+    ``loader_cls``: the DataLoader class to build (``EpochLoader`` for own loops' epoch-bounded loaders).
     """
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -72,7 +74,7 @@ def build_dataloader(
         kwargs["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             kwargs["prefetch_factor"] = prefetch_factor
-    return DataLoader(
+    return loader_cls(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,

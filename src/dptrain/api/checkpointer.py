@@ -1,0 +1,204 @@
+"""`Checkpointer`: `dptrain run`'s checkpoints for an own loop, in a few lines.
+
+    ckpt = dptrain.Checkpointer("runs/mnist", model, optimizer, scheduler, loader)
+    start = ckpt.resume()                      # 0 when nothing was saved; restores everything else
+    ...
+    ckpt.save(step)                            # or, every step: `if ckpt.step(step): break`
+
+It builds the `CheckpointState` the Trainer builds (model, optimizer, LR schedule, grad scaler, data
+position, step, every rank's RNG) and hands it to the same `CheckpointManager`: the same folders
+(`OUT_DIR/checkpoints/step_NNNNNN/`), manifest with SHA-256 hashes, commit marker, pruning, choice of
+the newest valid checkpoint, and format by the model: `full` for plain/DDP models, `dcp` shards for
+FSDP2 (zero2/fsdp) and tensor parallelism. A checkpoint resumes at another world size as long as the
+loader's global batch size and data set are the same. `dptrain ckpt ls|verify|export OUT_DIR` reads it.
+
+SIGTERM / Ctrl-C are handled only when the loop calls `step(step)` at every optimizer step (opt-in):
+from its first call a signal is agreed on by all ranks one step later, the step is saved, and `step`
+returns True (stop; `exit_code` is 143, or 130 for Ctrl-C). Without `step()` the signals keep their
+usual effect.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from dptrain.api.setup import plan_of
+from dptrain.checkpoint.manager import CheckpointManager
+from dptrain.checkpoint.manifest import CheckpointError
+from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
+from dptrain.config import CheckpointConfig, Config, ConfigError, ParallelConfig
+from dptrain.data import EpochLoader
+from dptrain.distributed.env import DistEnv
+from dptrain.parallel import ParallelModel, is_sharded
+from dptrain.train.state import TrainState
+
+__all__ = ["Checkpointer"]
+
+
+class _Optional:
+    """A Stateful slot that may be empty (no scheduler, no loader): saved as {"absent": True}."""
+
+    def __init__(self, what: str, obj: Any) -> None:
+        self.what, self.obj = what, obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"absent": True} if self.obj is None else self.obj.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if self.obj is None:
+            return  # the checkpoint has one, this run does not use it
+        if not sd or sd.get("absent"):
+            raise CheckpointError(
+                f"the checkpoint was saved without a {self.what}, so this run's {self.what} cannot be restored; "
+                f"resume without it, or start afresh in a new out_dir"
+            )
+        self.obj.load_state_dict(sd)
+
+
+class _Position:
+    """The loader's position (its consumed global steps), the `data` slot of the CheckpointState."""
+
+    def __init__(self, loader: EpochLoader | None) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.loader is None else self.loader.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if self.loader is None:
+            return
+        if not sd:
+            raise CheckpointError(
+                "the checkpoint was saved without a loader: its data position is unknown; pass loader=None, or "
+                "start afresh in a new out_dir"
+            )
+        try:
+            self.loader.load_state_dict(sd)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+class Checkpointer:
+    """Save and resume an own loop's whole state; see the module doc.
+
+    `model`: what `prepare_model` returned (or the `ParallelModel` of `parallelize`; a model dptrain did
+    not prepare works too, its format chosen by whether it is sharded). `optimizer`, `scheduler` (any
+    object with state_dict/load_state_dict), `loader` (from `prepare_dataloader`: its position is
+    saved), `scaler` (a GradScaler or `dptrain.mixed_precision(...)`; only an enabled one is saved).
+    `every_steps`: `step()` saves every N steps (0: only on a signal). `keep_last`: committed
+    checkpoints kept (None: all). `resume`: "auto" (the newest valid), "none", or a step folder."""
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str],
+        model: Any,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        loader: Any = None,
+        *,
+        scaler: Any = None,
+        every_steps: int = 0,
+        keep_last: int | None = 3,
+        resume: str = "auto",
+        async_save: bool = False,
+    ) -> None:
+        if loader is not None and not isinstance(loader, EpochLoader):
+            raise ConfigError(
+                f"Checkpointer(loader=...) needs a loader from dptrain.prepare_dataloader (got a "
+                f"{type(loader).__name__}): only its position can be saved and resumed, at any world size. "
+                "Pass loader=None to save no data position"
+            )
+        for name, value in (("every_steps", every_steps), ("keep_last", keep_last)):
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "every_steps" else 1)):
+                raise ConfigError(f"Checkpointer({name}={value!r}): must be an integer >= "
+                                  f"{0 if name == 'every_steps' else 1}" + (" or None" if name == "keep_last" else ""))
+        plan, strategy = plan_of(model)
+        if isinstance(model, ParallelModel):
+            plan = model
+        module = plan.module if plan is not None else model
+        full = plan.full_checkpoint if plan is not None else not is_sharded(model)
+        parts = plan.model_parts if plan is not None else [model]
+        self.out_dir = Path(out_dir)
+        self.loader: EpochLoader | None = loader
+        self.train = TrainState()
+        scaler = getattr(scaler, "scaler", scaler)  # a MixedPrecision holds its GradScaler
+        meta: dict[str, Any] = {"api": "Checkpointer"}
+        if loader is not None:
+            meta.update(global_batch_size=loader.global_batch_size, grad_accum_steps=loader.grad_accum_steps)
+        self.state = CheckpointState(
+            model_parts=[ModelState(m, full=full) for m in parts],
+            optimizers=[OptimizerState(module, optimizer, full=full)],
+            schedule=_Optional("scheduler", scheduler),
+            scaler=scaler if scaler is not None and scaler.is_enabled() else None,
+            data=_Position(loader),
+            train=self.train,
+            full=full,
+            meta=meta,
+        )
+        cfg = Config(
+            checkpoint=CheckpointConfig(every_steps=every_steps, keep_last=keep_last, async_save=async_save),
+            parallel=ParallelConfig(strategy=strategy or ("fsdp" if not full else "ddp")),
+        )
+        self.manager = CheckpointManager(cfg=cfg, run_dir=self.out_dir, env=DistEnv.from_env(), resume=resume)
+        self.exit_code = 0
+        """143 (SIGTERM) or 130 (Ctrl-C) once `step` returned True; 0 before."""
+
+    @property
+    def root(self) -> Path:
+        """Where the step folders go: OUT_DIR/checkpoints."""
+        return self.manager.root
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The step folder `resume` loaded, if any."""
+        return self.manager.resumed_from
+
+    def resume(self) -> int:
+        """Load the newest valid checkpoint (per `resume=`) into the model, optimizer, scheduler, scaler,
+        loader and every rank's RNG; return its step (0 when there is none: nothing changes). Collective."""
+        self.manager.maybe_resume(self.state, preemption=False)
+        return self.train.step
+
+    def _at(self, step: int) -> None:
+        if not isinstance(step, int) or step < 0:
+            raise ConfigError(f"Checkpointer: step must be an integer >= 0, got {step!r}")
+        if self.loader is not None and not self.loader.at_step_boundary:
+            raise ConfigError(
+                f"Checkpointer: the loader is in the middle of an optimizer step ({self.loader.micro_batches_consumed}"
+                f" micro-batches consumed, {self.loader.grad_accum_steps} per step): save after the step's last "
+                "micro-batch, where no gradient is half accumulated"
+            )
+        self.train.step = step
+        self.train.samples_seen = self.loader.step * self.loader.global_batch_size if self.loader is not None else 0
+
+    def save(self, step: int) -> Path:
+        """Save now as step `step` (hashed and committed before it returns); the step folder. Collective."""
+        self._at(step)
+        return self.manager.save(self.state)
+
+    def step(self, step: int) -> bool:
+        """Call after every optimizer step `step` (1, 2, ...), on every rank. Saves every `every_steps` steps;
+        from the first call on, a SIGTERM or Ctrl-C on any rank is agreed on one step later: that step is
+        saved and True is returned (stop; `exit_code` says 143 or 130). Collective."""
+        self._at(step)
+        stop = self.manager.maybe_save(self.state, step=step)
+        if stop:
+            self.exit_code = EXIT_INTERRUPTED if self.manager.interrupted else EXIT_PREEMPTED
+        return stop
+
+    def close(self) -> None:
+        """Finish a background save, stop the signal agreement and restore the signal handlers. Collective."""
+        self.manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.manager.close(wait=et is None)
+

@@ -97,7 +97,7 @@ class LoopMonitor:
         logged = None
         if step % self.log_every_steps == 0:
             logged = self._log_window(step, values)
-        self.diag.phase("train")
+        self.diag.phase("train", collective="")  # the log's all-reduce is over: name no collective
         return logged
 
     def _log_window(self, step: int, values: dict[str, Any]) -> float | None:

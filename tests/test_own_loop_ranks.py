@@ -174,8 +174,12 @@ def _pass_through(rank: int, out: Path) -> dict:
         model(torch.randn(4, 6, 3), h).sum().backward()
         dptrain.save_model(model, out / "model.pt")
         dptrain.save_model(model, out / "model.safetensors")
-        result = {"unwrapped": dptrain.unwrap(model) is plain, "ddp": isinstance(model, nn.parallel.DistributedDataParallel),
-                  "head": model.head is plain.head, "state": {k: v.clone() for k, v in plain.state_dict().items()}}
+        result = {
+            "unwrapped": dptrain.unwrap(model) is plain,
+            "ddp": isinstance(model, nn.parallel.DistributedDataParallel),
+            "head": model.head is plain.head,
+            "state": {k: v.clone() for k, v in plain.state_dict().items()},
+        }
         del model, plain
         gc.collect()
         return result

@@ -18,7 +18,7 @@
 Modules: `setup` (process group, `parallelize`, `prepare_model` with attribute pass-through),
 `loaders` (training loader with epochs and exact resume, sharded evaluation loader, `micro_steps`,
 `epochs`, `check_loader`), `checkpointer` (`Checkpointer`), `runtime` (`print0`, `barrier`,
-`all_reduce_mean`, `gather_for_metrics`, `mixed_precision`, `save_model`), `monitor` (hang watchdog and
+`all_reduce_mean`, `gather_for_metrics`, `mixed_precision`, `save_model`), `loop_monitor` (hang watchdog and
 metrics.jsonl). The loop, `loss.backward()` and `optimizer.step()` stay yours; nothing here skips a step.
 """
 
@@ -31,7 +31,7 @@ from dptrain.api.loaders import (
     prepare_dataloader,
     prepare_eval_dataloader,
 )
-from dptrain.api.monitor import LoopMonitor, monitor
+from dptrain.api.loop_monitor import LoopMonitor, monitor
 from dptrain.api.runtime import (
     MixedPrecision,
     all_reduce_mean,

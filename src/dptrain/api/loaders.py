@@ -11,8 +11,14 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dptrain.config import ConfigError, TrainConfig, resolve_batch
-from dptrain.data import EpochBatchSampler, EpochLoader, EvalBatchSampler, EvalLoader, GlobalBatchSampler
-from dptrain.data import build_dataloader
+from dptrain.data import (
+    EpochBatchSampler,
+    EpochLoader,
+    EvalBatchSampler,
+    EvalLoader,
+    GlobalBatchSampler,
+    build_dataloader,
+)
 from dptrain.distributed import collectives
 from dptrain.parallel import ParallelModel
 

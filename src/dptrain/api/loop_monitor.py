@@ -67,7 +67,7 @@ class LoopMonitor:
         try:
             validate_diagnostics(cfg, pg_timeout_s=pg_timeout)
         except ConfigError as e:
-            raise ConfigError(f"dptrain.monitor: {e} (the process-group timeout is init_distributed's timeout_s)") from None
+            raise ConfigError(f"dptrain.monitor: {e} (parallel.timeout_s is init_distributed's timeout_s)") from None
         self.out_dir = Path(out_dir)
         self.env = DistEnv.from_env()
         self.log_every_steps, self.loader, self.optimizer = log_every_steps, loader, optimizer

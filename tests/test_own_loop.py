@@ -195,3 +195,57 @@ def test_mixed_precision_is_torchs_autocast_and_grad_scaler(dtype):
     assert amp.scaler.is_enabled() == (dtype == "fp16")
     with pytest.raises(ConfigError, match="valid precisions"):
         dptrain.mixed_precision("fp8")
+
+
+def test_ckpt_ls_of_a_directory_without_checkpoints_exits_1_saying_where_it_looked(tmp_path, capsys):
+    from dptrain.cli.main import main as cli
+
+    (tmp_path / "checkpoints").mkdir()
+    assert cli(["ckpt", "ls", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"no checkpoints under {tmp_path / 'checkpoints'}" in err and "Checkpointer" in err
+
+
+def _trio(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(1, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    loader = dptrain.prepare_dataloader(_ids(), global_batch_size=8, micro_batch_size=4)  # accum 2
+    return model, opt, sched, loader
+
+
+def _train_steps(model, opt, sched, loader, n: int) -> None:
+    for _, micro, (x,) in dptrain.micro_steps(loader, max_steps=loader.step + n):
+        model(x.float()[:, None]).square().mean().backward()
+        if micro == 1:
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+
+def test_checkpointer_in_one_process_restores_everything_and_refuses_a_half_step(tmp_path):
+    """No process group needed at world size one; the reference is the same objects trained on uninterrupted."""
+    model, opt, sched, loader = _trio()
+    ckpt = dptrain.Checkpointer(tmp_path, model, opt, sched, loader)
+    assert ckpt.resume() == 0
+    _train_steps(model, opt, sched, loader, 6)  # mid epoch 1 (4 steps per epoch)
+    ckpt.save(6)
+    torch.manual_seed(123)  # the RNG state to be restored
+    ckpt.save(6)
+    rng = torch.get_rng_state()
+    _train_steps(model, opt, sched, loader, 5)
+
+    model2, opt2, sched2, loader2 = _trio(seed=1)  # other initial weights: all must come from the checkpoint
+    ckpt2 = dptrain.Checkpointer(tmp_path, model2, opt2, sched2, loader2)
+    assert ckpt2.resume() == 6 and loader2.step == 6 and loader2.epoch == 1
+    assert torch.equal(torch.get_rng_state(), rng)
+    _train_steps(model2, opt2, sched2, loader2, 5)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+    assert sched.state_dict() == sched2.state_dict() and loader2.step == loader.step == 11
+    assert ckpt2.resumed_from == tmp_path / "checkpoints" / "step_000006"
+
+    it = iter(loader2)
+    next(it)  # one micro-batch of a two-micro-batch step
+    with pytest.raises(ConfigError, match="middle of an optimizer step"):
+        ckpt2.save(11)

@@ -31,19 +31,23 @@ N_DATA, GLOBAL, MICRO = 40, 8, 4  # 5 steps per epoch; world 2: accumulation 1, 
 EPOCHS, SIGTERM_AT = 3, 6  # rank 1 gets SIGTERM after step 6; both agree at step 7 (epoch 1), save it, stop
 
 
-def _loop(rank: int, out: Path, stop_by_signal: bool) -> dict:
+def _loop(rank: int, out: Path, strategy: str, stop_by_signal: bool) -> dict:
     """An epoch-based own loop with a Checkpointer; returns the final state or where it stopped."""
-    return in_group(lambda: _train(rank, out, stop_by_signal))
+    return in_group(lambda: _train(rank, out, strategy, stop_by_signal))
 
 
-def _reference_then_stopped(rank: int, tmp: Path) -> list[dict]:
+def _reference_then_stopped(rank: int, tmp: Path, strategy: str) -> list[dict]:
     """In one process group (one launch): the uninterrupted run, then the run stopped by SIGTERM."""
-    return in_group(lambda: [_train(rank, tmp / "ref", False), _train(rank, tmp / "run", True)])
+    return in_group(lambda: [_train(rank, tmp / "ref", strategy, False), _train(rank, tmp / "run", strategy, True)])
 
 
-def _train(rank: int, out: Path, stop_by_signal: bool) -> dict:
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()  # FSDP2's DTensors, whole (collective)
+
+
+def _train(rank: int, out: Path, strategy: str, stop_by_signal: bool) -> dict:
     torch.manual_seed(0)
-    model = dptrain.prepare_model(build_mlp(), strategy="ddp")
+    model = dptrain.prepare_model(build_mlp(), strategy=strategy)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     loader = dptrain.prepare_dataloader(build_regression_data(n=N_DATA), global_batch_size=GLOBAL,
@@ -71,8 +75,8 @@ def _train(rank: int, out: Path, stop_by_signal: bool) -> dict:
             break
         sched.step()
     ckpt.close()
-    state = {k: v.clone() for k, v in dptrain.unwrap(model).state_dict().items()}
-    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    state = dptrain.full_state_dict(model)
+    momentum = [_full(opt.state[p]["momentum_buffer"]) for p in model.parameters()]
     result = {"start": start, "step": step, "exit_code": ckpt.exit_code, "loader_step": loader.step,
               "state": state, "momentum": momentum, "lr": opt.param_groups[0]["lr"],
               "sched": sched.state_dict(), "rng": torch.get_rng_state(), "rng_at_start": rng_at_start}
@@ -87,13 +91,14 @@ def _same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_checkpointer_sigterm_mid_epoch_then_resume_at_world_one_is_bit_identical(tmp_path, capsys):
-    (ref, stopped0), (_, stopped1) = run_ranks(_reference_then_stopped, 2, tmp_path, timeout=90)
+@pytest.mark.parametrize(("strategy", "fmt"), [("ddp", "full"), ("fsdp", "dcp")])
+def test_checkpointer_sigterm_mid_epoch_then_resume_at_world_one_is_bit_identical(tmp_path, capsys, strategy, fmt):
+    (ref, stopped0), (_, stopped1) = run_ranks(_reference_then_stopped, 2, tmp_path, strategy, timeout=90)
     out, stopped = tmp_path / "run", [stopped0, stopped1]
     saved = SIGTERM_AT + 1  # agreed one step after the signal
     assert [r["step"] for r in stopped] == [saved, saved] and {r["exit_code"] for r in stopped} == {143}
     assert stopped[0]["loader_step"] == saved  # mid epoch 1
-    resumed = run_ranks(_loop, 1, out, False, timeout=90)[0]
+    resumed = run_ranks(_loop, 1, out, strategy, False, timeout=90)[0]
     assert resumed["start"] == saved
     assert torch.equal(resumed["rng_at_start"], stopped[0]["rng"])  # rank 0's RNG, restored at world 1
     assert resumed["step"] == ref["step"] == EPOCHS * (N_DATA // GLOBAL)
@@ -103,6 +108,8 @@ def test_checkpointer_sigterm_mid_epoch_then_resume_at_world_one_is_bit_identica
 
     root = out / "checkpoints"
     assert (root / f"step_{saved:06d}" / "COMMITTED").is_file()
+    meta = json.loads((root / f"step_{saved:06d}" / "manifest.json").read_text())["meta"]
+    assert meta["format"] == fmt and meta["strategy"] == strategy and meta["world_size"] == 2
     capsys.readouterr()
     assert cli(["ckpt", "ls", str(out)]) == 0
     listing = capsys.readouterr().out

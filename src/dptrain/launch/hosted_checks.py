@@ -94,6 +94,6 @@ def check_unnamed_recipe(run_dir: Path, *, config_file: str | None, resume: str)
     raise ConfigError(
         f"{run_dir} holds records of an earlier run ({', '.join(found)}) but no config.yaml, so it does not say "
         "which recipe to continue, and dptrain will not train its built-in recipe there. Pass the run's config "
-        f"file (dptrain run CONFIG --out {run_dir}), or --resume none to start over in it (the old records are "
-        "moved to previous/, not deleted), or use a new --out"
+        f"file (dptrain run CONFIG --out {run_dir}), or --resume none to start a new run in it with the recipe the "
+        "command line gives (the built-in one without CONFIG), or use a new --out"
     )

@@ -136,9 +136,9 @@ def run_torchrun(
         return EXIT_PREEMPTED
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        marks = read_exit_marks(marks_dir)  # dptrain's own workers, or a rank whose mark says dptrain chose its status
-        if not own_workers and not any(marks.get(r, {}).get("code") == f.exitcode for r, f in e.failures.items()):
-            return _script_failed(e, args)
+        marks = read_exit_marks(marks_dir)  # which ranks' statuses dptrain chose (distributed/exit_marks.py)
+        if not own_workers:
+            return _script_failed(e, args, marks)
         if codes == {EXIT_PREEMPTED}:
             print("dptrain: preempted (SIGTERM): the last finished step is checkpointed", file=sys.stderr)
             return EXIT_PREEMPTED
@@ -155,8 +155,6 @@ def run_torchrun(
                           "hang_report.txt in the run directory")
             print(f"dptrain: stopped by the hang watchdog: {failures}; see {report}", file=sys.stderr)
             return EXIT_HANG
-        if not own_workers:
-            return _script_failed(e, args)
         if args.module and args.training_script == "dptrain.launch.record_script" and args.training_script_args:
             e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
         # torchrun's own report first: the root-cause rank, host, exit code, error file, traceback
@@ -172,14 +170,21 @@ def run_torchrun(
     return 0
 
 
-def _script_failed(e: Any, args: Any) -> int:
-    """A user's script (`dptrain launch`) failed on its own: torchrun's report, then one line naming the root-cause
-    rank's status as the script's own (and the other ranks'); the launcher exits with that status (a signal N:
-    128 + N, as a shell says)."""
+def _script_failed(e: Any, args: Any, marks: dict[int, dict[str, Any]]) -> int:
+    """A user's script (`dptrain launch`) failed: the launcher exits with the root-cause rank's status (a signal N:
+    128 + N, as a shell says). When that rank's exit mark says dptrain chose the status (the hang watchdog of an
+    own loop: 3), one line says what dptrain did; otherwise torchrun's report, then one line naming the status as
+    the script's own (and the other ranks')."""
+    root_rank, root = e.get_first_failure()
+    mark = marks.get(root_rank, {})
+    if mark.get("code") == root.exitcode and root.exitcode > 0:
+        failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
+        detail = f"; see {mark['detail']}" if mark.get("detail") else ""
+        print(f"dptrain: stopped by the {mark.get('reason', 'dptrain')}: {failures}{detail}", file=sys.stderr)
+        return min(255, root.exitcode)
     if args.module and args.training_script == "dptrain.launch.record_script" and args.training_script_args:
         e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
     print(e.format_msg(), file=sys.stderr)
-    root_rank, root = e.get_first_failure()
 
     def status(code: int) -> str:
         if code < 0 and -code in {s.value for s in signal.Signals}:

@@ -6,6 +6,8 @@ the whole validation set for the accuracy."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from dptrain.config.load import load_command_line
 from dptrain.train.build import build_collate
 from support.checkpoints import losses, weights_sha
 from support.cli import refused
-from support.hosting import base, classes, reference_accuracy, torch_reference
+from support.hosting import base, build_classifier, classes, reference_accuracy, torch_reference
 from support.parity import assert_weights_close, train
 from support.run_helpers import TOY_RUN
 
@@ -107,8 +109,6 @@ def test_eval_fn_accuracy_is_the_same_on_one_and_two_ranks_with_an_uneven_eval_s
     one_w, one = train([*_eval_items("single", 1, 13), "log.progress=true"], 1, tmp_path / "one")
     two_w, two = train(_eval_items("ddp", 2, 13), 2, tmp_path / "two", timeout=60)
     torch.manual_seed(1234)
-    from support.hosting import build_classifier
-
     init = {k: v.detach().clone() for k, v in build_classifier().state_dict().items()}
     for records, final in ((one, one_w), (two, two_w)):
         start, end = _evals(records)
@@ -174,9 +174,6 @@ def test_defaults_torch_sets_pytorch_semantics_under_the_file_and_overrides(tmp_
 
 
 def _show(argv: list[str]) -> str:
-    import contextlib
-    import io
-
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(["config", "show", *argv]) == 0
@@ -189,9 +186,8 @@ def test_defaults_torch_plain_sgd_matches_torch(tmp_path: Path) -> None:
     """One switch: the default recipe's warm-up, cosine, clipping and weight decay are gone."""
     items = [*base(steps=4, strategy="single", world=1), "optim.name=sgd", "optim.lr=0.1"]
     items = [i for i in items if not i.startswith(("optim.weight_decay", "optim.grad_clip"))]
-    cfg_items = [i for i in items]
     out = tmp_path / "run"
-    assert main(["run", *cfg_items, "--defaults", "torch", "--nproc-per-node", "1", "--out", str(out)]) == 0
+    assert main(["run", *items, "--defaults", "torch", "--nproc-per-node", "1", "--out", str(out)]) == 0
     got = load_file(str(out / "final" / "model.safetensors"))
     want, _ = torch_reference(steps=4, opt_cls=torch.optim.SGD, opt_kwargs={"lr": 0.1},
                               sched_cls=torch.optim.lr_scheduler.ConstantLR, sched_kwargs={"factor": 1.0},

@@ -47,6 +47,10 @@ def test_naming_the_recipe_or_resume_none_still_starts(tmp_path: Path) -> None:
     _started_then_killed(run_a)
     assert main(["run", str(recipe), "--nproc-per-node", "1", "--out", str(run_a)]) == 0
     assert (run_a / "final" / "model.safetensors").is_file()
+    run_c = tmp_path / "c"  # overrides that name the model and data factories name the recipe too
+    _started_then_killed(run_c)
+    assert main(["run", *toy, "--nproc-per-node", "1", "--out", str(run_c)]) == 0
+    assert (run_c / "final" / "model.safetensors").is_file()
     run_b = tmp_path / "b"  # --resume none: start a new run there
     _started_then_killed(run_b)
     assert main(["run", *toy, "--nproc-per-node", "1", "--out", str(run_b), "--resume", "none"]) == 0

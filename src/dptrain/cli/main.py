@@ -266,8 +266,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     lock.acquire()
     try:
         # records but no config.yaml (a start-up that never trained): never train a recipe it did not name
-        config_file = next((item for item in args.items if "=" not in item), None)
-        check_unnamed_recipe(run_dir, config_file=config_file, resume=args.resume)
+        check_unnamed_recipe(run_dir, items=args.items, resume=args.resume)
         return _run_locked(args, cfg, run_dir=run_dir, lock=lock)
     finally:
         lock.release()

@@ -81,12 +81,13 @@ def run_records(run_dir: Path) -> list[str]:
     return [n for n in names if (run_dir / n).exists() and n != "config.yaml"]
 
 
-def check_unnamed_recipe(run_dir: Path, *, config_file: str | None, resume: str) -> None:
-    """`dptrain run --out DIR` without a config file continues the run DIR/config.yaml names. A directory
-    that holds run records but no config.yaml (e.g. a run stopped during start-up) names no recipe: refuse
-    (exit 2) rather than train the built-in one there. `--resume none` (start over: records moved aside)
-    or a config file on the command line say what to train."""
-    if config_file is not None or resume == "none" or (run_dir / "config.yaml").is_file():
+def check_unnamed_recipe(run_dir: Path, *, items: list[str], resume: str) -> None:
+    """`dptrain run --out DIR` without a recipe on the command line continues the run DIR/config.yaml names. A
+    directory that holds run records but no config.yaml (e.g. a run stopped during start-up) names no recipe:
+    refuse (exit 2) rather than train the built-in one there. A CONFIG file or overrides that name the model or
+    the data factory (`items`: the command line's), or `--resume auto` not being asked for, say what to train."""
+    named = any("=" not in item or item.split("=", 1)[0].strip() in RECIPE_KEYS for item in items)
+    if named or resume != "auto" or (run_dir / "config.yaml").is_file():
         return
     found = run_records(run_dir)
     if not found:
@@ -94,6 +95,11 @@ def check_unnamed_recipe(run_dir: Path, *, config_file: str | None, resume: str)
     raise ConfigError(
         f"{run_dir} holds records of an earlier run ({', '.join(found)}) but no config.yaml, so it does not say "
         "which recipe to continue, and dptrain will not train its built-in recipe there. Pass the run's config "
-        f"file (dptrain run CONFIG --out {run_dir}), or --resume none to start a new run in it with the recipe the "
-        "command line gives (the built-in one without CONFIG), or use a new --out"
+        f"file (dptrain run CONFIG --out {run_dir}) or its model.factory=/data.factory= overrides, or --resume "
+        "none to start a new run in it with the recipe the command line gives (the built-in one without CONFIG), "
+        "or use a new --out"
     )
+
+
+RECIPE_KEYS = ("model.factory", "data.factory")
+"""Overrides that name a recipe (as a CONFIG file does): with one of them the command line says what to train."""

@@ -53,10 +53,16 @@ def test_adadelta_and_steplr_match_torch_in_one_process(tmp_path: Path, per_epoc
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    "strategy,per_epoch", [("ddp", False), ("zero1", True), ("zero2", False), ("fsdp", True)]
+    "strategy,per_epoch,factory",
+    [("ddp", False, "torch.optim.Adadelta"), ("zero1", True, "support.hosting:make_adadelta"),
+     ("zero2", False, "torch.optim.Adadelta"), ("fsdp", True, "torch.optim.Adadelta")],
 )
-def test_adadelta_and_steplr_match_torch_under_each_strategy(tmp_path: Path, strategy: str, per_epoch: bool) -> None:
-    items = [*base(steps=6, strategy=strategy), *ADADELTA, *(EPOCH_LR if per_epoch else STEP_LR)]
+def test_adadelta_and_steplr_match_torch_under_each_strategy(
+    tmp_path: Path, strategy: str, per_epoch: bool, factory: str
+) -> None:
+    """zero1 with a factory function: ZeroRedundancyOptimizer calls it with each rank's share."""
+    items = [*base(steps=6, strategy=strategy), *ADADELTA, f"optim.factory={factory}",
+             *(EPOCH_LR if per_epoch else STEP_LR)]
     got, records = train(items, 2, tmp_path, timeout=60)
     want, lrs = _reference(6, per_epoch=per_epoch)
     assert_weights_close(got, want)

@@ -114,3 +114,8 @@ def make_offset_collate(offset: float):
 
 
 offset_collate = make_offset_collate(0.0)
+
+
+def make_adadelta(params: Any, *, lr: float, rho: float) -> torch.optim.Optimizer:
+    """optim.factory as a function (`mypkg.mod:make_opt`): returns torch's Adadelta."""
+    return torch.optim.Adadelta(params, lr=lr, rho=rho)

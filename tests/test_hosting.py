@@ -21,7 +21,7 @@ from dptrain.config.load import load_command_line
 from dptrain.train.build import build_collate
 from support.checkpoints import losses, weights_sha
 from support.cli import refused
-from support.hosting import base, build_classifier, classes, reference_accuracy, torch_reference
+from support.hosting import base, build_classifier, classes, reference_accuracy, reference_f1, torch_reference
 from support.parity import assert_weights_close, train
 from support.run_helpers import TOY_RUN
 
@@ -92,7 +92,8 @@ def _eval_items(strategy: str, world: int, n_val: int) -> list[str]:
         "model.factory=support.hosting:build_classifier", "model.kwargs={}",
         "data.factory=support.hosting:classes", "data.kwargs.n=64", f"data.kwargs.n_val={n_val}",
         "data.num_workers=0", "data.pin_memory=false", "train.loss=support.hosting:ce_loss",
-        "train.eval_fn=support.hosting:accuracy", "train.eval_samples=-1", "train.max_steps=3",
+        "train.eval_fn=support.hosting:accuracy", "train.eval_summary=support.hosting:f1", "train.eval_samples=-1",
+        "train.max_steps=3",
         "train.eval_every_steps=0", "train.log_every_steps=1", "train.global_batch_size=8",
         f"train.micro_batch_size={8 // world}", f"parallel.strategy={strategy}", "parallel.device=cpu",
         "parallel.timeout_s=60", "optim.name=sgd", "optim.lr=0.5", "log.progress=false", "train.seed=1234",
@@ -120,9 +121,11 @@ def test_eval_fn_accuracy_is_the_same_on_one_and_two_ranks_with_an_uneven_eval_s
         start, end = _evals(records)
         assert start["eval_accuracy"] == pytest.approx(reference_accuracy(init, val), abs=ACC_TOL)
         assert end["eval_accuracy"] == pytest.approx(reference_accuracy(final, val), abs=ACC_TOL)
+        assert end["eval_f1"] == pytest.approx(reference_f1(final, val), abs=ACC_TOL)  # from the exact tp/fp/fn
         assert start["eval_ce"] == pytest.approx(start["val_loss"], rel=1e-9)  # sample-weighted like the loss
     assert _evals(one)[0]["eval_accuracy"] == pytest.approx(_evals(two)[0]["eval_accuracy"], abs=ACC_TOL)
     assert _evals(one)[1]["eval_accuracy"] == pytest.approx(_evals(two)[1]["eval_accuracy"], abs=ACC_TOL)
+    assert _evals(one)[1]["eval_f1"] == pytest.approx(_evals(two)[1]["eval_f1"], abs=ACC_TOL)
     assert _evals(one)[0]["val_loss"] == pytest.approx(_evals(two)[0]["val_loss"], rel=1e-6)  # float32 batch means
     assert f"eval_accuracy {reference_accuracy(init, val):.4f}" in capfd.readouterr().out  # the console's line
 
@@ -219,6 +222,7 @@ def test_defaults_torch_plain_sgd_matches_torch(tmp_path: Path) -> None:
         (["train.eval_fn=support.hosting:no_such_fn"], ["no_such_fn"]),
         (["train.eval_fn=support.hosting:scaled_collate"], ["train.eval_fn", "fn(model, batch)"]),
         (["train.eval_samples=0"], ["train.eval_samples=0", "-1"]),
+        (["train.eval_summary=support.hosting:f1"], ["train.eval_summary", "train.eval_fn"]),
         (["data.collate=support.hosting:scaled_collate"], ["data.collate", "scale"]),
         (["data.collate_kwargs.scale=2"], ["data.collate_kwargs", "data.collate"]),
         (["optim.factory=torch"], ["optim.factory='torch'", "import path"]),

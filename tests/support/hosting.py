@@ -86,17 +86,44 @@ def accuracy(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     (a second metric)."""
     x, y = batch
     logits = model(x)
-    return {"accuracy": (logits.argmax(-1) == y.argmax(-1)).float().mean(),
-            "ce": torch.nn.functional.cross_entropy(logits, y.argmax(-1))}
+    pred, target = logits.argmax(-1), y.argmax(-1)
+    pos, true = pred == POSITIVE, target == POSITIVE  # binary F1 of one class: per-sample tp, fp, fn indicators
+    return {"accuracy": (pred == target).float().mean(),
+            "ce": torch.nn.functional.cross_entropy(logits, target),
+            "tp": (pos & true).float().mean(), "fp": (pos & ~true).float().mean(), "fn": (~pos & true).float().mean()}
+
+
+POSITIVE = 1
+"""The class whose F1 the tests' eval_summary reports."""
+
+
+def f1(metrics: dict[str, float]) -> dict[str, float]:
+    """eval_summary: F1 = 2 tp / (2 tp + fp + fn) from the exact means of the indicators (0 when undefined)."""
+    denom = 2 * metrics["tp"] + metrics["fp"] + metrics["fn"]
+    return {"f1": 2 * metrics["tp"] / denom if denom else 0.0}
 
 
 def reference_accuracy(weights: dict[str, torch.Tensor], val: Any) -> float:
     """Accuracy of `weights` over the whole of `val`, in one plain forward."""
+    pred, target = _predictions(weights, val)
+    return float((pred == target).float().mean())
+
+
+def reference_f1(weights: dict[str, torch.Tensor], val: Any) -> float:
+    """Binary F1 of class POSITIVE over the whole of `val` from the confusion counts, in one plain forward."""
+    pred, target = _predictions(weights, val)
+    tp = int(((pred == POSITIVE) & (target == POSITIVE)).sum())
+    fp = int(((pred == POSITIVE) & (target != POSITIVE)).sum())
+    fn = int(((pred != POSITIVE) & (target == POSITIVE)).sum())
+    return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0
+
+
+def _predictions(weights: dict[str, torch.Tensor], val: Any) -> tuple[torch.Tensor, torch.Tensor]:
     net = Classifier()
     net.load_state_dict(weights)
     x, y = default_collate([val[i] for i in range(len(val))])
     with torch.no_grad():
-        return float((net(x).argmax(-1) == y.argmax(-1)).float().mean())
+        return net(x).argmax(-1), y.argmax(-1)
 
 
 def scaled_collate(samples: list[Any], *, scale: float) -> Any:

@@ -106,6 +106,10 @@ class TrainConfig:
     batch's mean of a per-sample quantity (accuracy: (pred == y).float().mean()). dptrain weights each by the batch's
     sample count, sums over batches and data-parallel ranks and logs `eval_NAME` = sum / samples beside val_loss in
     metrics.jsonl and the console (no sample counted twice or dropped)."""
+    eval_summary: str | None = None
+    """Import path `pkg.mod:fn(metrics) -> {name: value}` of metrics that are not a mean over samples, computed from
+    eval_fn's aggregated means (exact over the evaluation set): binary F1 = 2*tp / (2*tp + fp + fn) from the means of
+    per-sample tp, fp and fn indicators. Its values are logged as `eval_NAME` beside eval_fn's."""
     eval_samples: int | None = None
     """Samples one evaluation covers: the first N of the validation set (-1: all of it), split into contiguous,
     possibly uneven shards over the data-parallel ranks, the loss and eval_fn's metrics weighted by sample count, so

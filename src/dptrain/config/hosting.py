@@ -79,6 +79,11 @@ def validate_hosting(cfg: Config) -> None:
                           "which is not set (dptrain's own schedule steps every optimizer step)")
     if t.eval_fn is not None:
         _import_path("train.eval_fn", t.eval_fn)
+    if t.eval_summary is not None:
+        _import_path("train.eval_summary", t.eval_summary)
+        if t.eval_fn is None:
+            raise ConfigError(f"train.eval_summary={t.eval_summary!r} summarises train.eval_fn's metrics, which is "
+                              "not set; set train.eval_fn")
     if t.eval_samples is not None and (isinstance(t.eval_samples, bool) or not isinstance(t.eval_samples, int)
                                        or t.eval_samples < -1 or t.eval_samples == 0):
         raise ConfigError(f"train.eval_samples={t.eval_samples!r} is not valid; it must be a positive integer, "

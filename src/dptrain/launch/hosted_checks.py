@@ -64,6 +64,10 @@ def check_hosted(cfg: Config) -> None:
         fn = _callable("train.eval_fn", cfg.train.eval_fn)
         _bind(fn, (_PLACEHOLDER, _PLACEHOLDER), {},
               what=f"train.eval_fn={cfg.train.eval_fn!r} cannot be called as fn(model, batch)")
+    if cfg.train.eval_summary is not None:
+        fn = _callable("train.eval_summary", cfg.train.eval_summary)
+        _bind(fn, (_PLACEHOLDER,), {}, what=f"train.eval_summary={cfg.train.eval_summary!r} cannot be called as "
+              "fn(metrics)")
     if cfg.data.collate is not None:
         fn = _callable("data.collate", cfg.data.collate)
         kw = cfg.data.collate_kwargs

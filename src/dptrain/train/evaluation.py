@@ -96,6 +96,17 @@ def evaluate(
                       samples=int(n_seen))
 
 
+def summarize(fn: Callable[[dict[str, float]], Mapping[str, Any]], metrics: dict[str, float]) -> dict[str, float]:
+    """`train.eval_summary(metrics)`: more metrics computed from the aggregated means, as floats."""
+    out = fn(dict(metrics))
+    if not isinstance(out, Mapping):
+        raise ConfigError(f"train.eval_summary returned {type(out).__name__}; it must return {{name: number}}")
+    try:
+        return {str(k): float(v) for k, v in out.items()}
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"train.eval_summary returned a value that is not a number: {e}") from None
+
+
 def _metrics(out: Any) -> dict[str, torch.Tensor]:
     """eval_fn's {name: batch mean} as float64 scalars on their device; anything else is a ConfigError."""
     if not isinstance(out, Mapping) or not out:

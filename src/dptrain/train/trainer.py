@@ -45,7 +45,7 @@ from dptrain.parallel.comm_hooks import build_comm_hook
 from dptrain.parallel.materialize import make_materializer
 from dptrain.train.backend import apply_backend_flags, compile_backend
 from dptrain.train.build import build_collate, build_datasets, build_loss_fn, build_model_meta, import_object
-from dptrain.train.evaluation import evaluate
+from dptrain.train.evaluation import evaluate, summarize
 from dptrain.train.hosted import make_optimizer, make_scheduler, scheduler_due
 from dptrain.train.loss import CountItems, items_per_rank, takes_num_items
 from dptrain.train.outputs import RunOutputs
@@ -198,6 +198,7 @@ class Trainer:
         )
         self.collate = build_collate(cfg.data)  # data.collate (+ collate_kwargs: a partial), or None
         self.eval_fn = import_object(cfg.train.eval_fn) if cfg.train.eval_fn else None
+        self.eval_summary = import_object(cfg.train.eval_summary) if cfg.train.eval_summary else None
         self.train_ds, self.val_ds = build_datasets(cfg.data)
         self.sampler = GlobalBatchSampler(
             dataset_len=len(self.train_ds),
@@ -273,6 +274,8 @@ class Trainer:
             eval_samples=self.cfg.train.eval_samples,
         )
         self.eval_metrics = result.metrics if result is not None else {}
+        if self.eval_summary is not None and self.eval_metrics:  # F1 and the like, from the exact means
+            self.eval_metrics = {**self.eval_metrics, **summarize(self.eval_summary, self.eval_metrics)}
         return result.loss if result is not None else None
 
     # ---------------------------------------------------------------- the run

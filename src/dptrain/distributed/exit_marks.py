@@ -18,8 +18,9 @@ EXIT_MARKS_ENV = "DPTRAIN_EXIT_MARKS"
 
 
 def mark_exit(code: int, reason: str, *, detail: str = "") -> None:
-    """Record that this process is about to exit with `code` because of dptrain (`reason`: a few words,
-    `detail`: where to read more). Nothing outside a dptrain launcher; never raises."""
+    """Record that this process is about to exit with `code` because of dptrain. `reason`: what stopped it, as a
+    noun phrase (the launcher says "dptrain: stopped by the <reason>: rank 0 (exit 3), ...; see <detail>"), e.g.
+    "hang watchdog"; `detail`: where to read more. Nothing outside a dptrain launcher; never raises."""
     folder = os.environ.get(EXIT_MARKS_ENV)
     if not folder:
         return

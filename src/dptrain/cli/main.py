@@ -28,6 +28,7 @@ from dptrain.config import (
     validate,
 )
 from dptrain.config.deepspeed import mapping_for_file
+from dptrain.config.hosting import DEFAULTS_PRESETS, preset_overrides
 from dptrain.config.imports import import_object
 from dptrain.config.load import dump_yaml, load_command_line
 from dptrain.config.nodes import is_elastic, max_nodes
@@ -46,6 +47,7 @@ from dptrain.launch.checks import (
 )
 from dptrain.launch.cluster_env import cluster_launch
 from dptrain.launch.elastic import pin_global_batch
+from dptrain.launch.hosted_checks import check_hosted, check_unnamed_recipe
 from dptrain.launch.worker import main as worker_main
 from dptrain.metrics.console_log import console_log
 from dptrain.metrics.monitor import check_monitoring
@@ -145,6 +147,7 @@ def _parser() -> argparse.ArgumentParser:
         help="auto (default): continue from the newest valid checkpoint in the run directory, if any; "
         "none: start from scratch; PATH: a step folder, run directory or checkpoint directory",
     )
+    run.add_argument("--defaults", action=OneValue, default="dptrain", metavar="dptrain|torch", help=DEFAULTS_HELP)
     run.add_argument(
         "--trust-checkpoint",
         action="store_true",
@@ -163,6 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     show = cfg_sub.add_parser("show", help="print the fully resolved config, derived values included")
     show.add_argument("items", nargs="*", metavar="[CONFIG] [section.field=value ...]")
     show.add_argument("--nproc-per-node")
+    show.add_argument("--defaults", action=OneValue, default="dptrain", metavar="dptrain|torch", help=DEFAULTS_HELP)
     show.set_defaults(func=cmd_config_show)
 
     docs = cfg_sub.add_parser("docs", help="print the config reference (Markdown) from the fields' docstrings")
@@ -224,6 +228,12 @@ FLAG_FIELDS = {
 FLAG_NAMES = {field: flag for flag, field in FLAG_FIELDS.values()}
 
 
+DEFAULTS_HELP = (
+    "torch: plain PyTorch semantics under the config file and overrides (no weight decay, no warm-up, a constant "
+    "lr, no clipping, betas (0.9, 0.999)); `dptrain config show --defaults torch` lists the fields it sets"
+)
+
+
 def _flag_overrides(args: argparse.Namespace) -> dict[str, str]:
     """The config fields the command's options set, as {field: 'field=value' override, ...}."""
     extra = {}
@@ -240,7 +250,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(cluster.describe(), file=sys.stderr)
         args.items = [*cluster.overrides, *args.items]
     cfg = load_command_line(
-        args.items, extra=_flag_overrides(args), flags=FLAG_NAMES, run_dir=args.out if args.resume != "none" else None
+        args.items, extra=_flag_overrides(args), flags=FLAG_NAMES, run_dir=args.out if args.resume != "none" else None,
+        defaults=preset_overrides(args.defaults),
     )
     check_workers_fit(local_world_size(cfg.launch))  # `--nproc-per-node 4096`: said before the batch arithmetic
     validate(cfg)  # before anything imports torch: a refusal is instant
@@ -254,6 +265,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     lock = RunDirLock(run_dir, per_host=max_nodes(cfg.launch) > 1)
     lock.acquire()
     try:
+        # records but no config.yaml (a start-up that never trained): never train a recipe it did not name
+        check_unnamed_recipe(run_dir, items=args.items, resume=args.resume)
         return _run_locked(args, cfg, run_dir=run_dir, lock=lock)
     finally:
         lock.release()
@@ -335,9 +348,9 @@ def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
     # lazy: torch: loaded when the command runs, never for --help
     from dptrain.data.loader import split_train_val
 
-    for spec in (cfg.train.loss, cfg.data.collate):
-        if spec:
-            import_object(spec)  # a typo in an import path fails here, not in every worker
+    if cfg.train.loss:
+        import_object(cfg.train.loss)  # a typo in an import path fails here, not in every worker
+    check_hosted(cfg)  # optim.factory, scheduler_factory, eval_fn, collate (+ kwargs): import and bind
     model = check_model(cfg.model)
     data_fn = import_object(cfg.data.factory)
     check_signature(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory)
@@ -374,7 +387,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     _check_script(args.argv)
     argv = launch.user_script_args(args.argv, default_nproc=local_world_size(LaunchConfig()))
     argv = launch.record_failures(argv)  # the script's traceback reaches torchrun's failure report
-    return launch.run_torchrun(argv, restarts=_wants_restarts(argv))
+    return launch.run_torchrun(argv, restarts=_wants_restarts(argv), own_workers=False)
 
 
 LAUNCH_HELP = """usage: dptrain launch [torchrun options] SCRIPT [ARGS]
@@ -430,7 +443,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_command_line(args.items, extra=_flag_overrides(args), flags=FLAG_NAMES)
+    cfg = load_command_line(args.items, extra=_flag_overrides(args), flags=FLAG_NAMES,
+                            defaults=preset_overrides(args.defaults))
     res = resolve(cfg, world_size=local_world_size(cfg.launch) * max_nodes(cfg.launch))
     print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")
     d = res.dims
@@ -440,6 +454,9 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         f"# batch: global {res.global_batch_size} = micro {res.micro_batch_size} x accum {res.grad_accum_steps} "
         f"x dp {res.dp_world_size}"
     )
+    if args.defaults != "dptrain":
+        print(f"# --defaults {args.defaults} set (where the file and overrides do not): "
+              + ", ".join(preset_overrides(args.defaults)))
     if args.items and "=" not in args.items[0]:
         mapping = mapping_for_file(args.items[0])
         if mapping is not None:
@@ -464,6 +481,12 @@ def config_reference() -> str:
             default = defaults[section.name][name]
             lines.append(f"| `{section.name}.{name}` | `{default}` | {doc} |")
         lines.append("")
+    for preset, fields in DEFAULTS_PRESETS.items():
+        if fields:  # `dptrain run --defaults NAME`: what it sets under the config file
+            lines += [f"**`--defaults {preset}`** sets, where the config file and the overrides do not:", "",
+                      "| field | dptrain default | with the preset |", "|---|---|---|"]
+            flat = {f"{k}.{n}": v for k, sec in defaults.items() for n, v in sec.items()}
+            lines += [f"| `{k}` | `{flat[k]}` | `{v}` |" for k, v in fields.items()] + [""]
     return "\n".join(lines)
 
 

@@ -58,7 +58,12 @@ class DataConfig:
     kwargs: dict[str, Any] = field(default_factory=_corpus_defaults)
     """Keyword arguments passed to the data factory."""
     collate: str | None = None
-    """Optional import path of a collate function (default: torch's default_collate)."""
+    """Optional import path `pkg.mod:fn` of a collate function (default: torch's default_collate). Any importable
+    callable: with `collate_kwargs` it is called as fn(samples, **collate_kwargs) (functools.partial). A closure: name
+    a module-level result of your factory (`collate = make_collate(...)` in pkg/mod.py); see
+    docs/guides/models-and-data.md."""
+    collate_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments bound to `collate` (functools.partial(collate, **collate_kwargs)); must bind its signature."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0 loads in the training process)."""
     pin_memory: bool = True
@@ -96,6 +101,19 @@ class TrainConfig:
     """Micro-batches per rank in one evaluation."""
     loss: str | None = None
     """Import path `pkg.mod:fn(model, batch) -> loss`; by default the model's forward returns the loss."""
+    eval_fn: str | None = None
+    """Import path `pkg.mod:fn(model, batch) -> {name: value}` of evaluation metrics beyond the loss: each value the
+    batch's mean of a per-sample quantity (accuracy: (pred == y).float().mean()). dptrain weights each by the batch's
+    sample count, sums over batches and data-parallel ranks and logs `eval_NAME` = sum / samples beside val_loss in
+    metrics.jsonl and the console (no sample counted twice or dropped)."""
+    eval_summary: str | None = None
+    """Import path `pkg.mod:fn(metrics) -> {name: value}` of metrics that are not a mean over samples, computed from
+    eval_fn's aggregated means (exact over the evaluation set): binary F1 = 2*tp / (2*tp + fp + fn) from the means of
+    per-sample tp, fp and fn indicators. Its values are logged as `eval_NAME` beside eval_fn's."""
+    eval_samples: int | None = None
+    """Samples one evaluation covers: the first N of the validation set (-1: all of it), split into contiguous,
+    possibly uneven shards over the data-parallel ranks, the loss and eval_fn's metrics weighted by sample count, so
+    the result is the same at every world size; null: eval_batches micro-batches per rank."""
     flops_per_token: float | None = None
     """Training FLOPs per token (forward + backward) for MFU; null: the model's own `flops_per_token(seq_len)` (the
     built-in LLaMA: 6N + 12*L*d*T), else the 6N approximation (N: parameters less input embeddings)."""
@@ -117,7 +135,24 @@ class TrainConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     name: str = "adamw"
-    """Optimizer: sgd, adamw or adam."""
+    """Optimizer: sgd, adamw or adam (not used with `factory`)."""
+    factory: str | None = None
+    """Import path of any optimizer: a torch.optim.Optimizer subclass (`torch.optim.Adadelta`) or a function
+    (`mypkg.mod:make_opt`), called as factory(param_groups, lr=<optim.lr, scaled>, **kwargs) (plus
+    weight_decay=optim.weight_decay on matrices when it is not 0); replaces name, momentum, betas and eps. zero1 needs
+    an Optimizer subclass (ZeroRedundancyOptimizer builds one per rank)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of `factory` (rho, betas, ...); lr and weight_decay come from optim.lr and
+    optim.weight_decay."""
+    scheduler_factory: str | None = None
+    """Import path of an LR scheduler (`torch.optim.lr_scheduler.StepLR`, or a function), called as
+    scheduler_factory(optimizer, **scheduler_kwargs); replaces dptrain's warmup and schedule (warmup_*, schedule,
+    min_lr_ratio, schedule_convention are then not used). Its state is checkpointed."""
+    scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of `scheduler_factory` (step_size, gamma, ...)."""
+    scheduler_interval: str = "step"
+    """When `scheduler_factory`'s scheduler steps: step (after every optimizer step) or epoch (after the last step of
+    each epoch of the global data order: every len(train set) // global_batch_size steps, at any world size)."""
     lr: float = 3e-3
     """Learning rate at `base_batch_size` (scaled by `lr_scaling` to the global batch)."""
     weight_decay: float = 0.01

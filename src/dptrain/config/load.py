@@ -25,11 +25,17 @@ from dptrain.config.fields import Config, ConfigError, to_dict
 from dptrain.config.layout import strategy_mode
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML recipe or a JSON file (native or DeepSpeed-style), then apply dotted overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                defaults: Sequence[str] = ()) -> Config:
+    """Read a YAML recipe or a JSON file (native or DeepSpeed-style), then apply dotted overrides.
+    `defaults`: `field=value` items under the file (a preset: set only where the file does not)."""
     data: dict[str, Any] = {}
     if path is not None:
         data = load_file(path)
+    for item in defaults:
+        key, value = parse_override(item)
+        if not _has_dotted(data, key):
+            set_dotted(data, key, value)
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(data, key, value)
@@ -208,6 +214,15 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
+def _has_dotted(data: dict[str, Any], key: str) -> bool:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     """Set data[a][b][c] = value for key 'a.b.c', creating dicts on the way."""
     parts = key.split(".")
@@ -346,12 +361,14 @@ def dump_yaml(cfg: Config, extra: dict[str, Any] | None = None) -> str:
 
 
 def load_command_line(items: list[str], *, extra: Sequence[str] | Mapping[str, str] = (),
-                      run_dir: str | None = None, flags: Mapping[str, str] | None = None) -> Config:
+                      run_dir: str | None = None, flags: Mapping[str, str] | None = None,
+                      defaults: Sequence[str] = ()) -> Config:
     """The config a `dptrain` command line names: CONFIG is the one item without '=' (if any, in any
     position); the rest are overrides, then `extra` (from the command's options: a list of overrides,
     or {field: override}). An option and an override that set one field to different values are
     refused, naming both (`flags`: field -> the option's name, for the message). Without CONFIG, an
-    existing `run_dir`'s config.yaml is the base (continuing that run)."""
+    existing `run_dir`'s config.yaml is the base (continuing that run). `defaults`: a preset's
+    `field=value` items under CONFIG (`--defaults torch`)."""
     files = [item for item in items if "=" not in item]
     overrides = [item for item in items if "=" in item]
     given: dict[str, Any] = {}
@@ -375,7 +392,7 @@ def load_command_line(items: list[str], *, extra: Sequence[str] | Mapping[str, s
     path = files[0] if files else None
     if path is None and run_dir is not None and (Path(run_dir) / "config.yaml").is_file():
         path = str(Path(run_dir) / "config.yaml")
-    cfg = load_config(path, [*overrides, *extra])
+    cfg = load_config(path, [*overrides, *extra], defaults=defaults)
     if cfg.launch.nproc_per_node == "auto" and strategy_mode(cfg.parallel).single_process:
         # one-process strategies: `auto` means one worker (dp drives every GPU from it)
         cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, nproc_per_node=1))

@@ -30,6 +30,7 @@ from dptrain.config.fields import (
     OptimConfig,
     TrainConfig,
 )
+from dptrain.config.hosting import validate_hosting
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf
 from dptrain.config.pipeline import describe_pipeline, validate_pipeline
@@ -373,6 +374,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"optim.betas={list(cfg.optim.betas)!r} is not valid; betas[{i}]={b!r} must be {beta.describe()}"
             )
+    validate_hosting(cfg)  # optim.factory, scheduler, eval_fn, collate_kwargs (config/hosting.py)
     validate_launch(cfg.launch)
     _check_seq_len(cfg)
     validate_parallel(cfg)

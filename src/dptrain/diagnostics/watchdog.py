@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dptrain.distributed.exit_marks import mark_exit
+
 EXIT_HANG = 3
 """Exit code of every rank after a hang report."""
 
@@ -211,6 +213,7 @@ class Watchdog:
             while time.monotonic() < deadline and not self.store.check([_DONE]):
                 time.sleep(self.interval_s / 2)
         sys.stdout.flush()
+        mark_exit(EXIT_HANG, "hang watchdog", detail=str(self.run_dir / "hang_report.txt"))  # for the launcher
         self._on_exit(EXIT_HANG)
 
     def _kill_frozen(self, beats: dict[int, dict[str, Any] | None]) -> None:

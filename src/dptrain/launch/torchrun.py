@@ -10,9 +10,11 @@ import errno
 import functools
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from dptrain.checkpoint import manifest as mf
 from dptrain.config import LaunchConfig
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, torchrun_nnodes
 from dptrain.config.resolve import parse_endpoint
+from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, read_exit_marks
 
 EXIT_RENDEZVOUS = 2
 """The rendezvous did not complete (nobody hosts it, a node never came, its port is taken): one line, no worker ran."""
@@ -76,6 +79,7 @@ def run_torchrun(
     ckpt_root: Path | None = None,
     launch_cfg: LaunchConfig | None = None,
     abandon: Callable[[], None] | None = None,
+    own_workers: bool = True,
 ) -> int:
     """Run torchrun in this process; the exit code: 0 done, 1 a worker failed (after torchrun's
     failure report, root-cause rank first: host, exit code, error file, traceback; then dptrain's
@@ -86,7 +90,10 @@ def run_torchrun(
     `launch_cfg`: for the lines printed while other nodes are awaited. A rendezvous that does not complete
     (RendezvousError, or torchrun still stuck connecting join_timeout + RENDEZVOUS_GRACE_S after the start)
     ends with one line naming the endpoint and what is missing, exit 2; `abandon` is called before the
-    launcher exits in the second case (torchrun cannot be unwound from there)."""
+    launcher exits in the second case (torchrun cannot be unwound from there).
+    `own_workers=False` (`dptrain launch`: the user's script): a failed run exits with the root-cause
+    rank's own status ("your script exited with status N on rank R"); dptrain's meanings of 2/3/4/130/143
+    apply only to ranks whose exit mark (distributed/exit_marks.py) says dptrain caused them."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -108,6 +115,8 @@ def run_torchrun(
     if "--signals-to-handle" in _value_options():  # torchrun handles SIGINT itself unless told not to
         argv = ["--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT", *argv]
     args = get_args_parser().parse_args(argv)
+    marks_dir = tempfile.mkdtemp(prefix="dptrain-exit-")  # the workers' exit marks: which statuses are dptrain's
+    os.environ[EXIT_MARKS_ENV] = marks_dir
     interrupts = CtrlC(ckpt_root)
     waiting = NodeWait(launch_cfg, abandon=abandon) if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None
     try:
@@ -127,6 +136,9 @@ def run_torchrun(
         return EXIT_PREEMPTED
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
+        marks = read_exit_marks(marks_dir)  # which ranks' statuses dptrain chose (distributed/exit_marks.py)
+        if not own_workers:
+            return _script_failed(e, args, marks)
         if codes == {EXIT_PREEMPTED}:
             print("dptrain: preempted (SIGTERM): the last finished step is checkpointed", file=sys.stderr)
             return EXIT_PREEMPTED
@@ -139,10 +151,9 @@ def run_torchrun(
             return EXIT_NONFINITE  # diagnostics.nonfinite stopped every rank; rank 0 said why (one line, above)
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
         if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL}:  # a frozen rank is SIGKILLed by the watchdog
-            print(
-                f"dptrain: stopped by the hang watchdog: {failures}; see hang_report.txt in the run directory",
-                file=sys.stderr,
-            )
+            report = next((m["detail"] for m in marks.values() if m.get("code") == EXIT_HANG and m.get("detail")),
+                          "hang_report.txt in the run directory")
+            print(f"dptrain: stopped by the hang watchdog: {failures}; see {report}", file=sys.stderr)
             return EXIT_HANG
         if args.module and args.training_script == "dptrain.launch.record_script" and args.training_script_args:
             e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
@@ -154,7 +165,36 @@ def run_torchrun(
         interrupts.restore()
         if waiting is not None:
             waiting.stop()
+        shutil.rmtree(marks_dir, ignore_errors=True)
+        os.environ.pop(EXIT_MARKS_ENV, None)
     return 0
+
+
+def _script_failed(e: Any, args: Any, marks: dict[int, dict[str, Any]]) -> int:
+    """A user's script (`dptrain launch`) failed: the launcher exits with the root-cause rank's status (a signal N:
+    128 + N, as a shell says). When that rank's exit mark says dptrain chose the status (the hang watchdog of an
+    own loop: 3), one line says what dptrain did; otherwise torchrun's report, then one line naming the status as
+    the script's own (and the other ranks')."""
+    root_rank, root = e.get_first_failure()
+    mark = marks.get(root_rank, {})
+    if mark.get("code") == root.exitcode and root.exitcode > 0:
+        failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
+        detail = f"; see {mark['detail']}" if mark.get("detail") else ""
+        print(f"dptrain: stopped by the {mark.get('reason', 'dptrain')}: {failures}{detail}", file=sys.stderr)
+        return min(255, root.exitcode)
+    if args.module and args.training_script == "dptrain.launch.record_script" and args.training_script_args:
+        e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
+    print(e.format_msg(), file=sys.stderr)
+
+    def status(code: int) -> str:
+        if code < 0 and -code in {s.value for s in signal.Signals}:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with status {code}"
+
+    others = [f"rank {r} {status(f.exitcode)}" for r, f in sorted(e.failures.items()) if r != root_rank]
+    print(f"dptrain: your script {status(root.exitcode)} on rank {root_rank}"
+          f"{' (then ' + '; '.join(others) + ')' if others else ''}", file=sys.stderr)
+    return min(255, root.exitcode) if root.exitcode > 0 else 128 + (-root.exitcode or 1)
 
 
 def rendezvous_failed(error: BaseException, cfg: LaunchConfig | None, args: Any) -> str:

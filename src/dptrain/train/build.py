@@ -5,6 +5,7 @@ here, where configs and own loops found them before.)"""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +22,9 @@ from dptrain.parallel.materialize import (
 from dptrain.parallel.model import to_device
 from dptrain.train.loss import LossFn, check_scalar, forward_loss
 
-__all__ = ["build_datasets", "build_loss_fn", "build_model", "build_model_meta", "import_object", "to_device"]
+__all__ = [
+    "build_collate", "build_datasets", "build_loss_fn", "build_model", "build_model_meta", "import_object", "to_device"
+]
 
 
 def build_model(cfg: ModelConfig, *, seed: int) -> nn.Module:
@@ -90,6 +93,14 @@ def build_datasets(cfg: DataConfig) -> tuple[Any, Any | None]:
     except TypeError as e:
         raise ConfigError(f"data.factory {cfg.factory!r} rejected data.kwargs {cfg.kwargs}: {e}") from None
     return split_train_val(out)
+
+
+def build_collate(cfg: DataConfig) -> Callable[[list[Any]], Any] | None:
+    """`data.collate`, with `data.collate_kwargs` bound (functools.partial), or None (torch's default_collate)."""
+    if cfg.collate is None:
+        return None
+    fn = import_object(cfg.collate)
+    return functools.partial(fn, **cfg.collate_kwargs) if cfg.collate_kwargs else fn
 
 
 def build_loss_fn(spec: str | None) -> LossFn:

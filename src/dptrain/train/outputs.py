@@ -81,11 +81,13 @@ class RunOutputs:
         self.console.write(record)
         self.monitor.write(record)  # every rank: its own step time and throughput
 
-    def log_eval(self, *, step: int, val: float, bpb: float | None) -> None:
-        """An evaluation: its record and a console line."""
-        self.log({"step": step, "val_loss": val, **({"val_bpb": bpb} if bpb else {})})
+    def log_eval(self, *, step: int, val: float, bpb: float | None, metrics: dict[str, float] | None = None) -> None:
+        """An evaluation: its record and a console line (train.eval_fn's metrics as `eval_NAME`)."""
+        extra = {f"eval_{k}": v for k, v in (metrics or {}).items()}
+        self.log({"step": step, "val_loss": val, **({"val_bpb": bpb} if bpb else {}), **extra})
         assert self.console is not None
-        self.console.message(f"step {step}: val loss {val:.4f}" + (f"  ({bpb:.3f} bits/byte)" if bpb else ""))
+        self.console.message(f"step {step}: val loss {val:.4f}" + (f"  ({bpb:.3f} bits/byte)" if bpb else "")
+                             + "".join(f"  {k} {v:.4f}" for k, v in extra.items()))
 
     def save_final(self, plan: ParallelModel) -> None:
         """Consolidated weights under the plain module's names, whatever the strategy; for a Hugging Face

@@ -44,10 +44,10 @@ from dptrain.parallel import ParallelModel, parallelize_model, unwrap
 from dptrain.parallel.comm_hooks import build_comm_hook
 from dptrain.parallel.materialize import make_materializer
 from dptrain.train.backend import apply_backend_flags, compile_backend
-from dptrain.train.build import build_datasets, build_loss_fn, build_model_meta, import_object
-from dptrain.train.evaluation import evaluate
+from dptrain.train.build import build_collate, build_datasets, build_loss_fn, build_model_meta, import_object
+from dptrain.train.evaluation import evaluate, summarize
+from dptrain.train.hosted import make_optimizer, make_scheduler, scheduler_due
 from dptrain.train.loss import CountItems, items_per_rank, takes_num_items
-from dptrain.train.optim import build_optimizer, build_scheduler
 from dptrain.train.outputs import RunOutputs
 from dptrain.train.precision import autocast_factory, build_grad_scaler
 from dptrain.train.state import LogWindow, TrainState
@@ -174,8 +174,9 @@ class Trainer:
             comm_hook=self.meters.ddp_comm_hook(self.comm_hook),
         )
         self.model: nn.Module = self.parallel.module  # what to call
-        self.optimizer = build_optimizer(self.parallel, cfg=cfg.optim, lr=res.lr)  # sharded under zero1
-        self.scheduler = build_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
+        # dptrain's SGD/Adam/AdamW + warmup/decay, or optim.factory / scheduler_factory (train/hosted.py)
+        self.optimizer = make_optimizer(self.parallel, cfg=cfg.optim, lr=res.lr)  # sharded under zero1
+        self.scheduler = make_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
         # sharded (found-inf agreed over the world) also under PP: an overflow in one stage skips every stage's step
         self.scaler = build_grad_scaler(
             cfg.precision, self.device, sharded=self.parallel.sharded or self.parallel.pipelined
@@ -195,7 +196,9 @@ class Trainer:
             if self.token_loss
             else None
         )
-        self.collate = import_object(cfg.data.collate) if cfg.data.collate else None
+        self.collate = build_collate(cfg.data)  # data.collate (+ collate_kwargs: a partial), or None
+        self.eval_fn = import_object(cfg.train.eval_fn) if cfg.train.eval_fn else None
+        self.eval_summary = import_object(cfg.train.eval_summary) if cfg.train.eval_summary else None
         self.train_ds, self.val_ds = build_datasets(cfg.data)
         self.sampler = GlobalBatchSampler(
             dataset_len=len(self.train_ds),
@@ -245,14 +248,17 @@ class Trainer:
             self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
         self.scaler.update()
         self.step_lr = float(self.scheduler.get_last_lr()[0])  # the rate this step trained at (a Python float: no sync)
-        self.scheduler.step()
+        if scheduler_due(self.state.step + 1, interval=self.cfg.optim.scheduler_interval,
+                         steps_per_epoch=self.sampler.steps_per_epoch):  # every step, or at epoch ends
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return step_loss
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> float | None:
-        """Mean validation loss over the same fixed samples every time, split evenly over data-parallel ranks."""
-        return evaluate(
+        """Mean validation loss over the same fixed samples every time, split over data-parallel ranks; with
+        train.eval_fn its metrics land in `self.eval_metrics` (train/evaluation.py)."""
+        result = evaluate(
             self.parallel,
             self.val_ds,
             loss_fn=self.loss_fn,
@@ -264,7 +270,13 @@ class Trainer:
             mesh=self.mesh,
             device=self.device,
             phase=self.diag.phase,
+            eval_fn=self.eval_fn,
+            eval_samples=self.cfg.train.eval_samples,
         )
+        self.eval_metrics = result.metrics if result is not None else {}
+        if self.eval_summary is not None and self.eval_metrics:  # F1 and the like, from the exact means
+            self.eval_metrics = {**self.eval_metrics, **summarize(self.eval_summary, self.eval_metrics)}
+        return result.loss if result is not None else None
 
     # ---------------------------------------------------------------- the run
     def fit(self) -> dict[str, Any]:
@@ -305,7 +317,8 @@ class Trainer:
     def _eval_and_log(self) -> float | None:
         val = self.evaluate()
         if val is not None:
-            self.out.log_eval(step=self.state.step, val=val, bpb=self.records.bits_per_byte(val))
+            self.out.log_eval(step=self.state.step, val=val, bpb=self.records.bits_per_byte(val),
+                              metrics=self.eval_metrics)
         return val
 
     def _loop(self) -> dict[str, Any]:

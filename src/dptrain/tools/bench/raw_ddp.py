@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from dptrain.config import Config, resolve
 from dptrain.data import GlobalBatchSampler
-from dptrain.train.build import build_datasets, build_loss_fn, build_model, import_object, to_device
+from dptrain.train.build import build_collate, build_datasets, build_loss_fn, build_model, to_device
 from dptrain.train.optim import build_scheduler, optimizer_spec, param_groups
 
 __all__ = ["RawDDP"]
@@ -48,7 +48,7 @@ class RawDDP:
             seed=cfg.train.seed, shuffle=cfg.data.shuffle,
         )
         index_batches = [mb for s in range(steps) for mb in sampler.micro_batches(s)]
-        collate = import_object(cfg.data.collate) if cfg.data.collate else None
+        collate = build_collate(cfg.data)  # data.collate (+ collate_kwargs), or torch's default
         self.batches: Iterator[Any] = iter(DataLoader(train_ds, batch_sampler=index_batches, collate_fn=collate))
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.dtype)
         self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.precision.init_scale,

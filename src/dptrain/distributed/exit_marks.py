@@ -1,0 +1,47 @@
+"""Exit marks: how a process says that dptrain itself chose its exit status.
+
+The launcher (`launch/torchrun.py`) gives its workers an empty folder in `DPTRAIN_EXIT_MARKS`. dptrain code
+that ends a process with one of its own statuses (3: the hang watchdog, 4: the non-finite policy, ...)
+first calls `mark_exit`, which writes `rank_<RANK>.json` there. For a user's script under `dptrain
+launch` the launcher gives a status dptrain's meaning only when such a mark says dptrain caused it; any
+other status is reported as the script's own. Standard library only: any layer may call it, even from
+a thread that is about to `os._exit`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+EXIT_MARKS_ENV = "DPTRAIN_EXIT_MARKS"
+
+
+def mark_exit(code: int, reason: str, *, detail: str = "") -> None:
+    """Record that this process is about to exit with `code` because of dptrain. `reason`: what stopped it, as a
+    noun phrase (the launcher says "dptrain: stopped by the <reason>: rank 0 (exit 3), ...; see <detail>"), e.g.
+    "hang watchdog"; `detail`: where to read more. Nothing outside a dptrain launcher; never raises."""
+    folder = os.environ.get(EXIT_MARKS_ENV)
+    if not folder:
+        return
+    rank = os.environ.get("RANK", "0")
+    path = Path(folder) / f"rank_{rank}.json"
+    try:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"code": code, "reason": reason, "detail": detail}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a mark is a courtesy to the launcher's message; the exit goes ahead regardless
+
+
+def read_exit_marks(folder: str | Path | None) -> dict[int, dict[str, Any]]:
+    """{global rank: {"code", "reason", "detail"}} of the marks in `folder`."""
+    out: dict[int, dict[str, Any]] = {}
+    if folder is None or not Path(folder).is_dir():
+        return out
+    for p in Path(folder).glob("rank_*.json"):
+        try:
+            out[int(p.stem.removeprefix("rank_"))] = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+    return out

@@ -35,6 +35,7 @@ from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
 from dptrain.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from dptrain.data import EpochLoader
 from dptrain.distributed.env import DistEnv
+from dptrain.distributed.exit_marks import mark_exit
 from dptrain.parallel import ParallelModel, is_sharded
 from dptrain.train.state import TrainState
 
@@ -190,6 +191,9 @@ class Checkpointer:
         stop = self.manager.maybe_save(self.state, step=step)
         if stop:
             self.exit_code = EXIT_INTERRUPTED if self.manager.interrupted else EXIT_PREEMPTED
+            reason = "interrupt (Ctrl-C)" if self.manager.interrupted else "preemption signal (SIGTERM)"
+            # `dptrain launch` reports the status as dptrain's (the step is saved), not as the script's own
+            mark_exit(self.exit_code, reason, detail=f"step {step} saved under {self.manager.root}")
         return stop
 
     def close(self) -> None:

@@ -46,6 +46,7 @@ def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int, cpu: bool =
                   grad_dtype=p.grad_compression if p.grad_compression in ("fp16", "bf16") else None,
                   grad_compression=p.grad_compression, powersgd_rank=p.powersgd_rank,
                   param_dtype=p.fsdp_param_dtype, reduce_dtype=p.fsdp_reduce_dtype,
+                  sequence_parallel=p.sequence_parallel, pp_stages_per_rank=p.pp_stages_per_rank,
                   overhead=0.0 if cpu else FRAMEWORK_OVERHEAD)
 
 

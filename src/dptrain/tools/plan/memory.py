@@ -212,6 +212,8 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list
         work, outside = work / lay.tp, outside / lay.tp
     # the last stage's outside part (final norm, head, loss) for each of its micro-batches in flight
     acts = in_flight * chunk * kept + work + (min(in_flight, m) * outside if last else 0)
+    if last:  # the loss's backward: the fp32 gradients of the log-softmax and of the logits beside the saved one
+        temp += 8 * batch * lay.seq * cfg.vocab_size
     total = params + grads + optim + acts + temp + lay.overhead
     return {"params": params, "grads": grads, "optimizer": optim, "activations": acts,
             "temporary": temp, "overhead": lay.overhead, "total": total, "host": host,

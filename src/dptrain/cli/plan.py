@@ -200,7 +200,7 @@ def _deepspeed_table(args: argparse.Namespace, spec: GpuSpec) -> str:
     return "\n".join(lines)
 
 
-def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float, str]) -> str:  # noqa: ANN001
+def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float | None, str]) -> str:  # noqa: ANN001
     cfg = load_plan_config(args.items, model=args.model)
     if cfg.model.factory != LLAMA:
         return measured_report(args, cfg, comm=comm, efficiency=efficiency)

@@ -90,3 +90,18 @@ def deepspeed_zero3_gpu_bytes(params: float, largest_layer: float, gpus: int, *,
     if offload == "optimizer":
         return largest + int(2 * params / gpus)
     return largest + int(18 * params / gpus)
+
+
+def megatron_stage_params(blk: Block, *, seq: int, t: int, p: int, stage: int) -> float:
+    """Parameters one tensor-parallel rank of pipeline stage `stage` holds in Megatron's GPT: its L/p layers
+    (12h^2 + 13h each, the matrices split over t), the word embedding (V*h / t) and learned positions (s*h) on the
+    first stage, the final LayerNorm on the last, and, with p > 1, a copy of the tied word embedding on the last
+    stage as the output layer (Megatron keeps the two copies equal by all-reducing their gradients between the
+    first and last stage: the model's parameters count it once, the GPUs hold it twice)."""
+    h = blk.h
+    n = blk.layers / p * (12 * h * h / t + 13 * h)
+    if stage == 0:
+        n += blk.vocab * h / t + seq * h
+    if stage == p - 1:
+        n += 2 * h + (blk.vocab * h / t if p > 1 else 0)
+    return n

@@ -166,10 +166,12 @@ def activation_parts(cfg: LlamaConfig, *, batch: int, seq: int, precision: str, 
     outside them with `outside`; the recompute working set of one block in backward, needed once
     per stage: 0 without checkpointing)."""
     layers = cfg.n_layers if n_layers is None else n_layers
-    kw = {"batch": batch, "seq": seq, "precision": precision, "param_dtype": param_dtype}
-    kept = kept_block_bytes(cfg, checkpointing=checkpointing, **kw)
-    work = block_activation_bytes(cfg, **kw) - kept if checkpointing in ("full", "selective") and layers else 0
-    rest = outside_activation_bytes(cfg, **kw) if outside else 0
+    kept = kept_block_bytes(cfg, batch=batch, seq=seq, precision=precision, checkpointing=checkpointing,
+                            param_dtype=param_dtype)
+    block = block_activation_bytes(cfg, batch=batch, seq=seq, precision=precision, param_dtype=param_dtype)
+    work = block - kept if checkpointing in ("full", "selective") and layers else 0
+    rest = outside_activation_bytes(cfg, batch=batch, seq=seq, precision=precision,
+                                    param_dtype=param_dtype) if outside else 0
     return layers * kept + rest, work
 
 

@@ -16,7 +16,8 @@ from dptrain.tools.plan.report_lines import memory_lines, time_lines
 from dptrain.tools.plan.timing import Link, profile_step_time
 
 
-def measured_report(args: argparse.Namespace, cfg: Any, *, comm: Link | None, efficiency: tuple[float | None, str]) -> str:
+def measured_report(args: argparse.Namespace, cfg: Any, *, comm: Link | None,
+                    efficiency: tuple[float | None, str]) -> str:
     """The layout report of `cfg` (a Config) on `args.gpus` ranks for a measured model."""
 
     resolved = resolve_for_plan(cfg, gpus=args.gpus, gpu_type=args.gpu_type)
@@ -50,7 +51,7 @@ def measured_report(args: argparse.Namespace, cfg: Any, *, comm: Link | None, ef
     if efficiency[0] is None:  # no model of a measured model's kernels: the stated share
         efficiency = (MEASURED_EFFICIENCY, "assumed for a measured model: the Llama 3 paper's lowest BF16 MFU on H100s")
     t = profile_step_time(prof, lay, spec, gpus=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
-                          accum=resolved.grad_accum_steps, efficiency=efficiency[0], comm=comm)
+                          accum=resolved.grad_accum_steps, efficiency=efficiency[0] or MEASURED_EFFICIENCY, comm=comm)
     lines.append(f"compute: {t['flops_per_step']:.4g} measured FLOPs per rank per step")
     lines += time_lines(args, t, comm=comm, efficiency=efficiency)
     return "\n".join(lines)

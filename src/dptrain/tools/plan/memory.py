@@ -201,10 +201,11 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list
     batch = math.ceil(lay.micro_batch / m)
     pdt = lay.param_dtype if lay.pure_half else None
     chunk = sum(layers) / len(layers)  # blocks per stage of this rank (an even split: all the same)
-    kept, work = activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
-                                  checkpointing=lay.checkpointing, n_layers=1, outside=False, param_dtype=pdt)
-    outside = activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision, n_layers=0,
-                               param_dtype=pdt)[0] if last else 0
+    kept_i, work_i = activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
+                                      checkpointing=lay.checkpointing, n_layers=1, outside=False, param_dtype=pdt)
+    kept, work = float(kept_i), float(work_i)
+    outside = float(activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision, n_layers=0,
+                                     param_dtype=pdt)[0]) if last else 0.0
     rep = replicated_block_bytes(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
                                  checkpointing=lay.checkpointing, param_dtype=pdt)
     if lay.tp > 1:  # sequence parallel: all of it on 1/tp of the sequence; else the norms' part replicated

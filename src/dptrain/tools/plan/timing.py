@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dptrain.metrics.hardware import GpuSpec
-from dptrain.tools.plan.llama import param_counts, param_shapes
 from dptrain.tools.plan.efficiency import SUSTAINED, Dims, modelled_efficiency
+from dptrain.tools.plan.llama import param_counts, param_shapes
 from dptrain.tools.plan.memory import Layout, pipeline_bubble
 
 if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
@@ -233,7 +233,8 @@ def layout_efficiency(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, flops_per
     plan/efficiency.py (GEMM shapes, attention, memory-bound ops) x `SUSTAINED` (plan/published.py)."""
     assert cfg.n_kv_heads is not None and cfg.ffn_hidden is not None
     if not spec.hbm_gbps:  # the CPU as a device, or a GPU without the table's bandwidth: no model, state one
-        raise ValueError(f"{spec.name} has no memory bandwidth in metrics/hardware.py: give --efficiency or --calibrate")
+        raise ValueError(f"{spec.name} has no memory bandwidth in metrics/hardware.py: give --efficiency or "
+                         "--calibrate")
     dims = Dims(d=cfg.dim, q=cfg.n_heads * cfg.head_dim, kv=cfg.n_kv_heads * cfg.head_dim, f=cfg.ffn_hidden,
                 vocab=cfg.vocab_size, layers=cfg.n_layers, heads=cfg.n_heads)
     batch = max(1, lay.micro_batch // max(1, lay.pp_microbatches))

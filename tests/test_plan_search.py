@@ -139,6 +139,7 @@ def test_presets_have_the_published_parameter_counts():
         "llama2-70b": 68.98,
         "llama3-8b": 8.03,
         "llama3-70b": 70.55,
+        "llama3-405b": 405.85,
     }
     assert set(presets.PRESETS) == set(published_b)
     for name, p in presets.PRESETS.items():

@@ -140,6 +140,12 @@ def rank_memory(cfg: LlamaConfig, lay: Layout, rank: int, *, counts: ParamCounts
                          last=len(stages) - 1 in mine, stage=rank)
 
 
+def loss_backward_bytes(cfg: LlamaConfig, *, batch: int, seq: int) -> int:
+    """What the loss's backward holds beside the saved fp32 log-softmax: the fp32 gradients of the
+    log-softmax and of the logits, [batch * seq, vocab] each (the last stage's temporaries)."""
+    return 8 * batch * seq * cfg.vocab_size
+
+
 def pipeline_in_flight(lay: Layout, rank: int) -> int:
     """Forward chunks (a micro-batch through one of the rank's stages) a pipeline rank holds at its
     first backward: gpipe all m * v; 1f1b min(m, pp - rank) (torch's Schedule1F1B); interleaved
@@ -213,8 +219,8 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list
         work, outside = work / lay.tp, outside / lay.tp
     # the last stage's outside part (final norm, head, loss) for each of its micro-batches in flight
     acts = in_flight * chunk * kept + work + (min(in_flight, m) * outside if last else 0)
-    if last:  # the loss's backward: the fp32 gradients of the log-softmax and of the logits beside the saved one
-        temp += 8 * batch * lay.seq * cfg.vocab_size
+    if last:
+        temp += loss_backward_bytes(cfg, batch=batch, seq=lay.seq)
     total = params + grads + optim + acts + temp + lay.overhead
     return {"params": params, "grads": grads, "optimizer": optim, "activations": acts,
             "temporary": temp, "overhead": lay.overhead, "total": total, "host": host,

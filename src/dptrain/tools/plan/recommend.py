@@ -129,7 +129,7 @@ def recommend(args: argparse.Namespace, *, comm: Link | None, efficiency: tuple[
 
 def distinct(ranked: list[Ranked]) -> list[tuple[Ranked, str]]:
     """The ranked layouts with their labels, a `selective` one folded into the `none` one just before
-    it when both predictions are the same (the planner counts selective as none)."""
+    it when both predictions are the same."""
     rows: list[tuple[Ranked, str]] = []
     for r in ranked:
         if rows and r.cand.checkpointing == "selective":
@@ -173,8 +173,7 @@ def report(args: argparse.Namespace, spec: GpuSpec, cfg: Config, model: LlamaCon
     lines += [_row(i, r, label, args.gpus) for i, (r, label) in enumerate(distinct(result.ranked)[:args.top], 1)]
     if not result.ranked:
         lines.append("  (none fits)")
-    lines.append("+comm: exposed communication, cpu_offload's copies and host optimizer step (plan/timing.py); "
-                 "selective checkpointing is counted as none (memory and time): such pairs share a row")
+    lines.append("+comm: exposed communication, cpu_offload's copies and host optimizer step (plan/timing.py)")
     if result.rejected:
         lines.append("rejected, by reason (count: reason; examples):")
     for reason, items in rejected_groups(result.rejected):

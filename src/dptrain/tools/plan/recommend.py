@@ -164,7 +164,7 @@ def report(args: argparse.Namespace, spec: GpuSpec, cfg: Config, model: LlamaCon
              f"({args.nodes} node(s) x {args.gpus // args.nodes}, {args.interconnect}); global batch "
              f"{result.global_batch} x {result.seq} tokens; {cfg.precision.dtype}, {cfg.optim.name}; compute at "
              + (f"{efficiency[0]:.3g} x the dense peak ({efficiency[1]})" if efficiency[0] is not None else
-                f"the modelled share of the dense peak per layout ({efficiency[1]})")
+                f"the share of the dense peak {efficiency[1]}")
              + (f"; data-parallel link measured, {args.comm}" if args.comm else ""),
              f"searched {total:,} layouts in {elapsed:.1f} s: {n_fit:,} fit, {len(result.rejected) - n_mem:,} refused "
              f"by dptrain's config checks, {n_mem:,} do not fit {spec.memory_gb:g} GB",

@@ -1,6 +1,6 @@
 """The two LLaMA-7B points of `dptrain plan` (issue 13), printed: pure arithmetic, no GPU.
 
-    python benchmarks/plan_llama7b.py [--model llama2-7b] [--global-batch 1024] [--efficiency 0.38]
+    python benchmarks/plan_llama7b.py [--model llama2-7b] [--global-batch 1024] [--efficiency E]
 
 1. The guides' LLaMA-7B layout DP8 x PP4 x TP2, ZeRO-3 (fsdp) + CPU offload on 64 H100 SXM (8 nodes
    x 8, InfiniBand): whether dptrain accepts it, memory per GPU and predicted throughput for every
@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 
 from dptrain.cli.main import main
-from dptrain.cli.plan import DEFAULT_EFFICIENCY
 from dptrain.metrics.hardware import gpu_spec
 from dptrain.tools.plan.memory import GB
 from dptrain.tools.plan.recommend import distinct, load_plan_config
 from dptrain.tools.plan.search import rejected_groups, search
 
 
-def example(model_name: str, global_batch: int, efficiency: float) -> None:
+def example(model_name: str, global_batch: int, efficiency: float | None) -> None:
     from dptrain.models.llama import LlamaConfig
 
     cfg = load_plan_config(["precision.dtype=bf16"], model=model_name)
@@ -40,7 +39,9 @@ def example(model_name: str, global_batch: int, efficiency: float) -> None:
     refused = [r for r in result.rejected if chosen(r.cand)]
     print(
         f"{model_name} DP8 x PP4 x TP2 fsdp + cpu_offload on 64 x {spec.name} (8 x 8, ib), global batch "
-        f"{global_batch} x {seq}, bf16 AdamW, efficiency {efficiency:g} (assumed): {len(mine)} variants accepted "
+        f"{global_batch} x {seq}, bf16 AdamW, efficiency "
+        f"{'modelled per layout' if efficiency is None else f'{efficiency:g} (assumed)'}: {len(mine)} variants "
+        "accepted "
         f"and fit, {len(refused)} rejected; of all {len(distinct(result.ranked))} distinct layouts that fit, "
         "its best ranks "
         f"#{mine[0][0] if mine else '-'}"
@@ -60,7 +61,8 @@ def run() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--global-batch", type=int, default=1024)
-    ap.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY)
+    ap.add_argument("--efficiency", type=float, default=None,
+                    help="default: modelled per layout (plan/efficiency.py)")
     args = ap.parse_args()
     example(args.model, args.global_batch, args.efficiency)
     print()
@@ -80,8 +82,7 @@ def run() -> None:
             "ib",
             "--global-batch",
             str(args.global_batch),
-            "--efficiency",
-            str(args.efficiency),
+            *(["--efficiency", str(args.efficiency)] if args.efficiency is not None else []),
             "--recommend",
             "--top",
             "5",

@@ -101,7 +101,12 @@ def test_llama_measured_equals_the_formulas(precision):
     lay = memory.Layout(
         strategy="fsdp", dp_shard=4, tp=1, pp=1, micro_batch=B, seq=T, precision=precision, optimizer="adamw"
     )
-    assert memory.profile_memory(prof, lay) | {"stage": 0} == {**memory.layout_memory(cfg, lay), "stage": 0}
+    # the same but for the loss's backward temporaries, which the LLaMA's formulas know (its vocabulary) and a
+    # measured model's report does not count
+    want = memory.layout_memory(cfg, lay)
+    loss = memory.loss_backward_bytes(cfg, batch=B, seq=T)
+    want = {**want, "temporary": want["temporary"] - loss, "total": want["total"] - loss, "stage": 0}
+    assert memory.profile_memory(prof, lay) | {"stage": 0} == want
 
 
 def _peak_above_start(model: torch.nn.Module, batch) -> int:

@@ -20,10 +20,26 @@ and v after the repeat to h heads.
 Outside the blocks: the token ids (B*(T+1) int64), targets (B*T int64; a view of the ids, no copy,
 when B = 1), the rope tables (max_seq_len*hd fp32: the slices keep the tables alive), the final norm
 (last block output, normalised x, rsqrt: fp32; its output cast for the head under autocast, else
-fp32), the head weight's half copy under autocast, and the fp32 log-softmax (B*T*V). Activation
-checkpointing `full` keeps one block input (B*T*d residual dtype, 4 bytes) per block plus one
-block's full set, less that input, while it is recomputed in backward; `selective` is counted as
-`none` (an upper bound: the op-level policy is not modelled)."""
+fp32), the head weight's half copy under autocast, and the fp32 log-softmax (B*T*V).
+
+Pure half-precision parameters (`parallel.fsdp_param_dtype=bf16` under bf16 autocast: FSDP2 gathers
+bf16 parameters, autocast casts nothing, as torchtitan's default), per block: the residual stream is
+half (2 bytes); each RMSNorm saves its fp32 upcast of x (4*B*T*d), its rsqrt (4*B*T), the half
+normalised x and its product with the weight (2 x 2*B*T*d); attention saves q, k, v at h heads, the
+output and its re-laid-out copy (2 bytes each) and the logsumexp (fp32); the MLP 4*B*T*f at 2
+bytes. No weight copy; rope saves only its tables. Outside: ids, targets, rope tables, the final
+norm as above, the fp32 log-softmax.
+
+Activation checkpointing keeps, per block, at the end of forward:
+- `full`: the block's input (its residual dtype);
+- `selective` (dptrain's op-level policy, parallel/activation_checkpointing.py: outputs of
+  mm/addmm/bmm and scaled-dot-product attention are saved, everything else recomputed): the block
+  input, the seven linear outputs (q: B*T*d, k and v: B*T*kv at the kv width, wo and w2: B*T*d, w1
+  and w3: B*T*f) and the attention output in the compute dtype, its logsumexp in fp32. No weight
+  copies (autocast's casts are recomputed).
+In backward one block at a time is recomputed: its full saved set less what was kept, once per
+stage however many micro-batches are in flight (`activation_parts`). tests/test_plan.py checks all
+of this against the storages alive after forward on this CPU, for fp32, autocast and pure half."""
 
 from __future__ import annotations
 
@@ -74,27 +90,89 @@ def param_counts(cfg: LlamaConfig) -> ParamCounts:
     )
 
 
-def block_activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str) -> int:
+def _half(precision: str, param_dtype: str | None) -> tuple[bool, bool]:
+    """(autocast to half, half parameters) of a run: half parameters only under half autocast."""
+    half = precision in HALF
+    return half, half and param_dtype in HALF
+
+
+def block_activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str,
+                           param_dtype: str | None = None) -> int:
     """Bytes one block saves for backward for a [batch, seq] micro-batch (module docstring)."""
     assert cfg.n_kv_heads is not None and cfg.ffn_hidden is not None
     bt, d, f = batch * seq, cfg.dim, cfg.ffn_hidden
     small = 2 * bt + batch * cfg.n_heads * seq  # rsqrt x 2, logsumexp: fp32
     relaid = 1 if cfg.n_heads > 1 else 0  # one head: the attention output's transpose is already contiguous
-    if precision not in HALF:
+    half, pure = _half(precision, param_dtype)
+    if not half:
         return 4 * ((10 + relaid) * bt * d + 4 * bt * f + small)
+    if pure:  # norms: fp32 upcast + half normalised x + its product with the weight; attention and MLP half
+        return 4 * (2 * bt * d + small) + 2 * ((8 + relaid) * bt * d + 4 * bt * f)
     full = 4 * (4 * bt * d + small)
-    half = 2 * ((9 + relaid) * bt * d + 4 * bt * f + param_counts(cfg).block_linear)
-    return full + half
+    half_bytes = 2 * ((9 + relaid) * bt * d + 4 * bt * f + param_counts(cfg).block_linear)
+    return full + half_bytes
 
 
-def outside_activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str) -> int:
+def kept_block_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str, checkpointing: str,
+                     param_dtype: str | None = None) -> int:
+    """Bytes a checkpointed block keeps from forward to backward (module docstring)."""
+    assert cfg.n_kv_heads is not None and cfg.ffn_hidden is not None
+    bt, d = batch * seq, cfg.dim
+    half, pure = _half(precision, param_dtype)
+    stream = 2 if pure else 4  # the residual stream: the block input's dtype
+    if checkpointing == "full":
+        return stream * bt * d
+    if checkpointing != "selective":
+        return block_activation_bytes(cfg, batch=batch, seq=seq, precision=precision, param_dtype=param_dtype)
+    kv = cfg.n_kv_heads * cfg.head_dim
+    outputs = bt * (4 * cfg.n_heads * cfg.head_dim + 2 * kv + 2 * cfg.ffn_hidden)  # wq, wo, w2, sdpa; wk, wv; w1, w3
+    return stream * bt * d + (2 if half else 4) * outputs + 4 * batch * cfg.n_heads * seq
+
+
+def replicated_block_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str, checkpointing: str,
+                           param_dtype: str | None = None) -> int:
+    """Of `kept_block_bytes`, what tensor parallelism without sequence parallelism leaves whole on
+    every rank (a model, not measured here: tp needs DTensor ranks): the residual stream and the
+    norms' tensors (fp32: input, mid residual, the norms' normalised x and outputs; autocast: the
+    fp32 ones and the five cast linear inputs; pure half: the norms' four tensors each), or under
+    checkpointing the kept block input. The attention and MLP tensors are split over tp."""
+    bt, d = batch * seq, cfg.dim
+    half, pure = _half(precision, param_dtype)
+    if checkpointing in ("full", "selective"):
+        return (2 if pure else 4) * bt * d
+    if pure:
+        return 16 * bt * d + 8 * bt
+    return 4 * (4 * bt * d + 2 * bt) + 10 * bt * d if half else 4 * (6 * bt * d + 2 * bt)
+
+
+def outside_activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str,
+                             param_dtype: str | None = None) -> int:
     """Bytes saved outside the blocks: ids, targets, rope tables, final norm, head, log-softmax."""
     bt, d, v = batch * seq, cfg.dim, cfg.vocab_size
     ids = 8 * (batch * (seq + 1) + (bt if batch > 1 else 0))  # one sequence: the targets are a view, no copy
     rope = 4 * cfg.max_seq_len * cfg.head_dim  # the cos/sin slices keep the whole tables alive
+    half, pure = _half(precision, param_dtype)
+    if pure:  # fp32 upcast, rsqrt, half normalised x and the head's half input; no weight copy
+        return ids + rope + 8 * bt * d + 4 * bt + 4 * bt * v + 4
     norm = 4 * (2 * bt * d + bt)
-    head = 2 * (bt * d + v * d) if precision in HALF else 4 * bt * d
+    head = 2 * (bt * d + v * d) if half else 4 * bt * d
     return ids + rope + norm + head + 4 * bt * v + 4
+
+
+def activation_parts(cfg: LlamaConfig, *, batch: int, seq: int, precision: str, checkpointing: str = "none",
+                     n_layers: int | None = None, outside: bool = True,
+                     param_dtype: str | None = None) -> tuple[int, int]:
+    """(bytes one micro-batch keeps from forward to backward over `n_layers` blocks, plus the parts
+    outside them with `outside`; the recompute working set of one block in backward, needed once
+    per stage: 0 without checkpointing)."""
+    layers = cfg.n_layers if n_layers is None else n_layers
+    kept = kept_block_bytes(cfg, batch=batch, seq=seq, precision=precision, checkpointing=checkpointing,
+                            param_dtype=param_dtype)
+    block = block_activation_bytes(cfg, batch=batch, seq=seq, precision=precision, param_dtype=param_dtype)
+    work = block - kept if checkpointing in ("full", "selective") and layers else 0
+    rest = outside_activation_bytes(cfg, batch=batch, seq=seq, precision=precision,
+                                    param_dtype=param_dtype) if outside else 0
+    return layers * kept + rest, work
 
 
 def activation_bytes(
@@ -106,17 +184,13 @@ def activation_bytes(
     checkpointing: str = "none",
     n_layers: int | None = None,
     outside: bool = True,
+    param_dtype: str | None = None,
 ) -> int:
-    """Bytes saved for backward by one micro-batch over `n_layers` blocks (default: all) plus,
-    with `outside`, the parts outside the blocks; `checkpointing` none/selective (all kept) or full."""
-    layers = cfg.n_layers if n_layers is None else n_layers
-    block = block_activation_bytes(cfg, batch=batch, seq=seq, precision=precision)
-    if checkpointing == "full":
-        kept = 4 * batch * seq * cfg.dim  # a block's fp32 input: the one thing it keeps
-        blocks = layers * kept + (block - kept if layers else 0)  # + one block recomputed (its input counted once)
-    else:
-        blocks = layers * block
-    return blocks + (outside_activation_bytes(cfg, batch=batch, seq=seq, precision=precision) if outside else 0)
+    """Peak bytes saved for backward by one micro-batch over `n_layers` blocks (default: all) plus,
+    with `outside`, the parts outside the blocks: what is kept, plus one block recomputed."""
+    kept, work = activation_parts(cfg, batch=batch, seq=seq, precision=precision, checkpointing=checkpointing,
+                                  n_layers=n_layers, outside=outside, param_dtype=param_dtype)
+    return kept + work
 
 
 def param_shapes(cfg: LlamaConfig) -> list[tuple[int, ...]]:

@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from dptrain.config.fields import ConfigError
+from dptrain.tools.plan.efficiency import MEASURED_EFFICIENCY
 from dptrain.tools.plan.measure import measure_model
 from dptrain.tools.plan.memory import profile_memory
 from dptrain.tools.plan.predict import device_spec, layout_from_config, resolve_for_plan
@@ -15,11 +16,12 @@ from dptrain.tools.plan.report_lines import memory_lines, time_lines
 from dptrain.tools.plan.timing import Link, profile_step_time
 
 
-def measured_report(args: argparse.Namespace, cfg: Any, *, comm: Link | None, efficiency: tuple[float, str]) -> str:
+def measured_report(args: argparse.Namespace, cfg: Any, *, comm: Link | None,
+                    efficiency: tuple[float | None, str]) -> str:
     """The layout report of `cfg` (a Config) on `args.gpus` ranks for a measured model."""
 
     resolved = resolve_for_plan(cfg, gpus=args.gpus, gpu_type=args.gpu_type)
-    spec = device_spec(args.gpu_type, ranks_per_host=args.gpus // args.nodes)
+    spec = device_spec(args.gpu_type, ranks_per_host=args.gpus // args.nodes, gpu_memory=args.gpu_memory)
     dims = resolved.dims
     if dims.tp > 1 or dims.pp > 1:
         raise ConfigError(f"dptrain plan measures model.factory {cfg.model.factory!r} unsplit: tp={dims.tp}, "
@@ -46,8 +48,10 @@ def measured_report(args: argparse.Namespace, cfg: Any, *, comm: Link | None, ef
                      f"{max(prof.block_recompute_bytes) / 1e9:.4g} GB besides their inputs "
                      f"({prof.block_input_bytes / 1e9:.4g} GB); checkpointing none "
                      f"{prof.activation_bytes('none') / 1e9:.4g} GB, full {prof.activation_bytes('full') / 1e9:.4g} GB")
+    if efficiency[0] is None:  # no model of a measured model's kernels: the stated share
+        efficiency = (MEASURED_EFFICIENCY, "assumed for a measured model: the Llama 3 paper's lowest BF16 MFU on H100s")
     t = profile_step_time(prof, lay, spec, gpus=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
-                          accum=resolved.grad_accum_steps, efficiency=efficiency[0], comm=comm)
+                          accum=resolved.grad_accum_steps, efficiency=efficiency[0] or MEASURED_EFFICIENCY, comm=comm)
     lines.append(f"compute: {t['flops_per_step']:.4g} measured FLOPs per rank per step")
     lines += time_lines(args, t, comm=comm, efficiency=efficiency)
     return "\n".join(lines)

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dptrain.tools.plan.llama import ParamCounts, activation_bytes, param_counts
+from dptrain.tools.plan.llama import HALF, ParamCounts, activation_parts, param_counts, replicated_block_bytes
 
 if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
     from dptrain.models.llama import LlamaConfig
@@ -87,6 +87,13 @@ class Layout:
     param_dtype: str | None = None  # zero2/fsdp: fsdp_param_dtype (gathers; null: the parameters' fp32)
     reduce_dtype: str | None = None  # zero2/fsdp: fsdp_reduce_dtype (reduce-scatters; null: param_dtype)
     overhead: float = FRAMEWORK_OVERHEAD  # the stated allowance; 0 on the CPU (no CUDA context)
+    sequence_parallel: bool = True  # tp > 1: norms and the residual stream on 1/tp of the sequence
+    pp_stages_per_rank: int = 1  # interleaved_1f1b: virtual stages per rank (v)
+
+    @property
+    def pure_half(self) -> bool:
+        """Half-precision parameters in the forward (zero2/fsdp with fsdp_param_dtype bf16/fp16 under autocast)."""
+        return self.strategy in ("zero2", "fsdp") and self.precision in HALF and self.param_dtype in HALF
 
 
 def stage_layers(n_layers: int, pp: int, pp_layers: tuple[int, ...] | None) -> list[int]:
@@ -108,17 +115,55 @@ def _rank_params(c: ParamCounts, *, layers: int, first: bool, last: bool, tp: in
 
 
 def layout_memory(cfg: LlamaConfig, lay: Layout) -> dict[str, float]:
-    """Bytes per rank of the worst pipeline stage: model states (GPU and host), activations,
-    temporary buffers, the stated overhead and the total on the GPU."""
+    """Bytes per rank of the worst pipeline rank: model states (GPU and host), activations,
+    temporary buffers, the stated overhead and the total on the GPU. A rank holds stages r, r + pp,
+    ... (`pp_stages_per_rank` of them under interleaved_1f1b)."""
     c = param_counts(cfg)
-    stages = stage_layers(cfg.n_layers, lay.pp, lay.pp_layers)
+    v = max(1, lay.pp_stages_per_rank)
+    stages = stage_layers(cfg.n_layers, lay.pp * v, lay.pp_layers)
     worst: dict[str, float] = {}
-    for i, layers in enumerate(stages):
-        parts = _stage_memory(cfg, c, lay, layers=layers, first=i == 0, last=i == len(stages) - 1,
-                              stage=i)
+    for rank in range(lay.pp):
+        parts = rank_memory(cfg, lay, rank, counts=c, stages=stages)
         if not worst or parts["total"] > worst["total"]:
             worst = parts
     return worst
+
+
+def rank_memory(cfg: LlamaConfig, lay: Layout, rank: int, *, counts: ParamCounts | None = None,
+                stages: list[int] | None = None) -> dict[str, float]:
+    """`layout_memory`'s parts for one pipeline rank (0: the first stage)."""
+    c = counts or param_counts(cfg)
+    v = max(1, lay.pp_stages_per_rank)
+    stages = stages or stage_layers(cfg.n_layers, lay.pp * v, lay.pp_layers)
+    mine = list(range(rank, lay.pp * v, lay.pp))
+    return _stage_memory(cfg, c, lay, layers=[stages[i] for i in mine], first=rank == 0,
+                         last=len(stages) - 1 in mine, stage=rank)
+
+
+def loss_backward_bytes(cfg: LlamaConfig, *, batch: int, seq: int) -> int:
+    """What the loss's backward holds beside the saved fp32 log-softmax: the fp32 gradients of the
+    log-softmax and of the logits, [batch * seq, vocab] each (the last stage's temporaries)."""
+    return 8 * batch * seq * cfg.vocab_size
+
+
+def pipeline_in_flight(lay: Layout, rank: int) -> int:
+    """Forward chunks (a micro-batch through one of the rank's stages) a pipeline rank holds at its
+    first backward: gpipe all m * v; 1f1b min(m, pp - rank) (torch's Schedule1F1B); interleaved
+    (torch's ScheduleInterleaved1F1B, `_get_warmup_ops`) (v - 1) * m_round + 2 * (pp - 1 - rank)
+    warm-up forwards and the steady state's first, m_round = m // max(1, m // pp), at most m * v."""
+    m, v = max(1, lay.pp_microbatches), max(1, lay.pp_stages_per_rank)
+    if lay.pp == 1 or lay.pp_schedule == "gpipe":
+        return m * v
+    if lay.pp_schedule == "interleaved_1f1b":
+        per_round = m // max(1, m // lay.pp)
+        return min((v - 1) * per_round + 2 * (lay.pp - 1 - rank) + 1, m * v)
+    return min(m, lay.pp - rank)
+
+
+def pipeline_bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle share of a pipeline schedule: (p - 1) / (v * m + p - 1), v stages per rank; the idle time
+    over the busy time is Narayanan et al.'s (p - 1) / (v * m)."""
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
 
 
 def model_states(lay: Layout, *, param_bytes: float, grad_bytes: float, optim_bytes: float,
@@ -135,10 +180,12 @@ def model_states(lay: Layout, *, param_bytes: float, grad_bytes: float, optim_by
     optim = optim_bytes / (shard if lay.strategy != "ddp" else 1)
     if lay.strategy == "zero1" and zero1_optim is not None:
         optim = zero1_optim
+    half = 0.5 if lay.pure_half else 1.0  # fsdp_param_dtype bf16/fp16: 2-byte gathered copies of 4-byte parameters
     if lay.strategy == "zero2":  # FSDP2 without reshard: every unit stays gathered forward to backward
-        temp = param_bytes - params + unit_bytes  # gathered parameters + one unsharded gradient (reduce-scatter)
+        # gathered parameters (fp32: the shard is part of them) + one unsharded gradient (reduce-scatter)
+        temp = (half * param_bytes if lay.pure_half else param_bytes - params) + unit_bytes
     elif lay.strategy == "fsdp":  # the unit in use and the one prefetched, one unsharded gradient
-        temp = 3 * unit_bytes
+        temp = (2 * half + 1) * unit_bytes
     else:  # DDP: one bucket under all-reduce; without bucket views the buckets copy every gradient
         temp = lay.bucket_cap_mb * 2**20 + (0 if lay.gradient_as_bucket_view else grads)
     host = 0.0
@@ -147,20 +194,33 @@ def model_states(lay: Layout, *, param_bytes: float, grad_bytes: float, optim_by
     return {"params": params, "grads": grads, "optimizer": optim, "temporary": temp, "host": host}
 
 
-def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: int, first: bool,
+def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list[int], first: bool,
                   last: bool, stage: int) -> dict[str, float]:
-    n = _rank_params(c, layers=layers, first=first, last=last, tp=lay.tp)
+    n = _rank_params(c, layers=sum(layers), first=first, last=last, tp=lay.tp)
     k = optimizer_bytes(lay.optimizer, master=False)
     unit = 4 * (max(c.block_linear // lay.tp + c.block - c.block_linear,
                     (c.embedding + c.head) // lay.tp + c.final_norm))
     states = model_states(lay, param_bytes=4 * n, grad_bytes=4 * n, optim_bytes=k * n, unit_bytes=unit)
     params, grads, optim, temp, host = (states[key] for key in ("params", "grads", "optimizer", "temporary", "host"))
     m = max(1, lay.pp_microbatches)
-    in_flight = m if lay.pp_schedule == "gpipe" or lay.pp == 1 else min(m, lay.pp - stage)
-    per_micro = activation_bytes(cfg, batch=math.ceil(lay.micro_batch / m), seq=lay.seq, precision=lay.precision,
-                                 checkpointing=lay.checkpointing, n_layers=layers,
-                                 outside=last)
-    acts = in_flight * per_micro / lay.tp  # tp: an approximation (sequence parallel, split heads/FFN)
+    in_flight = pipeline_in_flight(lay, stage)
+    batch = math.ceil(lay.micro_batch / m)
+    pdt = lay.param_dtype if lay.pure_half else None
+    chunk = sum(layers) / len(layers)  # blocks per stage of this rank (an even split: all the same)
+    kept_i, work_i = activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
+                                      checkpointing=lay.checkpointing, n_layers=1, outside=False, param_dtype=pdt)
+    kept, work = float(kept_i), float(work_i)
+    outside = float(activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision, n_layers=0,
+                                     param_dtype=pdt)[0]) if last else 0.0
+    rep = replicated_block_bytes(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
+                                 checkpointing=lay.checkpointing, param_dtype=pdt)
+    if lay.tp > 1:  # sequence parallel: all of it on 1/tp of the sequence; else the norms' part replicated
+        kept = kept / lay.tp if lay.sequence_parallel else rep + (kept - rep) / lay.tp
+        work, outside = work / lay.tp, outside / lay.tp
+    # the last stage's outside part (final norm, head, loss) for each of its micro-batches in flight
+    acts = in_flight * chunk * kept + work + (min(in_flight, m) * outside if last else 0)
+    if last:
+        temp += loss_backward_bytes(cfg, batch=batch, seq=lay.seq)
     total = params + grads + optim + acts + temp + lay.overhead
     return {"params": params, "grads": grads, "optimizer": optim, "activations": acts,
             "temporary": temp, "overhead": lay.overhead, "total": total, "host": host,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from dptrain.config.fields import ConfigError
 from dptrain.config.resolve import resolve
-from dptrain.metrics.hardware import GpuSpec, gpu_spec
+from dptrain.metrics.hardware import GpuSpec, gpu_spec, with_memory
 from dptrain.tools.plan.calibrate import cpu_spec
 from dptrain.tools.plan.memory import FRAMEWORK_OVERHEAD, STRATEGIES, Layout, layout_memory
 from dptrain.tools.plan.timing import Link, step_time
@@ -25,10 +25,11 @@ if TYPE_CHECKING:  # the planner imports no torch at import time (`dptrain --hel
 LLAMA = "dptrain.models.llama:build_llama"
 
 
-def device_spec(gpu_type: str, *, ranks_per_host: int) -> GpuSpec:
-    """The table's GPU, or (`cpu`) this machine's CPU measured for `ranks_per_host` ranks."""
+def device_spec(gpu_type: str, *, ranks_per_host: int, gpu_memory: float | None = None) -> GpuSpec:
+    """The table's GPU (`gpu_memory` GB instead of the table's size, when given), or (`cpu`) this machine's CPU
+    measured for `ranks_per_host` ranks."""
     if gpu_type.lower() != "cpu":
-        return gpu_spec(gpu_type)
+        return with_memory(gpu_spec(gpu_type), gpu_memory)
 
     return cpu_spec(ranks_per_host=ranks_per_host)
 
@@ -46,6 +47,7 @@ def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int, cpu: bool =
                   grad_dtype=p.grad_compression if p.grad_compression in ("fp16", "bf16") else None,
                   grad_compression=p.grad_compression, powersgd_rank=p.powersgd_rank,
                   param_dtype=p.fsdp_param_dtype, reduce_dtype=p.fsdp_reduce_dtype,
+                  sequence_parallel=p.sequence_parallel, pp_stages_per_rank=p.pp_stages_per_rank,
                   overhead=0.0 if cpu else FRAMEWORK_OVERHEAD)
 
 
@@ -71,7 +73,8 @@ class Prediction:
 
 
 def predict(
-    cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: str, comm: Link | None, efficiency: float
+    cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: str, comm: Link | None,
+    efficiency: float | None, gpu_memory: float | None = None
 ) -> Prediction:
     """Memory and time per step of `cfg` on `gpus` ranks over `nodes` (ConfigError if dptrain refuses it)."""
     # lazy: torch: the built-in LLaMA's config class (models/llama.py imports torch)
@@ -83,7 +86,7 @@ def predict(
             f"model.factory={cfg.model.factory!r}; give --params N for its model states"
         )
     resolved = resolve_for_plan(cfg, gpus=gpus, gpu_type=gpu_type)
-    spec = device_spec(gpu_type, ranks_per_host=gpus // nodes)
+    spec = device_spec(gpu_type, ranks_per_host=gpus // nodes, gpu_memory=gpu_memory)
     model = LlamaConfig(**cfg.model.kwargs)
     lay = layout_from_config(
         cfg, resolved, seq=int(cfg.data.kwargs.get("seq_len", model.max_seq_len)), cpu=spec.key == "cpu"
@@ -108,7 +111,8 @@ def scaling_points(gpus: int, nodes: int) -> list[tuple[int, int]]:
 
 
 def scaling(
-    cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: str, comm: Link | None, efficiency: float
+    cfg: Config, *, gpus: int, nodes: int, gpu_type: str, interconnect: str, comm: Link | None,
+    efficiency: float | None, gpu_memory: float | None = None
 ) -> list[dict[str, Any]]:
     """One row per point of `scaling_points`: the prediction, or why dptrain refuses that world size.
     Efficiency is tokens/s per rank over tokens/s at 1 rank (the first point)."""
@@ -119,7 +123,8 @@ def scaling(
         row: dict[str, Any] = {"ranks": n, "nodes": k}
         try:
             pr = predict(
-                cfg, gpus=n, nodes=k, gpu_type=gpu_type, interconnect=interconnect, comm=comm, efficiency=efficiency
+                cfg, gpus=n, nodes=k, gpu_type=gpu_type, interconnect=interconnect, comm=comm, efficiency=efficiency,
+                gpu_memory=gpu_memory,
             )
         except ConfigError as e:
             rows.append({**row, "refused": str(e)})

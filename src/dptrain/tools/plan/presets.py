@@ -17,6 +17,8 @@ checks that `LlamaLM` with these kwargs has exactly that many parameters. Source
   4096, 32 layers, 32 heads, 8 kv-heads, FFN 14336; 70B = 8192, 80, 64, 8, 28672; vocabulary
   128256 (the HF config; the paper: 128K), RoPE base 500000), pre-trained at 8192 tokens
   (torchtitan's Llama 3 recipes use the same sequence length).
+- llama3-405b: Llama 3.1 405B (same paper, table 3: dim 16384, 126 layers, 128 heads, 8 kv-heads, FFN
+  53248; the HF config of meta-llama/Llama-3.1-405B), pre-trained at 8192 tokens.
 
 Plain data: importing this module imports no torch.
 """
@@ -58,6 +60,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            8_030_261_248, "The Llama 3 Herd of Models (2024) table 3; HF meta-llama/Llama-3.1-8B: 8.03B"),
     Preset("llama3-70b", _llama(8192, 80, 64, 28672, kv=8, vocab=128256, ctx=8192, theta=500000.0), 8192,
            70_553_706_496, "The Llama 3 Herd of Models table 3; HF meta-llama/Llama-3.1-70B: 70.6B"),
+    Preset("llama3-405b", _llama(16384, 126, 128, 53248, kv=8, vocab=128256, ctx=8192, theta=500000.0), 8192,
+           405_853_388_800, "The Llama 3 Herd of Models table 3; HF meta-llama/Llama-3.1-405B: 405.9B"),
 ]}
 
 

@@ -95,7 +95,7 @@ def global_batch(args: argparse.Namespace, cfg: Config, model: LlamaConfig) -> i
     return g
 
 
-def recommend(args: argparse.Namespace, *, comm: Link | None, efficiency: tuple[float, str]) -> int:
+def recommend(args: argparse.Namespace, *, comm: Link | None, efficiency: tuple[float | None, str]) -> int:
     """Search, print the table and the rejections, and with `--write` write the winner."""
     # lazy: torch: the built-in LLaMA's config class (models/llama.py imports torch)
     from dptrain.models.llama import LlamaConfig
@@ -111,7 +111,7 @@ def recommend(args: argparse.Namespace, *, comm: Link | None, efficiency: tuple[
     model = LlamaConfig(**cfg.model.kwargs)
     seq = int(cfg.data.kwargs.get("seq_len", model.max_seq_len))
     g = global_batch(args, cfg, model)
-    spec = device_spec(args.gpu_type, ranks_per_host=args.gpus // args.nodes)
+    spec = device_spec(args.gpu_type, ranks_per_host=args.gpus // args.nodes, gpu_memory=args.gpu_memory)
     start = time.perf_counter()
     result = search(cfg, model, spec, gpus=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
                     global_batch=g, seq=seq, efficiency=efficiency[0], comm=comm)
@@ -129,7 +129,7 @@ def recommend(args: argparse.Namespace, *, comm: Link | None, efficiency: tuple[
 
 def distinct(ranked: list[Ranked]) -> list[tuple[Ranked, str]]:
     """The ranked layouts with their labels, a `selective` one folded into the `none` one just before
-    it when both predictions are the same (the planner counts selective as none)."""
+    it when both predictions are the same."""
     rows: list[tuple[Ranked, str]] = []
     for r in ranked:
         if rows and r.cand.checkpointing == "selective":
@@ -155,7 +155,7 @@ def result_tokens(r: Ranked) -> float:
 
 
 def report(args: argparse.Namespace, spec: GpuSpec, cfg: Config, model: LlamaConfig, result: SearchResult, *,
-           elapsed: float, efficiency: tuple[float, str]) -> str:
+           elapsed: float, efficiency: tuple[float | None, str]) -> str:
 
     n_fit, n_mem = len(result.ranked), sum(r.memory is not None for r in result.rejected)
     total = n_fit + len(result.rejected)
@@ -163,7 +163,8 @@ def report(args: argparse.Namespace, spec: GpuSpec, cfg: Config, model: LlamaCon
     lines = [f"recommendation for {name}({param_counts(model).total:,} parameters) on {args.gpus} x {spec.name} "
              f"({args.nodes} node(s) x {args.gpus // args.nodes}, {args.interconnect}); global batch "
              f"{result.global_batch} x {result.seq} tokens; {cfg.precision.dtype}, {cfg.optim.name}; compute at "
-             f"{efficiency[0]:.3g} x the dense peak ({efficiency[1]})"
+             + (f"{efficiency[0]:.3g} x the dense peak ({efficiency[1]})" if efficiency[0] is not None else
+                f"the share of the dense peak {efficiency[1]}")
              + (f"; data-parallel link measured, {args.comm}" if args.comm else ""),
              f"searched {total:,} layouts in {elapsed:.1f} s: {n_fit:,} fit, {len(result.rejected) - n_mem:,} refused "
              f"by dptrain's config checks, {n_mem:,} do not fit {spec.memory_gb:g} GB",
@@ -172,8 +173,7 @@ def report(args: argparse.Namespace, spec: GpuSpec, cfg: Config, model: LlamaCon
     lines += [_row(i, r, label, args.gpus) for i, (r, label) in enumerate(distinct(result.ranked)[:args.top], 1)]
     if not result.ranked:
         lines.append("  (none fits)")
-    lines.append("+comm: exposed communication, cpu_offload's copies and host optimizer step (plan/timing.py); "
-                 "selective checkpointing is counted as none (memory and time): such pairs share a row")
+    lines.append("+comm: exposed communication, cpu_offload's copies and host optimizer step (plan/timing.py)")
     if result.rejected:
         lines.append("rejected, by reason (count: reason; examples):")
     for reason, items in rejected_groups(result.rejected):

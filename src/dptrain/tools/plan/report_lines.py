@@ -21,11 +21,22 @@ def memory_lines(mem: dict[str, float], spec: GpuSpec) -> list[str]:
     return lines
 
 
+def efficiency_text(value: float, source: str) -> str:
+    """`compute at E x the dense peak, SOURCE`."""
+    return f"compute at {value:.3g} x the dense peak, {source}"
+
+
+def gpu_lines(spec: GpuSpec) -> list[str]:
+    """What the table says is estimated about the GPU (e.g. the 96 GB H100's peak)."""
+    return [f"note on {spec.name}: {spec.note}"] if spec.note else []
+
+
 def time_lines(args: argparse.Namespace, t: dict[str, float], *, comm: Any,
-               efficiency: tuple[float, str]) -> list[str]:
+               efficiency: tuple[float | None, str]) -> list[str]:
     """The time part of a layout report (`step_time` / `profile_step_time`'s result)."""
     link = "measured, " + args.comm if comm else f"{args.interconnect} datasheet"
-    lines = [f"time per step (alpha-beta model; compute at {efficiency[0]:.3g} x the dense peak, {efficiency[1]}; "
+    used = efficiency[0] if efficiency[0] is not None else t.get("efficiency", 0.0)
+    lines = [f"time per step (alpha-beta model; {efficiency_text(used, efficiency[1])}; "
              f"{args.nodes} node(s), data-parallel link {link}):",
              f"  compute {t['compute']:.4g} s, data-parallel comm {t['dp_comm']:.4g} s of which exposed "
              f"{t['exposed_comm']:.4g} s, tensor-parallel comm {t['tp_comm']:.4g} s, pipeline transfers (exposed) "

@@ -228,7 +228,7 @@ def search(
     interconnect: str,
     global_batch: int,
     seq: int,
-    efficiency: float,
+    efficiency: float | None,
     comm: Link | None = None,
 ) -> SearchResult:
     """Rank every candidate layout (module docstring); `base` is the user's config (built-in LLaMA)."""

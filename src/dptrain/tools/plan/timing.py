@@ -42,8 +42,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dptrain.metrics.hardware import GpuSpec
+from dptrain.tools.plan.efficiency import SUSTAINED, Dims, modelled_efficiency
 from dptrain.tools.plan.llama import param_counts, param_shapes
-from dptrain.tools.plan.memory import Layout
+from dptrain.tools.plan.memory import Layout, pipeline_bubble
 
 if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
     from dptrain.models.llama import LlamaConfig
@@ -80,13 +81,18 @@ def bubble_fraction(pp: int, microbatches: int) -> float:
     return (pp - 1) / (microbatches + pp - 1)
 
 
-def links(spec: GpuSpec, *, nodes: int, interconnect: str, spans_nodes: bool) -> Link:
+def links(spec: GpuSpec, *, nodes: int, interconnect: str, spans_nodes: bool, per_node: int = 1) -> Link:
     """The ring's slowest link: inside a node NVLink (or PCIe without it), across nodes the
-    interconnect. Datasheet bandwidths are both directions together: halved."""
+    interconnect. Datasheet bandwidths are both directions together: halved. Across nodes with
+    `per_node` GPUs each holding a NIC, NCCL runs one ring channel per NIC, each carrying 1/per_node
+    of the data over its own NIC: the node's NICs together, at most the GPU's intra-node link."""
     if interconnect not in INTERCONNECT_CHOICES:
         raise ValueError(f"unknown interconnect {interconnect!r} (valid: {', '.join(INTERCONNECT_CHOICES)})")
     if nodes > 1 and spans_nodes:
         bw, alpha = INTERCONNECTS.get(interconnect, INTERCONNECTS["ib"])
+        if per_node > 1:
+            inside = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False).bandwidth
+            bw = min(bw * per_node, max(bw, inside))
         return Link(bw, alpha)
     if interconnect == "pcie" or not spec.nvlink_gbps:
         return Link(spec.pcie_gbps * 1e9 / 2, INTRA_ALPHA["pcie"])
@@ -222,27 +228,47 @@ def pipeline_p2p_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int
     return accum * 2 * (lay.pp - 1) * (link.alpha + nbytes / link.bandwidth)
 
 
+def layout_efficiency(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, flops_per_token: float) -> float:
+    """The share of the dense peak a micro-batch of the built-in LLaMA reaches on `spec` under `lay`, from
+    plan/efficiency.py (GEMM shapes, attention, memory-bound ops) x `SUSTAINED` (plan/published.py)."""
+    assert cfg.n_kv_heads is not None and cfg.ffn_hidden is not None
+    if not spec.hbm_gbps:  # the CPU as a device, or a GPU without the table's bandwidth: no model, state one
+        raise ValueError(f"{spec.name} has no memory bandwidth in metrics/hardware.py: give --efficiency or "
+                         "--calibrate")
+    dims = Dims(d=cfg.dim, q=cfg.n_heads * cfg.head_dim, kv=cfg.n_kv_heads * cfg.head_dim, f=cfg.ffn_hidden,
+                vocab=cfg.vocab_size, layers=cfg.n_layers, heads=cfg.n_heads)
+    batch = max(1, lay.micro_batch // max(1, lay.pp_microbatches))
+    eff, _ = modelled_efficiency(dims, spec, flops_per_token=flops_per_token, batch=batch, seq=lay.seq, tp=lay.tp,
+                                 sequence_parallel=lay.sequence_parallel, precision=lay.precision,
+                                 checkpointing="selective" if lay.checkpointing == "selective" else "none")
+    return eff * SUSTAINED
+
+
 def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
-              accum: int, efficiency: float, comm: Link | None = None) -> dict[str, float]:
+              accum: int, efficiency: float | None, comm: Link | None = None) -> dict[str, float]:
     """Predicted seconds per optimizer step, its parts, and tokens/s over all GPUs. `comm`: a
-    measured data-parallel link (plan/calibrate.py) instead of the datasheet's."""
-    if not efficiency > 0:  # a calibrated one may exceed 1 slightly (plan/calibrate.py); --efficiency is (0, 1]
-        raise ValueError(f"efficiency={efficiency} must be > 0")
+    measured data-parallel link (plan/calibrate.py) instead of the datasheet's. `efficiency` None:
+    modelled (`layout_efficiency`); the result's "efficiency" says which was used."""
     c = param_counts(cfg)
     nonemb = c.total - (0 if cfg.tie_embeddings else c.embedding)
     fpt = 6 * nonemb + 12 * cfg.n_layers * cfg.dim * lay.seq
     dtype = lay.precision if lay.precision != "fp32" else "tf32"
     peak = spec.peaks.get(dtype) or spec.peaks["fp32"]
+    if efficiency is None:  # modelled from what is computed (plan/efficiency.py)
+        efficiency = layout_efficiency(cfg, lay, spec, flops_per_token=fpt)
+    if not efficiency > 0:  # a calibrated one may exceed 1 slightly (plan/calibrate.py); --efficiency is (0, 1]
+        raise ValueError(f"efficiency={efficiency} must be > 0")
     tokens = lay.micro_batch * lay.seq * accum  # per model replica per step
     compute = tokens * fpt / (lay.tp * lay.pp) / (peak * efficiency)
     if lay.checkpointing == "full":
         compute *= 4 / 3
     m = max(1, lay.pp_microbatches)
-    compute /= 1 - bubble_fraction(lay.pp, m)
+    compute /= 1 - pipeline_bubble(lay.pp, m, lay.pp_stages_per_rank)
     dp = gpus // (lay.tp * lay.pp)
     per_node = max(1, gpus // nodes)
     overlap = spec.key != "cpu"
-    dp_link = comm or links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node)
+    dp_link = comm or links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node,
+                            per_node=per_node)
     replica = c.total / (lay.tp * lay.pp)  # parameters of one replica's share of the model
     dp_comm, exposed = _dp_comm(lay, params=replica, units=c.n_layers / lay.pp + 1, shapes=param_shapes(cfg),
                                 dp=dp, link=dp_link, compute_micro=compute / accum, accum=accum,
@@ -257,7 +283,8 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
     return {"compute": compute, "dp_comm": dp_comm, "exposed_comm": exposed, "tp_comm": tp_comm, "pp_comm": pp_comm,
             "offload": offload,
             "step": step,
-            "tokens_per_s": tokens * dp / step, "flops_per_token": fpt, "mfu": tokens * dp * fpt / step / gpus / peak}
+            "tokens_per_s": tokens * dp / step, "flops_per_token": fpt, "mfu": tokens * dp * fpt / step / gpus / peak,
+            "efficiency": efficiency}
 
 
 def profile_step_time(prof: ModelProfile, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
@@ -274,7 +301,7 @@ def profile_step_time(prof: ModelProfile, lay: Layout, spec: GpuSpec, *, gpus: i
     flops = accum * prof.training_flops(lay.checkpointing)  # per rank per step
     compute = flops / (peak * efficiency)
     per_node = max(1, gpus // nodes)
-    link = comm or links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node)
+    link = comm or links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node, per_node=per_node)
     dp_comm, exposed = _dp_comm(lay, params=prof.params, units=max(1, prof.units), shapes=None, dp=gpus, link=link,
                                 compute_micro=compute / accum, accum=accum,
                                 overlap=spec.key != "cpu") if gpus > 1 else (0.0, 0.0)

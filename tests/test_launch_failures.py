@@ -169,13 +169,16 @@ def test_sigkill_of_rank_1_with_restarts_recovers_without_a_traceback(tmp_path):
 
 # -------------------------------------------------------------------------------------------- NaN loss
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("policy", ["error", "skip"])
-def test_nan_loss_ends_with_the_policy_report(tmp_path, policy):
+@pytest.mark.parametrize(("policy", "restarts"), [("error", "2"), ("skip", "0")])
+def test_nan_loss_ends_with_the_policy_report(tmp_path, policy, restarts):
+    """Exit 4 with one report; under launch.max_restarts the stop is final: torchrun restarts nothing."""
     out = tmp_path / "run"
     code, output, _ = dptrain_run(out, "train.loss=test_launch_failures:nan_loss", f"diagnostics.nonfinite={policy}",
-                                  "diagnostics.max_consecutive_skips=2", "train.max_steps=6", nproc=2)
+                                  "diagnostics.max_consecutive_skips=2", "train.max_steps=6",
+                                  f"launch.max_restarts={restarts}", nproc=2)
     assert code == 4, output[-3000:]
     no_traceback(output)
+    assert "restart" not in output.lower(), output[-3000:]
     assert "FAILED" not in output  # no torchrun failure report either
     stop = [ln for ln in output.splitlines() if ln.startswith("dptrain: stopped: ")]
     assert len(stop) == 1 and f"step {1 if policy == 'error' else 2}:" in stop[0], output[-3000:]

@@ -17,21 +17,32 @@ from typing import Any
 EXIT_MARKS_ENV = "DPTRAIN_EXIT_MARKS"
 
 
-def mark_exit(code: int, reason: str, *, detail: str = "") -> None:
+def mark_exit(code: int, reason: str, *, detail: str = "", final: bool = False) -> bool:
     """Record that this process is about to exit with `code` because of dptrain. `reason`: what stopped it, as a
     noun phrase (the launcher says "dptrain: stopped by the <reason>: rank 0 (exit 3), ...; see <detail>"), e.g.
-    "hang watchdog"; `detail`: where to read more. Nothing outside a dptrain launcher; never raises."""
+    "hang watchdog"; `detail`: where to read more. `final`: a status that a restart cannot change (the
+    non-finite policy, bad input): the process then exits 0 so that torchrun does not restart it, and the
+    launcher exits with `code` (see `final_status`). Whether a mark was written: nothing outside a dptrain
+    launcher; never raises."""
     folder = os.environ.get(EXIT_MARKS_ENV)
     if not folder:
-        return
+        return False
     rank = os.environ.get("RANK", "0")
     path = Path(folder) / f"rank_{rank}.json"
     try:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"code": code, "reason": reason, "detail": detail}))
+        tmp.write_text(json.dumps({"code": code, "reason": reason, "detail": detail, "final": final}))
         os.replace(tmp, path)
     except OSError:
-        pass  # a mark is a courtesy to the launcher's message; the exit goes ahead regardless
+        return False  # a mark is a courtesy to the launcher's message; the exit goes ahead regardless
+    return True
+
+
+def clear_exit_mark() -> None:
+    """Remove this rank's mark left by an earlier attempt (torchrun restarts workers under the same launcher)."""
+    folder = os.environ.get(EXIT_MARKS_ENV)
+    if folder:
+        Path(folder, f"rank_{os.environ.get('RANK', '0')}.json").unlink(missing_ok=True)
 
 
 def read_exit_marks(folder: str | Path | None) -> dict[int, dict[str, Any]]:
@@ -45,3 +56,10 @@ def read_exit_marks(folder: str | Path | None) -> dict[int, dict[str, Any]]:
         except (OSError, ValueError):
             continue
     return out
+
+
+def final_status(marks: dict[int, dict[str, Any]]) -> int | None:
+    """The status the workers chose as final (`mark_exit(..., final=True)`), if any: the launcher's exit code
+    after torchrun saw every worker exit 0."""
+    codes = [int(m["code"]) for _, m in sorted(marks.items()) if m.get("final")]
+    return codes[0] if codes else None

@@ -25,7 +25,7 @@ from dptrain.checkpoint import manifest as mf
 from dptrain.config import LaunchConfig
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, torchrun_nnodes
 from dptrain.config.resolve import parse_endpoint
-from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, read_exit_marks
+from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, final_status, read_exit_marks
 
 EXIT_RENDEZVOUS = 2
 """The rendezvous did not complete (nobody hosts it, a node never came, its port is taken): one line, no worker ran."""
@@ -139,6 +139,9 @@ def run_torchrun(
         marks = read_exit_marks(marks_dir)  # which ranks' statuses dptrain chose (distributed/exit_marks.py)
         if not own_workers:
             return _script_failed(e, args, marks)
+        final = final_status(marks)
+        if final is not None:  # a rank stopped for good (its line is above); the others only lost it
+            return final
         if codes == {EXIT_PREEMPTED}:
             print("dptrain: preempted (SIGTERM): the last finished step is checkpointed", file=sys.stderr)
             return EXIT_PREEMPTED
@@ -161,6 +164,10 @@ def run_torchrun(
         print(e.format_msg(), file=sys.stderr)
         print(f"dptrain: worker(s) failed: {failures}", file=sys.stderr)
         return 1
+    else:  # every worker exited 0; a final stop (bad input, the non-finite policy) said its status in a mark
+        final = final_status(read_exit_marks(marks_dir))
+        if final is not None:
+            return final  # the workers said why (one line, above); torchrun did not restart them
     finally:
         interrupts.restore()
         if waiting is not None:

@@ -3,7 +3,8 @@
 
 The launcher has already resolved and validated the config and written it to `--config` (RUN_DIR/
 config.pending.yaml); rank 0 writes RUN_DIR/config.yaml once the run has trained its first step.
-Exit codes: 0 done, 130 interrupted (Ctrl-C) and 143 preempted (SIGTERM), both with a checkpoint of the last
+Exit codes (a final stop exits 0 under a dptrain launcher, with a final exit mark carrying its code: see `final`):
+0 done, 130 interrupted (Ctrl-C) and 143 preempted (SIGTERM), both with a checkpoint of the last
 finished step committed; 2 a ConfigError only the run could find (e.g. a loss that is not a scalar); 4 stopped
 by `diagnostics.nonfinite` (error, or too many consecutive skips; recorded in diagnostics.jsonl); 1 any other failure,
 with one line instead of a traceback when this rank only lost a peer (the rank that died is the root cause).
@@ -18,6 +19,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from dptrain.distributed.exit_marks import clear_exit_mark, mark_exit
 
 EXIT_INTERRUPTED = 130  # = dptrain.checkpoint.preempt.EXIT_INTERRUPTED (not imported: it imports torch)
 EXIT_PREEMPTED = 143
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
     p.add_argument("--trust-checkpoint", action="store_true")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     run_dir = Path(args.run_dir)
+    clear_exit_mark()  # an earlier attempt's, under launch.max_restarts
     if os.environ.get("RANK", "0") == "0":  # rank 0's console, copied to RUN_DIR/console.log
         # lazy: torch: after the SIGINT handler is installed (main)
         from dptrain.metrics.console_log import console_log
@@ -108,12 +112,12 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
         trainer.ckpt.record_error(traceback.format_exc())
         if trainer.env.is_main:
             print(f"dptrain: error: {e}", file=sys.stderr)
-        return 2
+        return final(2, "bad input")
     except NonFiniteError as e:  # the policy's report: recorded in diagnostics.jsonl, one line, exit 4
         trainer.ckpt.record_error(f"NonFiniteError: {e}")
         if trainer.env.is_main:
             print(f"dptrain: stopped: {e}; recorded in {run_dir / 'diagnostics.jsonl'}", file=sys.stderr)
-        return EXIT_NONFINITE
+        return final(EXIT_NONFINITE, "non-finite policy", detail=str(run_dir / "diagnostics.jsonl"))
     except Exception as e:
         if peer_lost(e):  # another rank died (its own failure is the root cause): one line, not a traceback
             line = f"{type(e).__name__}: {first_line(e)}"
@@ -133,6 +137,13 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
     if summary.get("preempted"):
         return EXIT_INTERRUPTED if summary.get("interrupted") else EXIT_PREEMPTED
     return 0
+
+
+def final(code: int, reason: str, *, detail: str = "") -> int:
+    """This worker's exit status for a stop that a restart would only repeat (bad input, the non-finite policy):
+    under a dptrain launcher, 0 with a final exit mark (torchrun restarts failed workers under
+    launch.max_restarts; the launcher then exits with `code`); `code` itself elsewhere."""
+    return 0 if mark_exit(code, reason, detail=detail, final=True) else code
 
 
 def peer_lost(error: BaseException) -> bool:

@@ -106,7 +106,7 @@ def test_rendezvous_port_taken_by_another_program_is_named(tmp_path, listen):
     assert "held by another program" in line or "no rendezvous store answered there" in line, line
     if listen and "held by another program" in line:
         assert f"pid {os.getpid()}" in line
-    assert took < JOIN_TIMEOUT_S + 30
+    assert took < 20, took  # refused before launch, not after the join timeout
     assert not (tmp_path / "run" / "config.pending.yaml").exists()
 
 

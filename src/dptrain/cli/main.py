@@ -256,6 +256,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_workers_fit(local_world_size(cfg.launch))  # `--nproc-per-node 4096`: said before the batch arithmetic
     validate(cfg)  # before anything imports torch: a refusal is instant
     check_rdzv_endpoint(cfg.launch.rdzv_endpoint)  # an unknown host: said now, not after torchrun's retries
+    launch.check_rdzv_port(cfg.launch.rdzv_endpoint)  # a port another program holds: said now, not after join_timeout
     run_dir = Path(default_out_dir(cfg))
     check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")
     if cfg.checkpoint.dir is not None:
@@ -385,6 +386,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 0
     _check_nproc_option(args.argv)
     _check_script(args.argv)
+    opts = launch.torchrun_options(args.argv)
+    launch.check_rdzv_port(launch.option_value(opts, "--rdzv-endpoint", "--rdzv_endpoint"))
     argv = launch.user_script_args(args.argv, default_nproc=local_world_size(LaunchConfig()))
     argv = launch.record_failures(argv)  # the script's traceback reaches torchrun's failure report
     return launch.run_torchrun(argv, restarts=_wants_restarts(argv), own_workers=False)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.config import LaunchConfig
+from dptrain.config import ConfigError, LaunchConfig
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, torchrun_nnodes
 from dptrain.config.resolve import parse_endpoint
 from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, final_status, read_exit_marks
@@ -277,6 +277,18 @@ def port_holder(endpoint: str) -> str | None:
                 if e.errno == errno.EADDRINUSE:
                     return "a program on this machine that binds it without listening"
     return None
+
+
+def check_rdzv_port(endpoint: str | None) -> None:
+    """Refuse at once a rendezvous endpoint whose port on this machine another program holds (torchrun would
+    connect to it as to a store and wait out its join timeout)."""
+    holder = port_holder(endpoint) if endpoint else None
+    if holder is not None:
+        raise ConfigError(
+            f"launch.rdzv_endpoint={endpoint!r}: its port is held by another program on this machine, {holder}, "
+            "which is not a torch.distributed store; pick a free port for launch.rdzv_endpoint (the same on every "
+            "node) or stop that program"
+        )
 
 
 def last_saved(ckpt_root: Path | None) -> str:

@@ -64,7 +64,7 @@ def test_missing_keys_take_deepspeeds_defaults_and_are_listed() -> None:
     assert (o.name, o.weight_decay, o.betas, o.eps, o.schedule, o.warmup_steps) == (
         "adamw", 0.0, (0.9, 0.999), 1e-8, "constant", 0)
     assert cfg.precision.growth_interval == 1000 and cfg.precision.init_scale == 2.0**16
-    assert cfg.optim.grad_clip is None  # DeepSpeed's gradient_clipping default is 0 (off)
+    assert cfg.optim.grad_clip == 1.0  # DeepSpeed's gradient_clipping default since 0.19.3
     assert any("no batch size given" in n for n in m.notes)
     listed = {k for k, _, _ in m.defaults}
     assert {"optimizer.params.weight_decay", "optimizer.params.betas", "scheduler",
@@ -131,9 +131,13 @@ def test_lenient_enabled_flags_are_read_with_a_note(flag, on) -> None:
             r"stage=1 is not supported.*use stage 2",
         ),
         (
-            {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}},
-            r"warmup_type='cos' is not valid; use log or linear",
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": None}}},
+            r"warmup_num_steps=None is not valid: warmup_num_steps must be a positive integer",
         ),
+        ({"gradient_accumulation_steps": 4}, r"Either train_batch_size or train_micro_batch_size_per_gpu needs"),
+        ({"elasticity": {"enabled": True}}, r"elasticity is not supported: DeepSpeed removed elastic.*launch.nnodes"),
+        ({"gradient_allreduce_op": "sum"}, r"gradient_allreduce_op='sum' is not supported: dptrain averages"),
+        ({"gradient_allreduce_op": "max"}, r"gradient_allreduce_op='max' is not valid; use mean or sum"),
         (
             {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1.5}}},
             r"warmup_num_steps=1.5 is not valid",
@@ -150,7 +154,8 @@ def test_type_errors_name_key_value_and_choices(ds, pattern) -> None:
 @pytest.mark.fast
 def test_pipeline_and_tensor_parallel_sections_map_to_the_layout() -> None:
     """DeepSpeed's pipeline engine streams gradient_accumulation_steps micro-batches through one schedule:
-    dptrain pipelines the same rows (one micro-step, pp_microbatches = GAS), tensor_parallel.autotp_size -> tp."""
+    dptrain pipelines the same rows (one micro-step split into pipeline micro-batches of DeepSpeed's micro-batch
+    rows, so their count is the derived GAS), tensor_parallel.autotp_size -> tp."""
     d, unknown = from_deepspeed(
         {
             "train_micro_batch_size_per_gpu": 4,
@@ -159,7 +164,7 @@ def test_pipeline_and_tensor_parallel_sections_map_to_the_layout() -> None:
             "tensor_parallel": {"autotp_size": 2},
         }
     )
-    assert d["parallel"] == {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 8, "tp": 2}
+    assert d["parallel"] == {"pp": 2, "pp_schedule": "1f1b", "pp_microbatch_size": 4, "tp": 2}
     assert (d["train"]["micro_batch_size"], d["train"]["grad_accum_steps"]) == (32, 1)
     assert [u.split("=")[0] for u in unknown] == ["pipeline.partition"]
     d, unknown = from_deepspeed({"pipeline": {"activation_checkpoint_interval": 1}})  # no stages: not pipelined

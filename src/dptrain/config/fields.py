@@ -141,8 +141,8 @@ class OptimConfig:
     """Learning rate at the start of warmup as a fraction of the peak (DeepSpeed: warmup_min_lr / warmup_max_lr or
     warmup_min_ratio)."""
     schedule: str = "cosine"
-    """After warmup: cosine (to min_lr_ratio * lr), linear (likewise) or constant; or DeepSpeed's onecycle / lr_range_test
-    (OneCycle, LRRangeTest: their own parameters in schedule_params, warmup unused)."""
+    """After warmup: cosine (to min_lr_ratio * lr), linear (likewise) or constant; or DeepSpeed's onecycle or
+    lr_range_test (OneCycle, LRRangeTest: their own parameters in schedule_params, warmup unused)."""
     schedule_params: dict[str, Any] = field(default_factory=dict)
     """onecycle / lr_range_test only: DeepSpeed's parameters under DeepSpeed's names (cycle_min_lr, cycle_max_lr,
     cycle_first_step_size, ...; lr_range_test_min_lr, lr_range_test_step_size, ...), absolute learning rates;

@@ -53,9 +53,14 @@ def fp16_scaler(b: dict[str, Any], m: DeepSpeedMapping) -> None:
     b.pop("enabled", None)
     m.put("fp16.enabled", "precision.loss_scaler", "deepspeed")
     values: dict[str, Any] = {}
+    static = b.get("loss_scale", 0) not in (0, 0.0, "auto")
     for k, (target, dflt) in FP16_FIELDS.items():
         given = k in b
         v = b.pop(k) if given else dflt
+        if static and k != "loss_scale":  # a static scale: DeepSpeed neither checks nor uses the dynamic settings
+            if given:
+                m.ignored.append(f"fp16.{k}={v!r} (a static loss_scale is set)")
+            continue
         key = f"fp16.{k}"
         if k == "consecutive_hysteresis":
             if not isinstance(v, bool):
@@ -72,7 +77,7 @@ def fp16_scaler(b: dict[str, Any], m: DeepSpeedMapping) -> None:
             v = number(key, v, integer=k != "min_loss_scale")
         values[k] = v
         (m.put if given else m.default)(key, target, float(2**v) if k == "initial_scale_power" else v)
-    if values["loss_scale"] == 0:  # DeepSpeed checks these only under dynamic scaling
+    if not static:  # DeepSpeed checks these only under dynamic scaling
         for k in ("loss_scale_window", "min_loss_scale"):
             if values[k] <= 0:
                 raise bad(f"fp16.{k}", values[k], "it must be > 0 when dynamic loss scaling is enabled (loss_scale=0)")

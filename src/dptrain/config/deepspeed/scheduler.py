@@ -66,6 +66,11 @@ def scheduler(sch: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
             m.notes.append(f"scheduler.params.warmup_type={wtype!r} is unknown: log is used, as DeepSpeed does")
             wtype = "log"
         (m.put if "warmup_type" in raw else m.default)("scheduler.params.warmup_type", "optim.warmup_type", wtype)
+    if kind != "WarmupLR" and "total_num_steps" not in raw:  # DeepSpeed: TypeError, a required argument
+        raise ConfigError(
+            f'DeepSpeed scheduler {kind} needs params.total_num_steps (DeepSpeed has no default); give it, or "auto" '
+            "for dptrain's train.max_steps"
+        )
     total = take("total_num_steps", None)
     if total is not None:
         m.put(

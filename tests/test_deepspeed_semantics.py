@@ -14,6 +14,7 @@ import pytest
 from dptrain.config import ConfigError, resolve
 from dptrain.config.deepspeed import from_deepspeed, translate_deepspeed
 from dptrain.config.load import build_config, load_config
+from dptrain.config.pipeline import settle_pipeline
 from support import ROOT
 
 
@@ -205,3 +206,27 @@ def test_cli_config_show_and_clean_errors(tmp_path: Path) -> None:
     r = show(str(p))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "optimizer.params.lr='fast'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("stages", "world", "dp"), [(2, 4, 2), (4, 4, 1)])
+def test_deepspeeds_own_pipeline_tests_run_with_gpipe(stages: int, world: int, dp: int) -> None:
+    """DeepSpeed's TestPipeCifar10 (train_batch_size 4, pp2/dp2 and pp4/dp1: GAS 1 < stages) runs in DeepSpeed; torch's
+    1F1B needs as many micro-batches as stages, so dptrain takes GPipe (the same gradient) for it."""
+    cfg = build_config(from_deepspeed({"train_batch_size": 4, "pipeline": {"stages": stages}})[0])
+    r = resolve(cfg, world_size=world, cuda_available=False)
+    p = settle_pipeline(cfg.parallel, micro_batch_size=r.micro_batch_size, pp=r.dims.pp)
+    assert (r.global_batch_size, r.micro_batch_size, r.grad_accum_steps, r.dp_world_size) == (4, 4 // dp, 1, dp)
+    assert (p.pp_schedule, p.pp_microbatches) == ("gpipe", 1)
+
+
+@pytest.mark.fast
+def test_pipeline_gas_is_derived_at_the_data_parallel_size() -> None:
+    """train_batch_size + micro without GAS: DeepSpeed derives GAS = 64 / (4 x dp); dptrain's pipeline takes that many
+    pipeline micro-batches of 4 rows, at every dp size (the raw GAS key is not read)."""
+    cfg = build_config(from_deepspeed({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+                                       "pipeline": {"stages": 2}})[0])
+    for world, gas in ((4, 8), (8, 4), (16, 2)):
+        r = resolve(cfg, world_size=world, cuda_available=False)
+        p = settle_pipeline(cfg.parallel, micro_batch_size=r.micro_batch_size, pp=r.dims.pp)
+        assert (p.pp_microbatches, r.micro_batch_size // p.pp_microbatches, p.pp_schedule) == (gas, 4, "1f1b")

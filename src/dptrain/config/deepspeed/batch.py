@@ -61,7 +61,7 @@ def pipeline(pipe: dict[str, Any] | None, given: dict[str, int], m: DeepSpeedMap
         if gas is not None or glob is None:  # the rank's share is known; else derived from train_batch_size
             m.put("train_micro_batch_size_per_gpu x gradient_accumulation_steps", "train.micro_batch_size",
                   micro * (gas or 1))
-        elif "train.micro_batch_size" in m.config.get("train", {}):
+        elif "micro_batch_size" in m.config.get("train", {}):
             del m.config["train"]["micro_batch_size"]  # train_batch_size / dp: the derived GAS micro-batches
         schedule = "1f1b" if gas is None or gas >= stages else "gpipe"
     else:

@@ -19,6 +19,7 @@ import copy
 import inspect
 import math
 import random
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,10 +94,13 @@ def _ds_optimizer(name: str | None, params: dict[str, Any] | None) -> tuple[tupl
 
 
 def _trajectory(opt: torch.optim.Optimizer, step: Callable[[], None], steps: int) -> list[float]:
+    """The rate of each optimizer step (no parameter moves: only the schedule is stepped)."""
     lrs = []
-    for _ in range(steps):
-        lrs.append(float(opt.param_groups[0]["lr"]))
-        step()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+        for _ in range(steps):
+            lrs.append(float(opt.param_groups[0]["lr"]))
+            step()
     return lrs
 
 

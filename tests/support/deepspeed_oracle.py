@@ -93,15 +93,25 @@ def _ds_optimizer(name: str | None, params: dict[str, Any] | None) -> tuple[tupl
     return (name.lower(), p["lr"]), p["lr"]
 
 
-def _trajectory(opt: torch.optim.Optimizer, step: Callable[[], None], steps: int) -> list[float]:
-    """The rate of each optimizer step (no parameter moves: only the schedule is stepped)."""
+def _trajectory(opt: torch.optim.Optimizer, step: Callable[[], None], steps: int,
+                betas: list[tuple[float, float]] | None = None) -> list[float]:
+    """The rate of each optimizer step (no parameter moves: only the schedule is stepped); `betas` collects
+    Adam's (beta1, beta2) at each step (OneCycle cycles them)."""
     lrs = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
         for _ in range(steps):
             lrs.append(float(opt.param_groups[0]["lr"]))
+            if betas is not None:
+                betas.append(tuple(opt.param_groups[0]["betas"]))
             step()
     return lrs
+
+
+def _cycles_betas(ds: dict[str, Any], opt: torch.optim.Optimizer) -> list[tuple[float, float]] | None:
+    """A list to collect betas in when OneCycle drives an Adam-family optimizer, else None."""
+    onecycle = (ds.get("scheduler") or {}).get("type") == "OneCycle"
+    return [] if onecycle and "betas" in opt.defaults else None
 
 
 def deepspeed_reading(ds: dict[str, Any], *, dp: int, steps: int) -> Reading:
@@ -120,11 +130,14 @@ def deepspeed_reading(ds: dict[str, Any], *, dp: int, steps: int) -> Reading:
         if "optimizer" in ds:
             rows["optim"], lr = _ds_optimizer(c.optimizer_name, c.optimizer_params)
             opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-            if c.optimizer_name and c.optimizer_name.lower() in ("adam", "adamw"):
-                opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+            if c.optimizer_name and c.optimizer_name.lower() in ("adam", "adamw"):  # with the betas it configures
+                opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr, betas=rows["optim"][3])
             if c.scheduler_name is not None:
                 sched = getattr(lr_schedules, c.scheduler_name)(opt, **(c.scheduler_params or {}))
-                rows["lr"] = _trajectory(opt, sched.step, steps)
+                betas = _cycles_betas(ds, opt)
+                rows["lr"] = _trajectory(opt, sched.step, steps, betas)
+                if betas is not None:
+                    rows["betas"] = betas
             else:
                 rows["lr"] = [lr] * steps
         return Reading(rows=rows)
@@ -160,7 +173,10 @@ def dptrain_reading(ds: dict[str, Any], *, dp: int, steps: int) -> Reading:
         cls, kw = optimizer_spec(o, lr=res.lr)
         opt = cls([torch.nn.Parameter(torch.zeros(1))], **kw)
         sched = build_scheduler(opt, cfg=o, max_steps=cfg.train.max_steps)
-        rows["lr"] = _trajectory(opt, sched.step, steps)
+        betas = _cycles_betas(ds, opt)
+        rows["lr"] = _trajectory(opt, sched.step, steps, betas)
+        if betas is not None:
+            rows["betas"] = betas
     return Reading(rows=rows)
 
 

@@ -718,7 +718,8 @@ def test_deepspeed_scheduler_params() -> None:
     )
     assert unknown == [] and build_config(d).optim.lr == 0.01
     d, unknown = from_deepspeed(
-        {"scheduler": {"type": "WarmupCosineLR", "params": {"cos_min_ratio": 0.05, "warmup_min_ratio": 0}}}
+        {"scheduler": {"type": "WarmupCosineLR",
+                       "params": {"cos_min_ratio": 0.05, "warmup_min_ratio": 0, "total_num_steps": 50}}}
     )
     assert unknown == [] and build_config(d).optim.min_lr_ratio == 0.05
     # warmup_min_lr without a known peak (WarmupLR's peak is the optimizer's lr) cannot become a ratio
@@ -730,8 +731,12 @@ def test_deepspeed_scheduler_params() -> None:
 
 
 def test_deepspeed_scheduler_unsupported() -> None:
-    with pytest.raises(ConfigError, match="OneCycle"):
-        from_deepspeed({"scheduler": {"type": "OneCycle"}})
+    with pytest.raises(ConfigError, match=r"cycle_min_lr=None is not valid; OneCycle needs it"):
+        from_deepspeed({"scheduler": {"type": "OneCycle"}})  # DeepSpeed: a required argument
+    with pytest.raises(ConfigError, match=r"scheduler.type='CyclicLR' is not valid; use WarmupLR"):
+        from_deepspeed({"scheduler": {"type": "CyclicLR"}})
+    with pytest.raises(ConfigError, match=r"WarmupDecayLR needs params.total_num_steps"):
+        from_deepspeed({"scheduler": {"type": "WarmupDecayLR"}})
 
 
 def test_deepspeed_fp16() -> None:
@@ -744,9 +749,12 @@ def test_deepspeed_fp16() -> None:
 
 
 def test_deepspeed_fp16_static_scale_and_extras_reported() -> None:
-    _, unknown = from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 2}})
-    assert any(u.startswith("fp16.loss_scale") for u in unknown)
-    assert any(u.startswith("fp16.hysteresis=2") for u in unknown)
+    d, unknown = from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 3, "foo": 1}})
+    p = build_config(d).precision
+    assert (p.loss_scaler, p.static_loss_scale) == ("deepspeed", 128.0)  # DeepSpeed's scaler, a static scale
+    assert unknown == ["fp16.hysteresis=3 (a static loss_scale is set)", "fp16.foo"]  # unused under a static scale
+    d, unknown = from_deepspeed({"fp16": {"enabled": True, "hysteresis": 3}})
+    assert (build_config(d).precision.hysteresis, unknown) == (3, [])
 
 
 def test_deepspeed_bf16() -> None:
@@ -908,9 +916,9 @@ def test_deepspeed_file_every_unknown_key_listed(tmp_path: Path, capsys: pytest.
         "flops_profiler",
         "zero_optimization.overlap_comm",
         "zero_optimization.contiguous_gradients",
-        "optimizer.params.torch_adam",
     ):
         assert key in msg
+    assert "torch_adam" not in msg  # used: torch.optim.AdamW's default weight decay (0.01) applies
 
 
 def test_deepspeed_inconsistent_batch_errors_at_resolve(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 from dptrain.config import ConfigError, resolve
 from dptrain.config.deepspeed import from_deepspeed, translate_deepspeed
 from dptrain.config.load import build_config, load_config
+from dptrain.config.pipeline import settle_pipeline
 from support import ROOT
 
 
@@ -64,7 +65,7 @@ def test_missing_keys_take_deepspeeds_defaults_and_are_listed() -> None:
     assert (o.name, o.weight_decay, o.betas, o.eps, o.schedule, o.warmup_steps) == (
         "adamw", 0.0, (0.9, 0.999), 1e-8, "constant", 0)
     assert cfg.precision.growth_interval == 1000 and cfg.precision.init_scale == 2.0**16
-    assert cfg.optim.grad_clip is None  # DeepSpeed's gradient_clipping default is 0 (off)
+    assert cfg.optim.grad_clip == 1.0  # DeepSpeed's gradient_clipping default since 0.19.3
     assert any("no batch size given" in n for n in m.notes)
     listed = {k for k, _, _ in m.defaults}
     assert {"optimizer.params.weight_decay", "optimizer.params.betas", "scheduler",
@@ -131,9 +132,13 @@ def test_lenient_enabled_flags_are_read_with_a_note(flag, on) -> None:
             r"stage=1 is not supported.*use stage 2",
         ),
         (
-            {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}},
-            r"warmup_type='cos' is not valid; use log or linear",
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": None}}},
+            r"warmup_num_steps=None is not valid: warmup_num_steps must be a positive integer",
         ),
+        ({"gradient_accumulation_steps": 4}, r"Either train_batch_size or train_micro_batch_size_per_gpu needs"),
+        ({"elasticity": {"enabled": True}}, r"elasticity is not supported: DeepSpeed removed elastic.*launch.nnodes"),
+        ({"gradient_allreduce_op": "sum"}, r"gradient_allreduce_op='sum' is not supported: dptrain averages"),
+        ({"gradient_allreduce_op": "max"}, r"gradient_allreduce_op='max' is not valid; use mean or sum"),
         (
             {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1.5}}},
             r"warmup_num_steps=1.5 is not valid",
@@ -150,7 +155,8 @@ def test_type_errors_name_key_value_and_choices(ds, pattern) -> None:
 @pytest.mark.fast
 def test_pipeline_and_tensor_parallel_sections_map_to_the_layout() -> None:
     """DeepSpeed's pipeline engine streams gradient_accumulation_steps micro-batches through one schedule:
-    dptrain pipelines the same rows (one micro-step, pp_microbatches = GAS), tensor_parallel.autotp_size -> tp."""
+    dptrain pipelines the same rows (one micro-step split into pipeline micro-batches of DeepSpeed's micro-batch
+    rows, so their count is the derived GAS), tensor_parallel.autotp_size -> tp."""
     d, unknown = from_deepspeed(
         {
             "train_micro_batch_size_per_gpu": 4,
@@ -159,7 +165,7 @@ def test_pipeline_and_tensor_parallel_sections_map_to_the_layout() -> None:
             "tensor_parallel": {"autotp_size": 2},
         }
     )
-    assert d["parallel"] == {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 8, "tp": 2}
+    assert d["parallel"] == {"pp": 2, "pp_schedule": "1f1b", "pp_microbatch_size": 4, "tp": 2}
     assert (d["train"]["micro_batch_size"], d["train"]["grad_accum_steps"]) == (32, 1)
     assert [u.split("=")[0] for u in unknown] == ["pipeline.partition"]
     d, unknown = from_deepspeed({"pipeline": {"activation_checkpoint_interval": 1}})  # no stages: not pipelined
@@ -200,3 +206,27 @@ def test_cli_config_show_and_clean_errors(tmp_path: Path) -> None:
     r = show(str(p))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "optimizer.params.lr='fast'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("stages", "world", "dp"), [(2, 4, 2), (4, 4, 1)])
+def test_deepspeeds_own_pipeline_tests_run_with_gpipe(stages: int, world: int, dp: int) -> None:
+    """DeepSpeed's TestPipeCifar10 (train_batch_size 4, pp2/dp2 and pp4/dp1: GAS 1 < stages) runs in DeepSpeed; torch's
+    1F1B needs as many micro-batches as stages, so dptrain takes GPipe (the same gradient) for it."""
+    cfg = build_config(from_deepspeed({"train_batch_size": 4, "pipeline": {"stages": stages}})[0])
+    r = resolve(cfg, world_size=world, cuda_available=False)
+    p = settle_pipeline(cfg.parallel, micro_batch_size=r.micro_batch_size, pp=r.dims.pp)
+    assert (r.global_batch_size, r.micro_batch_size, r.grad_accum_steps, r.dp_world_size) == (4, 4 // dp, 1, dp)
+    assert (p.pp_schedule, p.pp_microbatches) == ("gpipe", 1)
+
+
+@pytest.mark.fast
+def test_pipeline_gas_is_derived_at_the_data_parallel_size() -> None:
+    """train_batch_size + micro without GAS: DeepSpeed derives GAS = 64 / (4 x dp); dptrain's pipeline takes that many
+    pipeline micro-batches of 4 rows, at every dp size (the raw GAS key is not read)."""
+    cfg = build_config(from_deepspeed({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+                                       "pipeline": {"stages": 2}})[0])
+    for world, gas in ((4, 8), (8, 4), (16, 2)):
+        r = resolve(cfg, world_size=world, cuda_available=False)
+        p = settle_pipeline(cfg.parallel, micro_batch_size=r.micro_batch_size, pp=r.dims.pp)
+        assert (p.pp_microbatches, r.micro_batch_size // p.pp_microbatches, p.pp_schedule) == (gas, 4, "1f1b")

@@ -23,7 +23,8 @@ STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "fsdp")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw", "adam")
 LR_SCALINGS = ("none", "linear", "sqrt")
-SCHEDULES = ("cosine", "constant", "linear")
+SCHEDULES = ("cosine", "constant", "linear", "onecycle", "lr_range_test")
+LOSS_SCALERS = ("torch", "deepspeed")
 NONFINITE_POLICIES = ("skip", "error", "off")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -175,7 +176,12 @@ class OptimConfig:
     """Learning rate at the start of warmup as a fraction of the peak (DeepSpeed: warmup_min_lr / warmup_max_lr or
     warmup_min_ratio)."""
     schedule: str = "cosine"
-    """After warmup: cosine (to min_lr_ratio * lr), linear (likewise) or constant."""
+    """After warmup: cosine (to min_lr_ratio * lr), linear (likewise) or constant; or DeepSpeed's onecycle or
+    lr_range_test (OneCycle, LRRangeTest: their own parameters in schedule_params, warmup unused)."""
+    schedule_params: dict[str, Any] = field(default_factory=dict)
+    """onecycle / lr_range_test only: DeepSpeed's parameters under DeepSpeed's names (cycle_min_lr, cycle_max_lr,
+    cycle_first_step_size, ...; lr_range_test_min_lr, lr_range_test_step_size, ...), absolute learning rates;
+    what a DeepSpeed file's OneCycle or LRRangeTest scheduler block becomes."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak for the cosine and linear schedules."""
     schedule_convention: str = "dptrain"
@@ -238,6 +244,10 @@ class ParallelConfig:
     pp_microbatches: int | None = None
     """pp > 1: pipeline micro-batches each micro-batch is split into (train.micro_batch_size must be divisible by it);
     null: pp. Accumulation runs grad_accum_steps such schedules per optimizer step."""
+    pp_microbatch_size: int | None = None
+    """pp > 1: rows per pipeline micro-batch instead of a count (DeepSpeed's train_micro_batch_size_per_gpu under its
+    pipeline engine): pp_microbatches = micro_batch_size / this, known once the batch is derived; with 1f1b and fewer
+    pipeline micro-batches than stages the schedule becomes gpipe. Leave pp_microbatches null with it."""
     pp_stages_per_rank: int = 1
     """pp > 1: pipeline stages per rank (virtual stages; >= 2 only with pp_schedule=interleaved_1f1b, which needs it).
     Rank r holds stages r, r + pp, r + 2*pp, ..."""
@@ -301,7 +311,20 @@ class PrecisionConfig:
     init_scale: float = 2.0**16
     """fp16: initial loss scale."""
     growth_interval: int = 2000
-    """fp16: steps without overflow before the loss scale doubles."""
+    """fp16: steps without overflow before the loss scale doubles (loss_scaler=deepspeed: DeepSpeed's
+    loss_scale_window; it doubles after window + 1 clean steps since the last overflow, then every window)."""
+    loss_scaler: str = "torch"
+    """fp16: torch (torch.amp.GradScaler: halves on every overflow, no floor) or deepspeed (DeepSpeed's
+    DynamicLossScaler: hysteresis, min_loss_scale, static_loss_scale); DeepSpeed files get deepspeed."""
+    hysteresis: int = 2
+    """fp16, loss_scaler=deepspeed: overflows absorbed before the scale halves (DeepSpeed's hysteresis)."""
+    consecutive_hysteresis: bool = False
+    """fp16, loss_scaler=deepspeed: a clean step refills the hysteresis (DeepSpeed's consecutive_hysteresis)."""
+    min_loss_scale: float = 1.0
+    """fp16, loss_scaler=deepspeed: the scale never falls below this (DeepSpeed's min_loss_scale)."""
+    static_loss_scale: float = 0.0
+    """fp16, loss_scaler=deepspeed: a fixed loss scale (DeepSpeed's loss_scale); 0: dynamic scaling. Steps with
+    overflowing gradients are skipped either way."""
 
 
 @dataclass(frozen=True)

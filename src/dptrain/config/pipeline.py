@@ -13,6 +13,7 @@ the labels), so the pipeline degree does not enter the global batch.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dptrain.config.fields import PP_SCHEDULES, ConfigError, ModelConfig, ParallelConfig
@@ -45,6 +46,32 @@ def stage_layer_counts(n_layers: int, n_stages: int, pp_layers: tuple[int, ...] 
 def pipeline_microbatches(p: ParallelConfig) -> int:
     """The configured pipeline micro-batches per micro-batch (null: pp)."""
     return p.pp_microbatches if p.pp_microbatches is not None else p.pp
+
+
+def settle_pipeline(p: ParallelConfig, *, micro_batch_size: int, pp: int) -> ParallelConfig:
+    """`p` with `pp_microbatch_size` (rows per pipeline micro-batch, DeepSpeed's pipeline micro-batch) turned into
+    `pp_microbatches` for the resolved micro-batch; under 1f1b with fewer pipeline micro-batches than stages the
+    schedule becomes gpipe (DeepSpeed runs such pipelines; torch's 1F1B cannot, GPipe computes the same gradient).
+    `p` itself otherwise."""
+    rows = p.pp_microbatch_size
+    if rows is None:
+        return p
+    if p.pp_microbatches is not None:
+        raise ConfigError(
+            f"parallel.pp_microbatch_size={rows} and parallel.pp_microbatches={p.pp_microbatches} both set the "
+            "pipeline split; keep one"
+        )
+    if pp == 1:
+        return p
+    if micro_batch_size % rows:
+        raise ConfigError(
+            f"train.micro_batch_size={micro_batch_size} (the rank's share of the batch, one pipeline schedule) is not "
+            f"divisible by parallel.pp_microbatch_size={rows} (DeepSpeed's train_micro_batch_size_per_gpu); make the "
+            f"batch a multiple of {rows} x the data-parallel size"
+        )
+    m = micro_batch_size // rows
+    schedule = "gpipe" if p.pp_schedule == "1f1b" and m < pp else p.pp_schedule
+    return dataclasses.replace(p, pp_microbatches=m, pp_microbatch_size=None, pp_schedule=schedule)
 
 
 def validate_pipeline(*, parallel: ParallelConfig, model: ModelConfig, pp: int, micro_batch_size: int,

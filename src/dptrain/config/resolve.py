@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dptrain.config.compression import validate_compression, validate_compression_choice
+from dptrain.config.ds_fields import validate_ds_fields
 from dptrain.config.fields import (
     ACTIVATION_CHECKPOINTING,
     DEFAULT_BATCH,
@@ -33,7 +34,7 @@ from dptrain.config.fields import (
 from dptrain.config.hosting import validate_hosting
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf
-from dptrain.config.pipeline import describe_pipeline, validate_pipeline
+from dptrain.config.pipeline import describe_pipeline, settle_pipeline, validate_pipeline
 from dptrain.config.speed_checks import validate_compile, validate_fsdp_tuning, validate_speed
 
 if TYPE_CHECKING:
@@ -212,8 +213,9 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     validate_compile(cfg.train, device=device, pp=dims.pp)  # inductor on the CPU needs a C++ compiler
     validate_fsdp_tuning(cfg.parallel, wrapper=mode.wrapper, dp_shard=dims.dp_shard)  # an int reshard size
     g, m, a = resolve_batch(cfg.train, dp_world_size=dims.dp_size)  # tp/pp ranks share their dp rank's batch
+    parallel = settle_pipeline(cfg.parallel, micro_batch_size=m, pp=dims.pp)  # DeepSpeed's rows per micro-batch
     validate_pipeline(
-        parallel=cfg.parallel,
+        parallel=parallel,
         model=cfg.model,
         pp=dims.pp,
         micro_batch_size=m,
@@ -222,7 +224,7 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
         loss=cfg.train.loss,
     )
     lr, rule = scaled_lr(cfg.optim, global_batch_size=g)
-    pipe = describe_pipeline(parallel=cfg.parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m)
+    pipe = describe_pipeline(parallel=parallel, model=cfg.model, pp=dims.pp, micro_batch_size=m)
     return Resolved(world_size, dims.dp_size, g, m, a, lr, rule, device, backend, dims, mode, pipe)
 
 
@@ -303,6 +305,7 @@ RANGES: dict[str, dict[str, Range]] = {
         "timeout_s": Range(float, 1, _YEAR_S, note="seconds: at least 1, at most a year"),
         "pp_stages_per_rank": POS_INT,
         "pp_microbatches": Range(int, 1, optional=True, note="null: pp"),
+        "pp_microbatch_size": Range(int, 1, optional=True),
         "powersgd_rank": POS_INT,
         "onebit_start_step": NONNEG_INT,
         "powersgd_start_step": Range(int, 2, note="DDP rebuilds its buckets after the first step"),
@@ -312,6 +315,9 @@ RANGES: dict[str, dict[str, Range]] = {
     "precision": {
         "init_scale": Range(float, 0, 2.0**64, low_open=True, note="at most 2**64"),
         "growth_interval": POS_INT,
+        "hysteresis": POS_INT,
+        "min_loss_scale": POS_FLOAT,
+        "static_loss_scale": Range(float, 0, 2.0**64, note="0: dynamic; at most 2**64"),
     },
     "launch": {"node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},  # nnodes: config/nodes.py
     "data": {"num_workers": NONNEG_INT, "prefetch_factor": Range(int, 1, optional=True, note="null: 2")},
@@ -354,6 +360,7 @@ def validate(cfg: Config) -> None:
     _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
     _choice(cfg.optim.warmup_type, WARMUP_TYPES, "optim.warmup_type")
     _choice(cfg.optim.schedule_convention, SCHEDULE_CONVENTIONS, "optim.schedule_convention")
+    validate_ds_fields(cfg)  # loss scaler, DeepSpeed's OneCycle/LRRangeTest parameters
     _choice(cfg.parallel.device, ("auto", "cpu", "cuda"), "parallel.device")
     _choice(cfg.parallel.backend, ("auto", "gloo", "nccl"), "parallel.backend")
     for name, v, required in (

@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from dptrain.config import OptimConfig
 from dptrain.parallel import ParallelModel
+from dptrain.train.schedules import SCHEDULERS
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
@@ -83,11 +84,14 @@ def _deepspeed_ratio(
     if schedule == "linear":  # WarmupDecayLR: linear from the peak down to warmup_min_lr at total_num_steps
         gamma = max(0.0, (total_steps - it) / max(1.0, total_steps - w))
         return min_ratio + (1.0 - min_ratio) * gamma
-    shape = (1.0 + math.cos(math.pi * (it - w + 1) / max(1, total_steps - w))) / 2
+    shape = (1.0 + math.cos(math.pi * min(1.0, (it - w + 1) / max(1, total_steps - w)))) / 2  # clamped (0.19)
     return max(0.0, min_ratio + (1.0 - min_ratio) * shape)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, *, cfg: OptimConfig, max_steps: int) -> LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, *, cfg: OptimConfig, max_steps: int) -> LRScheduler:
+    if cfg.schedule in SCHEDULERS:  # DeepSpeed's OneCycle / LRRangeTest (train/schedules.py)
+        return SCHEDULERS[cfg.schedule](optimizer, cfg.schedule_params)
+
     def fn(step: int) -> float:
         return lr_lambda(
             step, warmup_steps=cfg.warmup_steps, max_steps=max_steps, schedule=cfg.schedule,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dptrain.config import PrecisionConfig
+from dptrain.train.loss_scaler import build_deepspeed_scaler
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,8 +36,11 @@ def autocast_factory(cfg: PrecisionConfig, device: torch.device) -> Callable[[],
 
 
 def build_grad_scaler(cfg: PrecisionConfig, device: torch.device, *, sharded: bool) -> torch.amp.GradScaler:
-    """A GradScaler that is enabled only for fp16 (disabled, scale/unscale/step pass straight through)."""
+    """A GradScaler that is enabled only for fp16 (disabled, scale/unscale/step pass straight through);
+    precision.loss_scaler=deepspeed (DeepSpeed files): DeepSpeed's scale rule (train/loss_scaler.py)."""
     enabled = cfg.dtype == "fp16"
+    if enabled and cfg.loss_scaler == "deepspeed":
+        return build_deepspeed_scaler(cfg, device, sharded=sharded)
     kw: dict[str, Any] = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval, "enabled": enabled}
     if sharded and enabled:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

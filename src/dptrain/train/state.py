@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from dptrain.train.loss_scaler import DeepSpeedLossScaler, ShardedDeepSpeedLossScaler
+
 
 @dataclass
 class TrainState:
@@ -29,6 +31,9 @@ class TrainState:
         scale (fp16 overflow). Compared on the device: `get_scale()` would be a host-device sync every
         step. Nothing without `watch_loss_scale` (fp32, bf16)."""
         if self._scale_prev is None:
+            return
+        if isinstance(scaler, DeepSpeedLossScaler | ShardedDeepSpeedLossScaler):  # hysteresis: skips keep the scale
+            self.count_skip(torch.tensor(scaler.overflowed))  # read on the host by its update() already
             return
         scale = scaler._scale  # the device tensor behind get_scale(); set by the first scale()
         if scale is None:

@@ -16,6 +16,7 @@ stay on the device, and the preemption flag is agreed without blocking (checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import time
@@ -32,6 +33,7 @@ from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, 
 from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
 from dptrain.config.layout import strategy_mode
 from dptrain.config.load import dump_yaml
+from dptrain.config.pipeline import settle_pipeline
 from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.diagnostics import Diagnostics, apply_collective_checks
 from dptrain.distributed import collectives
@@ -70,6 +72,9 @@ class Trainer:
         self.cfg = cfg
         self.env = env or DistEnv.from_env()
         self.res: Resolved = resolve(cfg, world_size=self.env.world_size)
+        # a DeepSpeed pipeline's rows per pipeline micro-batch -> their count at this batch (config/pipeline.py)
+        parallel = settle_pipeline(cfg.parallel, micro_batch_size=self.res.micro_batch_size, pp=self.res.dims.pp)
+        self.cfg = cfg = dataclasses.replace(cfg, parallel=parallel) if parallel is not cfg.parallel else cfg
         self.run_dir = Path(out_dir or default_out_dir(cfg))
         self.device = bind_device(self.env, self.res.device)  # before anything that allocates
         apply_backend_flags(cfg.train, self.device)  # CUDA: TF32, cudnn.benchmark (speed.py)

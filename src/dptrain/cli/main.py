@@ -12,6 +12,7 @@ from typing import Any
 from dptrain.checkpoint.manifest import checkpoint_root
 from dptrain.checkpoint.rundir import PENDING_CONFIG, RunDirLock, check_run_dir, write_atomically
 from dptrain.cli.ckpt import add_ckpt_parser, prepare_resume
+from dptrain.cli.data import add_data_parser
 from dptrain.cli.manifest import add_manifest_parser
 from dptrain.cli.plan import add_plan_parser
 from dptrain.cli.report import add_report_parser
@@ -216,6 +217,8 @@ def _parser() -> argparse.ArgumentParser:
     add_top_parser(sub)
 
     add_plan_parser(sub)
+
+    add_data_parser(sub)
     return p
 
 

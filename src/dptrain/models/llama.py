@@ -63,6 +63,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)  # back to the autocast/compute dtype so SDPA sees matching q/k/v dtypes
 
 
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, T, T]`` bool attention mask of packed rows: causal, and only within a document. A document
+    starts at the row's start and wherever a position does not follow the one before it."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    seg = starts.cumsum(dim=1)
+    T = position_ids.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    return ((seg[:, :, None] == seg[:, None, :]) & causal).unsqueeze(1)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale, computed in float32."""
 
@@ -93,9 +104,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`cos`/`sin`: ``[T', hd/2]`` tables (T' >= T) or per-row ``[B, 1, T, hd/2]`` (position ids); `mask`:
+        ``[B, 1, T, T]`` bool, True where a query may attend (None: plain causal)."""
         B, T, _ = x.shape
-        cos, sin = cos[:T], sin[:T]  # tables may be longer (a pipeline stage passes max_seq_len's)
+        if cos.dim() == 2:
+            cos, sin = cos[:T], sin[:T]  # tables may be longer (a pipeline stage passes max_seq_len's)
         # Head counts come from the tensors (-1), not the config, so a tensor-parallel
         # column split of wq/wk/wv (fewer local heads) works without touching this code.
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -105,7 +121,10 @@ class Attention(nn.Module):
         if k.size(1) != q.size(1):  # GQA: share each KV head across a group of query heads
             rep = q.size(1) // k.size(1)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -133,8 +152,10 @@ class TransformerBlock(nn.Module):
         assert cfg.ffn_hidden is not None  # set by LlamaConfig.__post_init__
         self.mlp = FeedForward(cfg.dim, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -193,22 +214,33 @@ class LlamaLM(nn.Module):
             self._refresh_rope(device)
         return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
 
-    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+    def logits(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits ``[B, T, V]`` for token ids ``idx`` of shape ``[B, T]``.
+
+        ``position_ids`` ``[B, T]`` (packed rows): each token's position in its document; a document starts
+        where the position does not follow the one before (``0`` after a document's end), and attention
+        stays inside each document (a block-diagonal causal mask), so every document of a packed row gets
+        the logits it would get alone.
 
         Under FSDP2 call ``register_fsdp_forward_method(model, "logits")`` first so the
         parameters get all-gathered (only ``__call__``/``forward`` trigger the hooks).
         """
         x = self.tok_emb(idx)
-        cos, sin = self._rope(idx.size(1), x.device)
+        mask = None
+        if position_ids is None:
+            cos, sin = self._rope(idx.size(1), x.device)
+        else:
+            cos, sin = self._rope(self.cfg.max_seq_len, x.device)  # positions index the whole table (no host sync)
+            cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)  # [B, 1, T, hd/2]
+            mask = document_mask(position_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         return self.head(self.norm(x))
 
     def forward(
         self, batch: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None, *,
         input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-        num_items_in_batch: torch.Tensor | int | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None, position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Cross-entropy loss of a batch: the mean over its valid targets, or, given
         ``num_items_in_batch`` (dptrain's token rule, Hugging Face's loss kwarg), their sum divided
@@ -218,7 +250,8 @@ class LlamaLM(nn.Module):
         ``(input_ids, labels)`` pair, a mapping with those keys, or keyword arguments ``input_ids=`` and ``labels=`` (a
         mapping batch under the default loss, ``model(**batch)``). ``labels`` are aligned with the
         predictions: ``labels[:, t]`` is the target after ``input_ids[:, :t+1]``; ``-100`` is
-        ignored (padding, prompts), so every label that is not ``-100`` is scored.
+        ignored (padding, prompts), so every label that is not ``-100`` is scored. ``position_ids`` (also a
+        mapping's key): packed rows, see :meth:`logits`.
         """
         if batch is None:
             if input_ids is None or labels is None:
@@ -226,11 +259,12 @@ class LlamaLM(nn.Module):
             idx, targets = input_ids, labels
         elif isinstance(batch, Mapping):  # model(batch) with a mapping batch, as in one's own loop
             idx, targets = batch["input_ids"], batch["labels"]
+            position_ids = batch.get("position_ids", position_ids)
         elif isinstance(batch, Sequence):
             idx, targets = batch
         else:
             idx, targets = batch[:, :-1], batch[:, 1:]
-        logits = self.logits(idx)
+        logits = self.logits(idx, position_ids)
         # float32 CE even under bf16 autocast: log-softmax over the vocab is precision-sensitive.
         flat_logits, flat_targets = logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1)
         if num_items_in_batch is None:

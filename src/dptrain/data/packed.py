@@ -198,6 +198,9 @@ def build_packed(
             )
     n_docs = int(manifest["n_docs"])
     n_val = int(round(n_docs * float(val_fraction)))
+    if val_fraction > 0 and n_val == 0:
+        raise ConfigError(f"data.kwargs.val_fraction={val_fraction} of the {n_docs} documents of {source!r} is no "
+                          "document; raise it or set it to 0 (no validation)")
     train = PackedTokens(source, seq_len, doc_stop=n_docs - n_val, manifest=manifest)
     if len(train) == 0:
         raise ConfigError(f"data source {source!r}: its {train.tok_stop - train.tok_start} training tokens make no "

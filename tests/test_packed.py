@@ -1,0 +1,159 @@
+"""Packed LM rows from a prepared corpus (`dptrain.data.packed`): the rows are the corpus's token stream
+with labels masked across documents and positions restarting per document; a packed row's logits and loss
+equal each document's run alone through the built-in LLaMA; reading stays memory-mapped (memory does
+not grow with the corpus); a changed shard, a different tokenizer and a too-small model vocabulary are
+refused before training."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dptrain.config import ConfigError
+from dptrain.data.packed import PackedTokens, build_packed
+from dptrain.data.prepare import prepare
+from dptrain.launch.checks import check_vocabulary
+from dptrain.models.llama import build_llama
+from support.corpora import documents, prepared, train_bpe, write_jsonl
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path, list[str]]:
+    return prepared(tmp_path_factory.mktemp("packed"), n_docs=120, shard_docs=40)
+
+
+def stream(out: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The whole token stream and document starts, read from the files without the dataset."""
+    m = json.loads((out / "manifest.json").read_text())
+    toks, starts, base = [], [], 0
+    for s in m["shards"]:
+        toks.append(np.fromfile(out / s["bin"], dtype=m["dtype"]).astype(np.int64))
+        starts.append(np.fromfile(out / s["idx"], dtype=np.int64)[:-1] + base)
+        base += s["n_tokens"]
+    return np.concatenate(toks), np.concatenate(starts)
+
+
+@pytest.mark.timeout(60)
+def test_rows_are_the_stream_with_labels_masked_across_documents_and_positions_per_document(corpus):
+    out, _, docs = corpus
+    tokens, starts = stream(out)
+    seq = 24
+    train, val = build_packed(source=str(out), seq_len=seq, val_fraction=0.1)
+    assert val is not None and train.doc_stop == val.doc_start == len(docs) - 12
+    assert len(train) == (starts[len(docs) - 12] - 1) // seq
+    assert len(val) == (len(tokens) - starts[len(docs) - 12] - 1) // seq
+    is_start = np.zeros(len(tokens) + 1, dtype=bool)
+    is_start[starts] = True
+    for ds, base in ((train, 0), (val, starts[len(docs) - 12])):
+        for i in range(len(ds)):
+            row = ds[i]
+            lo = base + i * seq
+            window = tokens[lo : lo + seq + 1]
+            np.testing.assert_array_equal(row["input_ids"].numpy(), window[:-1])
+            new_doc = is_start[lo + 1 : lo + seq + 1]  # the target starts another document than its input
+            np.testing.assert_array_equal(row["labels"].numpy(), np.where(new_doc, -100, window[1:]))
+            pos, p = [], 0
+            for t in range(seq):
+                p = 0 if t == 0 or is_start[lo + t] else p + 1
+                pos.append(p)
+            np.testing.assert_array_equal(row["position_ids"].numpy(), pos)
+    assert train.vocab_size == json.loads((out / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+
+
+@pytest.mark.timeout(60)
+def test_a_packed_row_gives_each_document_the_logits_and_loss_it_gets_alone(corpus):
+    """The packing-boundary test: a row holding several documents, through the built-in LLaMA with
+    position ids, against each document run alone (plain causal attention, positions from 0)."""
+    out, _, _ = corpus
+    ds = PackedTokens(out, seq_len=96)
+    torch.manual_seed(0)
+    model = build_llama(vocab_size=ds.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96).eval()
+    rows = [ds[i] for i in range(4)]
+    batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    with torch.no_grad():
+        packed = model.logits(batch["input_ids"], batch["position_ids"])
+        plain = model.logits(batch["input_ids"])
+        n_docs = 0
+        for b in range(len(rows)):
+            pos = batch["position_ids"][b]
+            cuts = [*torch.nonzero(pos == 0).flatten().tolist(), len(pos)]
+            for a, z in zip(cuts[:-1], cuts[1:], strict=True):
+                alone = model.logits(batch["input_ids"][b : b + 1, a:z])[0]
+                torch.testing.assert_close(packed[b, a:z], alone, rtol=1e-5, atol=1e-5)
+                n_docs += 1
+        assert n_docs >= len(rows) + 2  # rows really hold several documents
+        assert not torch.allclose(packed, plain, atol=1e-3)  # without the mask, documents would see each other
+        # the loss: the packed rows' token mean is the mean over every document's own targets
+        loss = model(**batch)
+        per_doc_sum, count = 0.0, 0
+        for b in range(len(rows)):
+            valid = batch["labels"][b] != -100
+            per_doc_sum += F.cross_entropy(packed[b][valid], batch["labels"][b][valid], reduction="sum")
+            count += int(valid.sum())
+        torch.testing.assert_close(loss, per_doc_sum / count)
+
+
+@pytest.mark.timeout(60)
+def test_rows_are_read_through_memory_maps_and_memory_does_not_grow_with_the_corpus(tmp_path):
+    """Peak Python allocations while opening the dataset and reading rows stay the same for a corpus 64x
+    larger: nothing loads the token files, and a pickled dataset (what DataLoader workers get) carries
+    no tokens."""
+    docs = documents(40, seed=3)
+    src_small = write_jsonl(tmp_path / "s.jsonl", docs)
+    src_big = write_jsonl(tmp_path / "b.jsonl", docs * 64)
+    peaks = []
+    for name, src in (("small", src_small), ("big", src_big)):
+        prepare([str(src)], tokenizer="bytes", out=tmp_path / name, workers=0, shard_docs=256)
+        tracemalloc.start()
+        ds, _ = build_packed(source=str(tmp_path / name), seq_len=64, verify="size")
+        for i in range(0, len(ds), max(1, len(ds) // 20)):
+            ds[i]
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert all(isinstance(t, np.memmap) for t, _ in ds._maps.values())
+        assert len(pickle.dumps(ds)) < 4096
+    n_tokens = [json.loads((tmp_path / n / "manifest.json").read_text())["n_tokens"] for n in ("small", "big")]
+    assert n_tokens[1] == 64 * n_tokens[0] and n_tokens[1] * 2 > 10 * peaks[1]  # loading the tokens would show
+    assert peaks[1] < 1.5 * peaks[0] + 32_768, peaks
+
+
+@pytest.mark.timeout(60)
+def test_changed_shards_another_tokenizer_and_a_small_vocabulary_are_refused(tmp_path):
+    out, tok, docs = prepared(tmp_path, n_docs=40, shard_docs=20)
+    train, _ = build_packed(source=str(out), seq_len=16, tokenizer=str(tok))
+    small = build_llama(vocab_size=train.vocab_size - 1, dim=16, n_layers=1, n_heads=2)
+    with pytest.raises(ConfigError, match=f"model vocab_size={train.vocab_size - 1} is smaller"):
+        check_vocabulary(small, train)
+    check_vocabulary(build_llama(vocab_size=train.vocab_size, dim=16, n_layers=1, n_heads=2), train)
+
+    other = train_bpe(tmp_path / "other" / "tokenizer.json", docs[:10], vocab_size=280)
+    with pytest.raises(ConfigError, match="is not the tokenizer .* was prepared with"):
+        build_packed(source=str(out), seq_len=16, tokenizer=str(other))
+
+    shard = out / "shard_00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 1  # same size, other content
+    shard.write_bytes(bytes(data))
+    build_packed(source=str(out), seq_len=16, verify="size")  # sizes alone cannot see it
+    with pytest.raises(ConfigError, match="SHA-256 of shard_00001.bin no longer matches the manifest"):
+        build_packed(source=str(out), seq_len=16)
+    shard.write_bytes(bytes(data[:-2]))
+    with pytest.raises(ConfigError, match="shard_00001.bin has .* bytes, the manifest says"):
+        build_packed(source=str(out), seq_len=16, verify="size")
+    (out / "manifest.json").unlink()
+    with pytest.raises(ConfigError, match="has no manifest.json; its prepare did not finish"):
+        build_packed(source=str(out), seq_len=16)
+    again = prepared(tmp_path / "again", n_docs=40, shard_docs=20)[0]
+    with pytest.raises(ConfigError, match="val_fraction=0.01 of the 40 documents .* is no document"):
+        build_packed(source=str(again), seq_len=16, val_fraction=0.01)
+    with pytest.raises(ConfigError, match="val_fraction=0.02: the last 1 document.s. make no row"):
+        build_packed(source=str(again), seq_len=512, val_fraction=0.02)

@@ -7,6 +7,7 @@ refused before training."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import tracemalloc
 from pathlib import Path
@@ -17,13 +18,19 @@ import torch
 import torch.nn.functional as F
 
 from dptrain.config import ConfigError
+from dptrain.config.load import load_config
 from dptrain.data.packed import PackedTokens, build_packed
 from dptrain.data.prepare import prepare
+from dptrain.data.sampler import GlobalBatchSampler
 from dptrain.launch.checks import check_vocabulary
 from dptrain.models.llama import build_llama
+from dptrain.train.trainer import Trainer
+from support import overrides
+from support.batch_log import ENV, read_steps, row_key
+from support.checkpoints import TOY, losses
 from support.corpora import documents, prepared, train_bpe, write_jsonl
+from support.mp import run_ranks
 
-pytestmark = pytest.mark.fast
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +49,7 @@ def stream(out: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(toks), np.concatenate(starts)
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_rows_are_the_stream_with_labels_masked_across_documents_and_positions_per_document(corpus):
     out, _, docs = corpus
@@ -69,6 +77,7 @@ def test_rows_are_the_stream_with_labels_masked_across_documents_and_positions_p
     assert train.vocab_size == json.loads((out / "manifest.json").read_text())["tokenizer"]["vocab_size"]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_a_packed_row_gives_each_document_the_logits_and_loss_it_gets_alone(corpus):
     """The packing-boundary test: a row holding several documents, through the built-in LLaMA with
@@ -102,6 +111,8 @@ def test_a_packed_row_gives_each_document_the_logits_and_loss_it_gets_alone(corp
         torch.testing.assert_close(loss, per_doc_sum / count)
 
 
+@pytest.mark.fast
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_rows_are_read_through_memory_maps_and_memory_does_not_grow_with_the_corpus(tmp_path):
     """Peak Python allocations while opening the dataset and reading rows stay the same for a corpus 64x
@@ -126,6 +137,7 @@ def test_rows_are_read_through_memory_maps_and_memory_does_not_grow_with_the_cor
     assert peaks[1] < 1.5 * peaks[0] + 32_768, peaks
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_changed_shards_another_tokenizer_and_a_small_vocabulary_are_refused(tmp_path):
     out, tok, docs = prepared(tmp_path, n_docs=40, shard_docs=20)
@@ -157,3 +169,39 @@ def test_changed_shards_another_tokenizer_and_a_small_vocabulary_are_refused(tmp
         build_packed(source=str(again), seq_len=16, val_fraction=0.01)
     with pytest.raises(ConfigError, match="val_fraction=0.02: the last 1 document.s. make no row"):
         build_packed(source=str(again), seq_len=512, val_fraction=0.02)
+
+
+def fit_packed(rank: int, out: Path, source: Path, vocab: int, log: Path, over: list[str]) -> dict:
+    os.environ[ENV] = str(log)
+    recipe = [
+        "model.factory=dptrain.models.llama:build_llama",
+        f"model.kwargs={{vocab_size: {vocab}, dim: 16, n_layers: 1, n_heads: 2, max_seq_len: 32}}",
+        "data.factory=dptrain.data.packed:build_packed", f"data.kwargs={{source: '{source}', seq_len: 32}}",
+        "data.num_workers=2", "train.loss=support.batch_log:recording_loss", "parallel.strategy=ddp",
+        "train.global_batch_size=4", "train.micro_batch_size=1", "optim.warmup_steps=0", "optim.schedule=constant", "checkpoint.every_steps=2",
+    ]
+    cfg = load_config(None, overrides(TOY, recipe, over))
+    return Trainer(cfg, out_dir=out, resume="auto").fit()
+
+
+@pytest.mark.timeout(90)
+def test_resume_at_world_2_1_2_with_workers_trains_every_step_on_its_global_batch(tmp_path, corpus):
+    """Packed rows in the world-size-invariant order through the Trainer: 2 steps at world 2, 2 more at
+    world 1 and 2 more at world 2, each resuming from the last checkpoint with 2 DataLoader workers per
+    rank: every step trains on exactly the rows of its global batch in the world-1 order (the sampler's
+    `global_batch_indices` on the same dataset and seed), and the run continues at the right step."""
+    source, _, _ = corpus
+    vocab = json.loads((source / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    steps = []
+    for world, until in ((2, 2), (1, 4), (2, 6)):
+        log = tmp_path / "log" / f"{until}"
+        log.mkdir(parents=True)
+        run_ranks(fit_packed, world, tmp_path / "run", source, vocab, log, [f"train.max_steps={until}"])
+        steps += read_steps(log, world, accum=4 // world)
+    train, _ = build_packed(source=str(source), seq_len=32)
+    order = GlobalBatchSampler(dataset_len=len(train), global_batch_size=4, micro_batch_size=4, grad_accum_steps=1,
+                               dp_rank=0, dp_world_size=1, seed=load_config(None, []).train.seed)
+    want = [sorted(row_key(train[i]["input_ids"]) for i in order.global_batch_indices(s)) for s in range(6)]
+    assert steps == want
+    assert len({k for s in steps for k in s}) == 24  # distinct rows: the order really moves through the data
+    assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]

@@ -91,6 +91,8 @@ class PackedTokens(Dataset):
         self.vocab_size = int(m["tokenizer"]["vocab_size"])
         """A model's vocabulary must hold at least these many ids (launch/checks.py)."""
         self.eos_id = int(m["tokenizer"]["eos_id"])
+        self.bytes_per_token = 1 if m["tokenizer"]["kind"] == "bytes" else 0
+        """1 for the bytes tokenizer (the run reports bits per byte), else 0 (a token is no fixed number of bytes)."""
         self._files = [(s["bin"], s["idx"]) for s in m["shards"]]
         n_tok = np.array([s["n_tokens"] for s in m["shards"]], dtype=np.int64)
         n_doc = np.array([s["n_docs"] for s in m["shards"]], dtype=np.int64)

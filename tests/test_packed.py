@@ -32,7 +32,6 @@ from support.corpora import documents, prepared, train_bpe, write_jsonl
 from support.mp import run_ranks
 
 
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[Path, Path, list[str]]:
     return prepared(tmp_path_factory.mktemp("packed"), n_docs=120, shard_docs=40)
@@ -178,7 +177,8 @@ def fit_packed(rank: int, out: Path, source: Path, vocab: int, log: Path, over: 
         f"model.kwargs={{vocab_size: {vocab}, dim: 16, n_layers: 1, n_heads: 2, max_seq_len: 32}}",
         "data.factory=dptrain.data.packed:build_packed", f"data.kwargs={{source: '{source}', seq_len: 32}}",
         "data.num_workers=2", "train.loss=support.batch_log:recording_loss", "parallel.strategy=ddp",
-        "train.global_batch_size=4", "train.micro_batch_size=1", "optim.warmup_steps=0", "optim.schedule=constant", "checkpoint.every_steps=2",
+        "train.global_batch_size=4", "train.micro_batch_size=1", "optim.warmup_steps=0", "optim.schedule=constant",
+        "checkpoint.every_steps=2",
     ]
     cfg = load_config(None, overrides(TOY, recipe, over))
     return Trainer(cfg, out_dir=out, resume="auto").fit()

@@ -39,7 +39,14 @@ def add_data_parser(sub: Any) -> None:
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     # lazy: rich's progress bar, numpy and torch (dptrain.data): never for `dptrain --help`
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from dptrain.data.prepare import prepare
 

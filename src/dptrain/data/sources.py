@@ -118,7 +118,9 @@ def _load_datasets_dir(path: str, split: str) -> Any:
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ConfigError(f"datasets directory {path!r} has no split {split!r} (splits: {sorted(ds)}); pass --split")
+            raise ConfigError(
+                f"datasets directory {path!r} has no split {split!r} (splits: {sorted(ds)}); pass --split"
+            )
         ds = ds[split]
     return ds
 
@@ -175,7 +177,8 @@ def plan_pieces(sources: list[str], *, shard_docs: int, text_key: str = "text", 
         elif kind == "arrow":
             table = _arrow_table(path)
             _check_column(table.column_names, text_key, f"Arrow file {path!r}")
-            pieces += [Piece("arrow", path, a, b, b - a, text_key=text_key) for a, b in _ranges(table.num_rows, shard_docs)]
+            pieces += [Piece("arrow", path, a, b, b - a, text_key=text_key)
+                       for a, b in _ranges(table.num_rows, shard_docs)]
         else:
             ds = _load_datasets_dir(path, split)
             _check_column(list(ds.column_names), text_key, f"datasets directory {path!r}")

@@ -15,7 +15,7 @@ from pathlib import Path
 COMMANDS = [
     ["run"], ["launch"], ["config", "show"], ["config", "docs"], ["doctor"], ["generate"], ["bench"],
     ["ckpt", "ls"], ["ckpt", "verify"], ["ckpt", "export"], ["report"], ["manifest", "kubeflow"],
-    ["manifest", "slurm"], ["top"], ["plan"],
+    ["manifest", "slurm"], ["top"], ["plan"], ["data", "prepare"],
 ]
 GUIDE = {  # command -> (guide title, link)
     "run": ("Getting started", "../guides/getting-started.md"),
@@ -29,6 +29,7 @@ GUIDE = {  # command -> (guide title, link)
     "manifest": ("Deployment", "../guides/deployment.md"),
     "top": ("Monitoring: dptrain top", "../guides/monitoring.md#dptrain-top"),
     "plan": ("Planning", "../guides/planner.md"),
+    "data": ("Train on your own data", "../guides/own-data.md"),
 }
 
 

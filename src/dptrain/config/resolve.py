@@ -451,11 +451,12 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 
 _BUILTIN_LM = ("dptrain.models.llama:build_llama", "dptrain.data.corpus:build_stdlib_lm")
+_BUILTIN_DATA = ("dptrain.data.corpus:build_stdlib_lm", "dptrain.data.packed:build_packed")
 
 
 def _check_seq_len(cfg: Config) -> None:
-    """The built-in LM and corpus: a sample cannot be longer than the model's context."""
-    if (cfg.model.factory, cfg.data.factory) != _BUILTIN_LM:
+    """The built-in LM on the built-in corpus or a prepared one: a sample cannot be longer than the model's context."""
+    if cfg.model.factory != _BUILTIN_LM[0] or cfg.data.factory not in _BUILTIN_DATA:
         return
     seq, ctx = cfg.data.kwargs.get("seq_len"), cfg.model.kwargs.get("max_seq_len")
     if isinstance(seq, int) and isinstance(ctx, int) and seq > ctx:

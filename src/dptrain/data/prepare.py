@@ -63,7 +63,8 @@ def _write_json(path: Path, obj: Any) -> None:
 
 @dataclass(frozen=True)
 class PrepareStats:
-    """What a prepare did: tokens and documents in the corpus, shards tokenised now and kept, seconds."""
+    """What a prepare did: tokens and documents in the corpus, shards tokenised now and kept, seconds, and the
+    processes that tokenised (1: this one)."""
 
     out: Path
     n_tokens: int
@@ -211,13 +212,14 @@ def prepare(
         if progress is not None:
             progress(done_docs, total_docs, done_tokens)
 
-    if workers <= 1 or len(jobs) == 1:
+    used = 1 if workers <= 1 or len(jobs) == 1 else min(workers, len(jobs))
+    if used == 1:
         for job in jobs:
             finished(*_tokenize_piece(job))
     else:
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        with ctx.Pool(min(workers, len(jobs)), initializer=_worker_init) as pool:
+        with ctx.Pool(used, initializer=_worker_init) as pool:
             for result in pool.imap_unordered(_tokenize_piece, jobs):
                 finished(*result)
     seconds = time.perf_counter() - t0
@@ -231,4 +233,4 @@ def prepare(
     }
     _write_json(out / MANIFEST, manifest)
     return PrepareStats(out, manifest["n_tokens"], manifest["n_docs"], len(shards), now, len(shards) - now,
-                        tokens_now, seconds, workers)
+                        tokens_now, seconds, used)

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 
+from dptrain.cli.generate import generate, run_tokenizer
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config
 from dptrain.data.packed import PackedTokens, build_packed
@@ -205,3 +207,29 @@ def test_resume_at_world_2_1_2_with_workers_trains_every_step_on_its_global_batc
     assert steps == want
     assert len({k for s in steps for k in s}) == 24  # distinct rows: the order really moves through the data
     assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_generate_samples_the_prepared_corpus_tokenizer_named_by_the_run(tmp_path, corpus):
+    """`dptrain generate` of a run on a prepared corpus: the tokenizer comes from the run's config and the
+    corpus's manifest; greedy sampling equals an argmax loop over the model's logits, decoded by the
+    tokenizers library itself."""
+    source, tok_path, _ = corpus
+    (tmp_path / "config.yaml").write_text(
+        f"data:\n  factory: dptrain.data.packed:build_packed\n  kwargs: {{source: '{source}'}}\n")
+    tok = run_tokenizer(tmp_path)
+    assert tok is not None and tok.kind == "tokenizers" and run_tokenizer(tmp_path, spec="bytes").kind == "bytes"
+    torch.manual_seed(0)
+    model = build_llama(vocab_size=tok.vocab_size + 7, dim=16, n_layers=1, n_heads=2, max_seq_len=16)
+    text = generate(model, "the quick", max_new_tokens=12, temperature=0.0, tokenizer=tok)
+    ref = Tokenizer.from_file(str(tok_path))
+    ids = ref.encode("the quick", add_special_tokens=False).ids
+    new = []
+    with torch.no_grad():
+        for _ in range(12):
+            nxt = int(model.logits(torch.tensor([ids + new])[:, -16:])[0, -1, : ref.get_vocab_size()].argmax())
+            new.append(nxt)
+    assert text == ref.decode(new)
+    (tmp_path / "config.yaml").write_text("data:\n  factory: dptrain.data.corpus:build_stdlib_lm\n")
+    assert run_tokenizer(tmp_path) is None  # any other run samples bytes

@@ -1,4 +1,4 @@
-"""Byte-level sampling from a trained LM and loading a model back from a run directory."""
+"""Sampling from a trained LM (bytes, or a prepared corpus's tokenizer); loading a model back from a run directory."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from torch import nn
 from dptrain.config import ConfigError
 from dptrain.config.imports import import_object
 from dptrain.config.load import load_yaml
+from dptrain.data.packed import load_manifest
+from dptrain.data.tokenizers import BYTES, LocalTokenizer, load_tokenizer
 
 DEFAULT_MODEL_FACTORY = "dptrain.models.llama:build_llama"
+PACKED_FACTORY = "dptrain.data.packed:build_packed"
 
 
 def _max_seq_len(model: nn.Module) -> int | None:
@@ -23,30 +26,30 @@ def _max_seq_len(model: nn.Module) -> int | None:
 
 
 @torch.no_grad()
-def generate_bytes(
+def sample_ids(
     model: nn.Module,
-    prompt: bytes | str,
+    ids: list[int],
     *,
     max_new_tokens: int = 200,
     temperature: float = 0.8,
     top_k: int | None = 40,
     seed: int = 0,
     progress: TextIO | None = None,
-) -> bytes:
-    """Sample exactly ``max_new_tokens`` bytes continuing ``prompt`` (the prompt is not included).
+    vocab_limit: int | None = None,
+    unit: str = "tokens",
+) -> list[int]:
+    """Sample exactly ``max_new_tokens`` token ids continuing ``ids`` (not included in the result).
 
     ``model.logits(idx[1, T]) -> [1, T, V]`` is used; ``temperature <= 0`` means greedy and
-    ``top_k`` of ``None``/``0`` disables top-k filtering. An empty prompt starts from ``b"\\n"``.
-    The model sees at most its context (``max_seq_len``) of the latest bytes: past it, the window
+    ``top_k`` of ``None``/``0`` disables top-k filtering; only ids below ``vocab_limit`` are sampled.
+    The model sees at most its context (``max_seq_len``) of the latest ids: past it, the window
     slides, so any length can be sampled. With ``progress``, a line every 2 s says how far it is.
     """
-    data = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
-    data = data or b"\n"
     device = next(model.parameters()).device
     # A private generator keeps sampling reproducible without touching the global RNG.
     gen = torch.Generator(device=device).manual_seed(seed)
     ctx = _max_seq_len(model)
-    idx = torch.tensor([list(data)], dtype=torch.long, device=device)
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
     out: list[int] = []
     # nn.Module's stub types any attribute as Tensor | Module; `logits` is a method of LM models.
     logits_of = cast(Callable[[torch.Tensor], torch.Tensor], model.logits)
@@ -58,12 +61,13 @@ def generate_bytes(
             if progress is not None and time.monotonic() - last >= 2.0:
                 last = time.monotonic()
                 rate = i / (last - start)
-                progress.write(f"generate: {i}/{max_new_tokens} bytes ({rate:.0f}/s, "
+                progress.write(f"generate: {i}/{max_new_tokens} {unit} ({rate:.0f}/s, "
                                f"eta {(max_new_tokens - i) / max(rate, 1e-9):.0f} s)\n")
                 progress.flush()
             cond = idx if ctx is None else idx[:, -ctx:]
             logits = logits_of(cond)[0, -1].float()
-            logits = logits[:256]  # only byte ids can be decoded
+            if vocab_limit is not None:
+                logits = logits[:vocab_limit]  # only the tokenizer's ids can be decoded
             if temperature <= 0:
                 nxt = int(logits.argmax())
             else:
@@ -76,6 +80,24 @@ def generate_bytes(
             idx = torch.cat([idx, idx.new_tensor([[nxt]])], dim=1)
     finally:
         model.train(was_training)
+    return out
+
+
+def generate_bytes(
+    model: nn.Module,
+    prompt: bytes | str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+    progress: TextIO | None = None,
+) -> bytes:
+    """Sample exactly ``max_new_tokens`` bytes continuing ``prompt`` (the prompt is not included):
+    :func:`sample_ids` over byte ids. An empty prompt starts from ``b"\\n"``."""
+    data = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
+    out = sample_ids(model, list(data or b"\n"), max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                     seed=seed, progress=progress, vocab_limit=256, unit="bytes")
     return bytes(out)
 
 
@@ -88,17 +110,53 @@ def generate(
     top_k: int | None = 40,
     seed: int = 0,
     progress: TextIO | None = None,
+    tokenizer: LocalTokenizer | None = None,
 ) -> str:
-    """Sample a continuation of ``prompt`` and decode it as UTF-8 (``errors="replace"``).
+    """Sample a continuation of ``prompt`` and decode it (only the generated text is returned).
 
-    Returns only the generated text. Invalid byte sequences become U+FFFD and valid
-    multi-byte sequences merge, so the string can be shorter than ``max_new_tokens``.
+    Without ``tokenizer`` (or with the bytes one) it samples bytes and decodes them as UTF-8
+    (``errors="replace"``: invalid sequences become U+FFFD, so the string can be shorter than
+    ``max_new_tokens``); with one, it samples that tokenizer's ids (an empty prompt starts from its
+    end-of-document id) and decodes them with it.
     """
-    raw = generate_bytes(
-        model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-        progress=progress,
-    )
-    return raw.decode("utf-8", errors="replace")
+    if tokenizer is None or tokenizer.kind == BYTES:
+        raw = generate_bytes(
+            model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+            progress=progress,
+        )
+        return raw.decode("utf-8", errors="replace")
+    text = prompt.decode("utf-8", errors="replace") if isinstance(prompt, bytes) else prompt
+    ids = tokenizer.encode_batch([text])[0] if text else [tokenizer.eos_id]
+    out = sample_ids(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                     progress=progress, vocab_limit=tokenizer.vocab_size)
+    return tokenizer.decode(out)
+
+
+def run_tokenizer(run_dir: str | Path, *, spec: str | None = None) -> LocalTokenizer | None:
+    """The tokenizer named by `spec`; without one, that of a run on a prepared corpus (``data.factory``
+    ``build_packed``): the one its manifest names, checked against the manifest's identity; None (bytes) for
+    any other run."""
+    if spec:
+        return load_tokenizer(spec)
+    path = Path(run_dir) / "config.yaml"
+    cfg = load_yaml(path.read_text()) if path.is_file() else {}
+    data = (cfg or {}).get("data") or {}
+    if data.get("factory") != PACKED_FACTORY or not (data.get("kwargs") or {}).get("source"):
+        return None
+    manifest = load_manifest(data["kwargs"]["source"])
+    recorded = manifest["tokenizer"]
+    if recorded["kind"] == BYTES:
+        return None
+    try:
+        tok = load_tokenizer(recorded["spec"])
+    except ConfigError as e:
+        raise ConfigError(
+            f"the run's tokenizer {recorded['spec']!r} cannot be loaded ({e}); pass --tokenizer"
+        ) from None
+    if not tok.identity().same_tokens(recorded):
+        raise ConfigError(f"the tokenizer at {recorded['spec']!r} changed since the run's data was prepared; pass the "
+                          "one it was prepared with as --tokenizer")
+    return tok
 
 
 def _fill_shared_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -190,11 +190,15 @@ def _parser() -> argparse.ArgumentParser:
         "--max-new-tokens",
         type=int,
         default=300,
-        help="bytes to sample (>= 1); past the model's context the last max_seq_len bytes are the window",
+        help="bytes (tokens with a --tokenizer) to sample (>= 1); past the model's context the last max_seq_len are "
+        "the window",
     )
     gen.add_argument("--temperature", type=float, default=0.8, help="> 0 samples; 0 is greedy (argmax)")
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes (0: all)")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokenizer", default=None,
+                     help="'bytes', a tokenizer.json or a from_pretrained folder (default: the one the run's prepared "
+                     "data names, else bytes)")
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="time dptrain's strategies and compressions against a raw PyTorch DDP loop")
@@ -517,8 +521,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not (Path(args.run_dir) / "final" / "model.safetensors").is_file():
         raise ConfigError(f"{args.run_dir!r} holds no final/model.safetensors; pass the directory of a finished run")
     # lazy: torch: loaded when the command runs, never for --help
-    from dptrain.cli.generate import generate, load_model_from_run
+    from dptrain.cli.generate import generate, load_model_from_run, run_tokenizer
 
+    tokenizer = run_tokenizer(args.run_dir, spec=args.tokenizer)
     model = load_model_from_run(args.run_dir)
     text = generate(
         model,
@@ -528,6 +533,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         progress=sys.stderr,
+        tokenizer=tokenizer,
     )
     print(args.prompt + text)
     return 0

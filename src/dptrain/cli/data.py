@@ -6,6 +6,8 @@ import argparse
 import os
 from typing import Any
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
 from dptrain.config import ConfigError
 
 
@@ -37,25 +39,20 @@ def add_data_parser(sub: Any) -> None:
     data.set_defaults(func=lambda _args: (data.print_help(), 2)[1])
 
 
-def cmd_data_prepare(args: argparse.Namespace) -> int:
-    # lazy: rich's progress bar, numpy and torch (dptrain.data): never for `dptrain --help`
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+def progress_columns() -> tuple:
+    return (TextColumn("tokenising"), BarColumn(), MofNCompleteColumn(), TextColumn("docs"),
+            TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn(), TimeRemainingColumn())
 
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    # lazy: numpy and torch (dptrain.data): never for `dptrain --help`
     from dptrain.data.prepare import prepare
 
+    bar_columns = progress_columns()
     workers = args.workers if args.workers is not None else (os.cpu_count() or 1)
     if workers < 0:
         raise ConfigError(f"--workers must be >= 0, got {workers}")
-    columns = (TextColumn("tokenising"), BarColumn(), MofNCompleteColumn(), TextColumn("docs"),
-               TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, disable=args.no_progress, transient=False) as bar:
+    with Progress(*bar_columns, disable=args.no_progress, transient=False) as bar:
         task = bar.add_task("prepare", total=None, tokens=0)
 
         def progress(done: int, total: int, tokens: int) -> None:

@@ -1,6 +1,6 @@
 """`dptrain data prepare` throughput, and the memory of packed rows over corpora of 1x, 4x and 16x one size.
 
-    python benchmarks/data_prepare.py [--docs 20000] [--workers 1 2] [--rss-mib 16] [--rows 3000]
+    python benchmarks/data_prepare.py [--docs 20000] [--workers 1 2] [--rss-mib 16] [--rows 3000] [--only WHICH]
 
 1. Throughput: `--docs` JSON-lines documents (50-400 words each, made here), a byte-level BPE of
    vocabulary 8,000 trained on them with `tokenizers`, prepared with each `--workers` count (a fresh
@@ -10,8 +10,8 @@
    is the text size), each read in a fresh process: `build_packed` (SHA-256 verification of every shard
    included), then `--rows` rows at random through a DataLoader with 2 workers; the peak RSS of that
    process and of its workers (ru_maxrss) is printed. Memory-mapped pages of the token files count in
-   RSS while they are resident, so the peak may grow with what the OS keeps cached of the rows read, not
-   with the corpus.
+   RSS while they are resident; the dataset advises its maps for random access (no read-ahead), so the
+   pages resident are about those of the rows read, whatever the corpus's size.
 
 Prints one JSON line per measurement.
 """
@@ -109,10 +109,13 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rss-mib", type=int, default=16, help="text MiB of the 1x corpus")
     p.add_argument("--rows", type=int, default=3000)
+    p.add_argument("--only", choices=["prepare", "memory"], help="run one of the two measurements")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        throughput(Path(d), a.docs, a.workers)
-        memory(Path(d), a.rss_mib, a.rows)
+        if a.only != "memory":
+            throughput(Path(d), a.docs, a.workers)
+        if a.only != "prepare":
+            memory(Path(d), a.rss_mib, a.rows)
     print(json.dumps({"what": "host_peak_rss_mib", "value": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                                                       / 1024, 1)}))
 

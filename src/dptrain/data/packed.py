@@ -19,6 +19,7 @@ window at a time, so memory does not grow with the corpus.
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,17 @@ def verify_shards(source: str | Path, manifest: dict[str, Any], *, hashes: bool 
                 )
 
 
+def _map_random(path: Path, dtype: np.dtype) -> np.ndarray:
+    """The file as a read-only array over a memory map advised for random access: rows are read in a
+    shuffled order, and the kernel's read-ahead would otherwise bring in (and keep resident) far more of
+    the file than the rows read."""
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mm, dtype=dtype)
+
+
 class PackedTokens(Dataset):
     """Packed ``seq_len`` rows over documents ``[doc_start, doc_stop)`` of a prepared corpus (see the module)."""
 
@@ -109,7 +121,7 @@ class PackedTokens(Dataset):
     def _shard(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         if s not in self._maps:
             bin_name, idx_name = self._files[s]
-            tokens = (np.memmap(self.source / bin_name, dtype=self.dtype, mode="r")
+            tokens = (_map_random(self.source / bin_name, self.dtype)
                       if self._tok_base[s + 1] > self._tok_base[s] else np.zeros(0, self.dtype))
             self._maps[s] = (tokens, np.memmap(self.source / idx_name, dtype=np.int64, mode="r"))
         return self._maps[s]

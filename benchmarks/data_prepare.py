@@ -9,9 +9,7 @@
 2. Memory: corpora of `--rss-mib` MiB of tokens x 1, 4 and 16 (the bytes tokenizer, so the token count
    is the text size), each read in a fresh process: `build_packed` (SHA-256 verification of every shard
    included), then `--rows` rows at random through a DataLoader with 2 workers; the peak RSS of that
-   process and of its workers (ru_maxrss) is printed. Memory-mapped pages of the token files count in
-   RSS while they are resident; the dataset advises its maps for random access (no read-ahead), so the
-   pages resident are about those of the rows read, whatever the corpus's size.
+   process and of its workers (ru_maxrss) is printed.
 
 Prints one JSON line per measurement.
 """

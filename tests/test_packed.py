@@ -7,7 +7,6 @@ refused before training."""
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import pickle
 import tracemalloc
@@ -116,7 +115,7 @@ def test_a_packed_row_gives_each_document_the_logits_and_loss_it_gets_alone(corp
 @pytest.mark.fast
 @pytest.mark.fast
 @pytest.mark.timeout(60)
-def test_rows_are_read_through_memory_maps_and_memory_does_not_grow_with_the_corpus(tmp_path):
+def test_rows_are_read_a_window_at_a_time_and_memory_does_not_grow_with_the_corpus(tmp_path):
     """Peak Python allocations while opening the dataset and reading rows stay the same for a corpus 64x
     larger: nothing loads the token files, and a pickled dataset (what DataLoader workers get) carries
     no tokens."""
@@ -132,7 +131,7 @@ def test_rows_are_read_through_memory_maps_and_memory_does_not_grow_with_the_cor
             ds[i]
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
-        assert all(isinstance(t.base.obj, mmap.mmap) and isinstance(i, np.memmap) for t, i in ds._maps.values())
+        assert ds._maps and all(isinstance(i, np.memmap) for i in ds._maps.values())  # only boundaries are mapped
         assert len(pickle.dumps(ds)) < 4096
     n_tokens = [json.loads((tmp_path / n / "manifest.json").read_text())["n_tokens"] for n in ("small", "big")]
     assert n_tokens[1] == 64 * n_tokens[0] and n_tokens[1] * 2 > 10 * peaks[1]  # loading the tokens would show

@@ -12,14 +12,14 @@ shards. Row ``i`` is the window ``stream[i*seq_len : i*seq_len + seq_len + 1]``,
   is derived from them) and sees every document as if it were alone.
 
 The rows are a map-style Dataset: the world-size-invariant order (:class:`GlobalBatchSampler`) and
-exact resume work unchanged. Tokens and document boundaries are read through ``np.memmap`` one
-window at a time, so memory does not grow with the corpus.
+exact resume work unchanged. Each row reads its window's tokens from the shard file (one positioned
+read) and its document boundaries through an ``np.memmap`` of the ``.idx`` file, so nothing loads the
+corpus and memory does not grow with it.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 from pathlib import Path
 from typing import Any
 
@@ -78,17 +78,6 @@ def verify_shards(source: str | Path, manifest: dict[str, Any], *, hashes: bool 
                 )
 
 
-def _map_random(path: Path, dtype: np.dtype) -> np.ndarray:
-    """The file as a read-only array over a memory map advised for random access: rows are read in a
-    shuffled order, and the kernel's read-ahead would otherwise bring in (and keep resident) far more of
-    the file than the rows read."""
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if hasattr(mmap, "MADV_RANDOM"):
-        mm.madvise(mmap.MADV_RANDOM)
-    return np.frombuffer(mm, dtype=dtype)
-
-
 class PackedTokens(Dataset):
     """Packed ``seq_len`` rows over documents ``[doc_start, doc_stop)`` of a prepared corpus (see the module)."""
 
@@ -110,7 +99,7 @@ class PackedTokens(Dataset):
         n_doc = np.array([s["n_docs"] for s in m["shards"]], dtype=np.int64)
         self._tok_base = np.concatenate([[0], np.cumsum(n_tok)])
         self._doc_base = np.concatenate([[0], np.cumsum(n_doc)])
-        self._maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._maps: dict[int, np.ndarray] = {}
         n_docs = int(self._doc_base[-1])
         doc_stop = n_docs if doc_stop is None else int(doc_stop)
         if not 0 <= doc_start <= doc_stop <= n_docs:
@@ -118,20 +107,25 @@ class PackedTokens(Dataset):
         self.doc_start, self.doc_stop = int(doc_start), doc_stop
         self.tok_start, self.tok_stop = self._doc_offset(self.doc_start), self._doc_offset(doc_stop)
 
-    def _shard(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+    def _bounds(self, s: int) -> np.ndarray:
+        """Shard `s`'s document boundaries (n_docs + 1 offsets), memory-mapped."""
         if s not in self._maps:
-            bin_name, idx_name = self._files[s]
-            tokens = (_map_random(self.source / bin_name, self.dtype)
-                      if self._tok_base[s + 1] > self._tok_base[s] else np.zeros(0, self.dtype))
-            self._maps[s] = (tokens, np.memmap(self.source / idx_name, dtype=np.int64, mode="r"))
+            self._maps[s] = np.memmap(self.source / self._files[s][1], dtype=np.int64, mode="r")
         return self._maps[s]
+
+    def _tokens(self, s: int, a: int, b: int) -> np.ndarray:
+        """Tokens ``[a, b)`` of shard `s`, read from the file (one positioned read): only the row's bytes
+        are ever in this process's memory. (A memory map of the tokens would show the OS's cached pages of
+        the file in the process's RSS, tens of KiB around every row read, growing with the corpus.)"""
+        return np.fromfile(self.source / self._files[s][0], dtype=self.dtype, count=b - a,
+                           offset=a * self.dtype.itemsize)
 
     def _doc_offset(self, d: int) -> int:
         """Position in the token stream where document `d` starts (the stream's end for the last + 1)."""
         if d >= self._doc_base[-1]:
             return int(self._tok_base[-1])
         s = int(np.searchsorted(self._doc_base, d, side="right") - 1)
-        return int(self._tok_base[s] + self._shard(s)[1][d - self._doc_base[s]])
+        return int(self._tok_base[s] + self._bounds(s)[d - self._doc_base[s]])
 
     def __len__(self) -> int:
         return max(0, (self.tok_stop - self.tok_start - 1) // self.seq_len)
@@ -145,9 +139,9 @@ class PackedTokens(Dataset):
             base, end = int(self._tok_base[s]), int(self._tok_base[s + 1])
             a, b = lo - base, min(hi, end) - base
             if b > a:
-                toks, idx = self._shard(s)
+                idx = self._bounds(s)
                 at = lo - (hi - len(tokens))  # where this shard's part goes in the window
-                tokens[at : at + b - a] = toks[a:b]
+                tokens[at : at + b - a] = self._tokens(s, a, b)
                 offs = idx[np.searchsorted(idx, a, side="left") : np.searchsorted(idx, b, side="left")]
                 starts[at + (offs - a)] = True
                 lo = base + b
@@ -176,7 +170,7 @@ class PackedTokens(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_maps"] = {}  # never ship the mappings; each DataLoader worker maps the files itself
+        state["_maps"] = {}  # never ship the maps; each DataLoader worker maps the files itself
         return state
 
     def __repr__(self) -> str:

@@ -155,7 +155,10 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        h = self.attn_norm(x)
+        # The mask only as a keyword when there is one: the tensor-parallel plan's PrepareModuleInput on `attn`
+        # lays out exactly its three positional inputs.
+        x = x + (self.attn(h, cos, sin) if mask is None else self.attn(h, cos, sin, mask=mask))
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -234,7 +237,7 @@ class LlamaLM(nn.Module):
             cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)  # [B, 1, T, hd/2]
             mask = document_mask(position_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask=mask)
         return self.head(self.norm(x))
 
     def forward(

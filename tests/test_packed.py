@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
+from torch.utils.data import default_collate
 
 from dptrain.cli.generate import generate, run_tokenizer
 from dptrain.config import ConfigError
@@ -233,3 +234,15 @@ def test_generate_samples_the_prepared_corpus_tokenizer_named_by_the_run(tmp_pat
     assert text == ref.decode(new)
     (tmp_path / "config.yaml").write_text("data:\n  factory: dptrain.data.corpus:build_stdlib_lm\n")
     assert run_tokenizer(tmp_path) is None  # any other run samples bytes
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_the_packed_collate_equals_default_collate_in_one_storage(corpus):
+    ds = PackedTokens(corpus[0], seq_len=32)
+    rows = [ds[i] for i in (3, 0, 7)]
+    batch, ref = ds.collate(rows), default_collate(rows)
+    assert batch.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(batch[k], ref[k], rtol=0, atol=0)
+    assert len({v.untyped_storage().data_ptr() for v in batch.values()}) == 1

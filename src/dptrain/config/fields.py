@@ -59,7 +59,8 @@ class DataConfig:
     kwargs: dict[str, Any] = field(default_factory=_corpus_defaults)
     """Keyword arguments passed to the data factory."""
     collate: str | None = None
-    """Optional import path `pkg.mod:fn` of a collate function (default: torch's default_collate). Any importable
+    """Optional import path `pkg.mod:fn` of a collate function (default: the training dataset's own `collate` method if
+    it has one, as packed rows do, else torch's default_collate). Any importable
     callable: with `collate_kwargs` it is called as fn(samples, **collate_kwargs) (functools.partial). A closure: name
     a module-level result of your factory (`collate = make_collate(...)` in pkg/mod.py); see
     docs/guides/models-and-data.md."""

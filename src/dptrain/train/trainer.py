@@ -201,10 +201,12 @@ class Trainer:
             if self.token_loss
             else None
         )
-        self.collate = build_collate(cfg.data)  # data.collate (+ collate_kwargs: a partial), or None
         self.eval_fn = import_object(cfg.train.eval_fn) if cfg.train.eval_fn else None
         self.eval_summary = import_object(cfg.train.eval_summary) if cfg.train.eval_summary else None
         self.train_ds, self.val_ds = build_datasets(cfg.data)
+        # data.collate (+ collate_kwargs: a partial), else the dataset's own (packed rows: one storage per batch),
+        # else None (torch's default)
+        self.collate = build_collate(cfg.data) or getattr(self.train_ds, "collate", None)
         self.sampler = GlobalBatchSampler(
             dataset_len=len(self.train_ds),
             global_batch_size=res.global_batch_size,

@@ -136,12 +136,16 @@ def test_an_interrupted_or_damaged_prepare_resumes_keeping_only_verified_shards(
 
 
 @pytest.mark.timeout(60)
-def test_another_tokenizer_into_the_same_output_is_refused(tmp_path, bpe):
+def test_another_tokenizer_into_the_same_output_is_refused_once_it_has_shards(tmp_path, bpe):
     tok_path, docs = bpe
     src = write_jsonl(tmp_path / "d.jsonl", docs)
     prepare([str(src)], tokenizer=str(tok_path), out=tmp_path / "out", workers=0)
     with pytest.raises(ConfigError, match="holds another prepare .differs in: tokenizer"):
         prepare([str(src)], tokenizer="bytes", out=tmp_path / "out", workers=0)
+    # a prepare that finished no shard (a wrong --text-key) is no obstacle to the corrected one
+    with pytest.raises(ConfigError, match="no 'body' field"):
+        prepare([str(src)], tokenizer="bytes", out=tmp_path / "fixed", workers=0, text_key="body")
+    assert prepare([str(src)], tokenizer="bytes", out=tmp_path / "fixed", workers=0).n_docs == len(docs)
 
 
 @pytest.mark.timeout(60)

@@ -145,15 +145,16 @@ def _worker_init() -> None:
 
 
 def _check_plan(out: Path, plan: dict[str, Any]) -> None:
-    """An output directory holding another prepare (other tokenizer or inputs) is refused, never mixed."""
+    """An output directory holding another prepare (other tokenizer or inputs) with finished shards is refused,
+    never mixed."""
     try:
         old = json.loads((out / PLAN).read_text())
     except FileNotFoundError:
         return
     except (OSError, ValueError):
         old = None
-    if old == plan:
-        return
+    if old == plan or not any(out.glob("shard_*.json")):
+        return  # the same prepare, or one that finished no shard (e.g. stopped by a wrong --text-key): nothing to mix
     what = "a damaged plan.json"
     if isinstance(old, dict):
         diff = [k for k in plan if old.get(k) != plan[k]]

@@ -33,6 +33,7 @@ from support.batch_log import ENV, read_steps, row_key
 from support.checkpoints import TOY, losses
 from support.corpora import documents, prepared, train_bpe, write_jsonl
 from support.mp import run_ranks
+from support.run_helpers import dptrain
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +247,17 @@ def test_the_packed_collate_equals_default_collate_in_one_storage(corpus):
     for k in ref:
         torch.testing.assert_close(batch[k], ref[k], rtol=0, atol=0)
     assert len({v.untyped_storage().data_ptr() for v in batch.values()}) == 1
+
+
+@pytest.mark.timeout(120)
+def test_dptrain_run_refuses_a_small_vocabulary_and_a_changed_shard_before_any_worker(tmp_path):
+    out, _, _ = prepared(tmp_path, n_docs=40, shard_docs=20)
+    vocab = json.loads((out / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    base = ["run", "data.factory=dptrain.data.packed:build_packed", f"data.kwargs.source={out}",
+            "data.kwargs.seq_len=16", "--nproc-per-node", "2", "--out", str(tmp_path / "run")]
+    small = dptrain(*base, f"model.kwargs.vocab_size={vocab - 1}", timeout=100)
+    assert small.returncode == 2 and f"model vocab_size={vocab - 1} is smaller" in small.stderr, small.stderr
+    (out / "shard_00000.idx").write_bytes(b"\0" * (out / "shard_00000.idx").stat().st_size)
+    changed = dptrain(*base, f"model.kwargs.vocab_size={vocab}", timeout=100)
+    assert changed.returncode == 2 and "SHA-256 of shard_00000.idx no longer matches" in changed.stderr, changed.stderr
+    assert "Traceback" not in small.stderr + changed.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()

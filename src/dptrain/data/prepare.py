@@ -218,8 +218,9 @@ def prepare(
         for job in jobs:
             finished(*_tokenize_piece(job))
     else:
-        methods = multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        # spawn, not fork: a forked worker inherits the locks of whatever threads the caller runs (torch's pools,
+        # tokenizers' own) and can hang on one of them
+        ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(used, initializer=_worker_init) as pool:
             for result in pool.imap_unordered(_tokenize_piece, jobs):
                 finished(*result)

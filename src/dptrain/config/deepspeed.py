@@ -17,7 +17,6 @@ from dptrain.config.load import set_dotted
 _ZERO_STAGE = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}
 _SCHEDULES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 _REFUSED_OPTIM = {
-    "onebitadam": 'use "Adam" now; 1-bit gradient compression (parallel.grad_compression=onebit) is planned (issue 11)',
     "zerooneadam": 'use "Adam" now; 1-bit gradient compression (parallel.grad_compression=onebit) is planned '
     "(issue 11)",
     "onebitlamb": 'use "AdamW"; dptrain has no LAMB and no 1-bit compression yet (issue 11)',
@@ -163,8 +162,8 @@ def _optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
     if low in _REFUSED_OPTIM:
         raise ConfigError(f"DeepSpeed optimizer.type={kind!r} is not supported; {_REFUSED_OPTIM[low]}")
     low = "adam" if low == "deepspeed_adam" else low  # old name of DeepSpeedCPUAdam (adamw_mode=True)
-    if low not in ("sgd", "adam", "adamw"):
-        raise _bad("optimizer.type", opt.get("type"), "use one of: SGD, Adam, AdamW")
+    if low not in ("sgd", "adam", "adamw", "onebitadam"):
+        raise _bad("optimizer.type", opt.get("type"), "use one of: SGD, Adam, AdamW, OneBitAdam")
     params = opt.get("params", {})
     params = {} if params is None else params
     if not isinstance(params, dict):
@@ -177,12 +176,17 @@ def _optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
         raise _bad("optimizer.params.adam_w_mode", adam_w, "use true or false")
     # DeepSpeed: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false; "AdamW" is always AdamW
     name = "sgd" if low == "sgd" else ("adam" if low == "adam" and not adam_w else "adamw")
+    name = "onebit_adam" if low == "onebitadam" else name  # cuda_aware, comm_backend_name: ignored (torch.distributed)
     m.put("optimizer.type", "optim.name", name)
     defaults: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.0}
     if name == "sgd":
         defaults["momentum"] = 0.0
     else:
         defaults.update(betas=[0.9, 0.999], eps=1e-8)
+    if name == "onebit_adam":
+        defaults["freeze_step"] = 100000
+        m.notes.append("OneBitAdam: dptrain's warm-up is AdamW with bias correction from step 1; DeepSpeed's first "
+                       "step only initialises and it never bias-corrects (train/onebit_adam.py)")
     for pk, dflt in defaults.items():
         key = f"optimizer.params.{pk}"
         if pk in params:

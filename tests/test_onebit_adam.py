@@ -142,10 +142,11 @@ def _grads(step: int, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
 def test_warmup_is_torchs_adamw_bit_for_bit():
     ours, theirs = _params(), _params()
     kw = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8}
-    opt = OneBitAdam([{"params": ours[::2], "weight_decay": 0.1}, {"params": ours[1:2], "weight_decay": 0.0}],
-                     freeze_step=50, **kw)
-    ref = torch.optim.AdamW([{"params": theirs[::2], "weight_decay": 0.1}, {"params": theirs[1:2], "weight_decay": 0.0}],
-                            foreach=False, **kw)
+    def groups(ps: list[torch.nn.Parameter]) -> list[dict]:
+        return [{"params": ps[::2], "weight_decay": 0.1}, {"params": ps[1:2], "weight_decay": 0.0}]
+
+    opt = OneBitAdam(groups(ours), freeze_step=50, **kw)
+    ref = torch.optim.AdamW(groups(theirs), foreach=False, **kw)
     for step in range(12):
         for o in (opt, ref):
             for group in o.param_groups:

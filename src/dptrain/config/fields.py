@@ -151,7 +151,8 @@ class OptimConfig:
     optimizer, so step s trains at its iteration s - 1; warmup at least 2 steps)."""
     freeze_step: int = 100
     """onebit_adam: optimizer steps of full AdamW (gradients all-reduced) before the variance freezes and the momentum
-    is compressed (1-bit Adam's warm-up; the paper and DeepSpeed's guide use about 15-25% of the run)."""
+    is compressed (1-bit Adam's warm-up: past the learning-rate warm-up, once the variance has settled; measured in
+    docs/results/communication.md, "1-bit Adam")."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm (over all shards) to this value; null disables clipping."""
 

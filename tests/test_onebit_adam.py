@@ -213,7 +213,9 @@ def _exchange_ranks(rank: int, steps: int, cut: int) -> dict:
             resumed.append(m)
         assert dist.get_backend() == "gloo"
         assert ex.layout is not None
-        padding_zero = all(not e[n:].any() for e, n in zip(ex.worker_error, ex.layout.numels, strict=True))
+        lay = ex.layout
+        padding_zero = all(not ex.worker_error[o + n:o + lay.padded(i)].any()
+                           for i, (o, n) in enumerate(zip(lay.offsets, lay.numels, strict=True)))
         return {"got": got, "state": ex.state_dict(), "padding_zero": padding_zero, "saved": saved, "resumed": resumed,
                 "sent": ex.take_sent(), "bytes": ex.layout.sent_bytes()}
 

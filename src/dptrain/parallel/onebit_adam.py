@@ -49,13 +49,18 @@ SCALE_DTYPE = torch.float32
 # ------------------------------------------------------------------------------- the layout
 class ChunkLayout:
     """Where each of T tensors (element counts `numels`) sits in the exchange over `world` ranks:
-    padded to `world` chunks of `widths[i]` elements (a multiple of 8), server j holding chunk j."""
+    padded to `world` chunks of `widths[i]` elements (a multiple of 8), server j holding chunk j.
+
+    Two flat layouts: the worker's, tensor after tensor, each padded (`offsets`, P = W x C elements),
+    and a server's row, chunk j of every tensor in turn (`row_offsets`, C elements)."""
 
     def __init__(self, numels: list[int], world: int) -> None:
         self.numels, self.world = list(numels), world
         self.widths = [math.ceil(n / (8 * world)) * 8 for n in numels]
         self.width = sum(self.widths)
         """C: the elements one server holds (a multiple of 8)."""
+        self.offsets = [world * sum(self.widths[:i]) for i in range(len(numels))]
+        self.row_offsets = [sum(self.widths[:i]) for i in range(len(numels))]
 
     def padded(self, i: int) -> int:
         return self.widths[i] * self.world
@@ -72,17 +77,37 @@ class ChunkLayout:
         """Bytes this rank sends in one exchange: W - 1 messages in each phase."""
         return 2 * (self.world - 1) * self.message_bytes()
 
+    def worker_mask(self) -> torch.Tensor:
+        """1.0 on the worker layout's real elements, 0.0 on its padding."""
+        mask = torch.zeros(self.world * self.width, dtype=SCALE_DTYPE)
+        for o, n in zip(self.offsets, self.numels, strict=True):
+            mask[o:o + n] = 1
+        return mask
+
+    def row_masks(self) -> torch.Tensor:
+        """(W, C): row j is 1.0 on server j's real elements."""
+        mask = torch.zeros(self.world, self.width, dtype=SCALE_DTYPE)
+        for j in range(self.world):
+            for i, o in enumerate(self.row_offsets):
+                mask[j, o:o + self.real(i, j)] = 1
+        return mask
+
+    def send_order(self) -> torch.Tensor:
+        """Byte indices into the worker layout's packed signs that make the W server rows in turn."""
+        idx = [torch.arange((o + j * w) // 8, (o + (j + 1) * w) // 8)
+               for j in range(self.world) for o, w in zip(self.offsets, self.widths, strict=True)]
+        return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+
 
 def rms(x: torch.Tensor, count: int) -> torch.Tensor:
     """||x|| / sqrt(count) (x's other elements are zero padding); 0 for count 0."""
     return torch.linalg.vector_norm(x) / math.sqrt(max(count, 1))
 
 
-def signed(positive: torch.Tensor, scale: torch.Tensor, real: int) -> torch.Tensor:
-    """+scale where `positive`, -scale elsewhere; 0 from element `real` on (padding)."""
-    out = torch.where(positive, scale, -scale)
-    out[real:] = 0
-    return out
+def values(positive: torch.Tensor, scale: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """+scale where `positive`, -scale elsewhere (`scale` per element or one), times `mask` (1.0
+    on real elements, 0.0 on padding): what a message decodes to."""
+    return positive.to(SCALE_DTYPE).mul_(2).sub_(1).mul_(scale).mul_(mask)
 
 
 def compress(corrected: torch.Tensor, real: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,7 +115,9 @@ def compress(corrected: torch.Tensor, real: int) -> tuple[torch.Tensor, torch.Te
     elements before its padding."""
     scale = rms(corrected, real)
     positive = corrected >= 0
-    return scale, positive, corrected - signed(positive, scale, real)
+    mask = torch.zeros_like(corrected)
+    mask[:real] = 1
+    return scale, positive, corrected - values(positive, scale, mask)
 
 
 def encode(scales: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
@@ -114,10 +141,11 @@ class MomentumExchange:
         self.freeze_step = freeze_step
         self.steps_done = 0
         self.layout: ChunkLayout | None = None
-        self.worker_error: list[torch.Tensor] = []
-        """Per tensor, padded to W chunks (zero in the padding)."""
-        self.server_error: list[torch.Tensor] = []
-        """Per tensor, this rank's chunk (zero in its padding)."""
+        self.worker_error = torch.zeros(0)
+        """The worker layout (zero in the padding)."""
+        self.server_error = torch.zeros(0)
+        """This rank's server row (zero in its padding)."""
+        self._buffers: dict[str, torch.Tensor] = {}
         self._loaded: dict[str, Any] | None = None
         self.last_payload: dict[int, int] = {}
         """DDP bucket index -> bytes handed to the warm-up all-reduce in the last call."""
@@ -150,45 +178,40 @@ class MomentumExchange:
             return
         rank = dist.get_rank(self.group)
         lay = self._layout([m.numel() for m in momenta], world, momenta[0].device)
-        t, width = len(momenta), lay.width
+        b, t, width = self._buffers, len(momenta), lay.width
         # phase 1, worker: compress the corrected momentum, one message per server
-        scales, signs = [], []
-        for i, m in enumerate(momenta):
-            corrected = torch.nn.functional.pad(m.detach().reshape(-1).to(SCALE_DTYPE), (0, lay.padded(i) - m.numel()))
-            corrected += self.worker_error[i]
-            scale, positive, self.worker_error[i] = compress(corrected, lay.numels[i])
-            scales.append(scale)
-            signs.append(positive.view(world, lay.widths[i]))
-        grid = torch.cat(signs, dim=1)  # (W, C): row j = every tensor's chunk j
-        worker_scales = torch.stack(scales)
-        send = torch.stack([encode(worker_scales, grid[j]) for j in range(world)])
+        flat, werr = b["flat"], self.worker_error
+        for o, m in zip(lay.offsets, momenta, strict=True):
+            flat[o:o + m.numel()].copy_(m.detach().reshape(-1))  # the padding stays 0
+        werr.add_(flat)  # corrected = momentum + worker error, kept in the error's buffer
+        scales = torch.stack([rms(werr[o:o + lay.padded(i)], n)
+                              for i, (o, n) in enumerate(zip(lay.offsets, lay.numels, strict=True))])
+        positive = werr >= 0
+        werr.sub_(values(positive, torch.repeat_interleave(scales, b["padded"]), b["worker_mask"]))
+        rows = pack_signs(positive)[b["send_order"]].view(world, width // 8)
+        send = torch.cat([scales.view(torch.uint8).expand(world, 4 * t), rows], dim=1)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        # phase 1, server: average the W ranks' chunks of this rank, compensate, compress again
-        decoded = [decode(recv[r], t, width) for r in range(world)]
-        server_scales, server_signs, offset = [], [], 0
-        for i, w in enumerate(lay.widths):
-            real = lay.real(i, rank)
-            total = torch.zeros(w, dtype=SCALE_DTYPE, device=recv.device)
-            for r_scales, r_signs in decoded:  # rank order: the same sum on every run
-                total += signed(r_signs[offset:offset + w], r_scales[i], real)
-            compensated = total.div_(world) + self.server_error[i]
-            scale, positive, self.server_error[i] = compress(compensated, real)
-            server_scales.append(scale)
-            server_signs.append(positive)
-            offset += w
-        mine = encode(torch.stack(server_scales), torch.cat(server_signs))
+        # phase 1, server: average the W ranks' chunks of this rank in rank order, compensate, compress again
+        mask = b["row_masks"][rank]
+        total = torch.zeros(width, dtype=SCALE_DTYPE, device=flat.device)
+        for r in range(world):
+            r_scales, r_signs = decode(recv[r], t, width)
+            total.add_(values(r_signs, torch.repeat_interleave(r_scales, b["widths"]), mask))
+        comp = total.div_(world).add_(self.server_error)
+        server_scales = torch.stack([rms(comp[o:o + w], lay.real(i, rank))
+                                     for i, (o, w) in enumerate(zip(lay.row_offsets, lay.widths, strict=True))])
+        positive = comp >= 0
+        self.server_error = comp.sub_(values(positive, torch.repeat_interleave(server_scales, b["widths"]), mask))
+        mine = encode(server_scales, positive)
         # phase 2: every server's chunks to every rank
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=self.group)
         self.unmetered += lay.sent_bytes()
-        chunks = [decode(g, t, width) for g in gathered]
-        offset = 0
-        for i, (m, w) in enumerate(zip(momenta, lay.widths, strict=True)):
-            parts = [signed(j_signs[offset:offset + w], j_scales[i], lay.real(i, j))
-                     for j, (j_scales, j_signs) in enumerate(chunks)]
-            m.copy_(torch.cat(parts)[:m.numel()].view_as(m))
-            offset += w
+        grid = torch.stack([values(sg, torch.repeat_interleave(sc, b["widths"]), b["row_masks"][j])
+                            for j, (sc, sg) in enumerate(decode(g, t, width) for g in gathered)])
+        for m, o, w in zip(momenta, lay.row_offsets, lay.widths, strict=True):
+            m.copy_(grid[:, o:o + w].reshape(-1)[:m.numel()].view_as(m))
 
     def _layout(self, numels: list[int], world: int, device: torch.device) -> ChunkLayout:
         """The layout for these tensors (built at the first exchange, with zero or loaded errors)."""
@@ -196,8 +219,16 @@ class MomentumExchange:
             return self.layout
         lay = self.layout = ChunkLayout(numels, world)
         rank = dist.get_rank(self.group)
-        self.worker_error = [torch.zeros(lay.padded(i), dtype=SCALE_DTYPE, device=device) for i in range(len(numels))]
-        self.server_error = [torch.zeros(w, dtype=SCALE_DTYPE, device=device) for w in lay.widths]
+        self._buffers = {
+            "flat": torch.zeros(world * lay.width, dtype=SCALE_DTYPE, device=device),
+            "worker_mask": lay.worker_mask().to(device),
+            "row_masks": lay.row_masks().to(device),
+            "send_order": lay.send_order().to(device),
+            "padded": torch.tensor([lay.padded(i) for i in range(len(numels))], device=device),
+            "widths": torch.tensor(lay.widths, device=device),
+        }
+        self.worker_error = torch.zeros(world * lay.width, dtype=SCALE_DTYPE, device=device)
+        self.server_error = torch.zeros(lay.width, dtype=SCALE_DTYPE, device=device)
         loaded, self._loaded = self._loaded, None
         if loaded is not None and loaded["worker_error"]:
             worker = loaded["worker_error"]
@@ -207,35 +238,37 @@ class MomentumExchange:
                     f"{[int(w.numel()) for w in worker][:6]} elements, this run's momenta {numels[:6]}: "
                     "resume with the run's own model"
                 )
-            for i, w in enumerate(worker):
-                self.worker_error[i][:numels[i]] = w.reshape(-1).to(device)
-            server = loaded["server_error"]
+            for o, n, w in zip(lay.offsets, numels, worker, strict=True):
+                self.worker_error[o:o + n] = w.reshape(-1).to(device)
             if loaded["world"] == world and loaded["rank"] == rank:
-                for i, s in enumerate(server):
-                    self.server_error[i].copy_(s)
+                for o, s in zip(lay.row_offsets, loaded["server_error"], strict=True):
+                    self.server_error[o:o + s.numel()] = s.to(device)
         return lay
 
     # ---------------------------------------------------------------- checkpoints (per rank)
     def state_dict(self) -> dict[str, Any]:
-        """The errors of this rank (the worker error per tensor without padding), the layout's
-        world size and this rank; `steps_done` lives in the optimizer's state."""
+        """The errors of this rank, per tensor (the worker error without padding, the server error
+        as this rank's chunk of each), the layout's world size and this rank; `steps_done` lives in
+        the optimizer's state."""
         if self.layout is None and self._loaded is not None:  # loaded, not used yet: save it as it came
             return {"kind": "onebit_adam", **self._loaded}
         lay = self.layout
-        world = lay.world if lay is not None else self.world
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        numels = lay.numels if lay is not None else []
+        if lay is None:
+            return {"kind": "onebit_adam", "world": self.world, "rank": rank, "worker_error": [], "server_error": []}
         return {
-            "kind": "onebit_adam", "world": world, "rank": rank,
-            "worker_error": [e[:n].detach().cpu().clone() for e, n in zip(self.worker_error, numels, strict=True)],
-            "server_error": [e.detach().cpu().clone() for e in self.server_error],
+            "kind": "onebit_adam", "world": lay.world, "rank": rank,
+            "worker_error": [self.worker_error[o:o + n].detach().cpu().clone()
+                             for o, n in zip(lay.offsets, lay.numels, strict=True)],
+            "server_error": [self.server_error[o:o + w].detach().cpu().clone()
+                             for o, w in zip(lay.row_offsets, lay.widths, strict=True)],
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Keep the errors until the first exchange lays them out (the worker error at any world
         size; the server error only at the world size and rank it was saved at, else from zero)."""
         self._loaded = {k: sd[k] for k in ("world", "rank", "worker_error", "server_error")}
-        self.layout, self.worker_error, self.server_error = None, [], []
+        self.layout, self.worker_error, self.server_error = None, torch.zeros(0), torch.zeros(0)
 
 
 # ------------------------------------------------------------------------------- the DDP hook

@@ -18,11 +18,12 @@ exchange (saved in each rank's own checkpoint file); the optimizer state is torc
 (`step`, `exp_avg`, `exp_avg_sq`), equal on every rank.
 
 Where this differs from DeepSpeed's OnebitAdam (`deepspeed/runtime/fp16/onebit/adam.py`; DeepSpeed
-0.19.8 no longer ships its 1-bit optimizers): DeepSpeed's first `step()` only initialises its buffers and discards that step's
-gradient, and it applies no bias correction (its `bias_correction` argument is unused); dptrain
-updates from step 1 with Adam's bias corrections, so the warm-up is AdamW itself. The compression
-arithmetic (RMS scales, sign >= 0 as +, errors on worker and server, one chunk per server) is
-the paper's and DeepSpeed's, except that padding elements are left out of the scales.
+0.19.8 no longer ships its 1-bit optimizers): DeepSpeed's first `step()` only initialises its
+buffers and discards that step's gradient, and it applies no bias correction (its `bias_correction`
+argument is unused); dptrain updates from step 1 with Adam's bias corrections, so the warm-up is
+AdamW itself. The compression arithmetic (RMS scales, sign >= 0 as +, errors on worker and server,
+one chunk per server) is the paper's and DeepSpeed's, except that padding elements are left out of
+the scales.
 """
 
 from __future__ import annotations

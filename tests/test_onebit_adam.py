@@ -36,6 +36,13 @@ def momenta(rank: int, step: int) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------ the reference: both ranks in one process
+def _put(errors: list[torch.Tensor], i: int, value: torch.Tensor) -> None:
+    if len(errors) > i:
+        errors[i] = value
+    else:
+        errors.append(value)
+
+
 def reference_exchange(inputs: list[list[torch.Tensor]], worker: list[list[torch.Tensor]],
                        server: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """One compressed all-reduce of W ranks' momenta (inputs[rank][tensor]), written as the paper's
@@ -55,7 +62,7 @@ def reference_exchange(inputs: list[list[torch.Tensor]], worker: list[list[torch
             scale = torch.linalg.vector_norm(x) / math.sqrt(n)
             d = torch.where(x >= 0, scale, -scale)
             d[n:] = 0
-            (worker[r].__setitem__(i, x - d) if len(worker[r]) > i else worker[r].append(x - d))
+            _put(worker[r], i, x - d)
             decompressed.append(d)
         result = torch.zeros(c * world)
         for j in range(world):  # rank j serves chunk j
@@ -69,7 +76,7 @@ def reference_exchange(inputs: list[list[torch.Tensor]], worker: list[list[torch
             scale = torch.linalg.vector_norm(comp) / math.sqrt(max(real, 1))
             d = torch.where(comp >= 0, scale, -scale)
             d[real:] = 0
-            (server[j].__setitem__(i, comp - d) if len(server[j]) > i else server[j].append(comp - d))
+            _put(server[j], i, comp - d)
             result[j * c:(j + 1) * c] = d
         out.append(result[:n].view(inputs[0][i].shape))
     return out

@@ -672,15 +672,17 @@ def test_deepspeed_optimizer_adamw() -> None:
     assert (o.lr, o.betas, o.eps, o.weight_decay) == (3e-4, (0.8, 0.999), 1e-6, 0.1)
 
 
-@pytest.mark.parametrize(("ds_type", "name"), [("Adam", "adamw"), ("SGD", "sgd"), ("adamw", "adamw")])
+@pytest.mark.parametrize(
+    ("ds_type", "name"), [("Adam", "adamw"), ("SGD", "sgd"), ("adamw", "adamw"), ("OneBitAdam", "onebit_adam")]
+)
 def test_deepspeed_optimizer_types(ds_type, name) -> None:
     d, _ = from_deepspeed({"optimizer": {"type": ds_type, "params": {"lr": 0.1}}})
     assert build_config(d).optim.name == name
 
 
 def test_deepspeed_optimizer_unsupported() -> None:
-    with pytest.raises(ConfigError, match="OneBitAdam"):
-        from_deepspeed({"optimizer": {"type": "OneBitAdam"}})
+    with pytest.raises(ConfigError, match="OneBitLamb"):
+        from_deepspeed({"optimizer": {"type": "OneBitLamb"}})
 
 
 def test_deepspeed_optimizer_unknown_params_reported() -> None:

@@ -8,6 +8,9 @@
 | powersgd | torch's powerSGD_hook, error feedback   | refused (FSDP2 has no DDP hook)       |
 | onebit   | dptrain's sign hook, error feedback     | refused (FSDP2 has no DDP hook)       |
 
+`optim.name=onebit_adam` (1-bit Adam) compresses the momentum instead, in its optimizer step, with
+a DDP hook of its own: plain DDP only (`validate_onebit_adam`).
+
 The hooks themselves live in `dptrain/parallel/comm_hooks.py`; this module imports no torch.
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dptrain.config.fields import GRAD_COMPRESSIONS, ConfigError, ParallelConfig
+from dptrain.config.fields import GRAD_COMPRESSIONS, ConfigError, OptimConfig, ParallelConfig
 from dptrain.config.layout import DataParallelMode, strategy_mode
 
 if TYPE_CHECKING:
@@ -85,6 +88,29 @@ def validate_compression(p: ParallelConfig, *, mode: DataParallelMode, dims: Par
             "parallel.grad_compression='bf16' under DDP needs the nccl backend: torch's "
             f"bf16_compress_hook refuses any other (measured on {backend}: 'BF16 all reduce "
             "communication hook required CUDA 11+ and NCCL 2.10+'); use fp16 on gloo"
+        )
+
+
+def validate_onebit_adam(optim: OptimConfig, p: ParallelConfig, *, dims: ParallelDims | None = None) -> None:
+    """optim.name=onebit_adam needs whole momenta on every rank and DDP's hook: strategy ddp (or a
+    single process), no gradient compression of its own, no tp/pp (checked once `dims` is known)."""
+    if optim.name != "onebit_adam":
+        return
+    if p.strategy not in ("ddp", "single"):
+        raise ConfigError(
+            f"optim.name='onebit_adam' with parallel.strategy={p.strategy!r}: 1-bit Adam exchanges whole momenta "
+            "and silences DDP's gradient all-reduce through its communication hook, so it needs "
+            "parallel.strategy=ddp (or single); zero1/zero2/fsdp shard the optimizer state, dp has no hook"
+        )
+    if p.grad_compression != "none":
+        raise ConfigError(
+            f"optim.name='onebit_adam' with parallel.grad_compression={p.grad_compression!r}: 1-bit Adam compresses "
+            "the momentum itself (after its warm-up DDP sends no gradients); set parallel.grad_compression=none"
+        )
+    if dims is not None and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(
+            f"optim.name='onebit_adam' with tp={dims.tp}, pp={dims.pp}: 1-bit Adam runs on plain DDP only "
+            "(data parallelism under tp/pp is FSDP2's replicate, which has no communication hook)"
         )
 
 

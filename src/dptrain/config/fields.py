@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "fsdp")
 DTYPES = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("sgd", "adamw", "adam")
+OPTIMIZERS = ("sgd", "adamw", "adam", "onebit_adam")
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("cosine", "constant", "linear", "onecycle", "lr_range_test")
 LOSS_SCALERS = ("torch", "deepspeed")
@@ -137,7 +137,10 @@ class TrainConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     name: str = "adamw"
-    """Optimizer: sgd, adamw or adam (not used with `factory`)."""
+    """Optimizer: sgd, adamw, adam or onebit_adam (not used with `factory`). onebit_adam is 1-bit Adam (Tang et al.
+    2021): AdamW for `freeze_step` steps, then the variance is frozen and DDP sends no gradients; the momentum is
+    exchanged in 1 bit per element with error feedback on every rank; strategy ddp (or one process) with
+    grad_compression none; see docs/guides/strategies.md."""
     factory: str | None = None
     """Import path of any optimizer: a torch.optim.Optimizer subclass (`torch.optim.Adadelta`) or a function
     (`mypkg.mod:make_opt`), called as factory(param_groups, lr=<optim.lr, scaled>, **kwargs) (plus
@@ -189,6 +192,10 @@ class OptimConfig:
     """dptrain: step s trains at the schedule's value for s, linear warmup reaches the peak at step warmup_steps - 1;
     deepspeed: DeepSpeed's WarmupLR/WarmupDecayLR/WarmupCosineLR formulas exactly (its scheduler steps after the
     optimizer, so step s trains at its iteration s - 1; warmup at least 2 steps)."""
+    freeze_step: int = 100
+    """onebit_adam: optimizer steps of full AdamW (gradients all-reduced) before the variance freezes and the momentum
+    is compressed (1-bit Adam's warm-up: past the learning-rate warm-up, once the variance has settled; measured in
+    docs/results/communication.md, "1-bit Adam")."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm (over all shards) to this value; null disables clipping."""
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dptrain.config.compression import validate_compression, validate_compression_choice
+from dptrain.config.compression import validate_compression, validate_compression_choice, validate_onebit_adam
 from dptrain.config.ds_fields import validate_ds_fields
 from dptrain.config.fields import (
     ACTIVATION_CHECKPOINTING,
@@ -210,6 +210,7 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
     if backend == "nccl" and device != "cuda":
         raise ConfigError("parallel.backend='nccl' needs CUDA; use gloo (or auto) on the CPU")
     validate_compression(cfg.parallel, mode=mode, dims=dims, backend=backend)
+    validate_onebit_adam(cfg.optim, cfg.parallel, dims=dims)
     validate_compile(cfg.train, device=device, pp=dims.pp)  # inductor on the CPU needs a C++ compiler
     validate_fsdp_tuning(cfg.parallel, wrapper=mode.wrapper, dp_shard=dims.dp_shard)  # an int reshard size
     g, m, a = resolve_batch(cfg.train, dp_world_size=dims.dp_size)  # tp/pp ranks share their dp rank's batch
@@ -296,6 +297,7 @@ RANGES: dict[str, dict[str, Range]] = {
         "eps": POS_FLOAT,
         "base_batch_size": Range(int, 1, optional=True),
         "warmup_steps": NONNEG_INT,
+        "freeze_step": Range(int, 1, note="the variance needs at least one full Adam step"),
         "min_lr_ratio": Range(float, 0, 1),
         "warmup_start_ratio": Range(float, 0, 1),
         "grad_clip": Range(float, 0, low_open=True, optional=True, note="null disables clipping"),
@@ -401,6 +403,7 @@ def validate_parallel(cfg: Config) -> None:
     mode = strategy_mode(p)
     _choice(p.activation_checkpointing, ACTIVATION_CHECKPOINTING, "parallel.activation_checkpointing")
     validate_compression_choice(p)
+    validate_onebit_adam(cfg.optim, p)
     if p.cpu_offload and mode.wrapper != "fsdp":
         raise ConfigError(f"parallel.cpu_offload=true needs parallel.strategy=fsdp or zero2 (got {p.strategy!r})")
     for name in ("fsdp_param_dtype", "fsdp_reduce_dtype"):

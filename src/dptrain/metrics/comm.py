@@ -119,6 +119,8 @@ class CommMeter:
         self._in_backward = False
         self._window: list[tuple[float, list[tuple[list[Any], list[Any], Any]]]] = []
         self._run = {"steps": 0, "bytes": 0.0, "comm_s": 0.0, "exposed_s": 0.0}
+        self.outside: Callable[[], float] | None = None
+        """Bytes sent outside the hook since the last call (onebit_adam's momentum exchange), added per step."""
 
     # ---------------------------------------------------------------- DDP hook
     def wrap(
@@ -168,6 +170,8 @@ class CommMeter:
         """Close one optimizer step (`micro_steps` forwards/backwards, `sync_steps` of them reducing)."""
         fixed = self.fixed
         sent = self._bytes + fixed.per_micro * micro_steps + fixed.per_sync * sync_steps + fixed.per_step
+        if self.outside is not None:
+            sent += self.outside()
         self._window.append((sent, self._backwards))
         self._bytes, self._backwards = 0.0, []
 

@@ -58,6 +58,7 @@ class RunMeters:
         self.comm = CommMeter(group_size=self.mesh.dp_size, device=self.device, fixed=fixed)
         if custom is None:
             return self.comm.wrap(self.mesh.dp_group, default_hooks.allreduce_hook, bucket_payload)
+        self.comm.outside = getattr(custom, "sent_outside", None)
         return self.comm.wrap(custom.state, custom.hook, custom.payload_bytes, collective=custom.collective)
 
     def attach(self, model: nn.Module, *, cfg: ParallelConfig, seq_len: int | None) -> None:

@@ -7,6 +7,8 @@ its per-rank state for checkpoints, and the bytes it hands to collectives.
 - powersgd: torch's `powerSGD_hook.powerSGD_hook` with `PowerSGDState` (error feedback and warm
   start on), wrapped only to record the bucket layout and the bytes sent.
 - onebit: `dptrain/parallel/onebit.py`.
+- onebit_adam (`optim.name`, not a grad_compression): `dptrain/parallel/onebit_adam.py`, the
+  warm-up's all-reduce and, after it, no reduction at all; its optimizer exchanges the momentum.
 
 Where a compression applies and what is refused is checked before launch (config/compression.py).
 Stateful hooks save their per-bucket tensors per parameter (parallel/bucket_layout.py), so a resumed
@@ -26,9 +28,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from dptrain.config.compression import CAST
-from dptrain.config.fields import ParallelConfig
+from dptrain.config.fields import OptimConfig, ParallelConfig
 from dptrain.config.layout import strategy_mode
-from dptrain.parallel import onebit
+from dptrain.parallel import onebit, onebit_adam
 from dptrain.parallel.bucket_layout import BucketLayout, Pieces
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -49,6 +51,9 @@ class CommHook:
     collective: Callable[[dist.GradBucket], str] = field(default=lambda bucket: "all_reduce")
     """The collective that call used (all_reduce, or all_gather for onebit's messages): the meters'
     ring factor (metrics/comm.py)."""
+    sent_outside: Callable[[], float] | None = None
+    """Bytes this rank sent outside the hook since the last call (onebit_adam's momentum exchange,
+    in the optimizer step); the meters add them to the step."""
     _stateful: Any = field(default=None, repr=False)
 
     def state_dict(self) -> dict[str, Any]:
@@ -193,10 +198,21 @@ def _stateful_hook(name: str, state: Any, hook: Hook) -> CommHook:
     return CommHook(name, state, hook, payload, collective, _stateful=state)
 
 
-def build_comm_hook(cfg: ParallelConfig, *, process_group: Any, backend: str) -> CommHook | None:
+def build_comm_hook(cfg: ParallelConfig, *, process_group: Any, backend: str,
+                    optim: OptimConfig | None = None) -> CommHook | None:
     """The DDP hook for `cfg.grad_compression` over `process_group` (the data-parallel group);
     None for `none`, and for fp16/bf16 under FSDP2 (its reduce dtype does it). `backend` is
-    checked for bf16 (the hook needs NCCL; `resolve` refuses it earlier with the reason)."""
+    checked for bf16 (the hook needs NCCL; `resolve` refuses it earlier with the reason).
+    `optim.name=onebit_adam` (whose grad_compression is none): its warm-up hook, whose state
+    (`MomentumExchange`) the optimizer takes (`train/optim.py:build_optimizer`)."""
+    if optim is not None and optim.name == "onebit_adam":
+        if cfg.grad_compression != "none":
+            raise ValueError(f"optim.name='onebit_adam' compresses the momentum itself; parallel.grad_compression="
+                             f"{cfg.grad_compression!r} must be none")
+        ex = onebit_adam.MomentumExchange(process_group, freeze_step=optim.freeze_step)
+        hook = _stateful_hook("onebit_adam", ex, onebit_adam.warmup_hook)
+        hook.sent_outside = ex.take_sent
+        return hook
     name = cfg.grad_compression
     if name == "none" or (name in CAST and strategy_mode(cfg).wrapper == "fsdp"):
         return None

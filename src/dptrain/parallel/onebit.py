@@ -23,6 +23,7 @@ fp32 all-reduce's payload); all_gather makes each rank receive that from each of
 # against the real classes.
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,7 +34,9 @@ _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
 
 def pack_signs(positive: torch.Tensor) -> torch.Tensor:
     """A bool vector (True: >= 0) -> uint8 bytes, 8 signs each, the first element in the high bit;
-    zero-padded to a multiple of 8."""
+    zero-padded to a multiple of 8 (numpy's packbits on the CPU: the same bytes, several times faster)."""
+    if positive.device.type == "cpu":
+        return torch.from_numpy(np.packbits(positive.reshape(-1).numpy()))
     bits = positive.reshape(-1).to(torch.uint8)
     bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)).view(-1, 8)
     return (bits << _SHIFTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
@@ -41,6 +44,8 @@ def pack_signs(positive: torch.Tensor) -> torch.Tensor:
 
 def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of `pack_signs`: the first `n` signs as a bool vector."""
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.reshape(-1).numpy(), count=n).view(np.bool_))
     bits = (packed.reshape(-1, 1) >> _SHIFTS.to(packed.device)) & 1
     return bits.reshape(-1)[:n].bool()
 

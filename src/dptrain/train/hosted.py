@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from dptrain.config import ConfigError, OptimConfig
 from dptrain.config.imports import import_object
 from dptrain.parallel import ParallelModel
+from dptrain.parallel.onebit_adam import MomentumExchange
 from dptrain.train.optim import build_optimizer, build_scheduler, param_groups
 
 
@@ -30,11 +31,14 @@ def factory_defaults(cfg: OptimConfig, *, lr: float) -> dict[str, Any]:
     return {"lr": lr, **({"weight_decay": cfg.weight_decay} if cfg.weight_decay else {}), **cfg.kwargs}
 
 
-def make_optimizer(plan: ParallelModel, *, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(
+    plan: ParallelModel, *, cfg: OptimConfig, lr: float, exchange: MomentumExchange | None = None
+) -> torch.optim.Optimizer:
     """`optim.factory(params, lr=lr, [weight_decay=...], **optim.kwargs)` built by the plan (zero1 shards it:
-    ZeroRedundancyOptimizer calls the factory with each rank's share), else dptrain's own optimizer."""
+    ZeroRedundancyOptimizer calls the factory with each rank's share), else dptrain's own optimizer (`exchange`:
+    onebit_adam's, see `build_optimizer`)."""
     if cfg.factory is None:
-        return build_optimizer(plan, cfg=cfg, lr=lr)
+        return build_optimizer(plan, cfg=cfg, lr=lr, exchange=exchange)
     factory = import_object(cfg.factory)
     params = factory_params(plan.module, weight_decay=cfg.weight_decay)
     try:

@@ -11,6 +11,8 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from dptrain.config import OptimConfig
 from dptrain.parallel import ParallelModel
+from dptrain.parallel.onebit_adam import MomentumExchange
+from dptrain.train.onebit_adam import OneBitAdam
 from dptrain.train.schedules import SCHEDULERS
 
 
@@ -25,20 +27,29 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
 
 
 def optimizer_spec(cfg: OptimConfig, *, lr: float) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """(optimizer class, its keyword arguments) for `cfg`: SGD, Adam or AdamW."""
+    """(optimizer class, its keyword arguments) for `cfg`: SGD, Adam, AdamW or 1-bit Adam (train/onebit_adam.py;
+    without an `exchange` keyword it exchanges nothing: `build_optimizer` passes the run's)."""
     if cfg.name == "sgd":
         return torch.optim.SGD, {"lr": lr, "momentum": cfg.momentum}
     if cfg.name == "adam":
         return torch.optim.Adam, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps}
     if cfg.name == "adamw":
         return torch.optim.AdamW, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps}
-    raise ValueError(f"optim.name={cfg.name!r} is not valid; choose one of: sgd, adam, adamw")
+    if cfg.name == "onebit_adam":
+        return OneBitAdam, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps, "freeze_step": cfg.freeze_step}
+    raise ValueError(f"optim.name={cfg.name!r} is not valid; choose one of: sgd, adam, adamw, onebit_adam")
 
 
-def build_optimizer(plan: ParallelModel, *, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
-    """The configured SGD/Adam/AdamW over `plan`'s parameters (no decay on 1-D ones), built by the
-    plan, which shards its state under zero1 (ZeroRedundancyOptimizer: parallel/zero.py)."""
+def build_optimizer(
+    plan: ParallelModel, *, cfg: OptimConfig, lr: float, exchange: MomentumExchange | None = None
+) -> torch.optim.Optimizer:
+    """The configured SGD/Adam/AdamW/1-bit Adam over `plan`'s parameters (no decay on 1-D ones), built
+    by the plan, which shards its state under zero1 (ZeroRedundancyOptimizer: parallel/zero.py).
+    onebit_adam: `exchange` is the state of its DDP hook (parallel/comm_hooks.py), which exchanges
+    the momenta after the warm-up."""
     cls, defaults = optimizer_spec(cfg, lr=lr)
+    if cfg.name == "onebit_adam":
+        defaults["exchange"] = exchange
     return plan.optimizer(cls, param_groups(plan.module, weight_decay=cfg.weight_decay), **defaults)
 
 

@@ -159,7 +159,9 @@ class Trainer:
         shards_on = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
         materialize = None if eager_reason else make_materializer(device=shards_on, seed=cfg.train.seed)
         # parallel.grad_compression: a DDP communication hook (None: none, or FSDP2's reduce dtype)
-        self.comm_hook = build_comm_hook(cfg.parallel, process_group=self.mesh.dp_group, backend=res.backend)
+        self.comm_hook = build_comm_hook(
+            cfg.parallel, process_group=self.mesh.dp_group, backend=res.backend, optim=cfg.optim
+        )
         # Communication (the DDP hook, metered), throughput per rank, MFU: metrics/meters.py
         self.meters = RunMeters(
             mode=strategy_mode(cfg.parallel),
@@ -179,12 +181,15 @@ class Trainer:
             comm_hook=self.meters.ddp_comm_hook(self.comm_hook),
         )
         self.model: nn.Module = self.parallel.module  # what to call
-        # dptrain's SGD/Adam/AdamW + warmup/decay, or optim.factory / scheduler_factory (train/hosted.py)
-        self.optimizer = make_optimizer(self.parallel, cfg=cfg.optim, lr=res.lr)  # sharded under zero1
+        # dptrain's SGD/Adam/AdamW/1-bit Adam + warmup/decay, or optim.factory / scheduler_factory (train/hosted.py)
+        exchange = self.comm_hook.state if self.comm_hook is not None and self.comm_hook.name == "onebit_adam" else None
+        self.optimizer = make_optimizer(self.parallel, cfg=cfg.optim, lr=res.lr, exchange=exchange)  # zero1: sharded
         self.scheduler = make_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
         # sharded (found-inf agreed over the world) also under PP: an overflow in one stage skips every stage's step
+        # onebit_adam: after its warm-up every rank sees only its own gradients, so an overflow must be agreed too
         self.scaler = build_grad_scaler(
-            cfg.precision, self.device, sharded=self.parallel.sharded or self.parallel.pipelined
+            cfg.precision, self.device,
+            sharded=self.parallel.sharded or self.parallel.pipelined or cfg.optim.name == "onebit_adam",
         )
         self.autocast = autocast_factory(cfg.precision, self.device)  # around each forward (fp32: nothing)
         self.loss_fn = build_loss_fn(cfg.train.loss)

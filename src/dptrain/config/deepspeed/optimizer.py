@@ -8,7 +8,6 @@ from dptrain.config.deepspeed.mapping import DeepSpeedMapping, bad, number
 from dptrain.config.fields import ConfigError
 
 REFUSED_OPTIM = {
-    "onebitadam": 'use "Adam" now; 1-bit gradient compression (parallel.grad_compression=onebit) is planned (issue 11)',
     "zerooneadam": 'use "Adam" now; 1-bit gradient compression (parallel.grad_compression=onebit) is planned '
     "(issue 11)",
     "onebitlamb": 'use "AdamW"; dptrain has no LAMB (see "Lamb" below) and DeepSpeed 0.19 itself no longer has 1-bit '
@@ -26,8 +25,8 @@ def optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
     if low in REFUSED_OPTIM:
         raise ConfigError(f"DeepSpeed optimizer.type={kind!r} is not supported; {REFUSED_OPTIM[low]}")
     low = "adam" if low == "deepspeed_adam" else low  # old name of DeepSpeedCPUAdam (adamw_mode=True)
-    if low not in ("sgd", "adam", "adamw"):
-        raise bad("optimizer.type", opt.get("type"), "use one of: SGD, Adam, AdamW")
+    if low not in ("sgd", "adam", "adamw", "onebitadam"):
+        raise bad("optimizer.type", opt.get("type"), "use one of: SGD, Adam, AdamW, OneBitAdam")
     params = opt.get("params", {})
     params = {} if params is None else params
     if not isinstance(params, dict):
@@ -46,6 +45,7 @@ def optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
         raise bad("optimizer.params.torch_adam", torch_adam, "use true or false")
     # DeepSpeed: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false; "AdamW" is always AdamW
     name = "sgd" if low == "sgd" else ("adam" if low == "adam" and not adam_w else "adamw")
+    name = "onebit_adam" if low == "onebitadam" else name  # cuda_aware, comm_backend_name: ignored (torch.distributed)
     m.put("optimizer.type", "optim.name", name)
     # FusedAdam / DeepSpeedCPUAdam / torch.optim.SGD default weight_decay 0; with torch_adam DeepSpeed builds
     # torch.optim.AdamW (decoupled) or torch.optim.Adam and takes torch's own default: AdamW's is 0.01
@@ -55,6 +55,10 @@ def optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
         defaults["momentum"] = 0.0
     else:
         defaults.update(betas=[0.9, 0.999], eps=1e-8)
+    if name == "onebit_adam":
+        defaults["freeze_step"] = 100000
+        m.notes.append("OneBitAdam: dptrain's warm-up is AdamW with bias correction from step 1; DeepSpeed's first "
+                       "step only initialises and it never bias-corrects (train/onebit_adam.py)")
     for pk, dflt in defaults.items():
         key = f"optimizer.params.{pk}"
         if pk in params:

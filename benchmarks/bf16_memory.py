@@ -11,7 +11,7 @@ builds it with `dptrain.parallelize`, takes one AdamW step (warm-up), then measu
 - activations: the storages the forward (under bf16 autocast, as the Trainer runs it) created that
   are still allocated when it returns, each once at its current size, less the parameters'
   storages (the shards and FSDP2's unsharded parameters: those are the plan's `temporary`) and
-  the loss (the method of tests/support/alive.py).
+  the loss (tests/support/fsdp_alive.py; the method of tests/support/alive.py).
 
 The prediction is `dptrain plan`'s own (`tools.plan.predict.predict` on the same overrides; the
 memory does not depend on the GPU type). Prints a Markdown table, bytes per rank.
@@ -27,63 +27,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 from dptrain import api  # noqa: E402
-from dptrain.config import OptimConfig  # noqa: E402
 from dptrain.config.load import load_config  # noqa: E402
-from dptrain.models.llama import build_llama  # noqa: E402
 from dptrain.tools.plan.predict import predict  # noqa: E402
-from dptrain.train.optim import build_optimizer  # noqa: E402
+from support.fsdp_alive import fsdp_llama_memory  # noqa: E402
 
 MODEL = {"dim": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 128}  # the recipe's model.kwargs
 SEQ = 128
 PATHS = {"autocast (fsdp_param_dtype=fp32)": "fp32", "pure bf16 (fsdp_param_dtype=bf16)": "bf16"}
 KEYS = ("params", "grads", "optimizer", "activations")
-
-
-class _Made(TorchDispatchMode):
-    """A weak reference to the newest storage an op created or returned at each address."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, StorageWeakRef] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not hasattr(t, "to_local"):
-                s = t.untyped_storage()
-                self.refs[s.data_ptr()] = StorageWeakRef(s)  # the newest: an address freed and reused
-        return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _unsharded(module: torch.nn.Module) -> list[torch.Tensor]:
-    """FSDP2's unsharded parameters (their storages are freed, resized to 0, while resharded)."""
-    out = []
-    for m in module.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        groups = state()._fsdp_param_groups if state else []
-        for fp in (fp for group in groups for fp in group.fsdp_params):
-            t = getattr(fp, "_unsharded_param", None)
-            if isinstance(t, torch.Tensor):
-                out.append(t)
-    return out
-
-
-def _param_storages(module: torch.nn.Module) -> set[int]:
-    """Storage pointers of the local shards and of FSDP2's unsharded parameters (gathered or not)."""
-    return {_local(p).untyped_storage().data_ptr() for p in module.parameters()} | {
-        t.untyped_storage().data_ptr() for t in _unsharded(module)}
 
 
 def _rank(rank: int, port: int, micro_batch: int, out: dict) -> None:
@@ -92,37 +48,9 @@ def _rank(rank: int, port: int, micro_batch: int, out: dict) -> None:
     torch.set_num_threads(1)
     api.init_distributed(device="cpu")
     try:
-        g = torch.Generator().manual_seed(rank)
-        batch = torch.randint(0, 256, (micro_batch, SEQ + 1), generator=g)
+        batch = torch.randint(0, 256, (micro_batch, SEQ + 1), generator=torch.Generator().manual_seed(rank))
         for name, pdt in PATHS.items():
-            torch.manual_seed(0)
-            pm = api.parallelize(build_llama(**MODEL), strategy="fsdp", device=torch.device("cpu"),
-                                 fsdp_param_dtype=pdt, fsdp_reduce_dtype="fp32")
-            opt = build_optimizer(pm, cfg=OptimConfig(), lr=1e-3)
-            with torch.autocast("cpu", dtype=torch.bfloat16):  # warm-up step: the optimizer state exists
-                loss = pm.module(batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            track = _Made()
-            with track, torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = pm.module(batch)
-            owned = _param_storages(pm.module) | {loss.untyped_storage().data_ptr()}
-            alive = {ptr: torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-                     for ptr, ref in track.refs.items() if not ref.expired() and ptr not in owned}
-            loss.backward()
-            opt.step()
-            inner = getattr(opt, "optim", opt)
-            params = list(pm.module.parameters())
-            out[rank, name] = {
-                "params": sum(_local(p).numel() * _local(p).element_size() for p in params),
-                "grads": sum(_local(p.grad).numel() * _local(p.grad).element_size() for p in params
-                             if p.grad is not None),
-                "optimizer": sum(_local(v).numel() * _local(v).element_size() for s in inner.state.values()
-                                 for v in s.values() if v.dim() > 0),
-                "activations": sum(alive.values()),
-            }
-            pm.release()
+            out[rank, name] = fsdp_llama_memory(MODEL, batch, param_dtype=pdt)
     finally:
         dist.destroy_process_group()
 

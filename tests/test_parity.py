@@ -149,6 +149,27 @@ def test_bf16_fsdp_agrees_with_ddp(tmp_path):
     assert max_abs_diff(runs["ddp"], fp32) > 10 * ATOL, "bf16 autocast seems not to be applied"
 
 
+@pytest.mark.timeout(90)
+def test_bf16_params_fsdp_matches_reference(tmp_path):
+    """Pure-bf16 parameters (FSDP2 gathers bf16, reduce-scatters fp32 gradients, steps fp32 shards) on the
+    LLaMA rung: fp32 weights out, within the bf16 autocast rung's tolerance of the fp32 reference, close to
+    the autocast path and not identical to it (the gather dtype is applied)."""
+    runs = {}
+    for name, dtypes in {"autocast": ("fp32", "fp32"), "params": ("bf16", "fp32")}.items():
+        items = overrides(strategy="fsdp", world_size=2, accum=2, model="llama", dtype="bf16") + [
+            f"parallel.fsdp_param_dtype={dtypes[0]}", f"parallel.fsdp_reduce_dtype={dtypes[1]}"]
+        runs[name], _ = train(items, 2, tmp_path / name)
+    fp32, _ = reference("llama", global_batch=GLOBAL_BATCH[2])
+    update = max_abs_diff(fp32, reference("llama", global_batch=GLOBAL_BATCH[2], steps=0)[0])
+    for k in fp32:
+        assert torch.isfinite(runs["params"][k]).all() and runs["params"][k].dtype == torch.float32
+    assert max_abs_diff(runs["params"], fp32) < 0.2 * update
+    assert max_abs_diff(runs["autocast"], fp32) < 0.2 * update
+    assert max_abs_diff(runs["params"], fp32) > 10 * ATOL, "bf16 seems not to be applied"
+    assert_weights_close(runs["params"], runs["autocast"], rtol=2e-2, atol=2e-3)
+    assert max_abs_diff(runs["params"], runs["autocast"]) > 0, "parallel.fsdp_param_dtype=bf16 seems not to be applied"
+
+
 @pytest.mark.timeout(60)
 def test_fp16_zero2_runs_and_stays_finite(tmp_path):
     items = overrides(strategy="zero2", world_size=2, accum=2, dtype="fp16")

@@ -12,17 +12,23 @@ import time
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from dptrain import api
 from dptrain.cli.main import main
 from dptrain.config import DataConfig, ModelConfig, OptimConfig
+from dptrain.config.load import load_config
 from dptrain.metrics import hardware as specs
 from dptrain.models.llama import LlamaConfig
 from dptrain.tools.plan import memory, timing
 from dptrain.tools.plan.llama import activation_bytes, param_counts
 from dptrain.tools.plan.measure import MeasureError, measure_model, profile_module
+from dptrain.tools.plan.predict import predict
 from dptrain.train.build import build_datasets, build_model
 from dptrain.train.optim import build_optimizer
+from support.fsdp_alive import fsdp_llama_memory
+from support.mp import run_ranks
 
 MLP = ModelConfig(factory="dptrain.models.toy:build_mlp", kwargs={"in_dim": 16, "hidden": 48, "depth": 3})
 REGRESSION = DataConfig(factory="dptrain.models.toy:build_regression_data", kwargs={"n": 32})
@@ -353,3 +359,32 @@ def test_cli_reports_a_measured_model_and_names_a_broken_factory(capsys):
             micro_batch=2,
             precision="fp32",
         )
+
+
+def _fsdp_paths(rank: int, kw: dict, batch: torch.Tensor) -> dict[str, dict[str, int]]:
+    api.init_distributed(device="cpu")
+    try:
+        return {pdt: fsdp_llama_memory(kw, batch[rank], param_dtype=pdt) for pdt in ("fp32", "bf16")}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_pure_bf16_fsdp_memory_predicted_vs_measured_on_2_ranks():
+    """`dptrain plan`'s model states and activations for fsdp under bf16, with the parameters gathered in fp32
+    (autocast) and in bf16 (fsdp_param_dtype), against a real FSDP2 step on 2 gloo ranks."""
+    B, T = 3, 24
+    batch = torch.randint(0, LLAMA_KW["vocab_size"], (2, B, T + 1), generator=torch.Generator().manual_seed(0))
+    measured = run_ranks(_fsdp_paths, 2, LLAMA_KW, batch, timeout=80)
+    for pdt in ("fp32", "bf16"):
+        cfg = load_config(None, [
+            *(f"model.kwargs.{k}={v}" for k, v in LLAMA_KW.items()), f"data.kwargs.seq_len={T}",
+            "parallel.strategy=fsdp", "precision.dtype=bf16", f"parallel.fsdp_param_dtype={pdt}",
+            "parallel.fsdp_reduce_dtype=fp32", f"train.micro_batch_size={B}", f"train.global_batch_size={2 * B}",
+        ])
+        want = predict(cfg, gpus=2, nodes=1, gpu_type="H100", interconnect="ib", comm=None, efficiency=0.5).memory
+        for rank in range(2):
+            for key, got in measured[rank][pdt].items():
+                assert want[key] == pytest.approx(got, rel=0.10), (pdt, rank, key, got, want[key])
+    # the pure path saves no bf16 weight copies and keeps a bf16 residual stream
+    assert measured[0]["bf16"]["activations"] < 0.9 * measured[0]["fp32"]["activations"]

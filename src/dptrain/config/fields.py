@@ -268,7 +268,9 @@ class ParallelConfig:
     (keep matmul outputs, recompute the rest: op-level SAC)."""
     fsdp_param_dtype: str | None = None
     """zero2/fsdp: dtype FSDP2 gathers parameters in for compute (fp32, bf16, fp16; MixedPrecisionPolicy.param_dtype);
-    null keeps the parameters' own dtype."""
+    null keeps the parameters' own dtype (fp32: precision.dtype=bf16 then runs autocast over fp32 parameters, the
+    default). bf16 with fsdp_reduce_dtype=fp32 is torchtitan's pure-bf16 path (docs/guides/precision-accumulation.md:
+    which is the default and why)."""
     fsdp_reduce_dtype: str | None = None
     """zero2/fsdp: dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); null: the gathered
     parameters' dtype."""

@@ -186,3 +186,27 @@ def test_nan_loss_ends_with_the_policy_report(tmp_path, policy, restarts):
     records = [json.loads(ln) for ln in (out / "diagnostics.jsonl").read_text().splitlines()]
     stopped = [r for r in records if r["kind"] == "nonfinite" and r["action"] == "stopped"]
     assert len(stopped) == 1 and stopped[0]["policy"] == policy and stopped[0]["ranks"] == [0, 1]
+
+
+# ------------------------------------------------------------------------------ Ctrl-C at the first spawn
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.05])
+def test_ctrl_c_in_the_instant_the_first_worker_starts_leaves_no_traceback(tmp_path, delay):
+    """A terminal's Ctrl-C (SIGINT to the whole foreground process group) while a worker's interpreter is still
+    starting: the launcher spawns its workers with SIGINT blocked, so none dies in its imports with a traceback."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "run", *join(TOY, ["train.max_steps=3"]),
+                             "--nproc-per-node", "2", "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not [c for c in psutil.Process(proc.pid).children(recursive=True)
+               if "dptrain.launch.worker" in " ".join(c.cmdline())]:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.001)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=90)[0]
+    assert proc.returncode == 130, output[-3000:]
+    no_traceback(output)
+    assert "KeyboardInterrupt" not in output, output[-3000:]
+    assert "dptrain: interrupted (Ctrl-C)" in output

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +120,8 @@ def run_torchrun(
     interrupts = CtrlC(ckpt_root)
     waiting = NodeWait(launch_cfg, abandon=abandon) if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None
     try:
-        run(args)
+        with workers_start_with_sigint_blocked() if own_workers else contextlib.nullcontext():
+            run(args)
     except RendezvousError as e:
         print(f"dptrain: error: {rendezvous_failed(e, launch_cfg, args)}", file=sys.stderr)
         return EXIT_RENDEZVOUS
@@ -339,6 +340,36 @@ class CtrlC:
 
     def restore(self) -> None:
         signal.signal(signal.SIGINT, self._previous)
+
+
+@contextlib.contextmanager
+def workers_start_with_sigint_blocked() -> Iterator[None]:
+    """While torchrun's agent starts dptrain's workers, SIGINT is blocked in this (the spawning) thread, so the
+    workers start with it blocked: the mask survives fork and exec. torchrun ends workers with SIGINT on Ctrl-C;
+    one sent in the instant a worker's interpreter starts then stays pending until the worker has installed its own
+    handler (launch/worker.py unblocks it there), instead of raising KeyboardInterrupt in its imports with a
+    traceback. A Ctrl-C to this launcher during a spawn is handled just after it."""
+    # lazy: torch: only when workers are started
+    from torch.distributed.elastic.agent.server import local_elastic_agent as agent
+
+    start = getattr(agent, "start_processes", None)
+    if start is None:  # another torch layout: workers start as torchrun starts them
+        yield
+        return
+
+    @functools.wraps(start)
+    def start_blocked(*args: Any, **kwargs: Any) -> Any:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return start(*args, **kwargs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    agent.start_processes = start_blocked
+    try:
+        yield
+    finally:
+        agent.start_processes = start
 
 
 class NodeWait:

@@ -173,6 +173,7 @@ def _interrupted_during_setup(signum: int, frame: object) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_during_setup)  # until the checkpoint manager installs its own
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # the launcher starts its workers with it blocked
     die_with_launcher()
     # Under `record` (imported after the handler above: it imports torch), an uncaught exception also
     # goes to torchrun's error file (TORCHELASTIC_ERROR_FILE): torchrun's failure report shows its traceback.

@@ -285,6 +285,10 @@ KNOWN_DIFFERENCES: list[tuple[Callable[[dict[str, Any], str], bool], str]] = [
      "which DeepSpeed 0.19's engine no longer resolves; dptrain reads it as Adam (adamw_mode true)"),
     (lambda ds, row: "'nvme'" in repr(ds), "NVMe offload: DeepSpeed accepts it; dptrain refuses it naming the "
      "alternative (device cpu, FSDP2's CPUOffloadPolicy): PyTorch has no NVMe offload"),
+    (lambda ds, row: str((ds.get("optimizer") or {}).get("type", "")).lower() == "onebitadam",
+     "OneBitAdam: DeepSpeed 0.19.8's engine no longer builds it (its 1-bit optimizers left with the CUDA-only "
+     "compressed backends); dptrain runs 1-bit Adam itself (optim.name=onebit_adam, Tang et al. 2021, on "
+     "torch.distributed collectives: train/onebit_adam.py)"),
 ]
 """Remaining differences from DeepSpeed 0.19, each with its reason (predicate on the config and the row)."""
 

@@ -159,6 +159,14 @@ def test_real_slurm_time_limit_signal_checkpoints_requeues_and_resumes_to_the_en
         assert time.monotonic() < deadline, (_job(slurm, job), log.read_text()[-3000:])
         time.sleep(0.5)
     saved = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    # slurmd revokes the first attempt's job credential when that attempt ends, and refuses every credential of the
+    # job issued in the same second ("Job credential revoked"): start the second attempt a whole second later
+    slurmd_log = Path(slurm["SLURM_CONF"]).parent / "slurmd.log"
+    deadline = time.monotonic() + 60
+    while f"[{job}.batch] done with job" not in (slurmd_log.read_text() if slurmd_log.exists() else ""):
+        assert time.monotonic() < deadline, slurmd_log.read_text()[-2000:] if slurmd_log.exists() else "no slurmd.log"
+        time.sleep(0.2)
+    time.sleep(1.5)
     # Slurm holds a requeued job for about two minutes (BeginTime); start it now
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, timeout=30, check=True)
     deadline = time.monotonic() + 300

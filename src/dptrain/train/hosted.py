@@ -81,7 +81,8 @@ def scheduler_problem(sched: Any) -> str | None:
     return None
 
 
-def scheduler_due(step: int, *, interval: str, steps_per_epoch: int) -> bool:
-    """Whether the scheduler steps after optimizer step number `step` (1-based): every step, or after the last
-    step of each epoch of the global data order (the same steps at every world size)."""
-    return interval == "step" or step % steps_per_epoch == 0
+def scheduler_period(*, interval: str, steps_per_epoch: int) -> int:
+    """Every how many optimizer steps the scheduler steps: after every step (1), or after the last step of each
+    epoch of the global data order (the same steps at every world size). The trainer steps it after optimizer
+    step number `step` (1-based) when `step % period == 0`."""
+    return 1 if interval == "step" else steps_per_epoch

@@ -48,7 +48,7 @@ from dptrain.parallel.materialize import make_materializer
 from dptrain.train.backend import apply_backend_flags, compile_backend
 from dptrain.train.build import build_collate, build_datasets, build_loss_fn, build_model_meta, import_object
 from dptrain.train.evaluation import evaluate, summarize
-from dptrain.train.hosted import make_optimizer, make_scheduler, scheduler_due
+from dptrain.train.hosted import make_optimizer, make_scheduler, scheduler_period
 from dptrain.train.loss import CountItems, items_per_rank, takes_num_items
 from dptrain.train.outputs import RunOutputs
 from dptrain.train.precision import autocast_factory, build_grad_scaler
@@ -223,6 +223,8 @@ class Trainer:
             shuffle=cfg.data.shuffle,
             start_step=self.state.step,
         )
+        self.scheduler_period = scheduler_period(interval=cfg.optim.scheduler_interval,
+                                                 steps_per_epoch=self.sampler.steps_per_epoch)
         self.loader = build_dataloader(
             self.train_ds,
             sampler=self.sampler,
@@ -260,8 +262,7 @@ class Trainer:
             self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
         self.scaler.update()
         self.step_lr = float(self.scheduler.get_last_lr()[0])  # the rate this step trained at (a Python float: no sync)
-        if scheduler_due(self.state.step + 1, interval=self.cfg.optim.scheduler_interval,
-                         steps_per_epoch=self.sampler.steps_per_epoch):  # every step, or at epoch ends
+        if (self.state.step + 1) % self.scheduler_period == 0:  # every step, or at the epoch ends
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return step_loss

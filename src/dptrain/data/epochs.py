@@ -37,15 +37,7 @@ class EpochBatchSampler(GlobalBatchSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         start = self._start_step
-        end = (start // self.steps_per_epoch + 1) * self.steps_per_epoch
-        self._step = start
-        for step in range(start, end):
-            micro = self.micro_batches(step)
-            last = len(micro) - 1
-            for k, idx in enumerate(micro):
-                if k == last:
-                    self._step = step + 1
-                yield idx
+        yield from self.iter_steps(range(start, (start // self.steps_per_epoch + 1) * self.steps_per_epoch))
 
 
 class EpochLoader(DataLoader):

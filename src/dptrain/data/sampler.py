@@ -8,8 +8,9 @@ micro-batches each accumulates, and a run saved at one world size can resume at 
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -127,9 +128,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return [mine[k * mb : (k + 1) * mb] for k in range(self.grad_accum_steps)]
 
     def __iter__(self) -> Iterator[list[int]]:
-        step = self._start_step
-        self._step = step
-        while True:
+        yield from self.iter_steps(itertools.count(self._start_step))  # the start step read at the first next()
+
+    def iter_steps(self, steps: Iterable[int]) -> Iterator[list[int]]:
+        """This rank's micro-batches of the global `steps`, in order (`__iter__`: from the start step, forever)."""
+        self._step = self._start_step
+        for step in steps:
             micro = self.micro_batches(step)
             last = len(micro) - 1
             for k, idx in enumerate(micro):
@@ -137,7 +141,6 @@ class GlobalBatchSampler(Sampler[list[int]]):
                     # Count the step as handed out once its final micro-batch leaves.
                     self._step = step + 1
                 yield idx
-            step += 1
 
     def set_start_step(self, step: int) -> None:
         """Make the next ``iter()`` start at global ``step``."""

@@ -1,6 +1,9 @@
 """The three ports of docs/guides/porting.md, measured.
 
-    PYTHONPATH=src python benchmarks/ports.py [--json OUT.json]
+    PYTHONPATH=src python benchmarks/ports.py [--json OUT.json] [--docs]
+
+`--docs` writes the three diffs into docs/guides/porting.md (between its `<!-- diff:NAME -->` markers;
+tests/test_ports.py checks they are the files' diffs) and the measured table (between `<!-- results -->`).
 
 For each of examples/ports/{mnist,word_lm,nlp}_base.py and its dptrain port it reports:
 
@@ -20,6 +23,7 @@ For each of examples/ports/{mnist,word_lm,nlp}_base.py and its dptrain port it r
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import shutil
@@ -132,6 +136,32 @@ def resume_mnist(tmp: Path, uninterrupted_w2: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def guide_diff(name: str) -> str:
+    """The unified diff base -> port as the guide shows it."""
+    a, b = (f"examples/ports/{name}_{kind}.py" for kind in ("base", "dptrain"))
+    lines = difflib.unified_diff((ROOT / a).read_text().splitlines(keepends=True),
+                                 (ROOT / b).read_text().splitlines(keepends=True), fromfile=a, tofile=b)
+    return "".join(lines)
+
+
+def replace_block(text: str, marker: str, body: str) -> str:
+    """Replace what lies between `<!-- marker -->` and `<!-- /marker -->` (inserting the end marker the first time)."""
+    start, end = f"<!-- {marker} -->\n", f"<!-- /{marker} -->\n"
+    i = text.index(start) + len(start)
+    j = text.index(end, i) if end in text[i:] else i
+    return text[:i] + body + end + text[j + len(end) if j != i else i:]
+
+
+def write_docs(rows: list[dict[str, Any]] | None) -> None:
+    page = ROOT / "docs" / "guides" / "porting.md"
+    text = page.read_text()
+    for name in ARGS:
+        text = replace_block(text, f"diff:{name}", f"```diff\n{guide_diff(name)}```\n")
+    if rows:
+        text = replace_block(text, "results", table(rows) + "\n")
+    page.write_text(text)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     out = [
         "| port | lines +/− (code only) | steps | world 1 vs base | world 2 vs base (max rel.) "
@@ -169,12 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="also write the rows as JSON")
     p.add_argument("--only", choices=sorted(ARGS), action="append", help="measure only these ports")
+    p.add_argument("--docs", action="store_true", help="write the diffs and the table into docs/guides/porting.md")
+    p.add_argument("--diffs-only", action="store_true", help="with --docs: write only the diffs, measure nothing")
     a = p.parse_args(argv)
+    if a.docs and a.diffs_only:
+        write_docs(None)
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for name in a.only or list(ARGS):
             rows.append(measure(name, Path(d)))
     print(table(rows))
+    if a.docs:
+        write_docs(rows)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     ok = all(r["w1_bitwise"] or r["w1_max_rel"] <= TOLERANCE for r in rows)

@@ -6,6 +6,7 @@ has OMP_NUM_THREADS=1. benchmarks/ports.py measures more (world 2 for all three,
 
 from __future__ import annotations
 
+import difflib
 import json
 import subprocess
 import sys
@@ -58,3 +59,17 @@ def test_the_mnist_port_on_two_ranks_follows_its_base(tmp_path):
     assert two["loss"] == pytest.approx(base["loss"], rel=1e-4)
     assert two["test"][0]["correct"] == base["test"][0]["correct"]  # 131 test samples: one repeat dropped
     assert two["test"][0]["test_loss"] == pytest.approx(base["test"][0]["test_loss"], rel=1e-4)
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", sorted(ARGS))
+def test_the_guide_shows_each_ports_whole_diff(name):
+    a, b = (f"examples/ports/{name}_{kind}.py" for kind in ("base", "dptrain"))
+    diff = "".join(difflib.unified_diff((ROOT / a).read_text().splitlines(keepends=True),
+                                        (ROOT / b).read_text().splitlines(keepends=True), fromfile=a, tofile=b))
+    page = (ROOT / "docs" / "guides" / "porting.md").read_text()
+    start = page.index(f"<!-- diff:{name} -->\n") + len(f"<!-- diff:{name} -->\n")
+    assert page[start:page.index(f"<!-- /diff:{name} -->")] == f"```diff\n{diff}```\n", (
+        "docs/guides/porting.md is stale: PYTHONPATH=src python benchmarks/ports.py --docs --diffs-only"
+    )

@@ -19,7 +19,7 @@ from support import ROOT, subprocess_env
 
 PORTS = ROOT / "examples" / "ports"
 ARGS = {
-    "mnist": ["--epochs", "2", "--no-dropout"],
+    "mnist": ["--epochs", "1", "--no-dropout"],
     "word_lm": ["--epochs", "2", "--dropout", "0"],
     "nlp": ["--num_epochs", "1", "--dropout", "0"],
 }

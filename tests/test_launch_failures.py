@@ -210,3 +210,18 @@ def test_ctrl_c_in_the_instant_the_first_worker_starts_leaves_no_traceback(tmp_p
     no_traceback(output)
     assert "KeyboardInterrupt" not in output, output[-3000:]
     assert "dptrain: interrupted (Ctrl-C)" in output
+
+
+# ------------------------------------------------------------------------ a checkpoint of another model
+@pytest.mark.timeout(120)
+def test_resuming_a_checkpoint_of_another_model_config_is_one_line(tmp_path):
+    """The checkpoint's model section differs from this run's (another width, or an edited config.yaml): exit 2
+    with the reason on one line, and no restart would change it."""
+    a = tmp_path / "a"
+    code, output, _ = dptrain_run(a, "train.max_steps=2", "checkpoint.every_steps=1")
+    assert code == 0, output[-3000:]
+    code, output, _ = dptrain_run(tmp_path / "b", "model.kwargs.hidden=8", "train.max_steps=4", "--resume", str(a))
+    assert code == 2, output[-3000:]
+    no_traceback(output)
+    line = next(ln for ln in output.splitlines() if ln.startswith("dptrain: error:"))
+    assert "written for another model config" in line and "resume with the run's own model settings" in line, line

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
 
 def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int:
     # lazy: torch: after the SIGINT handler is installed (main)
+    from dptrain.checkpoint.manifest import CheckpointError
     from dptrain.checkpoint.preempt import EXIT_PREEMPTED
     from dptrain.checkpoint.rundir import RunDirLock
     from dptrain.config import ConfigError
@@ -108,7 +109,8 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
         if trainer.env.is_main:
             print("dptrain: interrupted (Ctrl-C) before training started: nothing to save", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except ConfigError as e:  # bad input only the run itself could find: one clean line, exit 2
+    except (ConfigError, CheckpointError) as e:  # bad input only the run could find (a checkpoint written for
+        # another model config, or by a newer format): one clean line, exit 2
         trainer.ckpt.record_error(traceback.format_exc())
         if trainer.env.is_main:
             print(f"dptrain: error: {e}", file=sys.stderr)

@@ -576,7 +576,7 @@ def ctrl_c_checks(tmp: Path):
     first_line = next((ln for ln in first.output.splitlines() if ln.startswith("dptrain:")), "(no dptrain: line)")
     again = dp(argv, tmp, timeout=150)
     again.cmd += " (after a Ctrl-C 1 s in)"
-    again.expect = "ok"
+    again.expect = "clean"
     return again, [f"Ctrl-C 1 s in (workers spawned yet: {spawned}): exit {first.rc}, "
                    f"traceback: {'Traceback' in first.output}, says: {first_line[:140]}",
                    f"the same command then: exit {again.rc}, steps logged {[s for s, _ in losses(tmp / 'run')]}"]
@@ -696,6 +696,7 @@ for policy in ("error", "skip"):
 
 
 # ------------------------------------------------------------------------------------------------ table
+# expect: "refuse" (exit 2), "ok" (exit 0), "nonzero" (any failure exit), "clean" (0 or 2), or one exit code
 def first_message(r: Result) -> str:
     lines = [ln.strip() for ln in r.output.splitlines() if ln.strip()]
     said = next((ln for ln in lines if ln.startswith(("dptrain: error", "dptrain: stopped", "dptrain: interrupted",
@@ -704,7 +705,7 @@ def first_message(r: Result) -> str:
         said = next((ln for ln in lines if "error" in ln.lower()), None)
     if r.rc is None:
         return "(no message: killed at the timeout)" if said is None else said
-    if r.rc == 0 and r.expect not in ("ok", "nonzero"):
+    if r.rc == 0 and r.expect not in ("ok", "nonzero", "clean"):
         return "(exit 0 without a message)" + (f" ({r.note})" if r.note else "")
     if r.rc == 0 and not (said and said.startswith("dptrain: error")):
         return "no traceback: ok" + (f" ({r.note})" if r.note else "")
@@ -718,7 +719,8 @@ def outcome(r: Result) -> str:
         return "hang"
     if "Traceback (most recent call last)" in r.output or "KeyboardInterrupt" in r.output:
         return "traceback"
-    wanted = {"refuse": r.rc == 2, "ok": r.rc == 0, "nonzero": r.rc != 0}.get(r.expect, str(r.rc) == r.expect)
+    wanted = {"refuse": r.rc == 2, "ok": r.rc == 0, "nonzero": r.rc != 0, "clean": r.rc in (0, 2)}.get(
+        r.expect, str(r.rc) == r.expect)
     if not wanted or not r.check:
         return "silent/wrong" if r.rc == 0 else "unexpected exit"
     return "clean refusal (2)" if r.rc == 2 else f"clean exit {r.rc}"

@@ -113,6 +113,8 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(BASE)]), "OMP_
 
 def short(argv: list[str], tmp: Path) -> str:
     text = " ".join(argv).replace(str(tmp), "T").replace(str(BASE), "B").replace(" ".join(TOY), "TOY")
+    for key in ("model.factory", "data.factory"):  # TOY with one factory replaced
+        text = text.replace(" ".join(t for t in TOY if not t.startswith(key)), f"TOY(but {key})")
     return text if len(text) <= 110 else text[:107] + "..."
 
 
@@ -145,7 +147,9 @@ def finish(proc: subprocess.Popen, argv: list[str], tmp: Path, t0: float, timeou
 
 
 def run_argv(out: Path, *overrides: str, nproc: list[str] = ONE) -> list[str]:
-    return ["run", *TOY, *overrides, *nproc, "--out", str(out)]
+    """`run` of the toy recipe with `overrides` on top (an override replaces TOY's setting of its key)."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return ["run", *[t for t in TOY if t.split("=", 1)[0] not in keys], *overrides, *nproc, "--out", str(out)]
 
 
 # ------------------------------------------------------------------------------------------ run-dir helpers
@@ -433,12 +437,12 @@ def resume_other(tmp: Path) -> Result:
     return dp(run_argv(tmp / "new", "model.kwargs.hidden=8", "train.max_steps=6") + ["--resume", str(src)], tmp)
 
 
-@case(TB, "--resume of a run whose config was edited")
+@case(TB, "continuing a run whose config.yaml was edited (model.kwargs)")
 def resume_edited(tmp: Path) -> Result:
     src = copy_base(tmp)
     cfg = (src / "config.yaml").read_text()
     (src / "config.yaml").write_text(cfg.replace("kwargs: {}", "kwargs: {hidden: 8}", 1))
-    r = dp(run_argv(tmp / "new", "train.max_steps=6") + ["--resume", str(src)], tmp)
+    r = dp(["run", "train.max_steps=6", "--out", str(src)], tmp)
     r.note = "config.yaml's model.kwargs edited to {hidden: 8}" if "hidden: 8" in (src / "config.yaml").read_text() \
         else "(the edit did not apply)"
     return r
@@ -573,7 +577,8 @@ def ctrl_c_checks(tmp: Path):
     spawned = bool(children_workers(proc.pid))
     os.killpg(proc.pid, signal.SIGINT)
     first = finish(proc, argv, tmp, t0, timeout=90)
-    first_line = next((ln for ln in first.output.splitlines() if ln.startswith("dptrain:")), "(no dptrain: line)")
+    said = [ln for ln in first.output.splitlines() if ln.startswith("dptrain")] or ["(no dptrain: line)"]
+    first_line = said[-1]
     again = dp(argv, tmp, timeout=150)
     again.cmd += " (after a Ctrl-C 1 s in)"
     again.expect = "clean"
@@ -699,8 +704,8 @@ for policy in ("error", "skip"):
 # expect: "refuse" (exit 2), "ok" (exit 0), "nonzero" (any failure exit), "clean" (0 or 2), or one exit code
 def first_message(r: Result) -> str:
     lines = [ln.strip() for ln in r.output.splitlines() if ln.strip()]
-    said = next((ln for ln in lines if ln.startswith(("dptrain: error", "dptrain: stopped", "dptrain: interrupted",
-                                                      "usage:", "error:"))), None)
+    said = next((ln for ln in lines if ln.startswith(("dptrain: error", "dptrain: stopped", "dptrain: interrupted"))
+                 or (ln.startswith("dptrain") and ": error:" in ln)), None)
     if said is None:
         said = next((ln for ln in lines if "error" in ln.lower()), None)
     if r.rc is None:

@@ -581,7 +581,8 @@ def ctrl_c_checks(tmp: Path):
     first_line = said[-1]
     again = dp(argv, tmp, timeout=150)
     again.cmd += " (after a Ctrl-C 1 s in)"
-    again.expect = "clean"
+    again.expect, again.check = "clean", first.rc != 0  # a Ctrl-C that the run ignored (trained on, exit 0) is wrong
+    again.note = f"the Ctrl-C'd run itself: exit {first.rc}"
     return again, [f"Ctrl-C 1 s in (workers spawned yet: {spawned}): exit {first.rc}, "
                    f"traceback: {'Traceback' in first.output}, says: {first_line[:140]}",
                    f"the same command then: exit {again.rc}, steps logged {[s for s, _ in losses(tmp / 'run')]}"]

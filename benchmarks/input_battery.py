@@ -588,6 +588,31 @@ def ctrl_c_checks(tmp: Path):
                    f"the same command then: exit {again.rc}, steps logged {[s for s, _ in losses(tmp / 'run')]}"]
 
 
+@case(UNCLEAR, "Ctrl-C at every 0.2 s of the launcher's first 4 s (imports, checks, rendezvous, spawn)")
+def ctrl_c_sweep(tmp: Path):
+    argv = run_argv(tmp / "run", "train.max_steps=3", nproc=TWO)
+    seen: dict[str, list[float]] = {}
+    worst: Result | None = None  # the first run that did not end with exit 130 and no traceback
+    t00 = time.monotonic()
+    for i in range(1, 21):
+        delay = round(0.2 * i, 1)
+        shutil.rmtree(tmp / "run", ignore_errors=True)
+        t0 = time.monotonic()
+        proc = popen(argv, tmp)
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        r = finish(proc, argv, tmp, t0, timeout=90)
+        kind = f"exit {r.rc}" + (" with a traceback" if "Traceback" in r.output else "")
+        seen.setdefault(kind, []).append(delay)
+        if kind != "exit 130" and worst is None:
+            worst = r
+    r = Result("dptrain " + short(argv, tmp) + "; Ctrl-C at 0.2, 0.4, ... 4.0 s (20 runs)",
+               130 if worst is None else worst.rc, "" if worst is None else worst.output, time.monotonic() - t00)
+    r.expect = "130"
+    r.note = "; ".join(f"{k}: {len(v)} (at {', '.join(map(str, v))} s)" for k, v in seen.items())
+    return r, [f"Ctrl-C sweep: {r.note}"]
+
+
 # ------------------------------------------------------------------------------------ other subcommands
 simple(OTHER, "ckpt ls on a missing path", ["ckpt", "ls", "T/missing"])
 

@@ -36,6 +36,19 @@ def nan_loss(model, batch):
     return model(batch) * float("nan")
 
 
+def data_swallowing_ctrl_c(**kwargs):
+    """The toy data, built after a Ctrl-C that C code swallows: a SIGINT to this process group lands inside a
+    C-level `PyRun_SimpleString` (as it can inside `import torch`), which prints the KeyboardInterrupt and
+    returns as if nothing happened. Only the launcher's check of the factory does this (not the workers)."""
+    import ctypes
+
+    from dptrain.models.toy import build_regression_data
+
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        ctypes.pythonapi.PyRun_SimpleString(b"import os, signal, time; os.killpg(0, signal.SIGINT); time.sleep(2)")
+    return build_regression_data(**kwargs)
+
+
 def slow_loss(model, batch):
     """The model's own loss, after a short sleep (steps slow enough to signal a worker mid-run)."""
     time.sleep(0.02)
@@ -210,6 +223,23 @@ def test_ctrl_c_in_the_instant_the_first_worker_starts_leaves_no_traceback(tmp_p
     no_traceback(output)
     assert "KeyboardInterrupt" not in output, output[-3000:]
     assert "dptrain: interrupted (Ctrl-C)" in output
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_ctrl_c_swallowed_during_the_launchers_checks_still_stops_before_training(tmp_path, nproc):
+    """A Ctrl-C while the launcher checks the run, swallowed on its way up by C code (torch's import did so in 13 of
+    30 tries): no worker starts, nothing trains, exit 130 (not 0, and not CPython's own SIGINT death, -2)."""
+    out = tmp_path / "run"
+    swallowing = "data.factory=test_launch_failures:data_swallowing_ctrl_c"
+    proc = subprocess.run([sys.executable, "-m", "dptrain", "run", *join(TOY, ["train.max_steps=3", swallowing]),
+                           "--nproc-per-node", nproc, "--out", str(out)], capture_output=True, text=True,
+                          env=subprocess_env(), cwd=ROOT, start_new_session=True, timeout=100)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 130, output[-3000:]
+    assert "dptrain: interrupted (Ctrl-C) before training started: nothing to save" in output, output[-3000:]
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
+    assert not (out / "checkpoints").exists()
 
 
 # ------------------------------------------------------------------------ a checkpoint of another model

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ from dptrain.launch.checks import (
 from dptrain.launch.cluster_env import cluster_launch
 from dptrain.launch.elastic import pin_global_batch
 from dptrain.launch.hosted_checks import check_hosted, check_unnamed_recipe
+from dptrain.launch.interrupts import EARLY
 from dptrain.launch.worker import main as worker_main
 from dptrain.metrics.console_log import console_log
 from dptrain.metrics.monitor import check_monitoring
@@ -59,6 +62,16 @@ EXIT_BAD_INPUT = 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    previous = signal.getsignal(signal.SIGINT)
+    EARLY.install()  # a Ctrl-C before the run's own handler: remembered even where torch's import swallows it
+    try:
+        return _main(argv)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _parser()
     try:
         args = _parse(parser, sys.argv[1:] if argv is None else argv)
@@ -332,6 +345,7 @@ def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: A
 
 def _launch(cfg: Config, *, res: Any, nproc: int, run_dir: Path, pending: Path, worker_args: list[str]) -> int:
     try:
+        EARLY.check()  # a Ctrl-C during the checks that torch's import swallowed: nothing starts
         if res.world_size == 1:
             return worker_main(worker_args)
         argv = launch.torchrun_args(

@@ -1,4 +1,5 @@
-"""The launcher's Ctrl-C: what is saved (`last_saved`), its SIGINT handler (`CtrlC`: the first hands over to
+"""The launcher's Ctrl-C: before any worker (`EARLY`: remembered, so that a KeyboardInterrupt lost inside torch's
+import still stops the run), what is saved (`last_saved`), its SIGINT handler (`CtrlC`: the first hands over to
 torchrun's shutdown, the second kills the workers), and workers that start with SIGINT blocked
 (`workers_start_with_sigint_blocked`), so that a Ctrl-C in the instant one starts reaches its own handler."""
 
@@ -9,11 +10,49 @@ import functools
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from dptrain.checkpoint import manifest as mf
+
+
+class EarlyCtrlC:
+    """Ctrl-C while the launcher checks its input, before the run's own handler exists. Python's default handler
+    raises KeyboardInterrupt wherever the main thread is; inside `import torch` that is sometimes C++ code that
+    swallows it (measured: `import torch` with a SIGINT at a random instant finished in 13 of 30 tries), and the
+    run then started and trained to the end as if nothing was pressed. This handler raises the same
+    KeyboardInterrupt and also remembers it: `check` raises it again at the last point before workers start."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if a Ctrl-C came, even one something swallowed on its way up."""
+        if self.seen:
+            raise KeyboardInterrupt
+
+
+EARLY = EarlyCtrlC()
+
+
+def exit_after_early_ctrl_c(code: int) -> None:
+    """The process's exit once `main` has handled an early Ctrl-C. CPython kills itself with SIGINT at exit (the
+    shell then sees status -2, not `code`) whenever a KeyboardInterrupt once escaped a C-level `PyRun_*` call,
+    as one can inside torch's import, even though `main` handled it; `os._exit` keeps `code`."""
+    if EARLY.seen:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def last_saved(ckpt_root: Path | None) -> str:
@@ -39,8 +78,6 @@ class CtrlC:
         self._previous = signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
         self.count += 1
         if self.count == 1:
             print(
@@ -60,19 +97,27 @@ class CtrlC:
                 file=sys.stderr,
                 flush=True,
             )
-        raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
+        raise self.exception()
+
+    @staticmethod
+    def exception() -> Exception:
+        """What torchrun's agent takes as "shut the workers down" (`agent.run` catches it)."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        return SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
 
     def restore(self) -> None:
         signal.signal(signal.SIGINT, self._previous)
 
 
 @contextlib.contextmanager
-def workers_start_with_sigint_blocked() -> Iterator[None]:
+def workers_start_with_sigint_blocked(interrupts: CtrlC) -> Iterator[None]:
     """While torchrun's agent starts dptrain's workers, SIGINT is blocked in this (the spawning) thread, so the
     workers start with it blocked: the mask survives fork and exec. torchrun ends workers with SIGINT on Ctrl-C;
     one sent in the instant a worker's interpreter starts then stays pending until the worker has installed its own
     handler (launch/worker.py unblocks it there), instead of raising KeyboardInterrupt in its imports with a
-    traceback. A Ctrl-C to this launcher during a spawn is handled just after it."""
+    traceback. A Ctrl-C to this launcher during a spawn is handled just after it; one that came before the spawn
+    (`interrupts.count`) but was swallowed on the way (the rendezvous retries what fails) stops it here."""
     # lazy: torch: only when workers are started
     from torch.distributed.elastic.agent.server import local_elastic_agent as agent
 
@@ -83,6 +128,8 @@ def workers_start_with_sigint_blocked() -> Iterator[None]:
 
     @functools.wraps(start)
     def start_blocked(*args: Any, **kwargs: Any) -> Any:
+        if interrupts.count:
+            raise interrupts.exception()
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             return start(*args, **kwargs)

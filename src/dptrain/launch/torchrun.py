@@ -25,7 +25,7 @@ from dptrain.config import ConfigError, LaunchConfig
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, torchrun_nnodes
 from dptrain.config.resolve import parse_endpoint
 from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, final_status, read_exit_marks
-from dptrain.launch.interrupts import CtrlC, last_saved, workers_start_with_sigint_blocked
+from dptrain.launch.interrupts import EARLY, CtrlC, last_saved, workers_start_with_sigint_blocked
 
 EXIT_RENDEZVOUS = 2
 """The rendezvous did not complete (nobody hosts it, a node never came, its port is taken): one line, no worker ran."""
@@ -117,10 +117,11 @@ def run_torchrun(
     args = get_args_parser().parse_args(argv)
     marks_dir = tempfile.mkdtemp(prefix="dptrain-exit-")  # the workers' exit marks: which statuses are dptrain's
     os.environ[EXIT_MARKS_ENV] = marks_dir
+    EARLY.check()  # a Ctrl-C during the checks that something swallowed: no worker starts
     interrupts = CtrlC(ckpt_root)
     waiting = NodeWait(launch_cfg, abandon=abandon) if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None
     try:
-        with workers_start_with_sigint_blocked() if own_workers else contextlib.nullcontext():
+        with workers_start_with_sigint_blocked(interrupts) if own_workers else contextlib.nullcontext():
             run(args)
     except RendezvousError as e:
         print(f"dptrain: error: {rendezvous_failed(e, launch_cfg, args)}", file=sys.stderr)

@@ -44,6 +44,8 @@ def _check(cfg: Any, expected: dict[str, Any]) -> None:
         "bucket_cap_mb": p.bucket_cap_mb,
         "clip": o.grad_clip,
         "pp": (r.dims.pp, p.pp_microbatches, p.pp_schedule),
+        "lamb": (o.max_coeff, o.min_coeff, o.bias_correction, o.eps_inside_sqrt),
+        "freeze_step": o.freeze_step,
     }
     assert {k: got[k] for k in expected} == expected
 

@@ -298,6 +298,12 @@ RANGES: dict[str, dict[str, Range]] = {
         "base_batch_size": Range(int, 1, optional=True),
         "warmup_steps": NONNEG_INT,
         "freeze_step": Range(int, 1, note="the variance needs at least one full Adam step"),
+        "max_coeff": POS_FLOAT,
+        "min_coeff": POS_FLOAT,
+        "coeff_beta": Range(float, 0, 1, high_open=True),
+        "factor_max": POS_FLOAT,
+        "factor_min": POS_FLOAT,
+        "factor_threshold": Range(float, 0, 1, high_open=True),
         "min_lr_ratio": Range(float, 0, 1),
         "warmup_start_ratio": Range(float, 0, 1),
         "grad_clip": Range(float, 0, low_open=True, optional=True, note="null disables clipping"),
@@ -358,6 +364,9 @@ def validate(cfg: Config) -> None:
     strategy_mode(cfg.parallel)  # a known strategy name
     _choice(cfg.precision.dtype, DTYPES, "precision.dtype")
     _choice(cfg.optim.name, OPTIMIZERS, "optim.name")
+    if cfg.optim.min_coeff > cfg.optim.max_coeff:
+        raise ConfigError(f"optim.min_coeff={cfg.optim.min_coeff!r} is above optim.max_coeff={cfg.optim.max_coeff!r}: "
+                          "LAMB clamps its trust ratio to [min_coeff, max_coeff]")
     _choice(cfg.optim.lr_scaling, LR_SCALINGS, "optim.lr_scaling")
     _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
     _choice(cfg.optim.warmup_type, WARMUP_TYPES, "optim.warmup_type")

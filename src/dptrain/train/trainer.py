@@ -189,7 +189,7 @@ class Trainer:
         # onebit_adam: after its warm-up every rank sees only its own gradients, so an overflow must be agreed too
         self.scaler = build_grad_scaler(
             cfg.precision, self.device,
-            sharded=self.parallel.sharded or self.parallel.pipelined or cfg.optim.name == "onebit_adam",
+            sharded=self.parallel.sharded or self.parallel.pipelined or cfg.optim.name in ("onebit_adam", "onebit_lamb"),
         )
         self.autocast = autocast_factory(cfg.precision, self.device)  # around each forward (fp32: nothing)
         self.loss_fn = build_loss_fn(cfg.train.loss)

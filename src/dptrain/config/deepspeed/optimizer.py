@@ -39,8 +39,9 @@ def optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
             f"optimizer.params.max_grad_norm={params.pop('max_grad_norm')!r} is not used (DeepSpeed 0.19 refuses it "
             "at deepspeed.initialize): the top-level gradient_clipping clips"
         )
-    adam_w = params.pop("adam_w_mode", True)
-    torch_adam = params.pop("torch_adam", False)
+    lamb = low == "lamb"  # FusedLamb takes neither: left in params, refused below
+    adam_w = True if lamb else params.pop("adam_w_mode", True)
+    torch_adam = False if lamb else params.pop("torch_adam", False)
     if not isinstance(adam_w, bool):
         raise bad("optimizer.params.adam_w_mode", adam_w, "use true or false")
     if not isinstance(torch_adam, bool):

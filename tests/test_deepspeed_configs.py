@@ -46,6 +46,7 @@ def _check(cfg: Any, expected: dict[str, Any]) -> None:
         "pp": (r.dims.pp, p.pp_microbatches, p.pp_schedule),
         "lamb": (o.max_coeff, o.min_coeff, o.bias_correction, o.eps_inside_sqrt),
         "freeze_step": o.freeze_step,
+        "nvme": p.nvme_offload_dir,
     }
     assert {k: got[k] for k in expected} == expected
 

@@ -310,8 +310,6 @@ KNOWN_DIFFERENCES: list[tuple[Callable[[dict[str, Any], str], bool], str]] = [
      "and clips by gradient_clipping"),
     (lambda ds, row: "DeepSpeed_Adam" in repr(ds), "optimizer.type DeepSpeed_Adam: the old name of DeepSpeedCPUAdam, "
      "which DeepSpeed 0.19's engine no longer resolves; dptrain reads it as Adam (adamw_mode true)"),
-    (lambda ds, row: "'nvme'" in repr(ds), "NVMe offload: DeepSpeed accepts it; dptrain refuses it naming the "
-     "alternative (device cpu, FSDP2's CPUOffloadPolicy): PyTorch has no NVMe offload"),
     (lambda ds, row: str((ds.get("optimizer") or {}).get("type", "")).lower() == "onebitlamb",
      "OneBitLamb: DeepSpeed 0.19.8's engine no longer builds it (its 1-bit optimizers left with the CUDA-only "
      "compressed backends); dptrain runs 1-bit LAMB itself (optim.name=onebit_lamb, Li et al. 2021, DeepSpeed's "

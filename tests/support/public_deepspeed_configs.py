@@ -293,7 +293,7 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | str]] = [
             },
             "fp16": {"enabled": True, "loss_scale": 1024},
         },
-        r"offload_optimizer.device='nvme' is not valid; dptrain offloads to the CPU only: use device cpu",
+        {"strategy": "fsdp", "offload": True, "nvme": "/nvme_data", "batch": (8, 4, 1), "dtype": "fp16"},
     ),
     (
         "microsoft/DeepSpeedExamples Megatron-LM-v1.1.5-ZeRO3/curriculum_learning/ds_zero_stage_2_config_baseline.json",

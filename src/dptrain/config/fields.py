@@ -235,6 +235,10 @@ class ParallelConfig:
     """Reduce gradients on every micro-step instead of only the last (lower memory under FSDP, more traffic)."""
     cpu_offload: bool = False
     """fsdp and zero2: keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
+    nvme_offload_dir: str | None = None
+    """Keep the optimizer state in memory-mapped files in this existing directory on a drive instead of RAM (DeepSpeed's
+    offload_optimizer device nvme, nvme_path); training is bit-identical. On CUDA it needs cpu_offload (the optimizer
+    steps on the host). See parallel/nvme_offload.py."""
     dp_replicate: int = 1
     """Data-parallel replicas (DDP, or HSDP's replicate dimension); -1 infers it from the world size. With dp_replicate
     and dp_shard both 1, the strategy's own dimension takes the world: dp_replicate for ddp/zero1, dp_shard for

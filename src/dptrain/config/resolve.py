@@ -197,6 +197,12 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
         device = "cuda" if cuda_available else "cpu"
     if device == "cuda" and not cuda_available:
         raise ConfigError("parallel.device='cuda' but no CUDA device is available; use parallel.device=cpu or auto")
+    if cfg.parallel.nvme_offload_dir is not None and device == "cuda" and not cfg.parallel.cpu_offload:
+        raise ConfigError(
+            f"parallel.nvme_offload_dir={cfg.parallel.nvme_offload_dir!r} on CUDA needs parallel.cpu_offload=true: the "
+            "optimizer state is mapped from files in host memory, so the optimizer must step on the host "
+            "(DeepSpeed's NVMe offload steps on the CPU too)"
+        )
     mode = strategy_mode(cfg.parallel)
     if mode.wrapper == "dataparallel" and device != "cuda":
         raise ConfigError(

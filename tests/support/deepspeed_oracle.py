@@ -154,7 +154,7 @@ def deepspeed_reading(ds: dict[str, Any], *, dp: int, steps: int) -> Reading:
             rows["optim"], lr = _ds_optimizer(c.optimizer_name, c.optimizer_params,
                                               dynamic_scale=c.float16_config.loss_scale == 0)
             opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-            if c.optimizer_name and c.optimizer_name.lower() in ("adam", "adamw", "lamb"):  # with the betas it configures
+            if c.optimizer_name and c.optimizer_name.lower() in ("adam", "adamw", "lamb"):  # with its betas
                 opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr, betas=rows["optim"][3])
             if c.scheduler_name is not None:
                 sched = getattr(lr_schedules, c.scheduler_name)(opt, **(c.scheduler_params or {}))

@@ -395,6 +395,31 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | str]] = [
         r"sparse_attention is not supported: DeepSpeed removed",
     ),
     (
+        "microsoft/DeepSpeedExamples bing_bert/deepspeed_bsz32K_lamb_config_seq512.json",
+        {
+            "train_batch_size": 32768,
+            "train_micro_batch_size_per_gpu": 16,
+            "steps_per_print": 1000,
+            "prescale_gradients": False,
+            "optimizer": {
+                "type": "Lamb",
+                "params": {"lr": 4e-3, "weight_decay": 0.01, "bias_correction": False, "max_coeff": 0.3,
+                           "min_coeff": 0.01},
+            },
+            "gradient_clipping": 1.0,
+            "wall_clock_breakdown": False,
+            "fp16": {"enabled": True, "loss_scale": 0},
+        },
+        {
+            "strategy": "ddp",
+            "batch": (32768, 16, 1024),
+            "optim": ("lamb", 4e-3, 0.01, (0.9, 0.999)),
+            "lamb": (0.3, 0.01, False, False),
+            "dtype": "fp16",
+            "clip": 1.0,
+        },
+    ),
+    (
         "microsoft/DeepSpeed tests/model/Megatron_GPT2/ds_config_func_scheduler.json",
         {
             "train_batch_size": 4,

@@ -137,12 +137,13 @@ class TrainConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     name: str = "adamw"
-    """Optimizer: sgd, adamw, adam, onebit_adam, lamb or onebit_lamb (not used with `factory`). lamb is LAMB with
-    DeepSpeed FusedLamb's arithmetic (max_coeff, min_coeff, bias_correction, eps_inside_sqrt); onebit_lamb is 1-bit
-    LAMB (Li et al. 2021, DeepSpeed's OnebitLamb; freeze_step and coeff_beta, factor_*). onebit_adam is 1-bit Adam (Tang et al.
-    2021): AdamW for `freeze_step` steps, then the variance is frozen and DDP sends no gradients; the momentum is
-    exchanged in 1 bit per element with error feedback on every rank; strategy ddp (or one process) with
-    grad_compression none; see docs/guides/strategies.md."""
+    """Optimizer: sgd, adamw, adam, onebit_adam, lamb or onebit_lamb (not used with `factory`). onebit_adam is 1-bit
+    Adam (Tang et al. 2021): AdamW for `freeze_step` steps, then the variance is frozen and DDP sends no gradients;
+    the momentum is exchanged in 1 bit per element with error feedback on every rank; strategy ddp (or one process)
+    with grad_compression none; see docs/guides/strategies.md. lamb is LAMB with DeepSpeed FusedLamb's arithmetic
+    (max_coeff, min_coeff, bias_correction, eps_inside_sqrt; any strategy: under zero2/fsdp the trust ratio's norms
+    are reduced over the shards). onebit_lamb is 1-bit LAMB (Li et al. 2021, DeepSpeed's OnebitLamb: freeze_step,
+    coeff_beta, factor_*) on 1-bit Adam's exchange, with 1-bit Adam's constraints."""
     factory: str | None = None
     """Import path of any optimizer: a torch.optim.Optimizer subclass (`torch.optim.Adadelta`) or a function
     (`mypkg.mod:make_opt`), called as factory(param_groups, lr=<optim.lr, scaled>, **kwargs) (plus
@@ -195,9 +196,9 @@ class OptimConfig:
     deepspeed: DeepSpeed's WarmupLR/WarmupDecayLR/WarmupCosineLR formulas exactly (its scheduler steps after the
     optimizer, so step s trains at its iteration s - 1; warmup at least 2 steps)."""
     freeze_step: int = 100
-    """onebit_adam, onebit_lamb: optimizer steps of full AdamW (gradients all-reduced) before the variance freezes and the momentum
-    is compressed (1-bit Adam's warm-up: past the learning-rate warm-up, once the variance has settled; measured in
-    docs/results/communication.md, "1-bit Adam")."""
+    """onebit_adam, onebit_lamb: optimizer steps of full AdamW (onebit_lamb: LAMB; gradients all-reduced) before the
+    variance freezes and the momentum is compressed (1-bit Adam's warm-up: past the learning-rate warm-up, once the
+    variance has settled; measured in docs/results/communication.md, "1-bit Adam")."""
     max_coeff: float = 10.0
     """lamb, onebit_lamb: upper bound of LAMB's trust ratio ||w|| / ||update|| per parameter tensor (DeepSpeed's)."""
     min_coeff: float = 0.01
@@ -205,7 +206,8 @@ class OptimConfig:
     bias_correction: bool = True
     """lamb: step size lr * sqrt(1 - beta2^t) / (1 - beta1^t) (DeepSpeed FusedLamb's bias correction); false: lr."""
     eps_inside_sqrt: bool = False
-    """lamb, onebit_lamb: denominator sqrt(v + eps) instead of sqrt(v) + eps (DeepSpeed's eps_inside_sqrt)."""
+    """lamb: denominator sqrt(v + eps) instead of sqrt(v) + eps (DeepSpeed's eps_inside_sqrt; its OnebitLamb takes the
+    key and does not use it, nor does onebit_lamb)."""
     coeff_beta: float = 0.9
     """onebit_lamb: EMA coefficient of the trust ratio during the warm-up; the average is frozen with the variance."""
     factor_max: float = 4.0

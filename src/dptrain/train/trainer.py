@@ -190,9 +190,9 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
         # sharded (found-inf agreed over the world) also under PP: an overflow in one stage skips every stage's step
         # onebit_adam: after its warm-up every rank sees only its own gradients, so an overflow must be agreed too
+        onebit = cfg.optim.name in ("onebit_adam", "onebit_lamb")
         self.scaler = build_grad_scaler(
-            cfg.precision, self.device,
-            sharded=self.parallel.sharded or self.parallel.pipelined or cfg.optim.name in ("onebit_adam", "onebit_lamb"),
+            cfg.precision, self.device, sharded=self.parallel.sharded or self.parallel.pipelined or onebit
         )
         self.autocast = autocast_factory(cfg.precision, self.device)  # around each forward (fp32: nothing)
         self.loss_fn = build_loss_fn(cfg.train.loss)

@@ -50,7 +50,7 @@ def optimizer(opt: dict[str, Any] | None, m: DeepSpeedMapping) -> None:
     name = "sgd" if low == "sgd" else ("adam" if low == "adam" and not adam_w else "adamw")
     if low in ("onebitadam", "lamb", "onebitlamb"):
         name = NAMES[low]  # cuda_aware, comm_backend_name: ignored (torch.distributed collectives)
-    if params.pop("amsgrad", False) is not False and name in ("lamb", "onebit_lamb"):
+    if name in ("lamb", "onebit_lamb") and params.pop("amsgrad", False) is not False:
         raise bad("optimizer.params.amsgrad", True, "DeepSpeed's LAMB optimizers refuse AMSGrad: remove it")
     m.put("optimizer.type", "optim.name", name)
     # FusedAdam / DeepSpeedCPUAdam / torch.optim.SGD default weight_decay 0; with torch_adam DeepSpeed builds

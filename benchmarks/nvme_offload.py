@@ -76,11 +76,12 @@ def main() -> None:
                    "--layers", str(args.layers), "--steps", str(args.steps)]
             rows.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
     mb = 2**20
-    print("| state in | optimizer state (MiB) | RssAnon growth (MiB) | RssFile growth (MiB) | step (s) | weights digest |")
+    print("| state in | optimizer state (MiB) | RssAnon growth (MiB) | RssFile growth (MiB) | step (s) "
+          "| weights digest |")
     print("|---|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['state_bytes'] / mb:.0f} | {r['anon_growth'] / mb:.0f} | {r['file_growth'] / mb:.0f} "
-              f"| {r['step_s']:.3f} | {r['digest']} |")
+        print(f"| {r['mode']} | {r['state_bytes'] / mb:.0f} | {r['anon_growth'] / mb:.0f} "
+              f"| {r['file_growth'] / mb:.0f} | {r['step_s']:.3f} | {r['digest']} |")
 
 
 if __name__ == "__main__":

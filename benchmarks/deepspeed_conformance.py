@@ -71,8 +71,8 @@ def public_count() -> str:
     refused = [f"{src.split(' ')[-1]}" for src, _, expected in CASES if isinstance(expected, str)]
     return (f"Public configs: {len(loaded)} of {len(CASES)} load; {len(exact)} of them agree with DeepSpeed 0.19 "
             f"row for row, {len(explained)} differ only by the listed differences (Hugging Face \"auto\", "
-            f"max_grad_norm, DeepSpeed_Adam, no batch key). Refused with the reason and an alternative: "
-            f"{', '.join(refused)}")
+            f"max_grad_norm, DeepSpeed_Adam, OneBitAdam, OneBitLamb). Refused: {', '.join(refused)} (DeepSpeed 0.19 "
+            f"refuses it too: its sparse_attention block was removed)")
 
 
 def engine(stages: list[int]) -> str:

@@ -308,7 +308,7 @@ def test_validate_defaults_ok() -> None:
     [
         ("parallel", "strategy", "deepspeed", STRATEGIES),
         ("precision", "dtype", "fp8", DTYPES),
-        ("optim", "name", "lamb", OPTIMIZERS),
+        ("optim", "name", "lars", OPTIMIZERS),
         ("optim", "schedule", "step", SCHEDULES),
         ("optim", "lr_scaling", "cube", ("none", "linear", "sqrt")),
         ("parallel", "device", "tpu", ("auto", "cpu", "cuda")),
@@ -673,7 +673,8 @@ def test_deepspeed_optimizer_adamw() -> None:
 
 
 @pytest.mark.parametrize(
-    ("ds_type", "name"), [("Adam", "adamw"), ("SGD", "sgd"), ("adamw", "adamw"), ("OneBitAdam", "onebit_adam")]
+    ("ds_type", "name"), [("Adam", "adamw"), ("SGD", "sgd"), ("adamw", "adamw"), ("OneBitAdam", "onebit_adam"),
+                          ("Lamb", "lamb"), ("OneBitLamb", "onebit_lamb")]
 )
 def test_deepspeed_optimizer_types(ds_type, name) -> None:
     d, _ = from_deepspeed({"optimizer": {"type": ds_type, "params": {"lr": 0.1}}})
@@ -681,8 +682,8 @@ def test_deepspeed_optimizer_types(ds_type, name) -> None:
 
 
 def test_deepspeed_optimizer_unsupported() -> None:
-    with pytest.raises(ConfigError, match="OneBitLamb"):
-        from_deepspeed({"optimizer": {"type": "OneBitLamb"}})
+    with pytest.raises(ConfigError, match="ZeroOneAdam"):
+        from_deepspeed({"optimizer": {"type": "ZeroOneAdam"}})
 
 
 def test_deepspeed_optimizer_unknown_params_reported() -> None:

@@ -157,7 +157,8 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | str]] = [
             "optimizer": {"type": "Lamb", "params": {"lr": 5e-3, "weight_decay": 0.01, "max_coeff": 0.3}},
             "fp16": {"enabled": False, "loss_scale": 0},
         },
-        r"optimizer.type='Lamb' is not supported; use \"AdamW\"",
+        {"strategy": "ddp", "batch": (1024, 16, 32), "optim": ("lamb", 5e-3, 0.01, (0.9, 0.999)), "dtype": "fp32",
+         "lamb": (0.3, 0.01, True, False)},
     ),
     (
         "microsoft/DeepSpeedExamples cifar/ds_config_onebitlamb.json",
@@ -166,7 +167,8 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | str]] = [
             "train_micro_batch_size_per_gpu": 16,
             "optimizer": {"type": "OneBitLamb", "params": {"lr": 5e-3, "freeze_step": 1000}},
         },
-        r"optimizer.type='OneBitLamb' is not supported; use \"AdamW\"",
+        {"strategy": "ddp", "batch": (1024, 16, 32), "optim": ("onebit_lamb", 5e-3, 0.0, (0.9, 0.999)),
+         "lamb": (10.0, 0.01, True, False), "freeze_step": 1000},
     ),
     (
         "microsoft/DeepSpeedExamples BingBertSquad/deepspeed_bsz24_config.json",
@@ -291,7 +293,7 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | str]] = [
             },
             "fp16": {"enabled": True, "loss_scale": 1024},
         },
-        r"offload_optimizer.device='nvme' is not valid; dptrain offloads to the CPU only: use device cpu",
+        {"strategy": "fsdp", "offload": True, "nvme": "/nvme_data", "batch": (8, 4, 1), "dtype": "fp16"},
     ),
     (
         "microsoft/DeepSpeedExamples Megatron-LM-v1.1.5-ZeRO3/curriculum_learning/ds_zero_stage_2_config_baseline.json",
@@ -390,7 +392,32 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | str]] = [
             "fp16": {"enabled": True},
             "sparse_attention": {"mode": "fixed", "block": 16},
         },
-        r"optimizer.type='Lamb' is not supported|sparse_attention is not supported: DeepSpeed removed",
+        r"sparse_attention is not supported: DeepSpeed removed",
+    ),
+    (
+        "microsoft/DeepSpeedExamples bing_bert/deepspeed_bsz32K_lamb_config_seq512.json",
+        {
+            "train_batch_size": 32768,
+            "train_micro_batch_size_per_gpu": 16,
+            "steps_per_print": 1000,
+            "prescale_gradients": False,
+            "optimizer": {
+                "type": "Lamb",
+                "params": {"lr": 4e-3, "weight_decay": 0.01, "bias_correction": False, "max_coeff": 0.3,
+                           "min_coeff": 0.01},
+            },
+            "gradient_clipping": 1.0,
+            "wall_clock_breakdown": False,
+            "fp16": {"enabled": True, "loss_scale": 0},
+        },
+        {
+            "strategy": "ddp",
+            "batch": (32768, 16, 1024),
+            "optim": ("lamb", 4e-3, 0.01, (0.9, 0.999)),
+            "lamb": (0.3, 0.01, False, False),
+            "dtype": "fp16",
+            "clip": 1.0,
+        },
     ),
     (
         "microsoft/DeepSpeed tests/model/Megatron_GPT2/ds_config_func_scheduler.json",

@@ -35,6 +35,7 @@ from dptrain.config.hosting import DEFAULTS_PRESETS, preset_overrides
 from dptrain.config.imports import import_object
 from dptrain.config.load import dump_yaml, load_command_line
 from dptrain.config.nodes import is_elastic, max_nodes
+from dptrain.config.nvme import check_nvme_dir
 from dptrain.launch import torchrun as launch
 from dptrain.launch.checks import (
     FactoryFailed,
@@ -281,6 +282,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")
     if cfg.checkpoint.dir is not None:
         check_dir_writable(cfg.checkpoint.dir, what="checkpoint.dir")  # relative to the working directory
+    if cfg.parallel.nvme_offload_dir is not None:
+        check_nvme_dir(cfg.parallel.nvme_offload_dir)  # an existing directory on the drive, before any worker starts
     # One job per run directory: refused here, naming the holder, while another job (or its orphaned
     # workers, saving before they exit) still owns it. Held until this launcher exits.
     lock = RunDirLock(run_dir, per_host=max_nodes(cfg.launch) > 1)

@@ -92,24 +92,26 @@ def validate_compression(p: ParallelConfig, *, mode: DataParallelMode, dims: Par
 
 
 def validate_onebit_adam(optim: OptimConfig, p: ParallelConfig, *, dims: ParallelDims | None = None) -> None:
-    """optim.name=onebit_adam needs whole momenta on every rank and DDP's hook: strategy ddp (or a
-    single process), no gradient compression of its own, no tp/pp (checked once `dims` is known)."""
-    if optim.name != "onebit_adam":
+    """optim.name=onebit_adam (or onebit_lamb, the same exchange) needs whole momenta on every rank and DDP's hook:
+    strategy ddp (or a single process), no gradient compression of its own, no tp/pp (checked once `dims` is
+    known)."""
+    if optim.name not in ("onebit_adam", "onebit_lamb"):
         return
+    what = "1-bit Adam" if optim.name == "onebit_adam" else "1-bit LAMB"
     if p.strategy not in ("ddp", "single"):
         raise ConfigError(
-            f"optim.name='onebit_adam' with parallel.strategy={p.strategy!r}: 1-bit Adam exchanges whole momenta "
+            f"optim.name={optim.name!r} with parallel.strategy={p.strategy!r}: {what} exchanges whole momenta "
             "and silences DDP's gradient all-reduce through its communication hook, so it needs "
             "parallel.strategy=ddp (or single); zero1/zero2/fsdp shard the optimizer state, dp has no hook"
         )
     if p.grad_compression != "none":
         raise ConfigError(
-            f"optim.name='onebit_adam' with parallel.grad_compression={p.grad_compression!r}: 1-bit Adam compresses "
+            f"optim.name={optim.name!r} with parallel.grad_compression={p.grad_compression!r}: {what} compresses "
             "the momentum itself (after its warm-up DDP sends no gradients); set parallel.grad_compression=none"
         )
     if dims is not None and (dims.tp > 1 or dims.pp > 1):
         raise ConfigError(
-            f"optim.name='onebit_adam' with tp={dims.tp}, pp={dims.pp}: 1-bit Adam runs on plain DDP only "
+            f"optim.name={optim.name!r} with tp={dims.tp}, pp={dims.pp}: {what} runs on plain DDP only "
             "(data parallelism under tp/pp is FSDP2's replicate, which has no communication hook)"
         )
 

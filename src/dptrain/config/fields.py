@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "fsdp")
 DTYPES = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("sgd", "adamw", "adam", "onebit_adam")
+OPTIMIZERS = ("sgd", "adamw", "adam", "onebit_adam", "lamb", "onebit_lamb")
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("cosine", "constant", "linear", "onecycle", "lr_range_test")
 LOSS_SCALERS = ("torch", "deepspeed")
@@ -137,10 +137,13 @@ class TrainConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     name: str = "adamw"
-    """Optimizer: sgd, adamw, adam or onebit_adam (not used with `factory`). onebit_adam is 1-bit Adam (Tang et al.
-    2021): AdamW for `freeze_step` steps, then the variance is frozen and DDP sends no gradients; the momentum is
-    exchanged in 1 bit per element with error feedback on every rank; strategy ddp (or one process) with
-    grad_compression none; see docs/guides/strategies.md."""
+    """Optimizer: sgd, adamw, adam, onebit_adam, lamb or onebit_lamb (not used with `factory`). onebit_adam is 1-bit
+    Adam (Tang et al. 2021): AdamW for `freeze_step` steps, then the variance is frozen and DDP sends no gradients;
+    the momentum is exchanged in 1 bit per element with error feedback on every rank; strategy ddp (or one process)
+    with grad_compression none; see docs/guides/strategies.md. lamb is LAMB with DeepSpeed FusedLamb's arithmetic
+    (max_coeff, min_coeff, bias_correction, eps_inside_sqrt; any strategy: under zero2/fsdp the trust ratio's norms
+    are reduced over the shards). onebit_lamb is 1-bit LAMB (Li et al. 2021, DeepSpeed's OnebitLamb: freeze_step,
+    coeff_beta, factor_*) on 1-bit Adam's exchange, with 1-bit Adam's constraints."""
     factory: str | None = None
     """Import path of any optimizer: a torch.optim.Optimizer subclass (`torch.optim.Adadelta`) or a function
     (`mypkg.mod:make_opt`), called as factory(param_groups, lr=<optim.lr, scaled>, **kwargs) (plus
@@ -193,9 +196,26 @@ class OptimConfig:
     deepspeed: DeepSpeed's WarmupLR/WarmupDecayLR/WarmupCosineLR formulas exactly (its scheduler steps after the
     optimizer, so step s trains at its iteration s - 1; warmup at least 2 steps)."""
     freeze_step: int = 100
-    """onebit_adam: optimizer steps of full AdamW (gradients all-reduced) before the variance freezes and the momentum
-    is compressed (1-bit Adam's warm-up: past the learning-rate warm-up, once the variance has settled; measured in
-    docs/results/communication.md, "1-bit Adam")."""
+    """onebit_adam, onebit_lamb: optimizer steps of full AdamW (onebit_lamb: LAMB; gradients all-reduced) before the
+    variance freezes and the momentum is compressed (1-bit Adam's warm-up: past the learning-rate warm-up, once the
+    variance has settled; measured in docs/results/communication.md, "1-bit Adam")."""
+    max_coeff: float = 10.0
+    """lamb, onebit_lamb: upper bound of LAMB's trust ratio ||w|| / ||update|| per parameter tensor (DeepSpeed's)."""
+    min_coeff: float = 0.01
+    """lamb, onebit_lamb: lower bound of LAMB's trust ratio (DeepSpeed's)."""
+    bias_correction: bool = True
+    """lamb: step size lr * sqrt(1 - beta2^t) / (1 - beta1^t) (DeepSpeed FusedLamb's bias correction); false: lr."""
+    eps_inside_sqrt: bool = False
+    """lamb: denominator sqrt(v + eps) instead of sqrt(v) + eps (DeepSpeed's eps_inside_sqrt; its OnebitLamb takes the
+    key and does not use it, nor does onebit_lamb)."""
+    coeff_beta: float = 0.9
+    """onebit_lamb: EMA coefficient of the trust ratio during the warm-up; the average is frozen with the variance."""
+    factor_max: float = 4.0
+    """onebit_lamb: upper bound of the scaling factor applied to the frozen trust ratio after the warm-up."""
+    factor_min: float = 0.5
+    """onebit_lamb: lower bound of that scaling factor."""
+    factor_threshold: float = 0.1
+    """onebit_lamb: how far the scaling factor may move from one step to the next (a fraction of the last)."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm (over all shards) to this value; null disables clipping."""
 
@@ -217,6 +237,10 @@ class ParallelConfig:
     """Reduce gradients on every micro-step instead of only the last (lower memory under FSDP, more traffic)."""
     cpu_offload: bool = False
     """fsdp and zero2: keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
+    nvme_offload_dir: str | None = None
+    """Keep the optimizer state in memory-mapped files in this existing directory on a drive instead of RAM (DeepSpeed's
+    offload_optimizer device nvme, nvme_path); training is bit-identical. On CUDA it needs cpu_offload (the optimizer
+    steps on the host). See parallel/nvme_offload.py."""
     dp_replicate: int = 1
     """Data-parallel replicas (DDP, or HSDP's replicate dimension); -1 infers it from the world size. With dp_replicate
     and dp_shard both 1, the strategy's own dimension takes the world: dp_replicate for ddp/zero1, dp_shard for

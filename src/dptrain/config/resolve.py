@@ -197,6 +197,12 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
         device = "cuda" if cuda_available else "cpu"
     if device == "cuda" and not cuda_available:
         raise ConfigError("parallel.device='cuda' but no CUDA device is available; use parallel.device=cpu or auto")
+    if cfg.parallel.nvme_offload_dir is not None and device == "cuda" and not cfg.parallel.cpu_offload:
+        raise ConfigError(
+            f"parallel.nvme_offload_dir={cfg.parallel.nvme_offload_dir!r} on CUDA needs parallel.cpu_offload=true: the "
+            "optimizer state is mapped from files in host memory, so the optimizer must step on the host "
+            "(DeepSpeed's NVMe offload steps on the CPU too)"
+        )
     mode = strategy_mode(cfg.parallel)
     if mode.wrapper == "dataparallel" and device != "cuda":
         raise ConfigError(
@@ -298,6 +304,12 @@ RANGES: dict[str, dict[str, Range]] = {
         "base_batch_size": Range(int, 1, optional=True),
         "warmup_steps": NONNEG_INT,
         "freeze_step": Range(int, 1, note="the variance needs at least one full Adam step"),
+        "max_coeff": POS_FLOAT,
+        "min_coeff": POS_FLOAT,
+        "coeff_beta": Range(float, 0, 1, high_open=True),
+        "factor_max": POS_FLOAT,
+        "factor_min": POS_FLOAT,
+        "factor_threshold": Range(float, 0, 1, high_open=True),
         "min_lr_ratio": Range(float, 0, 1),
         "warmup_start_ratio": Range(float, 0, 1),
         "grad_clip": Range(float, 0, low_open=True, optional=True, note="null disables clipping"),
@@ -358,6 +370,9 @@ def validate(cfg: Config) -> None:
     strategy_mode(cfg.parallel)  # a known strategy name
     _choice(cfg.precision.dtype, DTYPES, "precision.dtype")
     _choice(cfg.optim.name, OPTIMIZERS, "optim.name")
+    if cfg.optim.min_coeff > cfg.optim.max_coeff:
+        raise ConfigError(f"optim.min_coeff={cfg.optim.min_coeff!r} is above optim.max_coeff={cfg.optim.max_coeff!r}: "
+                          "LAMB clamps its trust ratio to [min_coeff, max_coeff]")
     _choice(cfg.optim.lr_scaling, LR_SCALINGS, "optim.lr_scaling")
     _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
     _choice(cfg.optim.warmup_type, WARMUP_TYPES, "optim.warmup_type")

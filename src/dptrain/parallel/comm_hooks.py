@@ -205,9 +205,9 @@ def build_comm_hook(cfg: ParallelConfig, *, process_group: Any, backend: str,
     checked for bf16 (the hook needs NCCL; `resolve` refuses it earlier with the reason).
     `optim.name=onebit_adam` (whose grad_compression is none): its warm-up hook, whose state
     (`MomentumExchange`) the optimizer takes (`train/optim.py:build_optimizer`)."""
-    if optim is not None and optim.name == "onebit_adam":
+    if optim is not None and optim.name in ("onebit_adam", "onebit_lamb"):  # 1-bit LAMB: the same exchange
         if cfg.grad_compression != "none":
-            raise ValueError(f"optim.name='onebit_adam' compresses the momentum itself; parallel.grad_compression="
+            raise ValueError(f"optim.name={optim.name!r} compresses the momentum itself; parallel.grad_compression="
                              f"{cfg.grad_compression!r} must be none")
         ex = onebit_adam.MomentumExchange(process_group, freeze_step=optim.freeze_step)
         hook = _stateful_hook("onebit_adam", ex, onebit_adam.warmup_hook)

@@ -12,7 +12,9 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from dptrain.config import OptimConfig
 from dptrain.parallel import ParallelModel
 from dptrain.parallel.onebit_adam import MomentumExchange
+from dptrain.train.lamb import Lamb
 from dptrain.train.onebit_adam import OneBitAdam
+from dptrain.train.onebit_lamb import OneBitLamb
 from dptrain.train.schedules import SCHEDULERS
 
 
@@ -37,7 +39,16 @@ def optimizer_spec(cfg: OptimConfig, *, lr: float) -> tuple[type[torch.optim.Opt
         return torch.optim.AdamW, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps}
     if cfg.name == "onebit_adam":
         return OneBitAdam, {"lr": lr, "betas": cfg.betas, "eps": cfg.eps, "freeze_step": cfg.freeze_step}
-    raise ValueError(f"optim.name={cfg.name!r} is not valid; choose one of: sgd, adam, adamw, onebit_adam")
+    lamb = {"lr": lr, "betas": cfg.betas, "eps": cfg.eps, "eps_inside_sqrt": cfg.eps_inside_sqrt,
+            "max_coeff": cfg.max_coeff, "min_coeff": cfg.min_coeff}
+    if cfg.name == "lamb":
+        return Lamb, {**lamb, "bias_correction": cfg.bias_correction}
+    if cfg.name == "onebit_lamb":
+        return OneBitLamb, {**lamb, "freeze_step": cfg.freeze_step, "coeff_beta": cfg.coeff_beta,
+                            "factor_max": cfg.factor_max, "factor_min": cfg.factor_min,
+                            "factor_threshold": cfg.factor_threshold}
+    raise ValueError(f"optim.name={cfg.name!r} is not valid; choose one of: sgd, adam, adamw, onebit_adam, lamb, "
+                     "onebit_lamb")
 
 
 def build_optimizer(
@@ -48,7 +59,7 @@ def build_optimizer(
     onebit_adam: `exchange` is the state of its DDP hook (parallel/comm_hooks.py), which exchanges
     the momenta after the warm-up."""
     cls, defaults = optimizer_spec(cfg, lr=lr)
-    if cfg.name == "onebit_adam":
+    if cfg.name in ("onebit_adam", "onebit_lamb"):
         defaults["exchange"] = exchange
     return plan.optimizer(cls, param_groups(plan.module, weight_decay=cfg.weight_decay), **defaults)
 

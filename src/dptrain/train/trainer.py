@@ -45,6 +45,7 @@ from dptrain.metrics.records import Records
 from dptrain.parallel import ParallelModel, parallelize_model, unwrap
 from dptrain.parallel.comm_hooks import build_comm_hook
 from dptrain.parallel.materialize import make_materializer
+from dptrain.parallel.nvme_offload import NvmeOptimizerState
 from dptrain.train.backend import apply_backend_flags, compile_backend
 from dptrain.train.build import build_collate, build_datasets, build_loss_fn, build_model_meta, import_object
 from dptrain.train.evaluation import evaluate, summarize
@@ -184,12 +185,14 @@ class Trainer:
         # dptrain's SGD/Adam/AdamW/1-bit Adam + warmup/decay, or optim.factory / scheduler_factory (train/hosted.py)
         exchange = self.comm_hook.state if self.comm_hook is not None and self.comm_hook.name == "onebit_adam" else None
         self.optimizer = make_optimizer(self.parallel, cfg=cfg.optim, lr=res.lr, exchange=exchange)  # zero1: sharded
+        nvme = cfg.parallel.nvme_offload_dir  # the optimizer state in files on a drive (DeepSpeed's NVMe offload)
+        self.nvme = None if nvme is None else NvmeOptimizerState(self.optimizer, nvme, rank=self.env.rank)
         self.scheduler = make_scheduler(self.optimizer, cfg=cfg.optim, max_steps=cfg.train.max_steps)
         # sharded (found-inf agreed over the world) also under PP: an overflow in one stage skips every stage's step
         # onebit_adam: after its warm-up every rank sees only its own gradients, so an overflow must be agreed too
+        onebit = cfg.optim.name in ("onebit_adam", "onebit_lamb")
         self.scaler = build_grad_scaler(
-            cfg.precision, self.device,
-            sharded=self.parallel.sharded or self.parallel.pipelined or cfg.optim.name == "onebit_adam",
+            cfg.precision, self.device, sharded=self.parallel.sharded or self.parallel.pipelined or onebit
         )
         self.autocast = autocast_factory(cfg.precision, self.device)  # around each forward (fp32: nothing)
         self.loss_fn = build_loss_fn(cfg.train.loss)

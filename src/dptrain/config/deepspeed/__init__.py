@@ -73,6 +73,7 @@ def translate_deepspeed(ds: dict[str, Any]) -> DeepSpeedMapping:
     _allreduce_op(ds, m)
     optimizer(block(ds, "optimizer"), m)
     ds.pop("optimizer", None)
+    _lamb_needs_dynamic_scale(ds, m)
     scheduler(block(ds, "scheduler"), m)
     ds.pop("scheduler", None)
     precision(ds, m)
@@ -107,6 +108,15 @@ def _allreduce_op(ds: dict[str, Any], m: DeepSpeedMapping) -> None:
             "Adam-family optimizers are invariant to the factor except through eps: use 'mean'"
         )
     raise bad("gradient_allreduce_op", v, "use mean or sum (DeepSpeed's choices)")
+
+
+def _lamb_needs_dynamic_scale(ds: dict[str, Any], m: DeepSpeedMapping) -> None:
+    """DeepSpeed's engine asserts dynamic loss scaling (fp16.loss_scale 0) for Lamb."""
+    fp16 = ds.get("fp16")
+    scale = fp16.get("loss_scale", 0) if isinstance(fp16, dict) else 0
+    if m.config.get("optim", {}).get("name") == "lamb" and scale not in (0, "auto"):
+        raise ConfigError(f"DeepSpeed optimizer.type Lamb with fp16.loss_scale={scale!r}: DeepSpeed's Lamb requires "
+                          "dynamic loss scaling; set fp16.loss_scale to 0")
 
 
 def from_deepspeed(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -33,17 +33,26 @@ def zero(zero_cfg: Any, m: DeepSpeedMapping) -> None:
         sub = z.pop(k, None) or {}
         if not isinstance(sub, dict):
             raise bad(f"zero_optimization.{k}", sub, 'it must be a mapping such as {"device": "cpu"}')
-        device = sub.get("device", "none")
-        if device not in ("none", "cpu", None):
-            raise bad(
-                f"zero_optimization.{k}.device",
-                device,
-                "dptrain offloads to the CPU only: use device cpu (FSDP2's CPUOffloadPolicy, stage 2 or 3); "
-                "NVMe offload has no PyTorch equivalent",
-            )
-        if device == "cpu":
+        sub = dict(sub)
+        device = sub.pop("device", "none")
+        if device not in ("none", "cpu", "nvme", None):
+            raise bad(f"zero_optimization.{k}.device", device, "use none, cpu or nvme (DeepSpeed's choices)")
+        if device in ("cpu", "nvme"):
             offload.append(k)
-        m.ignored += [f"zero_optimization.{k}.{sk}" for sk in sub if sk != "device"]
+        if device == "nvme":  # the optimizer state in files (parallel/nvme_offload.py), on the host as with cpu
+            path = sub.pop("nvme_path", None)
+            if not isinstance(path, str) or not path:
+                raise bad(f"zero_optimization.{k}.nvme_path", path, "NVMe offload needs the directory on the drive, "
+                          'e.g. "nvme_path": "/local_nvme"')
+            if k == "offload_optimizer":
+                m.put(f"zero_optimization.{k}.nvme_path", "parallel.nvme_offload_dir", path)
+            else:
+                m.notes.append(
+                    f"zero_optimization.offload_param.device='nvme' (nvme_path {path!r}): parameters are offloaded to "
+                    "host memory (FSDP2 CPUOffloadPolicy), not to the drive; only the optimizer state goes to files "
+                    "(offload_optimizer nvme)"
+                )
+        m.ignored += [f"zero_optimization.{k}.{sk}" for sk in sub]
     if offload and stage in (0, 1):
         raise ConfigError(
             f"DeepSpeed {' and '.join(offload)} with zero_optimization.stage={stage} is not supported: "

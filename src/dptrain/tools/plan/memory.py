@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --
     from dptrain.models.llama import LlamaConfig
     from dptrain.tools.plan.measure import ModelProfile
 
-OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum")
+OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum", "onebit_adam", "lamb", "onebit_lamb")
 PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 GB = 1e9
@@ -44,7 +44,9 @@ def _choice(value: str, valid: tuple[str, ...], what: str) -> str:
 
 def optimizer_bytes(optimizer: str, *, master: bool) -> int:
     """Optimizer-state bytes per parameter (K), with or without the fp32 master copy."""
-    per = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4}[_choice(optimizer, OPTIMIZERS, "optimizer")]
+    # onebit_lamb: momentum, frozen variance and the fresh variance it tracks after the freeze
+    per = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4, "onebit_adam": 8, "lamb": 8,
+           "onebit_lamb": 12}[_choice(optimizer, OPTIMIZERS, "optimizer")]
     return per + (4 if master else 0)
 
 

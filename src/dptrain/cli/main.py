@@ -305,7 +305,7 @@ def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: A
                 file=sys.stderr,
             )
     train = _check_factories(cfg, tp=res.dims.tp)
-    if hasattr(train, "make_batch_sampler"):  # its own batches (a token budget): their checks, before any worker
+    if getattr(train, "make_batch_sampler", None) is not None:  # its own batches (a token budget): their checks, before any worker
         train.make_batch_sampler(grad_accum_steps=res.grad_accum_steps, dp_rank=0, dp_world_size=res.dp_world_size,
                                  seed=cfg.train.seed, shuffle=cfg.data.shuffle, start_step=0)
     elif len(train) < res.global_batch_size:

@@ -83,10 +83,11 @@ def _detect_task(path: str, prompt_key: str, text_key: str, label_key: str) -> s
                       "key names")
 
 
-def pad_collate(rows: list[dict[str, torch.Tensor]], *, pad_id: int, attention_mask: bool) -> dict[str, torch.Tensor]:
-    """Rows padded to the longest of THIS batch: ``input_ids`` with `pad_id`, token ``labels`` with -100
-    (class labels stay one per row), and a 0/1 ``attention_mask`` when asked."""
-    longest = max(len(r["input_ids"]) for r in rows)
+def pad_collate(rows: list[dict[str, torch.Tensor]], *, pad_id: int, attention_mask: bool,
+                pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """Rows padded to the longest of THIS batch (or to `pad_to`: fixed padding): ``input_ids`` with `pad_id`,
+    token ``labels`` with -100 (class labels stay one per row), and a 0/1 ``attention_mask`` when asked."""
+    longest = max(len(r["input_ids"]) for r in rows) if pad_to is None else int(pad_to)
     ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
     token_labels = rows[0]["labels"].ndim == 1
@@ -121,7 +122,8 @@ class FineTuneRows(Dataset):
 
     def __init__(self, rows: list[list[int]], *, task: str, scored_from: list[int] | None = None,
                  classes: list[int] | None = None, pad_id: int, shift: bool, attention_mask: bool,
-                 batching: dict[str, Any], vocab_size: int, bytes_per_token: int, num_labels: int = 0) -> None:
+                 batching: dict[str, Any] | None, vocab_size: int, bytes_per_token: int, num_labels: int = 0,
+                 pad_to: int | None = None) -> None:
         self.task, self.shift, self.pad_id = task, bool(shift), int(pad_id)
         self.offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
         self.tokens = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(self.offsets[-1]))
@@ -129,9 +131,11 @@ class FineTuneRows(Dataset):
         self.classes = np.asarray(classes if classes is not None else [], dtype=np.int64)
         full = np.diff(self.offsets)
         self.lengths = full - 1 if task == "sft" and self.shift else full
-        self.batching = dict(batching)
+        self.batching = batching
         self.vocab_size, self.bytes_per_token, self.num_labels = int(vocab_size), int(bytes_per_token), int(num_labels)
-        self.collate = functools.partial(pad_collate, pad_id=self.pad_id, attention_mask=attention_mask)
+        self.collate = functools.partial(pad_collate, pad_id=self.pad_id, attention_mask=attention_mask, pad_to=pad_to)
+        if batching is None:  # fixed padding: the config's fixed-size batches (GlobalBatchSampler)
+            self.make_batch_sampler = None  # type: ignore[assignment]
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -156,7 +160,7 @@ class FineTuneRows(Dataset):
         the config do not apply)."""
         return TokenBudgetSampler(self.lengths, grad_accum_steps=grad_accum_steps, dp_rank=dp_rank,
                                   dp_world_size=dp_world_size, seed=seed, shuffle=shuffle, start_step=start_step,
-                                  **self.batching)
+                                  **(self.batching or {}))
 
     def padding_stats(self, batches: list[list[list[int]]]) -> dict[str, int]:
         """Real and padded tokens of `batches` (each a list of micro-batches of row indices, each padded to its
@@ -176,7 +180,7 @@ class FineTuneRows(Dataset):
 def build_finetune(
     *, source: str, tokenizer: str = BYTES, task: str = "auto", seq_len: int | None = None,
     max_tokens: int = 4096, min_rows: int = 8, sort_window: int = 1024, val_fraction: float = 0.0,
-    shift: bool = True, attention_mask: bool | None = None, prompt_key: str = "prompt",
+    padding: str = "dynamic", shift: bool = True, attention_mask: bool | None = None, prompt_key: str = "prompt",
     response_key: str = "response", text_key: str = "text", label_key: str = "label", eos_token: str | None = None,
 ) -> tuple[FineTuneRows, FineTuneRows | None]:
     """Data factory for a JSON-lines file of fine-tuning or classification examples (see the module).
@@ -186,8 +190,14 @@ def build_finetune(
     ranks, kept when the world size changes); ``sort_window``: rows sorted by length together. ``shift``:
     labels aligned with the predictions (the built-in LLaMA) or equal to the inputs (a model that shifts them,
     Hugging Face's ``*ForCausalLM``). ``attention_mask``: add one (default: for classification, and without
-    shift). ``val_fraction``: the file's last fraction of examples is the validation split.
+    shift). ``val_fraction``: the file's last fraction of examples is the validation split. ``padding``:
+    ``dynamic`` (the token budget above) or ``max``: fixed-size batches of the config's batch sizes in random
+    order, every row padded to ``seq_len`` (static shapes; what dynamic padding is measured against).
     """
+    if padding not in ("dynamic", "max"):
+        raise ConfigError(f"data.kwargs.padding={padding!r}; valid: 'dynamic' (token budget) or 'max' (to seq_len)")
+    if padding == "max" and seq_len is None:
+        raise ConfigError("data.kwargs.padding='max' pads every row to data.kwargs.seq_len: set it")
     if task not in TASKS:
         raise ConfigError(f"data.kwargs.task={task!r}; valid: {', '.join(TASKS)}")
     if not Path(source).is_file():
@@ -232,7 +242,9 @@ def build_finetune(
     mask = (task == "classify" or not shift) if attention_mask is None else bool(attention_mask)
     common = {"task": task, "pad_id": eos, "shift": shift, "attention_mask": mask, "vocab_size": tok.vocab_size,
               "bytes_per_token": 1 if tok.kind == BYTES else 0, "num_labels": num_labels,
-              "batching": {"max_tokens": int(max_tokens), "min_rows": int(min_rows), "sort_window": int(sort_window)}}
+              "batching": {"max_tokens": int(max_tokens), "min_rows": int(min_rows), "sort_window": int(sort_window)}
+              if padding == "dynamic" else None,
+              "pad_to": int(seq_len) if padding == "max" and seq_len is not None else None}
     n_val = int(round(len(rows) * float(val_fraction)))
     if val_fraction > 0 and n_val == 0:
         raise ConfigError(f"data.kwargs.val_fraction={val_fraction} of {len(rows)} examples is none; raise it or use 0")

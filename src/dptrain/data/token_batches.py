@@ -129,7 +129,7 @@ class TokenBudgetSampler(Sampler[list[int]]):
             raise ConfigError(
                 f"data.kwargs.max_tokens={max_tokens} holds fewer than min_rows={min_rows} rows of the longest "
                 f"({longest} tokens): raise max_tokens to at least {longest * int(min_rows)}, lower min_rows, or "
-                "truncate rows (data.kwargs.max_len)"
+                "truncate rows (data.kwargs.seq_len)"
             )
         if int(sort_window) < 1:
             raise ConfigError(f"data.kwargs.sort_window must be >= 1, got {sort_window}")

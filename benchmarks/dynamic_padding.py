@@ -167,8 +167,8 @@ def data_wait(a: argparse.Namespace, tmp: Path) -> None:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
             shares = share_of_runs(out)
             every += shares
-            print(json.dumps({"what": "data_wait", "recipe": name, "run": k, "shares_pct": [round(100 * s, 2)
-                                                                                           for s in shares]}), flush=True)
+            pct = [round(100 * s, 2) for s in shares]
+            print(json.dumps({"what": "data_wait", "recipe": name, "run": k, "shares_pct": pct}), flush=True)
         summary[name] = every
     print(f"\ndata share of the step, 2 ranks, data.num_workers=2, {a.wait_runs} runs x {a.wait_steps} steps "
           "(windows of the last 10 of every 20 steps, per rank)")

@@ -170,6 +170,10 @@ def test_sft_rows_score_only_the_response_and_batches_pad_to_their_own_longest(t
         assert batch["labels"][b, n:].eq(-100).all() and batch["attention_mask"][b].sum() == n
     cut, _ = build_finetune(source=str(src), seq_len=20)
     assert max(len(cut[i]["input_ids"]) for i in range(len(cut))) <= 20
+    fixed, _ = build_finetune(source=str(src), seq_len=64, padding="max")  # static shapes, the config's batches
+    assert fixed.make_batch_sampler is None and fixed.collate(rows)["input_ids"].shape == (3, 64)
+    with pytest.raises(ConfigError, match="data.kwargs.padding='max' pads every row to data.kwargs.seq_len"):
+        build_finetune(source=str(src), padding="max")
 
 
 @pytest.mark.fast

@@ -162,17 +162,6 @@ class FineTuneRows(Dataset):
                                   dp_world_size=dp_world_size, seed=seed, shuffle=shuffle, start_step=start_step,
                                   **(self.batching or {}))
 
-    def padding_stats(self, batches: list[list[list[int]]]) -> dict[str, int]:
-        """Real and padded tokens of `batches` (each a list of micro-batches of row indices, each padded to its
-        own longest row)."""
-        real = padded = 0
-        for micro in batches:
-            for idx in micro:
-                lens = self.lengths[idx]
-                real += int(lens.sum())
-                padded += int(lens.max()) * len(idx)
-        return {"real": real, "padded": padded}
-
     def __repr__(self) -> str:
         return f"FineTuneRows(task={self.task}, rows={len(self)}, tokens={int(self.lengths.sum())})"
 
@@ -240,11 +229,13 @@ def build_finetune(
                               "is shorter than the prompts); raise seq_len")
         rows, scored = [rows[i] for i in useful], [scored[i] for i in useful]
     mask = (task == "classify" or not shift) if attention_mask is None else bool(attention_mask)
-    common = {"task": task, "pad_id": eos, "shift": shift, "attention_mask": mask, "vocab_size": tok.vocab_size,
-              "bytes_per_token": 1 if tok.kind == BYTES else 0, "num_labels": num_labels,
-              "batching": {"max_tokens": int(max_tokens), "min_rows": int(min_rows), "sort_window": int(sort_window)}
-              if padding == "dynamic" else None,
-              "pad_to": int(seq_len) if padding == "max" and seq_len is not None else None}
+    batching = {"max_tokens": int(max_tokens), "min_rows": int(min_rows), "sort_window": int(sort_window)}
+    common: dict[str, Any] = {
+        "task": task, "pad_id": eos, "shift": shift, "attention_mask": mask, "vocab_size": tok.vocab_size,
+        "bytes_per_token": 1 if tok.kind == BYTES else 0, "num_labels": num_labels,
+        "batching": batching if padding == "dynamic" else None,
+        "pad_to": int(seq_len) if padding == "max" and seq_len is not None else None,
+    }
     n_val = int(round(len(rows) * float(val_fraction)))
     if val_fraction > 0 and n_val == 0:
         raise ConfigError(f"data.kwargs.val_fraction={val_fraction} of {len(rows)} examples is none; raise it or use 0")

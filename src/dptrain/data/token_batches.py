@@ -144,7 +144,9 @@ class TokenBudgetSampler(Sampler[list[int]]):
         self._counts: list[int] = []  # batches per epoch, computed in order as far as needed
         self._plan_epoch: int | None = None
         self._plan: list[np.ndarray] = []
-        self.set_start_step(start_step)
+        if start_step < 0:
+            raise ValueError(f"step must be >= 0, got {start_step}")
+        self._start_step = self._step = int(start_step)
         if self.epoch_batches(0) == 0:
             raise ConfigError(
                 f"the {self.dataset_len} rows make no global batch of min_rows={self.min_rows}: lower min_rows or "

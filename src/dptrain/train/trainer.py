@@ -212,7 +212,7 @@ class Trainer:
         # data.collate (+ collate_kwargs: a partial), else the dataset's own (packed rows: one storage per batch),
         # else None (torch's default)
         self.collate = build_collate(cfg.data) or getattr(self.train_ds, "collate", None)
-        order = {
+        order: dict[str, Any] = {
             "global_batch_size": res.global_batch_size,
             "micro_batch_size": res.micro_batch_size,
             "grad_accum_steps": res.grad_accum_steps,

@@ -1,7 +1,7 @@
 """Dynamic padding with length-grouped batches under a token budget vs fixed padding, and the data wait.
 
     python benchmarks/dynamic_padding.py [--examples 3000] [--rounds 3] [--steps 12] [--only padding|wait]
-                                         [--wait-runs 3] [--wait-steps 60]
+                                         [--wait-runs 3] [--wait-steps 60] [--wait-recipe built-in|fine-tuning]
 
 1. **Padding** (`--only padding`): a synthetic long-tailed instruction set (prompt and response lengths
    log-normal, as in instruction-tuning sets: most rows short, a few near the context), written as JSON
@@ -156,6 +156,8 @@ def data_wait(a: argparse.Namespace, tmp: Path) -> None:
         "built-in recipe": [],
         "fine-tuning, dynamic padding": [f"data.source={src}", "data.kwargs={seq_len: 128, max_tokens: 4096}"],
     }
+    if a.wait_recipe is not None:
+        recipes = {name: items for name, items in recipes.items() if name.startswith(a.wait_recipe)}
     summary = {}
     for name, items in recipes.items():
         every = []
@@ -192,6 +194,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--wait-runs", type=int, default=3)
     p.add_argument("--wait-steps", type=int, default=60)
+    p.add_argument("--wait-recipe", choices=("built-in", "fine-tuning"), default=None, help="only this one")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="dptrain-dynpad-") as d:
         if a.only in (None, "padding"):

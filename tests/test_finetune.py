@@ -168,6 +168,8 @@ def test_sft_rows_score_only_the_response_and_batches_pad_to_their_own_longest(t
         n = len(r["input_ids"])
         assert batch["input_ids"][b, :n].tolist() == r["input_ids"].tolist()
         assert batch["labels"][b, n:].eq(-100).all() and batch["attention_mask"][b].sum() == n
+        assert batch["input_ids"][b, n:].eq(0).all()
+    assert len({v.untyped_storage().data_ptr() for v in batch.values()}) == 1  # one storage: one hand-over
     cut, _ = build_finetune(source=str(src), seq_len=20)
     assert max(len(cut[i]["input_ids"]) for i in range(len(cut))) <= 20
     fixed, _ = build_finetune(source=str(src), seq_len=64, padding="max")  # static shapes, the config's batches

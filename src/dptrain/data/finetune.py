@@ -86,21 +86,26 @@ def _detect_task(path: str, prompt_key: str, text_key: str, label_key: str) -> s
 def pad_collate(rows: list[dict[str, torch.Tensor]], *, pad_id: int, attention_mask: bool,
                 pad_to: int | None = None) -> dict[str, torch.Tensor]:
     """Rows padded to the longest of THIS batch (or to `pad_to`: fixed padding): ``input_ids`` with `pad_id`,
-    token ``labels`` with -100 (class labels stay one per row), and a 0/1 ``attention_mask`` when asked."""
+    token ``labels`` with -100 (class labels stay one per row), and a 0/1 ``attention_mask`` when asked. The
+    ``[B, T]`` tensors are views of ONE int64 tensor: a DataLoader worker hands the batch over in one
+    shared-memory storage (as :meth:`~dptrain.data.packed.PackedTokens.collate` does)."""
     longest = max(len(r["input_ids"]) for r in rows) if pad_to is None else int(pad_to)
-    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), longest), dtype=torch.long)
     token_labels = rows[0]["labels"].ndim == 1
-    labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long) if token_labels else None
+    keys = ["input_ids", *(["labels"] if token_labels else []), *(["attention_mask"] if attention_mask else [])]
+    fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "attention_mask": 0}
+    buf = torch.empty((len(keys), len(rows), longest), dtype=torch.long)
+    for k, key in enumerate(keys):
+        buf[k].fill_(fill[key])
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
-        ids[i, :n] = r["input_ids"]
-        mask[i, :n] = 1
-        if labels is not None:
-            labels[i, :n] = r["labels"]
-    out = {"input_ids": ids, "labels": labels if labels is not None else torch.stack([r["labels"] for r in rows])}
-    if attention_mask:
-        out["attention_mask"] = mask
+        buf[0, i, :n] = r["input_ids"]
+        if token_labels:
+            buf[1, i, :n] = r["labels"]
+        if attention_mask:
+            buf[-1, i, :n] = 1
+    out = {key: buf[k] for k, key in enumerate(keys)}
+    if not token_labels:
+        out["labels"] = torch.stack([r["labels"] for r in rows])
     return out
 
 

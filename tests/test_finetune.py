@@ -25,6 +25,7 @@ from support.checkpoints import losses
 from support.corpora import prepared
 from support.finetune import fit_finetune, write_classify, write_sft
 from support.mp import run_ranks
+from support.run_helpers import dptrain
 
 
 def long_tail(n: int, seed: int = 0) -> np.ndarray:
@@ -274,3 +275,17 @@ def test_resume_at_world_2_1_2_with_workers_trains_every_step_on_its_global_batc
     want = [sorted(row_key(train[i]["input_ids"]) for i in order.global_batch_indices(s)) for s in range(6)]
     assert steps == want
     assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.timeout(120)
+def test_dptrain_run_refuses_a_bad_source_and_too_few_rows_per_step_before_any_worker(tmp_path):
+    """Through the real command: a data.source that is no file, and min_rows under the step's micro-batches
+    (grad_accum_steps 4 x 2 ranks), are exit code 2 naming the value, before any worker starts."""
+    src = write_sft(tmp_path / "sft.jsonl", 40)
+    missing = dptrain("run", f"data.source={tmp_path / 'nope.jsonl'}", "--out", str(tmp_path / "a"), timeout=100)
+    assert missing.returncode == 2 and f"data.source='{tmp_path / 'nope.jsonl'}': no such file" in missing.stderr
+    few = dptrain("run", f"data.source={src}", "data.kwargs.min_rows=2", "train.global_batch_size=8",
+                  "train.micro_batch_size=1", "--nproc-per-node", "2", "--out", str(tmp_path / "b"), timeout=100)
+    assert few.returncode == 2, few.stderr
+    assert "data.kwargs.min_rows=2 is fewer than the micro-batches of one step" in few.stderr, few.stderr
+    assert "Traceback" not in few.stderr + missing.stderr and not (tmp_path / "b" / "metrics.jsonl").exists()

@@ -20,7 +20,7 @@ def add_data_parser(sub: Any) -> None:
         description="Tokenise documents in parallel worker processes into sharded memory-mapped token files with a "
         "manifest (counts, SHA-256 of every shard, the tokenizer's identity). Run it again on the same --out after an "
         "interruption: finished shards are verified by their hashes and kept. Train on the result with "
-        "data.factory=dptrain.data.packed:build_packed data.kwargs.source=DIR.",
+        "dptrain run data.source=DIR.",
     )
     prep.add_argument("sources", nargs="+", metavar="SOURCE",
                       help="files, directories or globs (.txt/.md, .jsonl, .parquet, .arrow), or a datasets "
@@ -65,5 +65,5 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
           f"({stats.done_now} tokenised now, {stats.kept} kept from before); "
           f"{stats.tokens_now:,} tokens in {stats.seconds:.2f} s = {stats.tokens_per_s:,.0f} tokens/s "
           f"with {stats.workers} worker(s)")
-    print(f"train on it: dptrain run data.factory=dptrain.data.packed:build_packed data.kwargs.source={stats.out}")
+    print(f"train on it: dptrain run data.source={stats.out}")
     return 0

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from dptrain.config import ConfigError
+from dptrain.config.datasource import FINETUNE_FACTORY, PACKED_FACTORY
 from dptrain.config.imports import import_object
 from dptrain.config.load import load_yaml
 from dptrain.data.packed import load_manifest
 from dptrain.data.tokenizers import BYTES, LocalTokenizer, load_tokenizer
 
 DEFAULT_MODEL_FACTORY = "dptrain.models.llama:build_llama"
-PACKED_FACTORY = "dptrain.data.packed:build_packed"
 
 
 def _max_seq_len(model: nn.Module) -> int | None:
@@ -141,6 +141,9 @@ def run_tokenizer(run_dir: str | Path, *, spec: str | None = None) -> LocalToken
     path = Path(run_dir) / "config.yaml"
     cfg = load_yaml(path.read_text()) if path.is_file() else {}
     data = (cfg or {}).get("data") or {}
+    if data.get("factory") == FINETUNE_FACTORY:  # a fine-tuning run: the tokenizer its data.kwargs name
+        spec = (data.get("kwargs") or {}).get("tokenizer", BYTES)
+        return None if spec == BYTES else load_tokenizer(spec)
     if data.get("factory") != PACKED_FACTORY or not (data.get("kwargs") or {}).get("source"):
         return None
     manifest = load_manifest(data["kwargs"]["source"])

@@ -321,7 +321,11 @@ def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: A
                 file=sys.stderr,
             )
     train = _check_factories(cfg, tp=res.dims.tp)
-    if len(train) < res.global_batch_size:
+    own_batches = getattr(train, "make_batch_sampler", None)
+    if own_batches is not None:  # its own batches (a token budget): their checks, before any worker
+        own_batches(grad_accum_steps=res.grad_accum_steps, dp_rank=0, dp_world_size=res.dp_world_size,
+                    seed=cfg.train.seed, shuffle=cfg.data.shuffle, start_step=0)
+    elif len(train) < res.global_batch_size:
         raise ConfigError(
             f"the training set has {len(train)} samples, fewer than one global batch of {res.global_batch_size}; "
             "lower train.global_batch_size or use more data"

@@ -58,6 +58,11 @@ class DataConfig:
     """Import path of a function returning a map-style Dataset, or a (train, val) pair."""
     kwargs: dict[str, Any] = field(default_factory=_corpus_defaults)
     """Keyword arguments passed to the data factory."""
+    source: str | None = None
+    """Shorthand that picks the data factory from what the path is: a folder written by `dptrain data prepare` ->
+    packed pre-training rows (dptrain.data.packed:build_packed), a JSON-lines file -> fine-tuning/classification rows
+    with dynamic padding under a token budget (dptrain.data.finetune:build_finetune); the path becomes
+    data.kwargs.source. Checked when the config loads (a ConfigError names the value). See docs/guides/own-data.md."""
     collate: str | None = None
     """Optional import path `pkg.mod:fn` of a collate function (default: the training dataset's own `collate` method if
     it has one, as packed rows do, else torch's default_collate). Any importable

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from dptrain.config.datasource import resolve_data_source
 from dptrain.config.fields import Config, ConfigError, to_dict
 from dptrain.config.layout import strategy_mode
 
@@ -39,7 +40,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(data, key, value)
-    return build_config(data)
+    return resolve_data_source(build_config(data))
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from dptrain.config import ConfigError
 
 from .sampler import GlobalBatchSampler
+from .token_batches import TokenBudgetSampler
 
 __all__ = ["build_dataloader", "split_train_val", "worker_seed"]
 
@@ -42,7 +43,7 @@ def _seed_worker(worker_id: int, *, seed: int, rank: int) -> None:
 def build_dataloader(
     dataset: Dataset,
     *,
-    sampler: GlobalBatchSampler,
+    sampler: GlobalBatchSampler | TokenBudgetSampler,
     num_workers: int = 0,
     pin_memory: bool = False,
     collate_fn: Callable[[list[Any]], Any] | None = None,

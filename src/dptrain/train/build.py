@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dptrain.config import ConfigError, DataConfig, ModelConfig
+from dptrain.config.datasource import resolve_data
 from dptrain.config.imports import import_object
 from dptrain.data.loader import split_train_val
 from dptrain.parallel.materialize import (
@@ -86,7 +87,8 @@ def _call_factory(cfg: ModelConfig) -> nn.Module:
 
 
 def build_datasets(cfg: DataConfig) -> tuple[Any, Any | None]:
-    """(train, val or None) from the data factory."""
+    """(train, val or None) from the data factory (`data.source` picks it: dptrain/config/datasource.py)."""
+    cfg = resolve_data(cfg)
     factory = import_object(cfg.factory)
     try:
         out = factory(**cfg.kwargs)

@@ -215,17 +215,20 @@ class Trainer:
         # data.collate (+ collate_kwargs: a partial), else the dataset's own (packed rows: one storage per batch),
         # else None (torch's default)
         self.collate = build_collate(cfg.data) or getattr(self.train_ds, "collate", None)
-        self.sampler = GlobalBatchSampler(
-            dataset_len=len(self.train_ds),
-            global_batch_size=res.global_batch_size,
-            micro_batch_size=res.micro_batch_size,
-            grad_accum_steps=res.grad_accum_steps,
-            dp_rank=self.mesh.dp_rank,
-            dp_world_size=self.mesh.dp_size,
-            seed=cfg.train.seed,
-            shuffle=cfg.data.shuffle,
-            start_step=self.state.step,
-        )
+        order: dict[str, Any] = {
+            "global_batch_size": res.global_batch_size,
+            "micro_batch_size": res.micro_batch_size,
+            "grad_accum_steps": res.grad_accum_steps,
+            "dp_rank": self.mesh.dp_rank,
+            "dp_world_size": self.mesh.dp_size,
+            "seed": cfg.train.seed,
+            "shuffle": cfg.data.shuffle,
+            "start_step": self.state.step,
+        }
+        # A dataset may bring its own world-size-invariant batch sampler (fine-tuning rows: length-grouped
+        # batches under a token budget, data/token_batches.py); else fixed-size global batches.
+        own = getattr(self.train_ds, "make_batch_sampler", None)
+        self.sampler = own(**order) if own is not None else GlobalBatchSampler(dataset_len=len(self.train_ds), **order)
         self.scheduler_period = scheduler_period(interval=cfg.optim.scheduler_interval,
                                                  steps_per_epoch=self.sampler.steps_per_epoch)
         self.loader = build_dataloader(

@@ -275,6 +275,11 @@ def test_resume_at_world_2_1_2_with_workers_trains_every_step_on_its_global_batc
     want = [sorted(row_key(train[i]["input_ids"]) for i in order.global_batch_indices(s)) for s in range(6)]
     assert steps == want
     assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+    # the log counts the rows each token-budget batch held (not global_batch_size per step), across the resumes
+    records = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    seen = {r["step"]: r["samples_seen"] for r in records if "samples_seen" in r}
+    assert seen == {s: sum(len(order.global_batch_indices(k)) for k in range(s)) for s in range(1, 7)}, seen
+    assert len({len(order.global_batch_indices(k)) for k in range(6)}) > 1  # rows per step really vary
 
 
 @pytest.mark.timeout(120)

@@ -191,6 +191,11 @@ class TokenBudgetSampler(Sampler[list[int]]):
         epoch, k = self.locate(step)
         return self.plan(epoch)[k].tolist()
 
+    def rows_of_step(self, step: int) -> int:
+        """Rows (samples) in global `step`, at any world size: what the log counts as samples trained."""
+        epoch, k = self.locate(step)
+        return len(self.plan(epoch)[k])
+
     def micro_batches(self, step: int) -> list[list[int]]:
         """This rank's `grad_accum_steps` micro-batches of global `step`."""
         rows = self.global_batch_indices(step)

@@ -40,6 +40,8 @@ class Records:
         self.bytes_per_token = bytes_per_token
         self.train_time = 0.0  # seconds of training counted by the log windows so far
         self.window_start = time.perf_counter()
+        # samples trained: counted by the trainer per step (a token-budget batch holds a varying number of rows)
+        self.samples_at_start = self.logged_samples = state.samples_seen
 
     def restart_window(self) -> None:
         """The next log window starts now (after a log line, or after an evaluation: not training time)."""
@@ -51,7 +53,8 @@ class Records:
         state = self.state
         elapsed = time.perf_counter() - self.window_start
         self.train_time += elapsed
-        record = self.throughput(window_steps, elapsed)
+        record = self.throughput(window_steps, elapsed, samples=state.samples_seen - self.logged_samples)
+        self.logged_samples = state.samples_seen
         record.update(self.meters.record(record))  # comm means over the window, per-rank rates, MFU
         record.update(step=state.step, loss=loss, lr=lr, grad_norm=float(grad_norm), samples_seen=state.samples_seen)
         if self.scaler.is_enabled():
@@ -65,7 +68,7 @@ class Records:
     ) -> dict[str, Any]:
         """summary.json; throughput counts the steps trained in this process (a resumed run's own)."""
         res, state = self.res, self.state
-        throughput = self.throughput(steps_here, times["train_s"])
+        throughput = self.throughput(steps_here, times["train_s"], samples=state.samples_seen - self.samples_at_start)
         summary: dict[str, Any] = {
             "steps": state.step,
             "final_loss": last_loss,
@@ -98,9 +101,11 @@ class Records:
             return None
         return loss / math.log(2)
 
-    def throughput(self, steps: int, seconds: float) -> dict[str, float]:
-        samples = steps * self.res.global_batch_size / max(seconds, 1e-9)
-        out = {"samples_per_s": samples, "step_time_s": seconds / max(steps, 1)}
+    def throughput(self, steps: int, seconds: float, *, samples: int | None = None) -> dict[str, float]:
+        """Rates over `steps` steps of `seconds`; `samples` trained in them (default: whole global batches)."""
+        trained = steps * self.res.global_batch_size if samples is None else samples
+        samples_per_s = trained / max(seconds, 1e-9)
+        out = {"samples_per_s": samples_per_s, "step_time_s": seconds / max(steps, 1)}
         if self.tokens_per_sample:
-            out["tokens_per_s"] = samples * self.tokens_per_sample
+            out["tokens_per_s"] = samples_per_s * self.tokens_per_sample
         return out

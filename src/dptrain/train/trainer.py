@@ -367,6 +367,11 @@ class Trainer:
             summary["interrupted"] = self.ckpt.interrupted  # Ctrl-C (exit 130) rather than SIGTERM (143)
         return summary
 
+    def step_rows(self, step: int) -> int:
+        """Samples in global `step`: the global batch, or the rows of a token-budget batch (data/token_batches.py)."""
+        rows = getattr(self.sampler, "rows_of_step", None)
+        return int(rows(step)) if rows is not None else self.res.global_batch_size
+
     # ---------------------------------------------------------------- the step boundary
     def end_step(self, loss: torch.Tensor) -> bool:
         """Everything after `train_step` (whose local mean loss is `loss`), once per step, the same in
@@ -381,7 +386,7 @@ class Trainer:
                 write_atomically(self.run_dir / "config.yaml", dump_yaml(self.cfg))
         self.log_window.add(loss)
         state.step += 1
-        state.samples_seen += self.res.global_batch_size
+        state.samples_seen += self.step_rows(state.step - 1)
         state.count_fp16_skip(self.scaler)  # fp16: on the device, no sync
         accum = self.res.grad_accum_steps
         self.meters.step_done(micro_steps=accum, sync_steps=accum if cfg.parallel.sync_each_micro_step else 1)

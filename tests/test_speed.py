@@ -5,6 +5,7 @@ traces and the table), the CUDA flags, and benchmarks/gpu_check.sh refusing with
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -241,7 +242,7 @@ def test_cuda_flags_only_on_cuda() -> None:
 @pytest.mark.timeout(60)
 def test_gpu_check_refuses_without_a_gpu() -> None:
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
-                          timeout=50)
+                          timeout=50, env={**os.environ, "PYTHON": sys.executable})  # this test's torch
     assert proc.returncode == 1
     assert "gpu_check: no GPU to check" in proc.stderr and "CPU-only build" in proc.stderr
     assert proc.stdout == ""

@@ -19,6 +19,7 @@ from dptrain.checkpoint.memory import (
     remove_dead_runs,
     run_id,
     snapshot_bytes,
+    stage,
     unpack,
 )
 from dptrain.checkpoint.memory_recover import choose, describe, plan_transfers, recover
@@ -107,7 +108,7 @@ def test_one_process_keeps_two_snapshots_recovers_the_newest_and_falls_back_on_c
     data[-10] ^= 0xFF
     (choice.path / "model.pt").write_bytes(bytes(data))
     choice, messages = recover(again, min_step=0)
-    assert choice is None and "SHA-256 mismatch" in " ".join(messages) and "from disk" in messages[-1]
+    assert choice is None and "CRC-32" in " ".join(messages) and "from disk" in messages[-1]
     assert holdings(snap.node_dir) == {}
     snap.finish(remove=True)
     assert not snap.node_dir.exists()
@@ -155,7 +156,7 @@ def two_hosts(rank: int, root: str, run_dir: str) -> tuple:
 @pytest.mark.timeout(60)
 def test_snapshots_replicate_to_the_other_host_and_a_host_without_memory_is_sent_them(tmp_path):
     results = run_ranks(two_hosts, 2, str(tmp_path / "mem"), str(tmp_path / "run"), timeout=50)
-    for rank, (held, step, replicas, rng, model) in enumerate(results):
+    for rank, (held, step, _, rng, model) in enumerate(results):
         assert held == {1: [0, 1], 2: [0, 1]}  # its own part and the other host's replica
         assert step == 2
         torch.testing.assert_close(rng, snapshot_files(2, rank)[f"rank_{rank:05d}.pt"]["rng"], rtol=0, atol=0)
@@ -168,3 +169,17 @@ def test_snapshots_replicate_to_the_other_host_and_a_host_without_memory_is_sent
 def test_the_memory_formula_for_two_nodes_of_two_ranks():
     got = snapshot_bytes(param_bytes=100, optim_bytes=200, rank_file_bytes=10, world=4, local_world=2)
     assert got == 2 * (2 * 10 + 2 * 10 + 300)
+
+
+@pytest.mark.fast
+def test_stage_copies_into_the_previous_buffers_and_leaves_the_live_state_alone():
+    live = {"w": torch.ones(3), "state": {0: {"exp_avg": torch.zeros(2), "step": torch.tensor(1.0)}}, "lr": [0.1]}
+    first = stage(live)
+    live["w"].add_(1)
+    live["state"][0]["exp_avg"].add_(5)
+    assert first["w"].tolist() == [1.0, 1.0, 1.0] and first["state"][0]["exp_avg"].tolist() == [0.0, 0.0]
+    second = stage(live, first)
+    assert second["w"] is first["w"] and second["state"][0]["exp_avg"] is first["state"][0]["exp_avg"]
+    assert second["w"].tolist() == [2.0, 2.0, 2.0] and second["lr"] == [0.1] and second["w"] is not live["w"]
+    live["w"] = torch.ones(4)  # another shape: a new buffer
+    assert stage(live, second)["w"].shape == (4,)

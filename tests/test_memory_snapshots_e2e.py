@@ -34,7 +34,8 @@ def test_sigkill_resumes_from_memory_without_the_disk_bit_identical(slow_toy_ref
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, output[-3000:]
     report = json.loads((out / "attempts.jsonl").read_text())
-    found = re.search(r"resumed from memory snapshot step (\d+) \(every rank's files from its own node's memory\)", output)
+    found = re.search(r"resumed from memory snapshot step (\d+) \(every rank's files from its own node's memory\)",
+                      output)
     assert found, output[-3000:]
     resumed = int(found.group(1))
     lost = report["last_step"] - resumed
@@ -43,4 +44,5 @@ def test_sigkill_resumes_from_memory_without_the_disk_bit_identical(slow_toy_ref
     assert losses(out) == losses(slow_toy_reference)
     assert weights(out) == weights(slow_toy_reference)
     assert list(mem.iterdir()) == []  # the run ended normally: its memory folder is gone
-    print(f"\nSIGKILL: resumed from memory at step {resumed} ({lost} step(s) lost), training again after {again_s:.2f}s")
+    print(f"\nSIGKILL: resumed from memory at step {resumed} ({lost} step(s) lost), training again after "
+          f"{again_s:.2f}s")

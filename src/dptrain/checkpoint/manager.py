@@ -23,7 +23,6 @@ layout) instead of by parameter index; everything else is as in version 1.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import shutil
@@ -280,13 +279,13 @@ class CheckpointManager:
         return False
 
     def _snapshot_files(self, state: CheckpointState) -> dict[str, Any]:
-        """This rank's files of a checkpoint, as copies taken now (the in-memory snapshot's)."""
-        files = storage.full_state_copies(state, rank=self.env.rank)
+        """This rank's files of a checkpoint, as live state dicts (the in-memory snapshot copies them)."""
+        files = storage.full_state_dicts(state, rank=self.env.rank)
         if self.env.rank == 0:
             scaler = state.scaler.state_dict() if state.scaler is not None else None
-            files["train.pt"] = copy.deepcopy({"scheduler": state.schedule.state_dict(), "scaler": scaler or None})
+            files["train.pt"] = {"scheduler": state.schedule.state_dict(), "scaler": scaler or None}
         own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
-        files[f"rank_{self.env.rank:05d}.pt"] = copy.deepcopy(own)
+        files[f"rank_{self.env.rank:05d}.pt"] = own
         return files
 
     def save_final(self, state: CheckpointState) -> None:

@@ -1,11 +1,13 @@
 """In-memory snapshots: the checkpoint format in host memory, with a copy on another node.
 
-Every `checkpoint.memory_every_steps` each rank takes copies of its share of the checkpoint
-(`full` format: rank 0 the model, optimizer and `train.pt` files, every rank its `rank_RRRRR.pt`)
-at the step boundary; a background thread serialises them into its node's folder
+Every `checkpoint.memory_every_steps` each rank copies its share of the checkpoint (`full` format:
+rank 0 the model, optimizer and `train.pt` files, every rank its `rank_RRRRR.pt`) at the step
+boundary into CPU staging buffers it reuses from one snapshot to the next (`stage`: no allocation, a
+device-to-host copy on a GPU); a background thread `torch.save`s them into its node's folder
 `<memory_dir>/<run id>/<host>/step_NNNNNN/` (a tmpfs: `/dev/shm/dptrain` by default, which outlives
 the worker process), then writes the rank's *part* `parts/step_NNNNNN.rank_RRRRR.json` (every file's
-size and SHA-256, and the checkpoint's meta), last: a part names only files fully written.
+size and CRC-32, and the checkpoint's meta), last: a part names only files fully written. The
+SHA-256 of the commit protocol is computed at recovery, from bytes checked against the CRC-32.
 
 Replication: when the run spans nodes, the same thread sends the rank's files and part to its peer
 `(rank + local_world_size) % world_size` (a rank of the next node) over a gloo group of its own, and
@@ -25,11 +27,12 @@ process (recorded in `owner.json`) is gone are removed.
 
 from __future__ import annotations
 
+import copy
 import hashlib
-import io
 import json
 import os
 import shutil
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -55,11 +58,27 @@ def part_name(step: int, rank: int) -> str:
     return f"{mf.step_dir_name(step)}.rank_{rank:05d}.json"
 
 
-def serialize(obj: Any) -> bytes:
-    """torch.save into bytes (read back with the weights-only loader, like every checkpoint file)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+def stage(obj: Any, cached: Any = None) -> Any:
+    """A CPU copy of a state tree (dicts, lists, tuples, tensors, plain values), copied into the tensors of
+    `cached` (an earlier copy) where they match in shape and dtype: no allocation from the second
+    snapshot on."""
+    if isinstance(obj, torch.Tensor):
+        src = obj.detach()
+        if isinstance(cached, torch.Tensor) and cached.shape == src.shape and cached.dtype == src.dtype:
+            return cached.copy_(src)
+        return src.to("cpu", copy=True)
+    if isinstance(obj, dict):
+        old = cached if isinstance(cached, dict) else {}
+        return {k: stage(v, old.get(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        old = cached if isinstance(cached, type(obj)) and len(cached) == len(obj) else [None] * len(obj)
+        return type(obj)(stage(v, o) for v, o in zip(obj, old, strict=True))
+    return copy.deepcopy(obj)
+
+
+def file_entry(data: bytes) -> dict[str, Any]:
+    """A part's entry of one file: size and CRC-32 (cheap while training; SHA-256 is for recovery)."""
+    return {"size": len(data), "crc32": zlib.crc32(data)}
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -190,6 +209,7 @@ class MemorySnapshots:
         self._group: Any = None
         self._pending: tuple[int, Future] | None = None
         self.last_complete: int | None = None  # the newest snapshot every rank has finished
+        self._staged: dict[str, Any] = {}  # the CPU buffers of the last snapshot, reused
 
     @property
     def enabled(self) -> bool:
@@ -216,8 +236,8 @@ class MemorySnapshots:
         collectives.barrier()
 
     def snapshot(self, *, step: int, files: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Snapshot `files` (name -> object, copies the caller will not change) of step `step`: written and
-        replicated in the background. Waits for the previous snapshot first. Collective."""
+        """Snapshot `files` (name -> state tree, live: copied here) of step `step`: written and replicated in the
+        background. Waits for the previous snapshot first. Collective."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptrain-memsnap")
             if self.peer is not None:
@@ -225,9 +245,10 @@ class MemorySnapshots:
         self.wait()
         collectives.barrier()  # every rank finished the previous snapshot: it is complete, older ones can go
         keep = {self.last_complete} if self.last_complete is not None else set()
+        self._staged = {name: stage(obj, self._staged.get(name)) for name, obj in files.items()}
         part = {"rank": self.env.rank, "world_size": self.env.world_size, "step": step,
                 "host": self.node_dir.name, "meta": meta}
-        self._pending = (step, self._executor.submit(self._write, part, files, keep))
+        self._pending = (step, self._executor.submit(self._write, part, self._staged, keep))
 
     def wait(self) -> None:
         """Wait for the snapshot in flight (re-raising its error)."""
@@ -241,9 +262,16 @@ class MemorySnapshots:
     def _write(self, part: dict[str, Any], objs: dict[str, Any], keep: set[int]) -> None:
         if self.node_main:
             drop_steps(self.node_dir, keep=keep | {part["step"]})
-        data = {name: serialize(obj) for name, obj in objs.items()}
-        part["files"] = {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in data.items()}
-        store_part(self.node_dir, part, data)
+        step_dir = self.node_dir / mf.step_dir_name(part["step"])
+        step_dir.mkdir(parents=True, exist_ok=True)
+        data = {}
+        for name, obj in objs.items():
+            tmp = step_dir / f".{name}.tmp{os.getpid()}"
+            torch.save(obj, tmp)
+            data[name] = tmp.read_bytes()  # the CRC's input and the replica's message
+            os.replace(tmp, step_dir / name)
+        part["files"] = {name: file_entry(b) for name, b in data.items()}
+        store_part(self.node_dir, part, {})
         if self.peer is None:
             return
         got = exchange(pack(part, data), peer=self.peer, source=self.source, group=self._group)

@@ -137,17 +137,23 @@ def async_save_model_optim(
     return executor.submit(write)
 
 
-def full_state_copies(state: CheckpointState, *, rank: int) -> dict[str, Any]:
-    """The `full` format's model and optimizer files as copies taken now, by file name (`model.pt`,
-    `optim.pt`, ...): on rank 0 only (empty elsewhere). Collective (ZeRO-1 consolidates on rank 0)."""
+def full_state_dicts(state: CheckpointState, *, rank: int) -> dict[str, Any]:
+    """The `full` format's model and optimizer files by file name (`model.pt`, `optim.pt`, ...), as the
+    live state dicts (their tensors keep changing: copy before the next step): on rank 0 only (empty
+    elsewhere). Collective (ZeRO-1 consolidates on rank 0)."""
     model_sd = _model_dict(state.model_parts)
     optim_sds = [o.state_dict() for o in state.optimizers]
     if rank != 0:
         return {}
-    out: dict[str, Any] = {"model.pt": {k: v.detach().clone() for k, v in model_sd.items()}}  # live tensors change
-    for i, sd in enumerate(optim_sds):
-        out[f"{optim_name(i)}.pt"] = copy.deepcopy(sd)
-    return out
+    return {"model.pt": model_sd, **{f"{optim_name(i)}.pt": sd for i, sd in enumerate(optim_sds)}}
+
+
+def full_state_copies(state: CheckpointState, *, rank: int) -> dict[str, Any]:
+    """`full_state_dicts` as copies taken now."""
+    return {
+        name: {k: v.detach().clone() for k, v in sd.items()} if name == "model.pt" else copy.deepcopy(sd)
+        for name, sd in full_state_dicts(state, rank=rank).items()
+    }
 
 
 def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.checkpoint import storage
+from dptrain.checkpoint import memory_format, storage
 from dptrain.checkpoint.memory import (
     MemorySnapshots,
     holdings,
@@ -104,9 +104,10 @@ def test_one_process_keeps_two_snapshots_recovers_the_newest_and_falls_back_on_c
     model = storage.load_torch(choice.path / "model.pt")
     torch.testing.assert_close(model, snapshot_files(3, 0)["model.pt"], rtol=0, atol=0)
     assert sorted(holdings(snap.node_dir)) == [3]  # only the chosen snapshot stays
-    data = bytearray((choice.path / "model.pt").read_bytes())
+    raw = choice.path.parent / "model.pt.raw"  # the snapshot's own file (the checkpoint is rebuilt from it)
+    data = bytearray(raw.read_bytes())
     data[-10] ^= 0xFF
-    (choice.path / "model.pt").write_bytes(bytes(data))
+    raw.write_bytes(bytes(data))
     choice, messages = recover(again, min_step=0)
     assert choice is None and "CRC-32" in " ".join(messages) and "from disk" in messages[-1]
     assert holdings(snap.node_dir) == {}
@@ -183,3 +184,25 @@ def test_stage_copies_into_the_previous_buffers_and_leaves_the_live_state_alone(
     assert second["w"].tolist() == [2.0, 2.0, 2.0] and second["lr"] == [0.1] and second["w"] is not live["w"]
     live["w"] = torch.ones(4)  # another shape: a new buffer
     assert stage(live, second)["w"].shape == (4,)
+
+
+@pytest.mark.fast
+def test_the_raw_snapshot_format_rebuilds_the_file_torch_save_would_write(tmp_path):
+    tree = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5, 2)},
+                  1: {"m": torch.ones(2, dtype=torch.bool)}},
+        "param_groups": [{"lr": 0.1, "params": [0, 1], "betas": (0.9, 0.99)}],
+        "half": torch.randn(3, dtype=torch.bfloat16), "empty": torch.empty(0, 4), "n": None,
+    }
+    entries = memory_format.write(tmp_path, "optim.pt", stage(tree))
+    assert sorted(entries) == ["optim.pt.raw", "optim.pt.skel"]
+    assert memory_format.logical_names(entries) == ["optim.pt"]
+    memory_format.materialize(tmp_path, "optim.pt", tmp_path / "optim.pt")
+    got = storage.load_torch(tmp_path / "optim.pt")
+    torch.save(tree, tmp_path / "want.pt")
+    want = storage.load_torch(tmp_path / "want.pt")
+    assert got["param_groups"] == want["param_groups"] and got["n"] is None
+    for a, b in ((got["state"][0]["exp_avg"], tree["state"][0]["exp_avg"]), (got["half"], tree["half"]),
+                 (got["state"][1]["m"], tree["state"][1]["m"]), (got["empty"], tree["empty"]),
+                 (got["state"][0]["step"], tree["state"][0]["step"])):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

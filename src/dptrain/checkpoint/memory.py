@@ -3,7 +3,8 @@
 Every `checkpoint.memory_every_steps` each rank copies its share of the checkpoint (`full` format:
 rank 0 the model, optimizer and `train.pt` files, every rank its `rank_RRRRR.pt`) at the step
 boundary into CPU staging buffers it reuses from one snapshot to the next (`stage`: no allocation, a
-device-to-host copy on a GPU); a background thread `torch.save`s them into its node's folder
+device-to-host copy on a GPU); a background thread writes them (memory_format.py: raw tensor bytes
+and a small skeleton per checkpoint file) into its node's folder
 `<memory_dir>/<run id>/<host>/step_NNNNNN/` (a tmpfs: `/dev/shm/dptrain` by default, which outlives
 the worker process), then writes the rank's *part* `parts/step_NNNNNN.rank_RRRRR.json` (every file's
 size and CRC-32, and the checkpoint's meta), last: a part names only files fully written. The
@@ -32,7 +33,6 @@ import hashlib
 import json
 import os
 import shutil
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint import memory_format
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
@@ -66,7 +67,7 @@ def stage(obj: Any, cached: Any = None) -> Any:
         src = obj.detach()
         if isinstance(cached, torch.Tensor) and cached.shape == src.shape and cached.dtype == src.dtype:
             return cached.copy_(src)
-        return src.to("cpu", copy=True)
+        return src.to("cpu", copy=True).contiguous()
     if isinstance(obj, dict):
         old = cached if isinstance(cached, dict) else {}
         return {k: stage(v, old.get(k)) for k, v in obj.items()}
@@ -74,11 +75,6 @@ def stage(obj: Any, cached: Any = None) -> Any:
         old = cached if isinstance(cached, type(obj)) and len(cached) == len(obj) else [None] * len(obj)
         return type(obj)(stage(v, o) for v, o in zip(obj, old, strict=True))
     return copy.deepcopy(obj)
-
-
-def file_entry(data: bytes) -> dict[str, Any]:
-    """A part's entry of one file: size and CRC-32 (cheap while training; SHA-256 is for recovery)."""
-    return {"size": len(data), "crc32": zlib.crc32(data)}
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -264,16 +260,13 @@ class MemorySnapshots:
             drop_steps(self.node_dir, keep=keep | {part["step"]})
         step_dir = self.node_dir / mf.step_dir_name(part["step"])
         step_dir.mkdir(parents=True, exist_ok=True)
-        data = {}
+        part["files"] = {}
         for name, obj in objs.items():
-            tmp = step_dir / f".{name}.tmp{os.getpid()}"
-            torch.save(obj, tmp)
-            data[name] = tmp.read_bytes()  # the CRC's input and the replica's message
-            os.replace(tmp, step_dir / name)
-        part["files"] = {name: file_entry(b) for name, b in data.items()}
+            part["files"].update(memory_format.write(step_dir, name, obj))
         store_part(self.node_dir, part, {})
         if self.peer is None:
             return
+        data = read_part_files(self.node_dir, part)
         got = exchange(pack(part, data), peer=self.peer, source=self.source, group=self._group)
         store_part(self.node_dir, *unpack(got))
 

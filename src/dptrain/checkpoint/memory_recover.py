@@ -5,16 +5,16 @@ decide the same way (`choose`): the newest step, at least as new as the newest v
 for which a part of every rank of the world that wrote it exists on some node of the new world.
 Nodes that lack parts receive them from a holder (`plan_transfers`: the lowest rank of a holding node
 sends to the lowest rank of a lacking node, point to point, in one order on every rank). Each node then
-has the whole snapshot; its first rank reads every file, checks its size and CRC-32 against the part,
-and writes `manifest.json` (SHA-256 of those same bytes) and `COMMITTED`, so the folder is an
-ordinary committed checkpoint and
+has the whole snapshot; its first rank checks every snapshot file's size and CRC-32 against its part,
+rebuilds the checkpoint files from them (memory_format.py) into `step_NNNNNN/checkpoint/` and writes
+`manifest.json` (their SHA-256) and `COMMITTED` there, so that folder is an ordinary committed checkpoint and
 loads through the same path as a disk one (another world size included). A snapshot that fails
 verification anywhere is not used: the run falls back to disk.
 """
 
 from __future__ import annotations
 
-import hashlib
+import shutil
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +23,11 @@ from typing import Any
 import torch
 
 from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint import memory_format
 from dptrain.checkpoint.memory import MemorySnapshots, drop_steps, holdings, pack, read_part_files, store_part, unpack
 from dptrain.distributed import collectives
 
+CHECKPOINT = "checkpoint"  # the rebuilt checkpoint folder inside a snapshot's step folder
 Holdings = dict[int, dict[int, dict[str, Any]]]  # step -> writer rank -> part
 
 
@@ -103,16 +105,19 @@ def recover(snap: MemorySnapshots, *, min_step: int) -> tuple[MemoryChoice | Non
     for part, src, dst in plan_transfers(everyone, step=step):
         _transfer(snap, parts[part], src=src, dst=dst)
     ok, reason = True, ""
-    path = snap.node_dir / mf.step_dir_name(step)
+    snapshot = snap.node_dir / mf.step_dir_name(step)
+    path = snapshot / CHECKPOINT
     if snap.node_main:
         try:
-            files = {name: checked(path / name, e) for p in parts.values() for name, e in p["files"].items()}
-            extra = sorted(set(mf.data_files(path)) - set(files) - {mf.MANIFEST, mf.MARKER})
-            if extra:
-                raise mf.CheckpointError(f"{path / extra[0]}: not a file of any rank's part")
-            mf.uncommit(path)
-            (path / mf.MANIFEST).unlink(missing_ok=True)
-            digest = mf.write_manifest(path, files=files, meta=parts[0]["meta"])
+            for p in parts.values():
+                for name, entry in p["files"].items():
+                    check(snapshot / name, entry)
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            names = [n for p in parts.values() for n in memory_format.logical_names(p["files"])]
+            for name in names:
+                memory_format.materialize(snapshot, name, path / name)
+            digest = mf.write_manifest(path, files={n: mf.file_entry(path / n) for n in names}, meta=parts[0]["meta"])
             mf.commit(path, manifest_sha256=digest)
         except (OSError, mf.CheckpointError) as e:
             ok, reason = False, str(e)
@@ -131,9 +136,8 @@ def recover(snap: MemorySnapshots, *, min_step: int) -> tuple[MemoryChoice | Non
     return MemoryChoice(path=path, step=step, meta=parts[0]["meta"], message=message, replicas=replicas), messages
 
 
-def checked(path: Path, entry: dict[str, Any]) -> dict[str, Any]:
-    """The manifest entry (size, SHA-256) of a snapshot file whose size and CRC-32 match its part's `entry`;
-    CheckpointError naming the file otherwise."""
+def check(path: Path, entry: dict[str, Any]) -> None:
+    """CheckpointError naming the snapshot file unless its size and CRC-32 match its part's `entry`."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -143,7 +147,6 @@ def checked(path: Path, entry: dict[str, Any]) -> dict[str, Any]:
             f"{path}: {len(data)} bytes with CRC-32 {zlib.crc32(data):08x}, its part says {entry['size']} bytes with "
             f"CRC-32 {entry['crc32']:08x}"
         )
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _transfer(snap: MemorySnapshots, part: dict[str, Any], *, src: int, dst: int) -> None:

@@ -80,7 +80,8 @@ def overhead_worker(rounds: int) -> None:
         for v in st.values()
         if isinstance(v, torch.Tensor)
     )
-    rank_file = len(on.ckpt.memory.node_dir.glob("step_*/rank_00001.pt").__next__().read_bytes())
+    step_dir = next(on.ckpt.memory.node_dir.glob("step_*"))
+    rank_file = sum(p.stat().st_size for p in step_dir.glob("rank_00001.pt.*"))  # its .raw + .skel
     world, local = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
     formula = snapshot_bytes(param_bytes=params, optim_bytes=optim, rank_file_bytes=rank_file, world=world,
                              local_world=local)

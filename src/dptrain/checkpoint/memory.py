@@ -33,7 +33,8 @@ import hashlib
 import json
 import os
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,6 @@ class MemorySnapshots:
         cross = env.world_size > env.local_world_size
         self.peer = (env.rank + env.local_world_size) % env.world_size if cross else None
         self.source = (env.rank - env.local_world_size) % env.world_size if cross else None
-        self._executor: ThreadPoolExecutor | None = None
         self._group: Any = None
         self._pending: tuple[int, Future] | None = None
         self.last_complete: int | None = None  # the newest snapshot every rank has finished
@@ -234,17 +234,15 @@ class MemorySnapshots:
     def snapshot(self, *, step: int, files: dict[str, Any], meta: dict[str, Any]) -> None:
         """Snapshot `files` (name -> state tree, live: copied here) of step `step`: written and replicated in the
         background. Waits for the previous snapshot first. Collective."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptrain-memsnap")
-            if self.peer is not None:
-                self._group = torch.distributed.new_group(backend="gloo")  # the replication's own group
+        if self.peer is not None and self._group is None:
+            self._group = torch.distributed.new_group(backend="gloo")  # the replication's own group
         self.wait()
         collectives.barrier()  # every rank finished the previous snapshot: it is complete, older ones can go
         keep = {self.last_complete} if self.last_complete is not None else set()
         self._staged = {name: stage(obj, self._staged.get(name)) for name, obj in files.items()}
         part = {"rank": self.env.rank, "world_size": self.env.world_size, "step": step,
                 "host": self.node_dir.name, "meta": meta}
-        self._pending = (step, self._executor.submit(self._write, part, self._staged, keep))
+        self._pending = (step, in_background(self._write, part, self._staged, keep))
 
     def wait(self) -> None:
         """Wait for the snapshot in flight (re-raising its error)."""
@@ -273,12 +271,7 @@ class MemorySnapshots:
     def finish(self, *, remove: bool) -> None:
         """Wait for the snapshot in flight; with `remove` (the run ended normally, collective), delete the
         node's folder."""
-        try:
-            self.wait()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+        self.wait()
         if not remove:
             return
         collectives.barrier()  # nobody is still writing a replica into a folder about to go
@@ -288,6 +281,21 @@ class MemorySnapshots:
                 self.node_dir.parent.rmdir()  # the run's folder, once no node of it is left
             except OSError:
                 pass
+
+
+def in_background(fn: Any, *args: Any) -> Future:
+    """Run `fn(*args)` in a daemon thread: a snapshot blocked on a dead peer never holds up the exit of a
+    failing worker (an executor's threads are joined at exit)."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="dptrain-memsnap", daemon=True).start()
+    return fut
 
 
 def exchange(blob: bytes, *, peer: int, source: int | None, group: Any) -> bytes:

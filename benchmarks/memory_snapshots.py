@@ -61,6 +61,10 @@ def overhead_worker(rounds: int) -> None:
         trainers[name] = Trainer(cfg, out_dir=base / name.replace(" ", "-"))
         trainers[name].setup()
     times: dict[str, list[float]] = {name: [] for name in variants}
+    phases: dict[str, list[float]] = {"snapshot() on the step's path": [], "background write (+ replication)": []}
+    snap = trainers["memory every step"].ckpt.memory
+    for attr, key in (("snapshot", "snapshot() on the step's path"), ("_write", "background write (+ replication)")):
+        setattr(snap, attr, timed(getattr(snap, attr), phases[key]))
     for tr in trainers.values():
         for _ in range(3):
             run_step(tr)
@@ -87,6 +91,8 @@ def overhead_worker(rounds: int) -> None:
                              local_world=local)
     for tr in trainers.values():
         tr.close()
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, {k: statistics.median(v) * 1e3 for k, v in phases.items()})
     if dist.get_rank() == 0:
         base = statistics.median(times["off"])
         print(f"built-in recipe, world size {world}, {rounds} interleaved steps per variant")
@@ -94,10 +100,23 @@ def overhead_worker(rounds: int) -> None:
         for name, ts in times.items():
             med = statistics.median(ts)
             print(f"| {name} | {med * 1e3:.2f} | {(med - base) * 1e3:+.2f} | {(med / base - 1) * 100:+.1f}% |")
+        for r, ph in enumerate(per_rank):
+            print(f"rank {r}: " + ", ".join(f"{k} {v:.1f} ms (median)" for k, v in ph.items()))
         print(f"\nparameters {params} B, optimizer state {optim} B, rank file {rank_file} B")
         print(f"snapshot folder of the node (2 snapshots kept at most; measured with 2 present): {measured} B; "
               f"formula 2 x (model + optimizer + rank files) = {formula} B ({measured / formula:.3f} of it)")
     dist.destroy_process_group()
+
+
+def timed(fn, into: list[float]):
+    def run(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    return run
 
 
 def overhead(a: argparse.Namespace) -> None:

@@ -98,6 +98,7 @@ class CheckpointManager:
             every_steps=cfg.checkpoint.memory_every_steps, root=cfg.checkpoint.memory_dir, run_dir=run_dir, env=env
         )
         self.resumed_from_memory: MemoryChoice | None = None
+        self._memory_t0 = 0.0
 
     def _say(self, message: str) -> None:
         if self.env.is_main:
@@ -166,7 +167,7 @@ class CheckpointManager:
                 self.last_saved_step = int(choice.meta["step"])
             if self.env.is_main:
                 self.initial_val_loss = truncate_metrics(self.run_dir / "metrics.jsonl", step=step)
-            self._say(memory.message)
+            self._say(f"{memory.message} (found, gathered and loaded in {time.perf_counter() - self._memory_t0:.2f}s)")
             return True
         if choice.path is None:
             metrics = self.run_dir / "metrics.jsonl"
@@ -198,6 +199,7 @@ class CheckpointManager:
         if not restarted:
             return None
         min_step = int(choice.meta["step"]) if choice.path else 0
+        self._memory_t0 = time.perf_counter()
         memory, messages = recover(self.memory, min_step=min_step)
         choice.messages.extend(messages)
         return memory

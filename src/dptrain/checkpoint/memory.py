@@ -70,11 +70,12 @@ def stage(obj: Any, cached: Any = None) -> Any:
             return cached.copy_(src)
         return src.to("cpu", copy=True).contiguous()
     if isinstance(obj, dict):
-        old = cached if isinstance(cached, dict) else {}
-        return {k: stage(v, old.get(k)) for k, v in obj.items()}
+        before: dict[Any, Any] = cached if isinstance(cached, dict) else {}
+        return {k: stage(v, before.get(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        old = cached if isinstance(cached, type(obj)) and len(cached) == len(obj) else [None] * len(obj)
-        return type(obj)(stage(v, o) for v, o in zip(obj, old, strict=True))
+        same = isinstance(cached, type(obj)) and len(cached) == len(obj)
+        olds: list[Any] = list(cached) if same else [None] * len(obj)
+        return type(obj)(stage(v, o) for v, o in zip(obj, olds, strict=True))
     return copy.deepcopy(obj)
 
 
@@ -265,6 +266,7 @@ class MemorySnapshots:
         if self.peer is None:
             return
         data = read_part_files(self.node_dir, part)
+        assert self.source is not None  # set with peer
         got = exchange(pack(part, data), peer=self.peer, source=self.source, group=self._group)
         store_part(self.node_dir, *unpack(got))
 
@@ -298,14 +300,18 @@ def in_background(fn: Any, *args: Any) -> Future:
     return fut
 
 
-def exchange(blob: bytes, *, peer: int, source: int | None, group: Any) -> bytes:
+def exchange(blob: bytes, *, peer: int, source: int, group: Any) -> bytes:
     """Send `blob` to `peer` and receive one from `source` (a ring: every rank does both)."""
     dist = torch.distributed
     n_out, n_in = torch.tensor([len(blob)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    for w in (dist.isend(n_out, peer, group=group), dist.irecv(n_in, source, group=group)):
-        w.wait()
+    both(dist.isend(n_out, peer, group=group), dist.irecv(n_in, source, group=group))
     out = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     got = torch.empty(int(n_in.item()), dtype=torch.uint8)
-    for w in (dist.isend(out, peer, group=group), dist.irecv(got, source, group=group)):
-        w.wait()
+    both(dist.isend(out, peer, group=group), dist.irecv(got, source, group=group))
     return got.numpy().tobytes()
+
+
+def both(*works: Any) -> None:
+    """Wait for point-to-point works (a send and a receive posted together, so neither side blocks first)."""
+    for w in works:
+        w.wait()

@@ -47,7 +47,7 @@ def join(skel: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def write(step_dir: Path, name: str, tree: Any) -> dict[str, dict[str, int]]:

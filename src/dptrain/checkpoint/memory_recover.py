@@ -67,7 +67,7 @@ def plan_transfers(ranks: list[tuple[int, str, Holdings]], *, step: int) -> list
         first.setdefault(host, rank)
         held[host] = set(h.get(step, {}))
     every = set().union(*held.values())
-    out = []
+    out: list[tuple[int, int, int]] = []
     for part in sorted(every):
         src = min(first[h] for h, parts in held.items() if part in parts)
         out.extend((part, src, first[h]) for h in sorted(held, key=first.__getitem__) if part not in held[h])

@@ -226,7 +226,7 @@ def nodeloss(a: argparse.Namespace) -> None:
         procs[0].wait(timeout=600)
         host1 = c.hostnames[1]
     log = logs[0].read_text()
-    found = re.search(r"resumed from memory snapshot step (\d+) \(([^)]*)\)", log)
+    found = re.search(r"resumed from memory snapshot step (\d+) .*", log)
     if not found:
         raise SystemExit("NOT resumed from memory:\n" + log[-3000:])
     k = int(found.group(1))
@@ -234,11 +234,11 @@ def nodeloss(a: argparse.Namespace) -> None:
     print(f"node {host1} killed; {found.group(0)}")
     print(f"membership record: {change[-1] if change else None}")
     print(f"training again {again_s:.2f}s after the kill; steps lost {change[-1]['steps_lost'] if change else '?'}")
-    toy = [s for s in items if not s.startswith(("launch.", "checkpoint.memory"))]
+    toy = [s for s in items if not s.startswith(("launch.", "checkpoint.memory", "train.max_steps"))]
     run = [sys.executable, "-m", "dptrain", "run", *toy]
     subprocess.run([*run, f"train.max_steps={k}", "--nproc-per-node", "2", "--out", str(tmp / "ref2")],
                    env=env(), cwd=ROOT, check=True, capture_output=True)
-    subprocess.run([*run, "--nproc-per-node", "1", "--out", str(tmp / "ref1"), "--resume",
+    subprocess.run([*run, f"train.max_steps={a.steps}", "--nproc-per-node", "1", "--out", str(tmp / "ref1"), "--resume",
                     str(tmp / "ref2" / "checkpoints" / f"step_{k:06d}")], env=env(), cwd=ROOT, check=True,
                    capture_output=True)
     got, want = load_file(out / "final" / "model.safetensors"), load_file(tmp / "ref1" / "final" / "model.safetensors")

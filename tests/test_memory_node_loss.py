@@ -76,7 +76,6 @@ def reference(tmp_path: Path, k: int) -> dict[str, torch.Tensor]:
 
 
 @needs_cluster
-@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_node_lost_the_survivor_resumes_from_the_lost_nodes_replica_in_memory(tmp_path):
     out, mem, logs = tmp_path / "run", tmp_path / "mem", [tmp_path / "node0.log", tmp_path / "node1.log"]
@@ -111,7 +110,8 @@ def test_node_lost_the_survivor_resumes_from_the_lost_nodes_replica_in_memory(tm
     assert found and found.group(2, 3) == (hosts[1], hosts[0]), log[-4000:]
     k = int(found.group(1))
     (lost,) = [r for r in records(out / "attempts.jsonl") if r.get("event") == "membership"]
-    assert lost["resumed_step"] == k >= 7 and lost["steps_lost"] == lost["last_step"] - k <= 2, lost
+    # A snapshot starts only once every rank has finished the previous one: at most the last two steps are lost
+    assert lost["resumed_step"] == k >= 5 and lost["steps_lost"] == lost["last_step"] - k <= 2, lost
     print(f"\nnode loss, memory snapshots: resumed at step {k}, {lost['steps_lost']} step(s) lost, "
           f"training again {again_s:.1f}s after the kill")
     got, want = load_file(out / "final" / "model.safetensors"), reference(tmp_path, k)

@@ -39,6 +39,8 @@ from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
 from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
 from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
+from dptrain.checkpoint.memory import MemorySnapshots
+from dptrain.checkpoint.memory_recover import MemoryChoice, recover
 from dptrain.checkpoint.preempt import PreemptionFlag
 from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, truncate_metrics
 from dptrain.checkpoint.rundir import move_aside
@@ -92,6 +94,11 @@ class CheckpointManager:
         self._pending: tuple[Path, Future, dict[str, Any], float] | None = None  # save in flight
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
+        self.memory = MemorySnapshots(
+            every_steps=cfg.checkpoint.memory_every_steps, root=cfg.checkpoint.memory_dir, run_dir=run_dir, env=env
+        )
+        self.resumed_from_memory: MemoryChoice | None = None
+        self._memory_t0 = 0.0
 
     def _say(self, message: str) -> None:
         if self.env.is_main:
@@ -119,12 +126,18 @@ class CheckpointManager:
         generation = 0
         if self.env.is_main:
             choice = self._choose(choice)
+        memory: MemoryChoice | None = None
+        if self.memory.enabled:
+            choice = collectives.broadcast_object(choice)
+            memory = self._recover_memory(choice, attempt=attempt)
+        if self.env.is_main:
             if attempt > 0 or elastic:
+                resumed = memory.step if memory else int(choice.meta.get("step", 0)) if choice.path else 0
                 report = report_restart(
                     self.run_dir,
                     attempt=attempt,
                     hosts=[h for h, _ in members] if members else None,
-                    resumed_step=int(choice.meta.get("step", 0)) if choice.path else 0,
+                    resumed_step=resumed,
                 )
                 if report:
                     choice.messages.insert(0, report)
@@ -146,6 +159,16 @@ class CheckpointManager:
             self._say(line)
         if choice.error:
             raise mf.CheckpointError(choice.error)
+        if memory is not None:
+            step = self._load(state, memory.path, memory.meta)
+            self.resumed_from = memory.path
+            self.resumed_from_memory = memory
+            if choice.path:  # the disk's newest is older: the end-of-run save must not be skipped
+                self.last_saved_step = int(choice.meta["step"])
+            if self.env.is_main:
+                self.initial_val_loss = truncate_metrics(self.run_dir / "metrics.jsonl", step=step)
+            self._say(f"{memory.message} (found, gathered and loaded in {time.perf_counter() - self._memory_t0:.2f}s)")
+            return True
         if choice.path is None:
             metrics = self.run_dir / "metrics.jsonl"
             if self.env.is_main and metrics.is_file() and metrics.stat().st_size > 0:
@@ -167,6 +190,19 @@ class CheckpointManager:
             self.initial_val_loss = truncate_metrics(self.run_dir / "metrics.jsonl", step=step)
         self._say(f"dptrain: resumed from {choice.path} at step {step}")
         return True
+
+    def _recover_memory(self, choice: ResumeChoice, *, attempt: int) -> MemoryChoice | None:
+        """After a restart (the same resume rule as `auto`), the newest in-memory snapshot at least as new as the
+        disk's `choice`, assembled on every node; None: resume from disk. Collective."""
+        restarted = attempt > 0 and self.resume == "auto" and not choice.error
+        self.memory.start(fresh=not restarted)
+        if not restarted:
+            return None
+        min_step = int(choice.meta["step"]) if choice.path else 0
+        self._memory_t0 = time.perf_counter()
+        memory, messages = recover(self.memory, min_step=min_step)
+        choice.messages.extend(messages)
+        return memory
 
     def _choose(self, choice: ResumeChoice) -> ResumeChoice:
         found = choose_checkpoint(self.resume, root=self.root, trust=self.trust)
@@ -239,8 +275,20 @@ class CheckpointManager:
             why = "interrupted (Ctrl-C)" if self.interrupted else "preempted (SIGTERM)"
             self._say(f"dptrain: {why}: saved step {step}; resume with the same command")
             return True
+        if self.memory.due(step):
+            self.memory.snapshot(step=step, files=self._snapshot_files(state), meta=self._meta(state))
         flag.start(busy=self._pending is not None and not self._pending[1].done())
         return False
+
+    def _snapshot_files(self, state: CheckpointState) -> dict[str, Any]:
+        """This rank's files of a checkpoint, as live state dicts (the in-memory snapshot copies them)."""
+        files = storage.full_state_dicts(state, rank=self.env.rank)
+        if self.env.rank == 0:
+            scaler = state.scaler.state_dict() if state.scaler is not None else None
+            files["train.pt"] = {"scheduler": state.schedule.state_dict(), "scaler": scaler or None}
+        own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
+        files[f"rank_{self.env.rank:05d}.pt"] = own
+        return files
 
     def save_final(self, state: CheckpointState) -> None:
         """The end-of-run checkpoint (skipped when this step was just saved); waits for any
@@ -256,6 +304,7 @@ class CheckpointManager:
         """Finish (`wait`, collective) or abandon (a failing run) background work; restore SIGTERM."""
         if wait:
             self._finish_pending()
+            self.memory.finish(remove=True)  # the run ended with its state on disk: memory is not needed
         if self._executor is not None:
             self._executor.shutdown(wait=wait)
             self._executor = None

@@ -124,21 +124,36 @@ def async_save_model_optim(
         writer = dcp.FileSystemWriter(ckpt_dir / DCP_DIR, sync_files=True)
         # AsyncSaveResponse is returned only with an async_stager's staging future, which is not asked for.
         return cast(Future, dcp.async_save(_dcp_state(state), storage_writer=writer, process_group=process_group))
-    model_sd = _model_dict(state.model_parts)
-    optim_sds = [o.state_dict() for o in state.optimizers]
+    copies = full_state_copies(state, rank=rank)
     done: Future = Future()
     if rank != 0:
         done.set_result(None)
         return done
-    model_sd = {k: v.detach().clone() for k, v in model_sd.items()}  # the live tensors keep changing
-    optim_sds = copy.deepcopy(optim_sds)
 
     def write() -> None:
-        save_torch(ckpt_dir / "model.pt", model_sd)
-        for i, sd in enumerate(optim_sds):
-            save_torch(ckpt_dir / f"{optim_name(i)}.pt", sd)
+        for name, sd in copies.items():
+            save_torch(ckpt_dir / name, sd)
 
     return executor.submit(write)
+
+
+def full_state_dicts(state: CheckpointState, *, rank: int) -> dict[str, Any]:
+    """The `full` format's model and optimizer files by file name (`model.pt`, `optim.pt`, ...), as the
+    live state dicts (their tensors keep changing: copy before the next step): on rank 0 only (empty
+    elsewhere). Collective (ZeRO-1 consolidates on rank 0)."""
+    model_sd = _model_dict(state.model_parts)
+    optim_sds = [o.state_dict() for o in state.optimizers]
+    if rank != 0:
+        return {}
+    return {"model.pt": model_sd, **{f"{optim_name(i)}.pt": sd for i, sd in enumerate(optim_sds)}}
+
+
+def full_state_copies(state: CheckpointState, *, rank: int) -> dict[str, Any]:
+    """`full_state_dicts` as copies taken now."""
+    return {
+        name: {k: v.detach().clone() for k, v in sd.items()} if name == "model.pt" else copy.deepcopy(sd)
+        for name, sd in full_state_dicts(state, rank=rank).items()
+    }
 
 
 def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> None:

@@ -343,6 +343,7 @@ RANGES: dict[str, dict[str, Range]] = {
     "checkpoint": {
         "every_steps": Range(int, 0, note="0: only at the end"),
         "keep_last": Range(int, 1, optional=True, note="null keeps all"),
+        "memory_every_steps": Range(int, 0, note="0 turns the in-memory snapshots off"),
     },
     "diagnostics": {
         "hang_timeout_s": Range(float, 0, _YEAR_S, optional=True, note="seconds; 0 turns the watchdog off"),
@@ -402,6 +403,7 @@ def validate(cfg: Config) -> None:
     validate_launch(cfg.launch)
     _check_seq_len(cfg)
     validate_parallel(cfg)
+    _check_memory_snapshots(cfg)
     validate_diagnostics(cfg.diagnostics, pg_timeout_s=cfg.parallel.timeout_s)
     validate_speed(cfg, wrapper=strategy_mode(cfg.parallel).wrapper)  # config/speed.py
     if cfg.diagnostics.check_collectives and strategy_mode(cfg.parallel).wrapper == "ddp":
@@ -409,6 +411,17 @@ def validate(cfg: Config) -> None:
             f"diagnostics.check_collectives=true cannot be used with parallel.strategy={cfg.parallel.strategy!r}: "
             "DDP's constructor crashes (segmentation fault) under TORCH_DISTRIBUTED_DEBUG=DETAIL in torch 2.13; "
             "debug collectives with parallel.strategy=fsdp, zero2 or single"
+        )
+
+
+def _check_memory_snapshots(cfg: Config) -> None:
+    """In-memory snapshots are written in the `full` checkpoint format (one process, ddp, zero1)."""
+    n, p = cfg.checkpoint.memory_every_steps, cfg.parallel
+    if n and (strategy_mode(p).wrapper == "fsdp" or p.pp > 1 or p.tp > 1):
+        raise ConfigError(
+            f"checkpoint.memory_every_steps={n} needs the full checkpoint format (parallel.strategy single, dp, ddp "
+            f"or zero1 with pp=1 and tp=1); parallel.strategy={p.strategy!r}, pp={p.pp}, tp={p.tp} writes DCP shards: "
+            "set checkpoint.memory_every_steps=0"
         )
 
 

@@ -1,0 +1,317 @@
+"""In-memory snapshots: the checkpoint format in host memory, with a copy on another node.
+
+Every `checkpoint.memory_every_steps` each rank copies its share of the checkpoint (`full` format:
+rank 0 the model, optimizer and `train.pt` files, every rank its `rank_RRRRR.pt`) at the step
+boundary into CPU staging buffers it reuses from one snapshot to the next (`stage`: no allocation, a
+device-to-host copy on a GPU); a background thread writes them (memory_format.py: raw tensor bytes
+and a small skeleton per checkpoint file) into its node's folder
+`<memory_dir>/<run id>/<host>/step_NNNNNN/` (a tmpfs: `/dev/shm/dptrain` by default, which outlives
+the worker process), then writes the rank's *part* `parts/step_NNNNNN.rank_RRRRR.json` (every file's
+size and CRC-32, and the checkpoint's meta), last: a part names only files fully written. The
+SHA-256 of the commit protocol is computed at recovery, from bytes checked against the CRC-32.
+
+Replication: when the run spans nodes, the same thread sends the rank's files and part to its peer
+`(rank + local_world_size) % world_size` (a rank of the next node) over a gloo group of its own, and
+receives those of `(rank - local_world_size) % world_size`, which it writes into its own node's
+folder: every node holds its own ranks' parts and the previous node's.
+
+At most two snapshots exist at a time: before a new one starts, every rank has finished the previous
+one (a barrier at the step boundary), so everything older is deleted. Host memory per rank:
+2 x (own files + the replica it holds); see `snapshot_bytes`.
+
+Recovery (`memory_recover.py`) builds a committed checkpoint folder from the parts the new world holds.
+The run id is a hash of the run directory's absolute path (shared by every node and every restart).
+A node's folder is removed when the run ends normally (`finish`); at a fresh start (no restart) the
+run's own stale folder is cleared, and folders of other runs on this host whose owning launcher
+process (recorded in `owner.json`) is gone are removed.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint import memory_format
+from dptrain.distributed import collectives
+from dptrain.distributed.env import DistEnv
+
+DEFAULT_ROOT = "/dev/shm/dptrain"
+PARTS = "parts"
+OWNER = "owner.json"
+
+
+def run_id(run_dir: Path) -> str:
+    """The run's folder name under the memory root: the same on every node and after every restart."""
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def part_name(step: int, rank: int) -> str:
+    """`step_000012.rank_00001.json`: the part of `rank` of the snapshot of `step`."""
+    return f"{mf.step_dir_name(step)}.rank_{rank:05d}.json"
+
+
+def stage(obj: Any, cached: Any = None) -> Any:
+    """A CPU copy of a state tree (dicts, lists, tuples, tensors, plain values), copied into the tensors of
+    `cached` (an earlier copy) where they match in shape and dtype: no allocation from the second
+    snapshot on."""
+    if isinstance(obj, torch.Tensor):
+        src = obj.detach()
+        if isinstance(cached, torch.Tensor) and cached.shape == src.shape and cached.dtype == src.dtype:
+            return cached.copy_(src)
+        return src.to("cpu", copy=True).contiguous()
+    if isinstance(obj, dict):
+        before: dict[Any, Any] = cached if isinstance(cached, dict) else {}
+        return {k: stage(v, before.get(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        same = isinstance(cached, type(obj)) and len(cached) == len(obj)
+        olds: list[Any] = list(cached) if same else [None] * len(obj)
+        return type(obj)(stage(v, o) for v, o in zip(obj, olds, strict=True))
+    return copy.deepcopy(obj)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write-temp + rename (no fsync: the folder is in memory)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def pack(part: dict[str, Any], files: dict[str, bytes]) -> bytes:
+    """One message: a JSON header (the part and the file names with sizes), then the files' bytes."""
+    header = json.dumps({"part": part, "files": [[name, len(data)] for name, data in files.items()]}).encode()
+    return len(header).to_bytes(8, "little") + header + b"".join(files.values())
+
+
+def unpack(blob: bytes | memoryview) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The inverse of `pack`."""
+    view = memoryview(blob)
+    n = int.from_bytes(view[:8], "little")
+    header = json.loads(bytes(view[8 : 8 + n]))
+    files, at = {}, 8 + n
+    for name, size in header["files"]:
+        files[name] = bytes(view[at : at + size])
+        at += size
+    return header["part"], files
+
+
+def store_part(node_dir: Path, part: dict[str, Any], files: dict[str, bytes]) -> None:
+    """Write a part's files into the node's step folder, then the part itself (last)."""
+    step_dir = node_dir / mf.step_dir_name(part["step"])
+    step_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (step_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        write_file(step_dir / name, data)
+    (node_dir / PARTS).mkdir(exist_ok=True)
+    write_file(node_dir / PARTS / part_name(part["step"], part["rank"]), json.dumps(part).encode())
+
+
+def read_part_files(node_dir: Path, part: dict[str, Any]) -> dict[str, bytes]:
+    """The bytes of a part's files, from the node's step folder."""
+    step_dir = node_dir / mf.step_dir_name(part["step"])
+    return {name: (step_dir / name).read_bytes() for name in part["files"]}
+
+
+def holdings(node_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
+    """The parts this node holds: step -> rank -> part (its own ranks' and the replicas)."""
+    out: dict[int, dict[int, dict[str, Any]]] = {}
+    parts = node_dir / PARTS
+    if not parts.is_dir():
+        return out
+    for p in sorted(parts.glob("step_*.rank_*.json")):
+        try:
+            part = json.loads(p.read_text())
+            out.setdefault(int(part["step"]), {})[int(part["rank"])] = part
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable: as if absent (parts are written by rename, so only a foreign file)
+    return out
+
+
+def drop_steps(node_dir: Path, *, keep: set[int]) -> None:
+    """Delete every snapshot of the node except the steps in `keep` (parts first, then the files)."""
+    parts = node_dir / PARTS
+    if parts.is_dir():
+        for p in parts.glob("step_*.rank_*.json"):
+            if mf.step_of(Path(p.name.split(".")[0])) not in keep:
+                p.unlink(missing_ok=True)
+    for d in mf.step_dirs(node_dir):
+        if mf.step_of(d) not in keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_runs(root: Path, *, host: str, own: str) -> list[Path]:
+    """Remove `root/<other run>/<host>` folders whose owner process (owner.json) is gone; the removed ones."""
+    removed = []
+    for run in root.iterdir() if root.is_dir() else []:
+        node = run / host
+        if run.name == own or not node.is_dir():
+            continue
+        try:
+            pid = int(json.loads((node / OWNER).read_text())["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pid = -1
+        if pid <= 0 or not pid_alive(pid):
+            shutil.rmtree(node, ignore_errors=True)
+            removed.append(node)
+            with_other_nodes = any(run.iterdir()) if run.is_dir() else True
+            if not with_other_nodes:
+                run.rmdir()
+    return removed
+
+
+def snapshot_bytes(*, param_bytes: int, optim_bytes: int, rank_file_bytes: int, world: int, local_world: int) -> int:
+    """Host memory (bytes) one node's snapshot folder needs at most, for the `full` format: two snapshots
+    (the newest complete one and the one being written), each with the node's own files (rank 0's model
+    and optimizer on its node) plus the replica of the previous node's. A rank's own share is
+    (param_bytes + optim_bytes if rank 0) + rank_file_bytes; the node holding rank 0's files or their
+    replica carries the model + optimizer once more."""
+    nodes = max(1, world // max(1, local_world))
+    own = local_world * rank_file_bytes
+    replica = local_world * rank_file_bytes if nodes > 1 else 0
+    model = param_bytes + optim_bytes  # on node 0 (own) and on node 1 (replica)
+    return 2 * (own + replica + model)
+
+
+class MemorySnapshots:
+    """One rank's side of the in-memory snapshots (see the module docstring)."""
+
+    def __init__(self, *, every_steps: int, root: str | None, run_dir: Path, env: DistEnv) -> None:
+        self.every_steps = every_steps
+        self.base = Path(root or DEFAULT_ROOT)
+        self.run = run_id(run_dir)
+        self.node_dir = self.base / self.run / (env.hostname or "localhost")
+        self.env = env
+        cross = env.world_size > env.local_world_size
+        self.peer = (env.rank + env.local_world_size) % env.world_size if cross else None
+        self.source = (env.rank - env.local_world_size) % env.world_size if cross else None
+        self._group: Any = None
+        self._pending: tuple[int, Future] | None = None
+        self.last_complete: int | None = None  # the newest snapshot every rank has finished
+        self._staged: dict[str, Any] = {}  # the CPU buffers of the last snapshot, reused
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0
+
+    @property
+    def node_main(self) -> bool:
+        """This rank looks after its node's folder (deletions, the owner file)."""
+        return self.env.local_rank == 0
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.every_steps == 0
+
+    def start(self, *, fresh: bool) -> None:
+        """At setup, before recovery: own the node's folder; a `fresh` start (no restart) clears the run's
+        own stale snapshots. Every node's first local rank does the work; then a barrier."""
+        if self.node_main:
+            self.node_dir.mkdir(parents=True, exist_ok=True)
+            if fresh:
+                drop_steps(self.node_dir, keep=set())
+            remove_dead_runs(self.base, host=self.node_dir.name, own=self.run)
+            owner = os.getppid() if self.env.launched else os.getpid()  # torchrun's agent outlives restarts
+            write_file(self.node_dir / OWNER, json.dumps({"pid": owner}).encode())
+        collectives.barrier()
+
+    def snapshot(self, *, step: int, files: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Snapshot `files` (name -> state tree, live: copied here) of step `step`: written and replicated in the
+        background. Waits for the previous snapshot first. Collective."""
+        if self.peer is not None and self._group is None:
+            self._group = torch.distributed.new_group(backend="gloo")  # the replication's own group
+        self.wait()
+        collectives.barrier()  # every rank finished the previous snapshot: it is complete, older ones can go
+        keep = {self.last_complete} if self.last_complete is not None else set()
+        self._staged = {name: stage(obj, self._staged.get(name)) for name, obj in files.items()}
+        part = {"rank": self.env.rank, "world_size": self.env.world_size, "step": step,
+                "host": self.node_dir.name, "meta": meta}
+        self._pending = (step, in_background(self._write, part, self._staged, keep))
+
+    def wait(self) -> None:
+        """Wait for the snapshot in flight (re-raising its error)."""
+        if self._pending is None:
+            return
+        step, fut = self._pending
+        self._pending = None
+        fut.result()
+        self.last_complete = step
+
+    def _write(self, part: dict[str, Any], objs: dict[str, Any], keep: set[int]) -> None:
+        if self.node_main:
+            drop_steps(self.node_dir, keep=keep | {part["step"]})
+        step_dir = self.node_dir / mf.step_dir_name(part["step"])
+        step_dir.mkdir(parents=True, exist_ok=True)
+        part["files"] = {}
+        for name, obj in objs.items():
+            part["files"].update(memory_format.write(step_dir, name, obj))
+        store_part(self.node_dir, part, {})
+        if self.peer is None:
+            return
+        data = read_part_files(self.node_dir, part)
+        assert self.source is not None  # set with peer
+        got = exchange(pack(part, data), peer=self.peer, source=self.source, group=self._group)
+        store_part(self.node_dir, *unpack(got))
+
+    def finish(self, *, remove: bool) -> None:
+        """Wait for the snapshot in flight; with `remove` (the run ended normally, collective), delete the
+        node's folder."""
+        self.wait()
+        if not remove:
+            return
+        collectives.barrier()  # nobody is still writing a replica into a folder about to go
+        if self.node_main:
+            shutil.rmtree(self.node_dir, ignore_errors=True)
+            try:
+                self.node_dir.parent.rmdir()  # the run's folder, once no node of it is left
+            except OSError:
+                pass
+
+
+def in_background(fn: Any, *args: Any) -> Future:
+    """Run `fn(*args)` in a daemon thread: a snapshot blocked on a dead peer never holds up the exit of a
+    failing worker (an executor's threads are joined at exit)."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="dptrain-memsnap", daemon=True).start()
+    return fut
+
+
+def exchange(blob: bytes, *, peer: int, source: int, group: Any) -> bytes:
+    """Send `blob` to `peer` and receive one from `source` (a ring: every rank does both)."""
+    dist = torch.distributed
+    n_out, n_in = torch.tensor([len(blob)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    both(dist.isend(n_out, peer, group=group), dist.irecv(n_in, source, group=group))
+    out = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    got = torch.empty(int(n_in.item()), dtype=torch.uint8)
+    both(dist.isend(out, peer, group=group), dist.irecv(got, source, group=group))
+    return got.numpy().tobytes()
+
+
+def both(*works: Any) -> None:
+    """Wait for point-to-point works (a send and a receive posted together, so neither side blocks first)."""
+    for w in works:
+        w.wait()

@@ -1,0 +1,95 @@
+"""How an in-memory snapshot stores one checkpoint file: raw tensor bytes plus a small skeleton.
+
+While training, a checkpoint file's state tree (e.g. `optim.pt`'s) is written as two files: `NAME.raw`,
+every tensor's bytes one after the other (written straight from the staged CPU tensors, with their
+CRC-32 computed on the way: no serialisation copy), and `NAME.skel`, the tree with each tensor replaced
+by `(TENSOR, index)` plus every tensor's dtype and shape (`torch.save`, small). Only at recovery is the
+checkpoint file itself rebuilt (`materialize`) and written with `torch.save`, so the recovered folder is
+an ordinary checkpoint. Both files are read back with the weights-only loader.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dptrain.checkpoint import storage
+
+TENSOR = "__dptrain_tensor__"
+RAW, SKEL = ".raw", ".skel"
+
+
+def split(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """`tree` with each tensor replaced by (TENSOR, its index in `tensors`), appended there in order."""
+    if isinstance(tree, torch.Tensor):
+        tensors.append(tree)
+        return (TENSOR, len(tensors) - 1)
+    if isinstance(tree, dict):
+        return {k: split(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(split(v, tensors) for v in tree)
+    return tree
+
+
+def join(skel: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of `split`."""
+    if isinstance(skel, tuple) and len(skel) == 2 and skel[0] == TENSOR:
+        return tensors[skel[1]]
+    if isinstance(skel, dict):
+        return {k: join(v, tensors) for k, v in skel.items()}
+    if isinstance(skel, (list, tuple)):
+        return type(skel)(join(v, tensors) for v in skel)
+    return skel
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def write(step_dir: Path, name: str, tree: Any) -> dict[str, dict[str, int]]:
+    """Write `tree` (CPU, contiguous tensors) as `name.raw` + `name.skel` in `step_dir` (temp + rename each);
+    their part entries (size, CRC-32)."""
+    tensors: list[torch.Tensor] = []
+    skel = split(tree, tensors)
+    entries = {}
+    raw, crc, size = step_dir / (name + RAW), 0, 0
+    tmp = raw.with_name(f".{raw.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        for t in tensors:
+            if t.numel():
+                mv = _bytes_of(t)
+                f.write(mv)
+                crc, size = zlib.crc32(mv, crc), size + mv.nbytes
+    os.replace(tmp, raw)
+    entries[raw.name] = {"size": size, "crc32": crc}
+    skel_path = step_dir / (name + SKEL)
+    tmp = skel_path.with_name(f".{skel_path.name}.tmp{os.getpid()}")
+    torch.save({"skeleton": skel, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]},
+               tmp)
+    data = tmp.read_bytes()
+    os.replace(tmp, skel_path)
+    entries[skel_path.name] = {"size": len(data), "crc32": zlib.crc32(data)}
+    return entries
+
+
+def logical_names(files: dict[str, Any]) -> list[str]:
+    """The checkpoint files a part's snapshot files stand for (`model.pt` for `model.pt.raw` + `.skel`)."""
+    return sorted({n.removesuffix(RAW).removesuffix(SKEL) for n in files})
+
+
+def materialize(step_dir: Path, name: str, dest: Path) -> None:
+    """Rebuild checkpoint file `name` from its snapshot files in `step_dir` and `torch.save` it to `dest`."""
+    head = storage.load_torch(step_dir / (name + SKEL))
+    raw = bytearray((step_dir / (name + RAW)).read_bytes())
+    tensors, at = [], 0
+    for dtype_name, shape in head["tensors"]:
+        dtype = getattr(torch, dtype_name)
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        chunk = torch.frombuffer(raw, dtype=torch.uint8, offset=at, count=n) if n else torch.empty(0, dtype=torch.uint8)
+        tensors.append(chunk.view(dtype).reshape(shape).clone())
+        at += n
+    storage.save_torch(dest, join(head["skeleton"], tensors))

@@ -1,0 +1,208 @@
+"""In-memory snapshots (checkpoint/memory.py, memory_recover.py): selection, transfer plan, wire format,
+the folder's life cycle, recovery on one process and replication + recovery across two fake hosts."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint import memory_format, storage
+from dptrain.checkpoint.memory import (
+    MemorySnapshots,
+    holdings,
+    pack,
+    remove_dead_runs,
+    run_id,
+    snapshot_bytes,
+    stage,
+    unpack,
+)
+from dptrain.checkpoint.memory_recover import choose, describe, plan_transfers, recover
+from dptrain.config import ConfigError, validate
+from dptrain.config.load import load_config
+from dptrain.distributed.env import DistEnv
+from support.mp import in_group, run_ranks
+
+
+def part(step: int, rank: int, world: int, host: str) -> dict:
+    return {"step": step, "rank": rank, "world_size": world, "host": host, "files": {}, "meta": {"step": step}}
+
+
+def hold(host: str, *pairs: tuple[int, int], world: int = 2) -> dict:
+    """A node's holdings: (step, rank) parts, written by rank r on host "abc"[r]."""
+    out: dict = {}
+    for step, rank in pairs:
+        out.setdefault(step, {})[rank] = part(step, rank, world, "abc"[rank])
+    return out
+
+
+@pytest.mark.fast
+def test_choose_takes_the_newest_step_every_rank_of_its_world_can_be_built_from():
+    a = hold("a", (4, 0), (5, 0), (6, 0), (5, 1))  # node a: its rank 0, and rank 1's replica of step 5
+    b = hold("b", (4, 1), (5, 1), (6, 1), (4, 0))
+    assert choose([("a", a), ("b", b)], min_step=0)[0] == 6  # both nodes alive
+    step, parts = choose([("a", a)], min_step=0)  # node b lost: step 6 lacks rank 1, step 5 has its replica
+    assert step == 5 and sorted(parts) == [0, 1]
+    assert choose([("a", a)], min_step=6) is None  # the disk is newer than every complete snapshot
+    assert choose([("b", hold("b", (3, 1), world=3))], min_step=0) is None  # a world of 3: ranks 0, 2 missing
+    assert describe(5, parts, [("a", a)]) == ["rank 1 (host b) from host a's replica"]
+
+
+@pytest.mark.fast
+def test_plan_transfers_sends_each_missing_part_once_per_lacking_node_from_the_lowest_holder():
+    a = hold("a", (5, 0), (5, 1))
+    c = hold("c")  # a node that joined (or lost its memory): holds nothing
+    ranks = [(0, "a", a), (1, "a", a), (2, "c", c), (3, "c", c)]
+    assert plan_transfers(ranks, step=5) == [(0, 0, 2), (1, 0, 2)]
+    assert plan_transfers([(0, "a", a), (1, "b", hold("b", (5, 1), (5, 0)))], step=5) == []
+
+
+@pytest.mark.fast
+def test_pack_unpack_round_trip():
+    files = {"model.pt": b"\x00" * 10, "rank_00001.pt": b"abc", "empty": b""}
+    got_part, got = unpack(pack({"rank": 1, "step": 3}, files))
+    assert got_part == {"rank": 1, "step": 3} and got == files
+
+
+@pytest.mark.fast
+def test_memory_every_steps_is_checked_and_refused_for_sharded_formats():
+    with pytest.raises(ConfigError, match=r"checkpoint.memory_every_steps=-1"):
+        validate(load_config(None, ["checkpoint.memory_every_steps=-1"]))
+    with pytest.raises(ConfigError, match=r"memory_every_steps=1 needs the full checkpoint format.*'fsdp'"):
+        validate(load_config(None, ["checkpoint.memory_every_steps=1", "parallel.strategy=fsdp"]))
+    validate(load_config(None, ["checkpoint.memory_every_steps=1", "parallel.strategy=zero1"]))
+
+
+def snapshot_files(step: int, rank: int) -> dict:
+    g = torch.Generator().manual_seed(step * 10 + rank)
+    files = {f"rank_{rank:05d}.pt": {"rng": torch.rand(4, generator=g)}}
+    if rank == 0:
+        files["model.pt"] = {"w": torch.rand(64, 64, generator=g)}
+        files["optim.pt"] = {"state": {"w": {"exp_avg": torch.rand(64, 64, generator=g)}}}
+    return files
+
+
+@pytest.mark.fast
+def test_one_process_keeps_two_snapshots_recovers_the_newest_and_falls_back_on_corruption(tmp_path):
+    env = DistEnv(hostname="h")
+    snap = MemorySnapshots(every_steps=1, root=str(tmp_path), run_dir=tmp_path / "run", env=env)
+    snap.start(fresh=True)
+    for step in (1, 2, 3):
+        snap.snapshot(step=step, files=snapshot_files(step, 0), meta={"step": step, "world_size": 1})
+    snap.wait()
+    assert sorted(holdings(snap.node_dir)) == [2, 3]  # the newest complete one and the one written after it
+    assert [mf.step_of(d) for d in mf.step_dirs(snap.node_dir)] == [2, 3]
+    again = MemorySnapshots(every_steps=1, root=str(tmp_path), run_dir=tmp_path / "run", env=env)
+    choice, _ = recover(again, min_step=0)
+    assert choice is not None and choice.step == 3 and choice.replicas == []
+    assert mf.verify(choice.path) == {"step": 3, "world_size": 1}  # a committed checkpoint folder
+    model = storage.load_torch(choice.path / "model.pt")
+    torch.testing.assert_close(model, snapshot_files(3, 0)["model.pt"], rtol=0, atol=0)
+    assert sorted(holdings(snap.node_dir)) == [3]  # only the chosen snapshot stays
+    raw = choice.path.parent / "model.pt.raw"  # the snapshot's own file (the checkpoint is rebuilt from it)
+    data = bytearray(raw.read_bytes())
+    data[-10] ^= 0xFF
+    raw.write_bytes(bytes(data))
+    choice, messages = recover(again, min_step=0)
+    assert choice is None and "CRC-32" in " ".join(messages) and "from disk" in messages[-1]
+    assert holdings(snap.node_dir) == {}
+    snap.finish(remove=True)
+    assert not snap.node_dir.exists()
+
+
+@pytest.mark.fast
+def test_dead_runs_folders_are_removed_live_ones_kept(tmp_path):
+    for name, pid in (("dead", 2**22 + 12345), ("live", os.getpid()), ("mine", 2**22 + 12345)):
+        (tmp_path / name / "h").mkdir(parents=True)
+        (tmp_path / name / "h" / "owner.json").write_text(json.dumps({"pid": pid}))
+    (tmp_path / "dead" / "other-host").mkdir()  # another node's folder of the dead run is not this host's to judge
+    assert remove_dead_runs(tmp_path, host="h", own="mine") == [tmp_path / "dead" / "h"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dead", "live", "mine"]
+    assert run_id(tmp_path / "x") == run_id(tmp_path / "." / "x") != run_id(tmp_path / "y")
+
+
+def two_hosts(rank: int, root: str, run_dir: str) -> tuple:
+    """Two ranks on two fake hosts: snapshots replicate to each other; host b then loses its memory and
+    recovery sends it rank 0's and rank 1's parts from host a's copies."""
+
+    def body() -> tuple:
+        env = DistEnv(rank=rank, world_size=2, local_world_size=1, hostname="ab"[rank])
+        snap = MemorySnapshots(every_steps=1, root=root, run_dir=Path(run_dir), env=env)
+        snap.start(fresh=True)
+        for step in (1, 2):
+            snap.snapshot(step=step, files=snapshot_files(step, rank), meta={"step": step, "world_size": 2})
+        snap.wait()
+        held = {s: sorted(p) for s, p in holdings(snap.node_dir).items()}
+        torch.distributed.barrier()
+        if rank == 1:  # host b's memory is gone (a replaced node)
+            import shutil
+
+            shutil.rmtree(snap.node_dir)
+        torch.distributed.barrier()
+        choice, _ = recover(snap, min_step=0)
+        assert choice is not None
+        rank_file = storage.load_torch(choice.path / f"rank_{rank:05d}.pt")
+        model = storage.load_torch(choice.path / "model.pt")
+        snap.finish(remove=True)
+        return held, choice.step, choice.replicas, rank_file["rng"], model["w"]
+
+    return in_group(body)
+
+
+@pytest.mark.timeout(60)
+def test_snapshots_replicate_to_the_other_host_and_a_host_without_memory_is_sent_them(tmp_path):
+    results = run_ranks(two_hosts, 2, str(tmp_path / "mem"), str(tmp_path / "run"), timeout=50)
+    for rank, (held, step, _, rng, model) in enumerate(results):
+        assert held == {1: [0, 1], 2: [0, 1]}  # its own part and the other host's replica
+        assert step == 2
+        torch.testing.assert_close(rng, snapshot_files(2, rank)[f"rank_{rank:05d}.pt"]["rng"], rtol=0, atol=0)
+        torch.testing.assert_close(model, snapshot_files(2, 0)["model.pt"]["w"], rtol=0, atol=0)
+    assert results[0][2] == ["rank 1 (host b) from host a's replica"]
+    assert not (tmp_path / "mem" / run_id(tmp_path / "run")).exists()
+
+
+@pytest.mark.fast
+def test_the_memory_formula_for_two_nodes_of_two_ranks():
+    got = snapshot_bytes(param_bytes=100, optim_bytes=200, rank_file_bytes=10, world=4, local_world=2)
+    assert got == 2 * (2 * 10 + 2 * 10 + 300)
+
+
+@pytest.mark.fast
+def test_stage_copies_into_the_previous_buffers_and_leaves_the_live_state_alone():
+    live = {"w": torch.ones(3), "state": {0: {"exp_avg": torch.zeros(2), "step": torch.tensor(1.0)}}, "lr": [0.1]}
+    first = stage(live)
+    live["w"].add_(1)
+    live["state"][0]["exp_avg"].add_(5)
+    assert first["w"].tolist() == [1.0, 1.0, 1.0] and first["state"][0]["exp_avg"].tolist() == [0.0, 0.0]
+    second = stage(live, first)
+    assert second["w"] is first["w"] and second["state"][0]["exp_avg"] is first["state"][0]["exp_avg"]
+    assert second["w"].tolist() == [2.0, 2.0, 2.0] and second["lr"] == [0.1] and second["w"] is not live["w"]
+    live["w"] = torch.ones(4)  # another shape: a new buffer
+    assert stage(live, second)["w"].shape == (4,)
+
+
+@pytest.mark.fast
+def test_the_raw_snapshot_format_rebuilds_the_file_torch_save_would_write(tmp_path):
+    tree = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5, 2)},
+                  1: {"m": torch.ones(2, dtype=torch.bool)}},
+        "param_groups": [{"lr": 0.1, "params": [0, 1], "betas": (0.9, 0.99)}],
+        "half": torch.randn(3, dtype=torch.bfloat16), "empty": torch.empty(0, 4), "n": None,
+    }
+    entries = memory_format.write(tmp_path, "optim.pt", stage(tree))
+    assert sorted(entries) == ["optim.pt.raw", "optim.pt.skel"]
+    assert memory_format.logical_names(entries) == ["optim.pt"]
+    memory_format.materialize(tmp_path, "optim.pt", tmp_path / "optim.pt")
+    got = storage.load_torch(tmp_path / "optim.pt")
+    torch.save(tree, tmp_path / "want.pt")
+    want = storage.load_torch(tmp_path / "want.pt")
+    assert got["param_groups"] == want["param_groups"] and got["n"] is None
+    for a, b in ((got["state"][0]["exp_avg"], tree["state"][0]["exp_avg"]), (got["half"], tree["half"]),
+                 (got["state"][1]["m"], tree["state"][1]["m"]), (got["empty"], tree["empty"]),
+                 (got["state"][0]["step"], tree["state"][0]["step"])):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -74,7 +74,8 @@ RECIPE = [
     "checkpoint.every_steps=5",
     "checkpoint.keep_last=4",
 ]
-JOB = ["launch.max_restarts=1000"]  # every fault costs a restart of torchrun's budget; the soak's are many
+JOB = ["launch.max_restarts=1000"]
+END = "<!-- the soak writes everything above this line -->"  # every fault costs a restart of torchrun's budget; the soak's are many
 
 
 def paced_loss(model: Any, batch: Any) -> Any:
@@ -165,6 +166,7 @@ class Watch:
         self.rows: list[tuple[float, dict]] = []
         self._stop = threading.Event()
         self._pos = 0
+        self._inode: int | None = None
         self._buf = ""
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
@@ -176,9 +178,11 @@ class Watch:
     def poll(self) -> None:
         try:
             with open(self.path) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < self._pos:  # a resume cut the records after its step (checkpoint/resume.py): seen already
-                    self._pos, self._buf = size, ""
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._inode:  # a new file (a restart from step 0 moves the old one to previous/)
+                    self._inode, self._pos, self._buf = st.st_ino, 0, ""
+                elif st.st_size < self._pos:  # a resume cut the records after its step (checkpoint/resume.py)
+                    self._pos, self._buf = st.st_size, ""
                 f.seek(self._pos)
                 chunk = f.read()
                 self._pos = f.tell()
@@ -269,8 +273,8 @@ class Job:
 
     def failed(self) -> str | None:
         p = self.procs.get(0)
-        if p is not None and p.poll() not in (None, 0):
-            return f"node 0's launcher exited {p.returncode}"
+        if p is not None and p.poll() is not None:
+            return f"node 0's launcher exited {p.returncode}" + (" (the job finished)" if p.returncode == 0 else "")
         return None
 
     def tail(self) -> str:
@@ -525,6 +529,9 @@ def write_markdown(path: Path, report: dict, faults: list[Fault], *, argv: list[
         f"{sum(x.steps_lost or 0 for x in v)} |" for k, v in sorted(by_kind.items())
     )
     cmp = report["comparison"]
+    keep = ""  # what the page says below the soak's own part is kept
+    if path.exists() and END in path.read_text():
+        keep = path.read_text().split(END, 1)[1]
     path.write_text(f"""# Chaos soak
 
 `python benchmarks/chaos_soak.py {' '.join(argv)}` on the two-namespace cluster (`dptrain.tools.netns`),
@@ -549,10 +556,12 @@ Final weights: **{'bit-identical' if cmp['weights_bit_identical'] else 'differen
 {cmp['weights_max_abs_diff']:.3g} over {cmp['tensors']} tensors); per-step losses over
 {cmp['steps_compared']} steps: **{'bit-identical' if cmp['losses_bit_identical'] else 'different'}** (max |diff|
 {cmp['loss_max_abs_diff']:.3g}).
-""")
+
+{END}{keep}""")
 
 
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `kill` (a test's timeout) still cleans up
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--faults", type=int, default=20)

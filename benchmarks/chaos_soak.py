@@ -45,7 +45,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +74,8 @@ RECIPE = [
     "checkpoint.every_steps=5",
     "checkpoint.keep_last=4",
 ]
-JOB = ["launch.max_restarts=1000"]
-END = "<!-- the soak writes everything above this line -->"  # every fault costs a restart of torchrun's budget; the soak's are many
+JOB = ["launch.max_restarts=1000"]  # every fault costs a restart of torchrun's budget; the soak's are many
+END = "<!-- the soak writes everything above this line -->"
 
 
 def paced_loss(model: Any, batch: Any) -> Any:
@@ -308,6 +308,7 @@ def inject(job: Job, watch: Watch, f: Fault, *, disk: Path, log: Any) -> None:
         ckpt = newest_checkpoint(run)
         f.note = f"corrupted {corrupt(ckpt)}" if ckpt else "no checkpoint yet"
     f.t_fault = time.time()
+    t_cont = f.t_fault  # when the fault is over, for faults that restart nothing
     if f.kind in ("worker_kill", "corrupt"):
         os.kill(pid, signal.SIGKILL)
     elif f.kind == "sigterm":
@@ -322,6 +323,7 @@ def inject(job: Job, watch: Watch, f: Fault, *, disk: Path, log: Any) -> None:
         os.kill(pid, signal.SIGSTOP)
         time.sleep(f.hold_s)
         os.kill(pid, signal.SIGCONT)
+        t_cont = time.time()
         restarts = False
     elif f.kind == "full_disk":
         filler = disk / "filler"
@@ -338,6 +340,7 @@ def inject(job: Job, watch: Watch, f: Fault, *, disk: Path, log: Any) -> None:
             time.sleep(0.05)
         f.hold_s = round(time.time() - f.t_fault, 1)
         filler.unlink()
+        t_cont = time.time()
         restarts = progress(run).get("pid") != before_pid or watch.last_step() <= target
     if restarts:
         wait_for(lambda: progress(run).get("pid") not in (None, before_pid), timeout=240, job=job,
@@ -347,8 +350,10 @@ def inject(job: Job, watch: Watch, f: Fault, *, disk: Path, log: Any) -> None:
                  what=f"{f.label()}: training again")
         t_again, rec = watch.since(max(t_group - 0.05, f.t_fault))[0]
     else:
-        wait_for(lambda: watch.since(f.t_fault + f.hold_s), timeout=120, job=job, what=f"{f.label()}: training again")
-        t_again, rec = watch.since(f.t_fault)[0]
+        # a step whose all-reduce the stopped rank had already joined may still finish while it is stopped:
+        # the next step trained is the first one after SIGCONT
+        wait_for(lambda: watch.since(t_cont), timeout=120, job=job, what=f"{f.label()}: training again")
+        t_again, rec = watch.since(t_cont)[0]
     f.t_again = t_again
     f.recovery_s = round(t_again - f.t_fault, 2)
     last_before = max((r["step"] for t, r in watch.rows if t <= f.t_fault), default=0)
@@ -366,21 +371,31 @@ def inject(job: Job, watch: Watch, f: Fault, *, disk: Path, log: Any) -> None:
 # ------------------------------------------------------------------ the reference
 def reference(segments: list[tuple[int, int]], *, max_steps: int, items: list[str], env: dict[str, str],
               out: Path) -> Path:
-    """Plain `dptrain run` runs: world size `w` from the previous boundary up to step `k` for each (k, w)
-    boundary, the last to max_steps, each resuming the previous one's checkpoint at its last step."""
+    """Plain `dptrain run` runs of the same recipe (train.max_steps unchanged: the schedule depends on it), one per
+    (k, w) segment: world size `w`, resuming the previous segment's checkpoint at its boundary step, checkpoints
+    every step; a segment is stopped (SIGTERM) once its checkpoint at step `k` is committed, the last one runs to
+    max_steps. Later segments' records replace an earlier one's past its boundary (`losses`)."""
     prev: Path | None = None
     for i, (stop, world) in enumerate(segments):
         run = out / f"ref{i}"
-        argv = [sys.executable, "-m", "dptrain", "run", *joined(items, [f"train.max_steps={stop}"]), "--nproc-per-node",
-                str(world), "--out", str(run)]
+        last = i == len(segments) - 1
+        argv = [sys.executable, "-m", "dptrain", "run", *joined(items, ["checkpoint.every_steps=1"]),
+                "--nproc-per-node", str(world), "--out", str(run)]
         if prev is not None:
             argv += ["--resume", str(prev)]
-        r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
-            raise RuntimeError(f"reference segment {i} ({' '.join(argv[3:])}) failed:\n{r.stderr[-3000:]}")
-        ckpts = sorted((run / "checkpoints").glob("step_*"))
-        prev = run / "checkpoints" / f"step_{stop:06d}" if (run / "checkpoints" / f"step_{stop:06d}").exists() \
-            else (ckpts[-1] if ckpts else None)
+        target = run / "checkpoints" / f"step_{stop:06d}"
+        p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        deadline = time.monotonic() + 900
+        while p.poll() is None and (last or not (target / mf.MARKER).exists()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+        err = p.communicate(timeout=120)[1]
+        if not (target / mf.MARKER).exists() or (last and p.returncode != 0):
+            raise RuntimeError(f"reference segment {i} ({' '.join(argv[3:])}) failed (exit {p.returncode}):\n"
+                               f"{err[-3000:]}")
+        prev = target
     return out / f"ref{len(segments) - 1}"
 
 
@@ -477,6 +492,27 @@ def soak(args: argparse.Namespace) -> int:
         shutil.copytree(run / "final", work / "run" / "final", dirs_exist_ok=True)
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    return conclude(args, work=work, faults=faults, max_steps=max_steps, items=items, env=env, wall=wall)
+
+
+def recompare(args: argparse.Namespace) -> int:
+    """Build the reference again for a finished soak (its --keep folder and --json report) and compare."""
+    report = json.loads(Path(args.json).read_text())
+    faults = [Fault(**f) for f in report["faults"]]
+    work = Path(args.keep)
+    args.seed, args.overrides = report["seed"], report["overrides"]
+    max_steps = report["max_steps"]
+    items = joined(RECIPE, [f"train.seed={args.seed}", f"train.max_steps={max_steps}"], args.overrides)
+    src = Path(args.src).resolve() if args.src else ROOT / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(HERE), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", PACE_ENV: str(work / "pace")}
+    shutil.rmtree(work / "reference", ignore_errors=True)
+    return conclude(args, work=work, faults=faults, max_steps=max_steps, items=items, env=env, wall=report["wall_s"])
+
+
+def conclude(args: argparse.Namespace, *, work: Path, faults: list[Fault], max_steps: int, items: list[str],
+             env: dict[str, str], wall: float) -> int:
+    """The reference with the soak's membership changes, the comparison, the totals and the reports."""
     run = work / "run"
     members = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()
                if line.strip() and json.loads(line).get("event") == "membership"]
@@ -573,9 +609,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--src", help="the dptrain checkout's src/ the job runs (default: this one's)")
     p.add_argument("--keep", help="work directory to keep (default: a temporary one)")
     p.add_argument("--verbose", action="store_true", help="torchrun's INFO log lines in the node logs")
+    p.add_argument("--recompare", action="store_true",
+                   help="only build the reference again and compare, for the soak in --keep with its --json report")
     p.add_argument("--json")
     p.add_argument("--md")
-    return soak(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.recompare and not (args.keep and args.json):
+        p.error("--recompare needs --keep WORK and --json REPORT of a finished soak")
+    return recompare(args) if args.recompare else soak(args)
 
 
 if __name__ == "__main__":

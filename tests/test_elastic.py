@@ -157,7 +157,7 @@ def test_a_rank_that_lost_a_peer_on_another_host_exits_soon():
     from dptrain.launch.worker import peer_is_remote
 
     def closed(addr: str) -> RuntimeError:
-        return RuntimeError(f"[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [{addr}]:28363. This is ...")
+        return RuntimeError(f"[/x/gloo/tcp/pair.cc:553] Connection closed by peer [{addr}]:28363. This is ...")
 
     assert peer_is_remote(closed("192.0.2.7"))  # TEST-NET-1: never an address of this host
     assert not peer_is_remote(closed("127.0.0.1"))  # a peer on this host: its agent sees it die

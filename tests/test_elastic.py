@@ -116,9 +116,52 @@ def test_nnodes_range_reaches_torchrun_with_the_rendezvous_settings():
     assert cfg.launch.nnodes == "1:2"  # YAML 1.2 scalars: not the base-60 integer 62
     argv = torchrun_args(cfg.launch, nproc_per_node=1, module="dptrain.launch.worker", module_args=[])
     assert argv[argv.index("--nnodes") + 1] == "1:2" and argv[argv.index("--rdzv-backend") + 1] == "c10d"
-    assert argv[argv.index("--rdzv-conf") + 1] == "last_call_timeout=2,join_timeout=60"
+    # the user's settings, on top of the elastic defaults for the keys they leave out (config/nodes.py)
+    conf = dict(kv.split("=") for kv in argv[argv.index("--rdzv-conf") + 1].split(","))
+    assert conf == {"last_call_timeout": "2", "join_timeout": "60", "keep_alive_interval": "1",
+                    "keep_alive_max_attempt": "3"}
     assert argv[argv.index("--max-restarts") + 1] == "3"
     assert resolve(cfg, world_size=None, cuda_available=False).world_size == 2 * 2  # planned at MAX nodes
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(30)
+def test_elastic_runs_get_fast_failure_detection_by_default_and_fixed_runs_keep_torchruns():
+    import inspect
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+    from dptrain.config.nodes import ELASTIC_RDZV_DEFAULTS
+
+    def conf(*items):
+        cfg = load_config(None, ["launch.rdzv_endpoint=h0:29500", *items])
+        argv = torchrun_args(cfg.launch, nproc_per_node=1, module="dptrain.launch.worker", module_args=[])
+        text = argv[argv.index("--rdzv-conf") + 1] if "--rdzv-conf" in argv else ""
+        return {k: int(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+    assert conf("launch.nnodes=1:2") == ELASTIC_RDZV_DEFAULTS
+    assert conf("launch.nnodes=2") == {}  # a fixed node count: torchrun's own settings
+    assert conf("launch.nnodes=1:2", "launch.rdzv_conf=last_call_timeout=30") == {**ELASTIC_RDZV_DEFAULTS,
+                                                                                  "last_call_timeout": 30}
+    # torchrun's defaults, which these replace: a dead node noticed after 5 s x 3, a 30 s last call
+    params = inspect.signature(DynamicRendezvousHandler.from_backend).parameters
+    torch_defaults = {"last_call_timeout": int(RendezvousTimeout().last_call.total_seconds()),
+                      **{k: params[k].default for k in ("keep_alive_interval", "keep_alive_max_attempt")}}
+    assert torch_defaults == {"last_call_timeout": 30, "keep_alive_interval": 5, "keep_alive_max_attempt": 3}
+    assert all(ELASTIC_RDZV_DEFAULTS[k] < torch_defaults[k] for k in ("last_call_timeout", "keep_alive_interval"))
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(30)
+def test_a_rank_that_lost_a_peer_on_another_host_exits_soon():
+    from dptrain.launch.worker import peer_is_remote
+
+    def closed(addr: str) -> RuntimeError:
+        return RuntimeError(f"[/x/gloo/tcp/pair.cc:553] Connection closed by peer [{addr}]:28363. This is ...")
+
+    assert peer_is_remote(closed("192.0.2.7"))  # TEST-NET-1: never an address of this host
+    assert not peer_is_remote(closed("127.0.0.1"))  # a peer on this host: its agent sees it die
+    assert not peer_is_remote(RuntimeError("Connection closed by peer"))  # no address named: keep the long wait
 
 
 @pytest.mark.fast

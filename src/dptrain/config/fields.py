@@ -384,7 +384,9 @@ class LaunchConfig:
     node that joins costs none."""
     rdzv_conf: str | None = None
     """torchrun's c10d rendezvous settings as key=seconds,... (join_timeout, last_call_timeout, close_timeout,
-    heartbeat, keep_alive_interval, keep_alive_max_attempt, read_timeout); null: torchrun's defaults."""
+    heartbeat, keep_alive_interval, keep_alive_max_attempt, read_timeout); keys not set keep torchrun's defaults,
+    except in an elastic run (nnodes MIN:MAX): last_call_timeout=2, keep_alive_interval=1, keep_alive_max_attempt=3
+    (a lost node is noticed in 3 s, not 15 s, and the survivors wait 2 s, not 30 s, for more nodes)."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,12 @@ RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbe
                   "keep_alive_max_attempt", "read_timeout")
 """torchrun's c10d rendezvous settings a `launch.rdzv_conf` may set (all take whole seconds or counts)."""
 
+ELASTIC_RDZV_DEFAULTS = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
+"""What an elastic run (`launch.nnodes=MIN:MAX`) uses where `launch.rdzv_conf` says nothing, instead of torchrun's
+30 s last call and 5 s x 3 keep-alive: after a node is lost the survivors re-form the group once the dead node's
+heartbeat is 3 s old (not 15 s) and wait 2 s (not 30 s) for more nodes. Nodes started more than 2 s apart begin
+with fewer nodes; the late one joins at the next step boundary (a join costs no restart and no step)."""
+
 
 def node_range(nnodes: int | str) -> tuple[int, int]:
     """`launch.nnodes` as (min, max): N -> (N, N), 'MIN:MAX' -> (MIN, MAX). ConfigError otherwise."""
@@ -63,3 +69,9 @@ def parse_rdzv_conf(text: str | None) -> dict[str, int]:
                               f"seconds or counts) with key one of {', '.join(RDZV_CONF_KEYS)}")
         out[key] = int(value)
     return out
+
+
+def rdzv_settings(launch: LaunchConfig) -> dict[str, int]:
+    """The c10d settings the launcher hands torchrun: `launch.rdzv_conf`'s, on top of ELASTIC_RDZV_DEFAULTS for
+    an elastic run (torchrun's own defaults otherwise)."""
+    return {**(ELASTIC_RDZV_DEFAULTS if is_elastic(launch) else {}), **parse_rdzv_conf(launch.rdzv_conf)}

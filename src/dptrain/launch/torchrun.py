@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.config import ConfigError, LaunchConfig
-from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, torchrun_nnodes
+from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, rdzv_settings, torchrun_nnodes
 from dptrain.config.resolve import parse_endpoint
 from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, final_status, read_exit_marks
 from dptrain.launch.interrupts import EARLY, CtrlC, last_saved, workers_start_with_sigint_blocked
@@ -52,7 +52,7 @@ def torchrun_args(cfg: LaunchConfig, *, nproc_per_node: int, module: str, module
             )
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint, "--rdzv-id", cfg.rdzv_id]
         args += ["--node-rank", str(cfg.node_rank)]
-        conf = parse_rdzv_conf(cfg.rdzv_conf)
+        conf = rdzv_settings(cfg)
         if conf:
             args += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
     args += ["--max-restarts", str(cfg.max_restarts)]

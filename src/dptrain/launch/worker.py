@@ -13,12 +13,16 @@ with one line instead of a traceback when this rank only lost a peer (the rank t
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import re
 import signal
 import sys
 import time
 import traceback
 from pathlib import Path
+
+import psutil
 
 from dptrain.distributed.exit_marks import clear_exit_mark, mark_exit
 
@@ -27,7 +31,11 @@ EXIT_PREEMPTED = 143
 EXIT_NONFINITE = 4
 """diagnostics.nonfinite stopped the run (the launcher maps it, launch/torchrun.py)."""
 PEER_LOST_GRACE_S = 10.0
-"""How long a rank that only lost a peer waits before it exits (torchrun ends it sooner)."""
+"""How long a rank that only lost a peer on its own node waits before it exits (its agent ends it sooner)."""
+REMOTE_PEER_LOST_GRACE_S = 2.0
+"""The same wait when the peer was on another node. This node's agent never sees that rank die, so the wait only
+gives the other node's agent time to re-join the rendezvous (then this agent stops the worker without spending one of
+its restarts); a node that is gone never re-joins, and waiting longer only delays the survivors' new group."""
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing")
 """How gloo says that another rank's process is gone (the survivors' collectives fail with it)."""
 LAUNCHER_PID = "DPTRAIN_LAUNCHER_PID"
@@ -129,7 +137,7 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
             # Let the rank that failed be the first failure torchrun observes (its report names the root
             # cause by time): torchrun stops this one as soon as it sees that rank gone.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing left to save: torchrun's stop ends the wait
-            time.sleep(PEER_LOST_GRACE_S)
+            time.sleep(REMOTE_PEER_LOST_GRACE_S if peer_is_remote(e) else PEER_LOST_GRACE_S)
             return 1
         trainer.ckpt.record_error(traceback.format_exc())  # for the restart report (attempts.jsonl)
         raise
@@ -151,6 +159,27 @@ def final(code: int, reason: str, *, detail: str = "") -> int:
 def peer_lost(error: BaseException) -> bool:
     """Whether `error` is a collective failing because another rank's process is gone."""
     return isinstance(error, RuntimeError) and any(m in str(error) for m in PEER_LOST)
+
+
+def peer_is_remote(error: BaseException) -> bool:
+    """Whether the peer gloo names in `error` ("Connection closed by peer [10.0.0.2]:28363") is on another host:
+    its address is none of this host's. False when the message names no address."""
+    addrs = {a for a in re.findall(r"\[([0-9A-Fa-f:.]+)\]:\d+", str(error)) if valid_ip(a)}
+    if not addrs:
+        return False
+    try:
+        local = {a.address.split("%")[0] for nics in psutil.net_if_addrs().values() for a in nics}
+    except (OSError, psutil.Error):
+        return False
+    return not any(ipaddress.ip_address(a).is_loopback or a in local for a in addrs)
+
+
+def valid_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def first_line(error: BaseException) -> str:

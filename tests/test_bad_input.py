@@ -340,7 +340,7 @@ def test_ckpt_launch_and_doctor_arguments(capsys, tmp_path, argv, named):
 @pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_launch_leaves_the_scripts_own_arguments_alone():
-    from dptrain.cli.main import _check_nproc_option
+    from dptrain.cli.script import _check_nproc_option
 
     _check_nproc_option(["--nnodes", "1", "train.py", "--nproc-per-node", "0"])  # the script's, not torchrun's
     with pytest.raises(ConfigError, match="'x'"):

@@ -138,7 +138,7 @@ def test_launch_fills_in_only_the_torchrun_defaults_the_user_left_out():
 @pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_launch_reads_restarts_only_from_torchrun_options_before_the_script():
-    from dptrain.cli.main import _wants_restarts
+    from dptrain.cli.script import _wants_restarts
 
     assert not _wants_restarts(["--nproc-per-node", "2", "train.py", "--max-restarts", "3"])  # the script's own flag
     assert not _wants_restarts(["--standalone", "train.py", "--max_restarts=3"])
@@ -150,7 +150,7 @@ def test_launch_reads_restarts_only_from_torchrun_options_before_the_script():
 @pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_launch_checks_nproc_only_before_the_script_told_apart_by_torchruns_parser():
-    from dptrain.cli.main import _check_nproc_option
+    from dptrain.cli.script import _check_nproc_option
     from dptrain.config import ConfigError
 
     # --standalone takes no value: s.py is the script, and its own --nproc-per-node is not torchrun's

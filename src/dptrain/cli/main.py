@@ -11,19 +11,17 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from dptrain.checkpoint.manifest import checkpoint_root
-from dptrain.checkpoint.rundir import PENDING_CONFIG, RunDirLock, check_run_dir, write_atomically
-from dptrain.cli.ckpt import add_ckpt_parser, prepare_resume
+from dptrain.cli.ckpt import add_ckpt_parser
 from dptrain.cli.data import add_data_parser
 from dptrain.cli.manifest import add_manifest_parser
 from dptrain.cli.plan import add_plan_parser
 from dptrain.cli.report import add_report_parser
+from dptrain.cli.run import FLAG_NAMES, check_factories, cmd_run, flag_overrides
+from dptrain.cli.script import cmd_launch
 from dptrain.cli.top import add_top_parser
 from dptrain.config import (
     Config,
     ConfigError,
-    LaunchConfig,
-    default_out_dir,
     field_docs,
     local_world_size,
     resolve,
@@ -32,30 +30,14 @@ from dptrain.config import (
 )
 from dptrain.config.deepspeed import mapping_for_file
 from dptrain.config.hosting import DEFAULTS_PRESETS, preset_overrides
-from dptrain.config.imports import import_object
 from dptrain.config.load import dump_yaml, load_command_line
-from dptrain.config.nodes import is_elastic, max_nodes
-from dptrain.config.nvme import check_nvme_dir
-from dptrain.launch import torchrun as launch
+from dptrain.config.nodes import max_nodes
 from dptrain.launch.checks import (
     FactoryFailed,
-    call_factory,
     check_dir_writable,
     check_file_writable,
-    check_model,
-    check_rdzv_endpoint,
-    check_signature,
-    check_tensor_parallel,
-    check_vocabulary,
-    check_workers_fit,
 )
-from dptrain.launch.cluster_env import cluster_launch
-from dptrain.launch.elastic import pin_global_batch
-from dptrain.launch.hosted_checks import check_hosted, check_unnamed_recipe
 from dptrain.launch.interrupts import EARLY
-from dptrain.launch.worker import main as worker_main
-from dptrain.metrics.console_log import console_log
-from dptrain.metrics.monitor import check_monitoring
 from dptrain.tools.bench import parse_options
 from dptrain.tools.bench.run import run_bench
 
@@ -240,153 +222,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-FLAG_FIELDS = {
-    "nproc_per_node": ("--nproc-per-node", "launch.nproc_per_node"),
-    "out": ("--out", "log.out_dir"),
-    "max_restarts": ("--max-restarts", "launch.max_restarts"),
-}
-"""Options that set a config field: option dest -> (the flag, the field)."""
-FLAG_NAMES = {field: flag for flag, field in FLAG_FIELDS.values()}
-
-
 DEFAULTS_HELP = (
     "torch: plain PyTorch semantics under the config file and overrides (no weight decay, no warm-up, a constant "
     "lr, no clipping, betas (0.9, 0.999)); `dptrain config show --defaults torch` lists the fields it sets"
 )
-
-
-def _flag_overrides(args: argparse.Namespace) -> dict[str, str]:
-    """The config fields the command's options set, as {field: 'field=value' override, ...}."""
-    extra = {}
-    for dest, (_, field) in FLAG_FIELDS.items():
-        value = getattr(args, dest, None)
-        if value is not None and value != "":
-            extra[field] = f"{field}={value}"
-    return extra
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    cluster = cluster_launch()  # a Kubeflow pod's PET_* layout: after the file, before the command line's overrides
-    if cluster is not None:
-        print(cluster.describe(), file=sys.stderr)
-        args.items = [*cluster.overrides, *args.items]
-    cfg = load_command_line(
-        args.items, extra=_flag_overrides(args), flags=FLAG_NAMES, run_dir=args.out if args.resume != "none" else None,
-        defaults=preset_overrides(args.defaults),
-    )
-    check_workers_fit(local_world_size(cfg.launch))  # `--nproc-per-node 4096`: said before the batch arithmetic
-    validate(cfg)  # before anything imports torch: a refusal is instant
-    check_rdzv_endpoint(cfg.launch.rdzv_endpoint)  # an unknown host: said now, not after torchrun's retries
-    launch.check_rdzv_port(cfg.launch.rdzv_endpoint)  # a port another program holds: said now, not after join_timeout
-    run_dir = Path(default_out_dir(cfg))
-    check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")
-    if cfg.checkpoint.dir is not None:
-        check_dir_writable(cfg.checkpoint.dir, what="checkpoint.dir")  # relative to the working directory
-    if cfg.parallel.nvme_offload_dir is not None:
-        check_nvme_dir(cfg.parallel.nvme_offload_dir)  # an existing directory on the drive, before any worker starts
-    # One job per run directory: refused here, naming the holder, while another job (or its orphaned
-    # workers, saving before they exit) still owns it. Held until this launcher exits.
-    lock = RunDirLock(run_dir, per_host=max_nodes(cfg.launch) > 1)
-    lock.acquire()
-    try:
-        # records but no config.yaml (a start-up that never trained): never train a recipe it did not name
-        check_unnamed_recipe(run_dir, items=args.items, resume=args.resume)
-        return _run_locked(args, cfg, run_dir=run_dir, lock=lock)
-    finally:
-        lock.release()
-
-
-def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: Any) -> int:
-    nproc = local_world_size(cfg.launch)
-
-    check_monitoring(cfg.log, nproc_per_node=nproc)  # packages installed, Prometheus ports free
-    # An existing run: same model, same global batch; accumulation follows a new world size.
-    cfg = prepare_resume(
-        cfg, run_dir=run_dir, resume=args.resume, trust=args.trust_checkpoint, world_size=nproc * max_nodes(cfg.launch)
-    )
-    res = resolve(
-        cfg, world_size=nproc * max_nodes(cfg.launch)
-    )  # refuses bad batch arithmetic before any process starts
-    cfg = dataclasses.replace(
-        cfg,
-        log=dataclasses.replace(cfg.log, out_dir=str(run_dir)),
-        launch=dataclasses.replace(cfg.launch, nproc_per_node=nproc),
-    )
-    if is_elastic(cfg.launch):
-        cfg = pin_global_batch(cfg, res=res)  # workers at another world size keep it (accumulation re-derived)
-        if cfg.launch.max_restarts == 0:
-            print(
-                f"dptrain: warning: launch.nnodes={cfg.launch.nnodes} with launch.max_restarts=0: the first node that "
-                "leaves ends the run (each node loss costs the survivors one restart; joins cost none)",
-                file=sys.stderr,
-            )
-    train = _check_factories(cfg, tp=res.dims.tp)
-    own_batches = getattr(train, "make_batch_sampler", None)
-    if own_batches is not None:  # its own batches (a token budget): their checks, before any worker
-        own_batches(grad_accum_steps=res.grad_accum_steps, dp_rank=0, dp_world_size=res.dp_world_size,
-                    seed=cfg.train.seed, shuffle=cfg.data.shuffle, start_step=0)
-    elif len(train) < res.global_batch_size:
-        raise ConfigError(
-            f"the training set has {len(train)} samples, fewer than one global batch of {res.global_batch_size}; "
-            "lower train.global_batch_size or use more data"
-        )
-    finished = check_run_dir(cfg, run_dir=run_dir, resume=args.resume)  # never reset or rewrite a run silently
-    if finished is not None:
-        print(finished.message(run_dir=run_dir, max_steps=cfg.train.max_steps), file=sys.stderr)
-        return 0
-    # The workers read this file; RUN_DIR/config.yaml is written only once they have started (a failed start
-    # leaves nothing a corrected command would inherit). Written whole or not at all (a full disk).
-    run_dir.mkdir(parents=True, exist_ok=True)
-    pending = run_dir / PENDING_CONFIG
-    try:
-        write_atomically(pending, dump_yaml(cfg))
-    except OSError as e:
-        raise ConfigError(f"cannot write the run's config to {pending}: {e}") from None
-    lock.share(sys.argv)  # the workers take their own shared holds
-    worker_args = [str(run_dir), "--config", str(pending), "--resume", args.resume]
-    worker_args += ["--trust-checkpoint"] if args.trust_checkpoint else []
-
-    with console_log(run_dir):  # the launcher's lines; rank 0 adds its own (worker.py)
-        return _launch(cfg, res=res, nproc=nproc, run_dir=run_dir, pending=pending, worker_args=worker_args)
-
-
-def _launch(cfg: Config, *, res: Any, nproc: int, run_dir: Path, pending: Path, worker_args: list[str]) -> int:
-    try:
-        EARLY.check()  # a Ctrl-C during the checks that torch's import swallowed: nothing starts
-        if res.world_size == 1:
-            return worker_main(worker_args)
-        argv = launch.torchrun_args(
-            cfg.launch, nproc_per_node=nproc, module="dptrain.launch.worker", module_args=worker_args
-        )
-        print(launch.describe_rendezvous(cfg.launch), flush=True)
-        return launch.run_torchrun(
-            argv,
-            restarts=cfg.launch.max_restarts > 0,
-            launch_cfg=cfg.launch,
-            ckpt_root=checkpoint_root(cfg.checkpoint, run_dir),
-            abandon=lambda: pending.unlink(missing_ok=True),
-        )
-    finally:
-        pending.unlink(missing_ok=True)
-
-
-def _check_factories(cfg: Config, *, tp: int = 1) -> Any:
-    """Import every factory, bind its kwargs, build the model once on the meta device and the data
-    once (which warms caches, e.g. the corpus, before ranks race for them); with tp > 1 check the
-    model can be split. Returns the train set."""
-    # lazy: torch: loaded when the command runs, never for --help
-    from dptrain.data.loader import split_train_val
-
-    if cfg.train.loss:
-        import_object(cfg.train.loss)  # a typo in an import path fails here, not in every worker
-    check_hosted(cfg)  # optim.factory, scheduler_factory, eval_fn, collate (+ kwargs): import and bind
-    model = check_model(cfg.model)
-    data_fn = import_object(cfg.data.factory)
-    check_signature(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory)
-    train, _ = split_train_val(call_factory(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory))
-    check_vocabulary(model, train)
-    check_tensor_parallel(model, parallel=cfg.parallel, tp=tp, sample=train[0] if len(train) else None)
-    return train
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -403,64 +242,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     check_dir_writable(out, what="--out")
     # check: imports, kwargs, the model on the meta device, the data once (warms the corpus cache)
-    return run_bench(cfg, opts=opts, out_dir=out, check=_check_factories)
-
-
-def cmd_launch(args: argparse.Namespace) -> int:
-    if not args.argv:
-        raise ConfigError("dptrain launch needs a script: dptrain launch [torchrun options] SCRIPT [ARGS]")
-    if args.argv[0] in ("-h", "--help"):  # before torch is imported: help stays instant
-        print(LAUNCH_HELP)
-        return 0
-    _check_nproc_option(args.argv)
-    _check_script(args.argv)
-    opts = launch.torchrun_options(args.argv)
-    launch.check_rdzv_port(launch.option_value(opts, "--rdzv-endpoint", "--rdzv_endpoint"))
-    argv = launch.user_script_args(args.argv, default_nproc=local_world_size(LaunchConfig()))
-    argv = launch.record_failures(argv)  # the script's traceback reaches torchrun's failure report
-    return launch.run_torchrun(argv, restarts=_wants_restarts(argv), own_workers=False)
-
-
-LAUNCH_HELP = """usage: dptrain launch [torchrun options] SCRIPT [ARGS]
-
-Run your own training script under torchrun with dptrain's defaults: --nproc-per-node every local GPU
-(2 workers on the CPU) and --standalone when no rendezvous is named. A plain SCRIPT.py runs through
-dptrain.launch.record_script, so its traceback reaches torchrun's failure report; the exit status is the
-script's own. torchrun's options (before SCRIPT) are torchrun's: see `torchrun --help`."""
-
-
-def _check_script(argv: list[str]) -> None:
-    """The script `dptrain launch` is to run exists (with -m/--module or --no-python it is a module or a
-    command, checked by Python or the shell)."""
-
-    at = launch.script_index(argv)
-    opts = argv[:at]
-    if at == len(argv):
-        raise ConfigError("dptrain launch needs a script after torchrun's options: "
-                          "dptrain launch [torchrun options] SCRIPT [ARGS]")
-    if any(o.split("=")[0] in ("-m", "--module", "--no-python", "--no_python") for o in opts):
-        return
-    script = Path(argv[at])
-    if not script.is_file():
-        what = "is a directory" if script.is_dir() else "does not exist"
-        raise ConfigError(f"script {argv[at]!r} {what}; dptrain launch [torchrun options] SCRIPT.py [ARGS]")
-
-
-def _wants_restarts(argv: list[str]) -> bool:
-    """Whether torchrun's own --max-restarts (before the script; the script's own is its business) asks
-    for restarts, which need the separate-store setting (launch.RESTART_ENV)."""
-
-    value = launch.option_value(launch.torchrun_options(argv), "--max-restarts", "--max_restarts")
-    return value is not None and value != "0"
-
-
-def _check_nproc_option(argv: list[str]) -> None:
-    """torchrun's --nproc-per-node must be a positive integer or one of its words (it asserts otherwise).
-    Only torchrun's options count: those before the script, told apart by torchrun's own parser."""
-
-    value = launch.option_value(launch.torchrun_options(argv), "--nproc-per-node", "--nproc_per_node")
-    if value is not None and value not in ("auto", "cpu", "gpu", "xpu") and not (value.isdigit() and int(value) >= 1):
-        raise ConfigError(f"--nproc-per-node={value!r} is not valid; use a positive integer, auto, cpu or gpu")
+    return run_bench(cfg, opts=opts, out_dir=out, check=check_factories)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -474,7 +256,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_command_line(args.items, extra=_flag_overrides(args), flags=FLAG_NAMES,
+    cfg = load_command_line(args.items, extra=flag_overrides(args), flags=FLAG_NAMES,
                             defaults=preset_overrides(args.defaults))
     res = resolve(cfg, world_size=local_world_size(cfg.launch) * max_nodes(cfg.launch))
     print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")

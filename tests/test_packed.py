@@ -182,7 +182,7 @@ def fit_packed(rank: int, out: Path, source: Path, vocab: int, log: Path, over: 
         f"model.kwargs={{vocab_size: {vocab}, dim: 16, n_layers: 1, n_heads: 2, max_seq_len: 32}}",
         "data.factory=dptrain.data.packed:build_packed", f"data.kwargs={{source: '{source}', seq_len: 32}}",
         "data.num_workers=2", "train.loss=support.batch_log:recording_loss", "parallel.strategy=ddp",
-        "train.global_batch_size=4", "train.micro_batch_size=1", "optim.warmup_steps=0", "optim.schedule=constant",
+        "train.global_batch_size=4", "train.micro_batch_size=2", "optim.warmup_steps=0", "optim.schedule=constant",
         "checkpoint.every_steps=2",
     ]
     cfg = load_config(None, overrides(TOY, recipe, over))
@@ -195,7 +195,7 @@ def test_resume_at_world_2_1_2_with_workers_trains_every_step_on_its_global_batc
     world 1 and 2 more at world 2, each resuming from the last checkpoint with 2 DataLoader workers per
     rank: every step trains on exactly the rows of its global batch in the world-1 order (the sampler's
     `global_batch_indices` on the same dataset and seed), the run continues at the right step, and its losses and
-    final weights are bit-identical to an uninterrupted 2-rank run's."""
+    final weights equal an uninterrupted 2-rank run's (at the parity tolerance)."""
     source, _, _ = corpus
     vocab = json.loads((source / "manifest.json").read_text())["tokenizer"]["vocab_size"]
     steps = []
@@ -203,7 +203,7 @@ def test_resume_at_world_2_1_2_with_workers_trains_every_step_on_its_global_batc
         log = tmp_path / "log" / f"{until}"
         log.mkdir(parents=True)
         run_ranks(fit_packed, world, tmp_path / "run", source, vocab, log, [f"train.max_steps={until}"])
-        steps += read_steps(log, world, accum=4 // world)
+        steps += read_steps(log, world, accum=2 // world)
     train, _ = build_packed(source=str(source), seq_len=32)
     order = GlobalBatchSampler(dataset_len=len(train), global_batch_size=4, micro_batch_size=4, grad_accum_steps=1,
                                dp_rank=0, dp_world_size=1, seed=load_config(None, []).train.seed)
@@ -211,16 +211,16 @@ def test_resume_at_world_2_1_2_with_workers_trains_every_step_on_its_global_batc
     assert steps == want
     assert len({k for s in steps for k in s}) == 24  # distinct rows: the order really moves through the data
     assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
-    # and the resumed run trains as the uninterrupted 2-rank one: the same losses (the world-1 steps sum their two
-    # micro-batches in another order: the last bit may differ there) and final weights at the parity tolerance
+    # and the resumed run trains as the uninterrupted 2-rank one: the same losses and final weights at the parity
+    # tolerance (the world-1 segment adds up its micro-batches' normalised gradients in another order than two
+    # ranks' all-reduce does: the last bits may differ from step 4 on); bit for bit before the first resume
     ref_log = tmp_path / "log" / "ref"
     ref_log.mkdir()
     run_ranks(fit_packed, 2, tmp_path / "ref", source, vocab, ref_log, ["train.max_steps=6"])
     got, ref = dict(losses(tmp_path / "run")), dict(losses(tmp_path / "ref"))
-    assert got.keys() == ref.keys()
+    assert got.keys() == ref.keys() and got[1] == ref[1] and got[2] == ref[2]
     for step in got:
         assert float.fromhex(got[step]) == pytest.approx(float.fromhex(ref[step]), rel=1e-6), step
-    assert got[2] == ref[2] and got[6] == ref[6]  # world 2 before the resumes: bit for bit; and after them
     a, b = (load_file(str(d / "final" / "model.safetensors")) for d in (tmp_path / "run", tmp_path / "ref"))
     assert a.keys() == b.keys()
     for k in a:

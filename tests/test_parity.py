@@ -171,6 +171,20 @@ def test_bf16_params_fsdp_matches_reference(tmp_path):
     assert max_abs_diff(runs["params"], runs["autocast"]) > 0, "parallel.fsdp_param_dtype=bf16 seems not to be applied"
 
 
+@pytest.mark.timeout(90)
+def test_selective_checkpointing_under_bf16_params_matches_no_checkpointing(tmp_path):
+    """torchtitan's recipe: FSDP2 gathering bf16 parameters (its pre-forward hook casts each block's inputs, inside
+    the recompute in backward) under both selective policies: the weights of the run without checkpointing."""
+    runs = {}
+    for mode in ("none", "selective", "selective_torchtitan"):
+        items = overrides(strategy="fsdp", world_size=2, accum=2, model="llama", dtype="bf16") + [
+            "parallel.fsdp_param_dtype=bf16", "parallel.fsdp_reduce_dtype=fp32",
+            f"parallel.activation_checkpointing={mode}"]
+        runs[mode], _ = train(items, 2, tmp_path / mode)
+    for mode in ("selective", "selective_torchtitan"):
+        assert_weights_close(runs[mode], runs["none"])
+
+
 @pytest.mark.timeout(60)
 def test_fp16_zero2_runs_and_stays_finite(tmp_path):
     items = overrides(strategy="zero2", world_size=2, accum=2, dtype="fp16")

@@ -16,15 +16,22 @@ The blocks are the outermost units FSDP would shard (`fsdp.block_units`).
   (wq, wk, wv, wo, w1, w3, w2) that keeps wq, wv, w1 and w2 and recomputes wk, wo and w3: less memory than
   `selective`, three of the seven matmuls run twice.
 
+Both selective modes give SAC's forward cache one `record_function` of its own (`_with_fsdp_cast_entry`): under
+FSDP2 with `fsdp_param_dtype` the unit's pre-forward hook casts the block's inputs inside a `record_function`
+before checkpointing's hook in forward but inside the recompute in backward, and SAC (torch 2.13) refuses an op
+in the recompute that its forward cache never saw ("... not found in storage").
+
 Recomputation replays the same ops on the same inputs (and the same RNG state), so gradients are
 identical to training without checkpointing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,11 +56,26 @@ def _policy(saved: set[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> An
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def selective_context() -> Any:
-    """The `context_fn` of op-level SAC: save matmul/attention outputs, recompute the rest."""
+@contextlib.contextmanager
+def _with_fsdp_cast_entry(caching: Any) -> Iterator[None]:
+    """SAC's forward context, plus one `record_function` in its cache (recomputed, nothing saved) for the one FSDP2's
+    input cast opens only in the recompute (module docstring)."""
+    with caching:
+        with torch.profiler.record_function("dptrain::selective_checkpoint"):
+            pass
+        yield
+
+
+def _contexts(policy: Any) -> tuple[Any, Any]:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(functools.partial(_policy, _saved_ops()))
+    caching, cached = create_selective_checkpoint_contexts(policy)
+    return _with_fsdp_cast_entry(caching), cached
+
+
+def selective_context() -> Any:
+    """The `context_fn` of op-level SAC: save matmul/attention outputs, recompute the rest."""
+    return _contexts(functools.partial(_policy, _saved_ops()))
 
 
 def _torchtitan_saved_ops() -> set[Any]:
@@ -81,10 +103,8 @@ def _torchtitan_policy(saved: set[Any], counts: dict[str, int], ctx: Any, op: An
 def torchtitan_context() -> Any:
     """The `context_fn` of torchtitan's op-level SAC: save mm (but every second one), attention, max and
     reduce-scatter outputs, recompute the rest; the mm counts are fresh for each checkpointed call."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     counts: dict[str, int] = defaultdict(int)
-    return create_selective_checkpoint_contexts(functools.partial(_torchtitan_policy, _torchtitan_saved_ops(), counts))
+    return _contexts(functools.partial(_torchtitan_policy, _torchtitan_saved_ops(), counts))
 
 
 def outermost_blocks(model: nn.Module) -> list[nn.Module]:

@@ -71,8 +71,8 @@ def test_hsdp_matches_reference(accum, tmp_path):
 @pytest.mark.parametrize(
     "strategy,mode,world_size,model",
     [("single", "full", 1, "mlp"), ("ddp", "selective", 2, "mlp"), ("fsdp", "full", 2, "mlp"),
-     ("zero2", "selective", 2, "mlp"), ("fsdp", "selective", 2, "llama"), ("single", "selective_torchtitan", 1, "llama"),
-     ("fsdp", "selective_torchtitan", 2, "llama")],
+     ("zero2", "selective", 2, "mlp"), ("fsdp", "selective", 2, "llama"),
+     ("single", "selective_torchtitan", 1, "llama"), ("fsdp", "selective_torchtitan", 2, "llama")],
 )
 def test_activation_checkpointing_matches_reference(strategy, mode, world_size, model, tmp_path):
     """Recomputing activations in backward replays the same ops: the same weights as without it."""

@@ -27,8 +27,8 @@ checked against (docs/results/planner.md). Per micro-batch on one rank (its tens
   16 with a fused vocabulary-parallel cross-entropy (Megatron).
 - Selective checkpointing recomputes: dptrain's policy the memory-bound ops once more (forward),
   torchtitan's (dptrain's `selective_torchtitan`) those and the forward of every second GEMM of the block
-  (wk, wo, w3 of a LLaMA block), Megatron's (Korthikanti et al. 2022) the attention core (its GEMMs and the score traffic); full
-  checkpointing the block's forward (a third of its time).
+  (wk, wo, w3 of a LLaMA block), Megatron's (Korthikanti et al. 2022) the attention core (its GEMMs and the
+  score traffic); full checkpointing the block's forward (a third of its time).
 
 efficiency = (the layout's model FLOPs at the dense peak) / (the sum above) x SUSTAINED. The sum is a
 roofline; SUSTAINED is the share of it a whole training step's kernels sustain (launch gaps, clocks

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dptrain.parallel.fsdp import block_units
 
@@ -51,8 +52,6 @@ def _saved_ops() -> set[Any]:
 
 
 def _policy(saved: set[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -67,8 +66,6 @@ def _with_fsdp_cast_entry(caching: Any) -> Iterator[None]:
 
 
 def _contexts(policy: Any) -> tuple[Any, Any]:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     caching, cached = create_selective_checkpoint_contexts(policy)
     return _with_fsdp_cast_entry(caching), cached
 
@@ -90,10 +87,9 @@ def _torchtitan_saved_ops() -> set[Any]:
 
 
 def _torchtitan_policy(saved: set[Any], counts: dict[str, int], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
     mm = op == torch.ops.aten.mm.default
-    key = "recompute" if ctx.is_recompute else "forward"  # the recompute counts its own mms from 1 again
+    # torch 2.13 asks the policy in forward only; where the recompute asks too, it counts its own mms (as torchtitan)
+    key = "recompute" if ctx.is_recompute else "forward"
     if mm:
         counts[key] += 1
     keep = op in saved and not (mm and counts[key] % 2 == 0)

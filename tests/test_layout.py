@@ -198,7 +198,7 @@ def test_activation_checkpointing_wraps_the_outermost_blocks_only():
         apply_activation_checkpointing(Nested(), mode="half")
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "selective_torchtitan"])
 def test_activation_checkpointing_gives_the_same_gradients(mode):
     torch.manual_seed(0)
     x, y = torch.randn(8, 4), torch.randn(8)

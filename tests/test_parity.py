@@ -71,7 +71,8 @@ def test_hsdp_matches_reference(accum, tmp_path):
 @pytest.mark.parametrize(
     "strategy,mode,world_size,model",
     [("single", "full", 1, "mlp"), ("ddp", "selective", 2, "mlp"), ("fsdp", "full", 2, "mlp"),
-     ("zero2", "selective", 2, "mlp"), ("fsdp", "selective", 2, "llama")],
+     ("zero2", "selective", 2, "mlp"), ("fsdp", "selective", 2, "llama"),
+     ("single", "selective_torchtitan", 1, "llama"), ("fsdp", "selective_torchtitan", 2, "llama")],
 )
 def test_activation_checkpointing_matches_reference(strategy, mode, world_size, model, tmp_path):
     """Recomputing activations in backward replays the same ops: the same weights as without it."""
@@ -168,6 +169,20 @@ def test_bf16_params_fsdp_matches_reference(tmp_path):
     assert max_abs_diff(runs["params"], fp32) > 10 * ATOL, "bf16 seems not to be applied"
     assert_weights_close(runs["params"], runs["autocast"], rtol=2e-2, atol=2e-3)
     assert max_abs_diff(runs["params"], runs["autocast"]) > 0, "parallel.fsdp_param_dtype=bf16 seems not to be applied"
+
+
+@pytest.mark.timeout(90)
+def test_selective_checkpointing_under_bf16_params_matches_no_checkpointing(tmp_path):
+    """torchtitan's recipe: FSDP2 gathering bf16 parameters (its pre-forward hook casts each block's inputs, inside
+    the recompute in backward) under both selective policies: the weights of the run without checkpointing."""
+    runs = {}
+    for mode in ("none", "selective", "selective_torchtitan"):
+        items = overrides(strategy="fsdp", world_size=2, accum=2, model="llama", dtype="bf16") + [
+            "parallel.fsdp_param_dtype=bf16", "parallel.fsdp_reduce_dtype=fp32",
+            f"parallel.activation_checkpointing={mode}"]
+        runs[mode], _ = train(items, 2, tmp_path / mode)
+    for mode in ("selective", "selective_torchtitan"):
+        assert_weights_close(runs[mode], runs["none"])
 
 
 @pytest.mark.timeout(60)

@@ -22,7 +22,7 @@ from dptrain.config.load import load_config
 from dptrain.metrics import hardware as specs
 from dptrain.models.llama import LlamaConfig
 from dptrain.tools.plan import memory, timing
-from dptrain.tools.plan.llama import activation_bytes, param_counts
+from dptrain.tools.plan.llama import activation_bytes, activation_parts, param_counts
 from dptrain.tools.plan.measure import MeasureError, measure_model, profile_module
 from dptrain.tools.plan.predict import predict
 from dptrain.train.build import build_datasets, build_model
@@ -364,7 +364,10 @@ def test_cli_reports_a_measured_model_and_names_a_broken_factory(capsys):
 def _fsdp_paths(rank: int, kw: dict, batch: torch.Tensor) -> dict[str, dict[str, int]]:
     api.init_distributed(device="cpu")
     try:
-        return {pdt: fsdp_llama_memory(kw, batch[rank], param_dtype=pdt) for pdt in ("fp32", "bf16")}
+        out = {pdt: fsdp_llama_memory(kw, batch[rank], param_dtype=pdt) for pdt in ("fp32", "bf16")}
+        out["bf16 selective_torchtitan"] = fsdp_llama_memory(kw, batch[rank], param_dtype="bf16",
+                                                             activation_checkpointing="selective_torchtitan")
+        return out
     finally:
         dist.destroy_process_group()
 
@@ -372,19 +375,27 @@ def _fsdp_paths(rank: int, kw: dict, batch: torch.Tensor) -> dict[str, dict[str,
 @pytest.mark.timeout(90)
 def test_pure_bf16_fsdp_memory_predicted_vs_measured_on_2_ranks():
     """`dptrain plan`'s model states and activations for fsdp under bf16, with the parameters gathered in fp32
-    (autocast) and in bf16 (fsdp_param_dtype), against a real FSDP2 step on 2 gloo ranks."""
+    (autocast) and in bf16 (fsdp_param_dtype), the latter also under torchtitan's selective checkpointing, against a
+    real FSDP2 step on 2 gloo ranks."""
     B, T = 3, 24
     batch = torch.randint(0, LLAMA_KW["vocab_size"], (2, B, T + 1), generator=torch.Generator().manual_seed(0))
     measured = run_ranks(_fsdp_paths, 2, LLAMA_KW, batch, timeout=80)
-    for pdt in ("fp32", "bf16"):
+    for name in ("fp32", "bf16", "bf16 selective_torchtitan"):
+        pdt, _, ckpt = name.partition(" ")
         cfg = load_config(None, [
             *(f"model.kwargs.{k}={v}" for k, v in LLAMA_KW.items()), f"data.kwargs.seq_len={T}",
             "parallel.strategy=fsdp", "precision.dtype=bf16", f"parallel.fsdp_param_dtype={pdt}",
             "parallel.fsdp_reduce_dtype=fp32", f"train.micro_batch_size={B}", f"train.global_batch_size={2 * B}",
+            f"parallel.activation_checkpointing={ckpt or 'none'}",
         ])
         want = predict(cfg, gpus=2, nodes=1, gpu_type="H100", interconnect="ib", comm=None, efficiency=0.5).memory
+        # what the forward keeps: the plan's activations less one block's recompute working set (backward's)
+        _, work = activation_parts(LlamaConfig(**LLAMA_KW), batch=B, seq=T, precision="bf16",
+                                   checkpointing=ckpt or "none", param_dtype=pdt)
+        want["activations"] -= work
         for rank in range(2):
-            for key, got in measured[rank][pdt].items():
-                assert want[key] == pytest.approx(got, rel=0.10), (pdt, rank, key, got, want[key])
+            for key, got in measured[rank][name].items():
+                assert want[key] == pytest.approx(got, rel=0.10), (name, rank, key, got, want[key])
     # the pure path saves no bf16 weight copies and keeps a bf16 residual stream
     assert measured[0]["bf16"]["activations"] < 0.9 * measured[0]["fp32"]["activations"]
+    assert measured[0]["bf16 selective_torchtitan"]["activations"] < 0.7 * measured[0]["bf16"]["activations"]

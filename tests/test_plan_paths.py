@@ -52,7 +52,7 @@ def _measured(kw: dict, precision: str, param_dtype: str | None, checkpointing: 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kw", CONFIGS)
 @pytest.mark.parametrize("precision,param_dtype", PATHS)
-@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "selective_torchtitan", "full"])
 def test_what_each_path_keeps_equals_what_stays_alive(kw, precision, param_dtype, checkpointing):
     B, T = 3, 24
     measured = _measured(kw, precision, param_dtype, checkpointing, B, T)
@@ -72,7 +72,8 @@ def test_pure_half_saves_no_weight_copy_and_a_half_residual_stream():
     assert kept_block_bytes(cfg, checkpointing="full", param_dtype="bf16", **kw) == 2 * 2 * 16 * cfg.dim
     assert kept_block_bytes(cfg, checkpointing="full", **kw) == 4 * 2 * 16 * cfg.dim
     sel = kept_block_bytes(cfg, checkpointing="selective", param_dtype="bf16", **kw)
-    assert kept_block_bytes(cfg, checkpointing="full", param_dtype="bf16", **kw) < sel < pure
+    titan = kept_block_bytes(cfg, checkpointing="selective_torchtitan", param_dtype="bf16", **kw)
+    assert kept_block_bytes(cfg, checkpointing="full", param_dtype="bf16", **kw) < titan < sel < pure
 
 
 def _layout(**kw) -> memory.Layout:
@@ -83,7 +84,7 @@ def _layout(**kw) -> memory.Layout:
 @pytest.mark.timeout(30)
 def test_recompute_working_set_is_counted_once_per_stage():
     cfg = LlamaConfig(vocab_size=32000, dim=1024, n_layers=16, n_heads=16, max_seq_len=2048)
-    for ckpt in ("full", "selective"):
+    for ckpt in ("full", "selective", "selective_torchtitan"):
         one = memory.rank_memory(cfg, _layout(pp=4, pp_microbatches=1, micro_batch=1, checkpointing=ckpt), 0)
         four = memory.rank_memory(cfg, _layout(pp=4, pp_microbatches=4, micro_batch=4, checkpointing=ckpt), 0)
         kept, work = activation_parts(cfg, batch=1, seq=2048, precision="bf16", checkpointing=ckpt, n_layers=4,
@@ -142,3 +143,24 @@ def test_torchtitan_selective_saved_set_equals_what_stays_alive(kw):
     predicted = cfg.n_layers * torchtitan_layer_bytes(s=T, b=B, blk=blk, checkpointing="selective")
     predicted += outside_activation_bytes(cfg, batch=B, seq=T, precision="bf16", param_dtype="bf16")
     assert predicted == measured
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kw", CONFIGS[1:])
+@pytest.mark.parametrize("precision,param_dtype", [("fp32", None), ("bf16", None), ("bf16", "bf16")])
+def test_selective_torchtitan_keeps_what_torchtitans_own_policy_keeps(kw, precision, param_dtype):
+    """dptrain's `selective_torchtitan` against a transcription of torchtitan's policy (`_torchtitan_context`, above),
+    applied by hand: the same storages stay alive, on every precision path."""
+    B, T = 3, 24
+    mine = _measured(kw, precision, param_dtype, "selective_torchtitan", B, T)
+    cfg = LlamaConfig(**kw)
+    torch.manual_seed(0)
+    model = LlamaLM(cfg)
+    if param_dtype:
+        model = model.to(DTYPES[param_dtype])
+    model.rope_cos = model.rope_cos.double()
+    for block in model.layers:
+        checkpoint(block, context_fn=_torchtitan_context)
+    theirs = alive_after_forward(model, torch.randint(0, cfg.vocab_size, (B, T + 1)), DTYPES.get(precision))
+    assert mine == theirs
+    assert mine < _measured(kw, precision, param_dtype, "selective", B, T)

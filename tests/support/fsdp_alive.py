@@ -57,12 +57,15 @@ def _param_storages(module: torch.nn.Module) -> set[int]:
     return out
 
 
-def fsdp_llama_memory(model_kwargs: dict, batch: torch.Tensor, *, param_dtype: str | None) -> dict[str, int]:
-    """After `init_distributed`: the built-in LLaMA under fsdp (reduce in fp32), bf16 autocast, AdamW; one warm-up
-    step, then the bytes of this rank's params, grads, optimizer state and activations (module docstring)."""
+def fsdp_llama_memory(model_kwargs: dict, batch: torch.Tensor, *, param_dtype: str | None,
+                      activation_checkpointing: str = "none") -> dict[str, int]:
+    """After `init_distributed`: the built-in LLaMA under fsdp (reduce in fp32), bf16 autocast, AdamW, the given
+    activation checkpointing; one warm-up step, then the bytes of this rank's params, grads, optimizer state and
+    activations (module docstring)."""
     torch.manual_seed(0)
     pm = api.parallelize(build_llama(**model_kwargs), strategy="fsdp", device=torch.device("cpu"),
-                         fsdp_param_dtype=param_dtype, fsdp_reduce_dtype="fp32")
+                         fsdp_param_dtype=param_dtype, fsdp_reduce_dtype="fp32",
+                         activation_checkpointing=activation_checkpointing)
     try:
         opt = build_optimizer(pm, cfg=OptimConfig(), lr=1e-3)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # the warm-up step: the optimizer state exists

@@ -26,7 +26,7 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("cosine", "constant", "linear", "onecycle", "lr_range_test")
 LOSS_SCALERS = ("torch", "deepspeed")
 NONFINITE_POLICIES = ("skip", "error", "off")
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "selective_torchtitan")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MP_DTYPES = ("fp32", "bf16", "fp16")
 WARMUP_TYPES = ("linear", "log")
@@ -293,8 +293,10 @@ class ParallelConfig:
     summing to the model's n_layers); null: an even split, the first n_layers % stages stages taking one more. The
     embedding is on the first stage, the final norm and output layer on the last."""
     activation_checkpointing: str = "none"
-    """Recompute activations in backward, per block (FSDP units): none, full (keep only each block's input) or selective
-    (keep matmul outputs, recompute the rest: op-level SAC)."""
+    """Recompute activations in backward, per block (FSDP units): none, full (keep only each block's input), selective
+    (keep every matmul and attention output, recompute the rest: op-level SAC) or selective_torchtitan (torchtitan's
+    default op-level SAC: as selective but every second mm of a block is recomputed too; less memory, more
+    recompute)."""
     fsdp_param_dtype: str | None = None
     """zero2/fsdp: dtype FSDP2 gathers parameters in for compute (fp32, bf16, fp16; MixedPrecisionPolicy.param_dtype);
     null keeps the parameters' own dtype (fp32: precision.dtype=bf16 then runs autocast over fp32 parameters, the

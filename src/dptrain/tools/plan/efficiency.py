@@ -26,8 +26,9 @@ checked against (docs/results/planner.md). Per micro-batch on one rank (its tens
   tensor-parallel rank. The loss: 40 bytes per logit (fp32 log-softmax forward and backward, eager),
   16 with a fused vocabulary-parallel cross-entropy (Megatron).
 - Selective checkpointing recomputes: dptrain's policy the memory-bound ops once more (forward),
-  Megatron's (Korthikanti et al. 2022) the attention core (its GEMMs and the score traffic); full
-  checkpointing the block's forward (a third of its time).
+  torchtitan's (dptrain's `selective_torchtitan`) those and the forward of every second GEMM of the block
+  (wk, wo, w3 of a LLaMA block), Megatron's (Korthikanti et al. 2022) the attention core (its GEMMs and the
+  score traffic); full checkpointing the block's forward (a third of its time).
 
 efficiency = (the layout's model FLOPs at the dense peak) / (the sum above) x SUSTAINED. The sum is a
 roofline; SUSTAINED is the share of it a whole training step's kernels sustain (launch gaps, clocks
@@ -100,7 +101,8 @@ def micro_batch_time(dims: Dims, spec: GpuSpec, *, batch: int, seq: int, tp: int
     bpe = 2 if precision in ("bf16", "fp16") else 4
     n_layers = dims.layers if layers is None else layers
     n = batch * seq
-    gemm = 3 * sum(gemm_time(n, k, m, spec, peak, bpe) for k, m in block_gemms(dims, tp))
+    gemms = [gemm_time(n, k, m, spec, peak, bpe) for k, m in block_gemms(dims, tp)]
+    gemm = 3 * sum(gemms)
     heads_width = dims.q / tp
     if attention == "flash":
         attn = 7 * batch * seq * seq * heads_width / (peak * attention_efficiency(spec))
@@ -125,6 +127,8 @@ def micro_batch_time(dims: Dims, spec: GpuSpec, *, batch: int, seq: int, tp: int
     recompute = 0.0
     if checkpointing == "selective":
         recompute = attn_recompute if selective == "megatron" else fwd_bytes / bw
+        if selective == "torchtitan":  # every second mm of the block: its forward once more
+            recompute += sum(gemms[1::2])
     elif checkpointing == "full":  # the whole block's forward once more
         recompute = (gemm + attn + elementwise) / 3
     block = gemm + attn + elementwise + recompute

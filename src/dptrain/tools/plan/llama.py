@@ -37,6 +37,10 @@ Activation checkpointing keeps, per block, at the end of forward:
   input, the seven linear outputs (q: B*T*d, k and v: B*T*kv at the kv width, wo and w2: B*T*d, w1
   and w3: B*T*f) and the attention output in the compute dtype, its logsumexp in fp32. No weight
   copies (autocast's casts are recomputed).
+- `selective_torchtitan` (torchtitan's op-level policy: every second mm of the block recomputed too): the
+  block input, the outputs of wq (B*T*q), wv (B*T*kv), w1 (B*T*f) and w2 (B*T*d), the 1st, 3rd, 5th and
+  7th mm, and the attention output (B*T*q) in the compute dtype, its logsumexp in fp32; wk, wo and w3 are
+  recomputed.
 In backward one block at a time is recomputed: its full saved set less what was kept, once per
 stage however many micro-batches are in flight (`activation_parts`). tests/test_plan.py checks all
 of this against the storages alive after forward on this CPU, for fp32, autocast and pure half."""
@@ -51,6 +55,7 @@ if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --
 
 
 HALF = ("bf16", "fp16")
+RECOMPUTING = ("full", "selective", "selective_torchtitan")  # the modes that recompute in backward
 
 
 @dataclass(frozen=True)
@@ -122,10 +127,13 @@ def kept_block_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision: str, 
     stream = 2 if pure else 4  # the residual stream: the block input's dtype
     if checkpointing == "full":
         return stream * bt * d
-    if checkpointing != "selective":
+    if checkpointing not in RECOMPUTING:
         return block_activation_bytes(cfg, batch=batch, seq=seq, precision=precision, param_dtype=param_dtype)
-    kv = cfg.n_kv_heads * cfg.head_dim
-    outputs = bt * (4 * cfg.n_heads * cfg.head_dim + 2 * kv + 2 * cfg.ffn_hidden)  # wq, wo, w2, sdpa; wk, wv; w1, w3
+    q, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden
+    if checkpointing == "selective":
+        outputs = bt * (2 * q + 2 * d + 2 * kv + 2 * f)  # wq, sdpa; wo, w2; wk, wv; w1, w3
+    else:
+        outputs = bt * (2 * q + d + kv + f)  # wq, sdpa; w2; wv; w1
     return stream * bt * d + (2 if half else 4) * outputs + 4 * batch * cfg.n_heads * seq
 
 
@@ -138,7 +146,7 @@ def replicated_block_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precision:
     checkpointing the kept block input. The attention and MLP tensors are split over tp."""
     bt, d = batch * seq, cfg.dim
     half, pure = _half(precision, param_dtype)
-    if checkpointing in ("full", "selective"):
+    if checkpointing in RECOMPUTING:
         return (2 if pure else 4) * bt * d
     if pure:
         return 16 * bt * d + 8 * bt
@@ -169,7 +177,7 @@ def activation_parts(cfg: LlamaConfig, *, batch: int, seq: int, precision: str, 
     kept = kept_block_bytes(cfg, batch=batch, seq=seq, precision=precision, checkpointing=checkpointing,
                             param_dtype=param_dtype)
     block = block_activation_bytes(cfg, batch=batch, seq=seq, precision=precision, param_dtype=param_dtype)
-    work = block - kept if checkpointing in ("full", "selective") and layers else 0
+    work = block - kept if checkpointing in RECOMPUTING and layers else 0
     rest = outside_activation_bytes(cfg, batch=batch, seq=seq, precision=precision,
                                     param_dtype=param_dtype) if outside else 0
     return layers * kept + rest, work

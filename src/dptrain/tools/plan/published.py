@@ -71,7 +71,7 @@ def _micro(run: Run, layers: float, head: bool) -> float:
     kind = run.selective if run.checkpointing == "selective" else "dptrain"
     parts = micro_batch_time(run.dims, run.spec, batch=run.micro_batch, seq=run.seq, tp=run.tp,
                              sequence_parallel=run.sp, attention=run.attention, checkpointing=run.checkpointing,
-                             selective="megatron" if kind == "megatron" else "dptrain", compiled=run.compiled,
+                             selective=kind, compiled=run.compiled,
                              fused_loss=run.framework == "megatron", layers=layers, head=head)
     return parts["total"]
 

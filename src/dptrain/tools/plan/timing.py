@@ -5,7 +5,10 @@
   at the device's dense peak for the precision (fp32 as tf32) x `efficiency`. `efficiency` is
   stated by the user (`--efficiency`) or calibrated from a finished run (`--calibrate RUN_DIR`,
   plan/calibrate.py). Full activation checkpointing adds one forward: x 4/3; selective
-  (dptrain's op-level policy keeps every matmul output) recomputes no matmul: x 1.
+  (dptrain's op-level policy keeps every matmul output) recomputes no matmul: x 1;
+  selective_torchtitan recomputes the forward of wk, wo and w3: 2*(d*kv + q*d + d*f) FLOPs per token
+  and layer more (`recompute_flops_per_token`). The memory-bound ops both selective modes recompute are
+  in the modelled efficiency (plan/efficiency.py).
 - Pipeline bubble: the compute time / (1 - (p-1)/(m+p-1)), m micro-batches per schedule; the
   fill and drain's stage-to-stage transfers are exposed (`pipeline_p2p_time`). Not modelled: the
   lower efficiency of small kernels when m splits the micro-batch finely (pp rows are optimistic).
@@ -240,8 +243,18 @@ def layout_efficiency(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, flops_per
     batch = max(1, lay.micro_batch // max(1, lay.pp_microbatches))
     eff, _ = modelled_efficiency(dims, spec, flops_per_token=flops_per_token, batch=batch, seq=lay.seq, tp=lay.tp,
                                  sequence_parallel=lay.sequence_parallel, precision=lay.precision,
-                                 checkpointing="selective" if lay.checkpointing == "selective" else "none")
+                                 checkpointing="selective" if lay.checkpointing.startswith("selective") else "none")
     return eff * SUSTAINED
+
+
+def recompute_flops_per_token(cfg: LlamaConfig, checkpointing: str) -> float:
+    """Matmul FLOPs per token that `checkpointing` runs again in backward beyond the model's 6*N + 12*L*d*T: the
+    forward of every second mm of a block under selective_torchtitan (wk, wo, w3); full's x 4/3 is `step_time`'s."""
+    if checkpointing != "selective_torchtitan":
+        return 0.0
+    assert cfg.n_kv_heads is not None and cfg.ffn_hidden is not None
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return 2.0 * cfg.n_layers * (cfg.dim * kv + q * cfg.dim + cfg.dim * cfg.ffn_hidden)
 
 
 def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
@@ -262,6 +275,7 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
     compute = tokens * fpt / (lay.tp * lay.pp) / (peak * efficiency)
     if lay.checkpointing == "full":
         compute *= 4 / 3
+    compute *= 1 + recompute_flops_per_token(cfg, lay.checkpointing) / fpt
     m = max(1, lay.pp_microbatches)
     compute /= 1 - pipeline_bubble(lay.pp, m, lay.pp_stages_per_rank)
     dp = gpus // (lay.tp * lay.pp)

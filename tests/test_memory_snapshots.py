@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint import memory as memory_module
 from dptrain.checkpoint import memory_format, storage
 from dptrain.checkpoint.memory import (
     MemorySnapshots,
@@ -25,6 +26,7 @@ from dptrain.checkpoint.memory import (
 from dptrain.checkpoint.memory_recover import choose, describe, plan_transfers, recover
 from dptrain.config import ConfigError, validate
 from dptrain.config.load import load_config
+from dptrain.config.resolve import memory_snapshot_every
 from dptrain.distributed.env import DistEnv
 from support.mp import in_group, run_ranks
 
@@ -76,6 +78,50 @@ def test_memory_every_steps_is_checked_and_refused_for_sharded_formats():
     with pytest.raises(ConfigError, match=r"memory_every_steps=1 needs the full checkpoint format.*'fsdp'"):
         validate(load_config(None, ["checkpoint.memory_every_steps=1", "parallel.strategy=fsdp"]))
     validate(load_config(None, ["checkpoint.memory_every_steps=1", "parallel.strategy=zero1"]))
+
+
+@pytest.mark.fast
+def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart_in_the_full_format():
+    def every(*over: str, restarts: int) -> int:
+        return memory_snapshot_every(load_config(None, list(over)), max_restarts=restarts)
+
+    assert load_config(None, []).checkpoint.memory_every_steps is None
+    assert every("parallel.strategy=ddp", restarts=1) == 1
+    assert every("parallel.strategy=zero1", restarts=3) == 1
+    assert every("parallel.strategy=ddp", restarts=0) == 0  # no restart: nothing would read them
+    assert every("parallel.strategy=fsdp", restarts=1) == 0  # DCP shards: not covered yet
+    assert every("parallel.strategy=ddp", "checkpoint.memory_every_steps=0", restarts=1) == 0
+    assert every("parallel.strategy=ddp", "checkpoint.memory_every_steps=5", restarts=0) == 5
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("failure", ["no room", "write fails"])
+def test_default_snapshots_turn_off_with_a_warning_when_the_tmpfs_cannot_hold_them(tmp_path, monkeypatch, capsys,
+                                                                                   failure):
+    """A small /dev/shm (a container's 64 MiB) or a write that fails: the default turns itself off, training goes on;
+    an explicit checkpoint.memory_every_steps still fails loudly."""
+    env = DistEnv(hostname="h")
+    snap = MemorySnapshots(every_steps=1, root=str(tmp_path), run_dir=tmp_path / "run", env=env, auto=True)
+    snap.start(fresh=True)
+    if failure == "no room":
+        monkeypatch.setattr(memory_module.shutil, "disk_usage", lambda _: type("U", (), {"free": 1 << 10})())
+    else:
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(memory_format, "write", full)
+    snap.snapshot(step=1, files=snapshot_files(1, 0), meta={"step": 1, "world_size": 1})
+    snap.snapshot(step=2, files=snapshot_files(2, 0), meta={"step": 2, "world_size": 1})
+    assert not snap.enabled and not snap.due(3)
+    err = capsys.readouterr().err
+    assert "in-memory snapshots turned off" in err
+    assert ("MiB free" if failure == "no room" else "No space left on device") in err
+    if failure == "write fails":
+        loud = MemorySnapshots(every_steps=1, root=str(tmp_path), run_dir=tmp_path / "run2", env=env)
+        loud.start(fresh=True)
+        loud.snapshot(step=1, files=snapshot_files(1, 0), meta={"step": 1, "world_size": 1})
+        with pytest.raises(OSError, match="No space left"):
+            loud.wait()
 
 
 def snapshot_files(step: int, rank: int) -> dict:

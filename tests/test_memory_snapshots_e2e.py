@@ -39,7 +39,7 @@ def test_sigkill_resumes_from_memory_without_the_disk_bit_identical(slow_toy_ref
     assert found, output[-3000:]
     resumed = int(found.group(1))
     lost = report["last_step"] - resumed
-    assert resumed >= 12 and lost <= 1, report
+    assert resumed >= 11 and lost <= 1, report  # the snapshot of step 12 may still have been in flight
     assert [mf.step_of(p) for p in mf.step_dirs(out / "checkpoints")] == [30]  # only the final save
     assert losses(out) == losses(slow_toy_reference)
     assert weights(out) == weights(slow_toy_reference)

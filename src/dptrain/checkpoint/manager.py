@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -47,6 +48,7 @@ from dptrain.checkpoint.rundir import move_aside
 from dptrain.checkpoint.state import CheckpointState, RngState
 from dptrain.config import Config, to_dict
 from dptrain.config.nodes import is_elastic
+from dptrain.config.resolve import memory_snapshot_every
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
@@ -95,7 +97,8 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
         self.memory = MemorySnapshots(
-            every_steps=cfg.checkpoint.memory_every_steps, root=cfg.checkpoint.memory_dir, run_dir=run_dir, env=env
+            every_steps=memory_snapshot_every(cfg, max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))),
+            root=cfg.checkpoint.memory_dir, run_dir=run_dir, env=env, auto=cfg.checkpoint.memory_every_steps is None,
         )
         self.resumed_from_memory: MemoryChoice | None = None
         self._memory_t0 = 0.0

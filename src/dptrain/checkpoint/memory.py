@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -194,8 +195,9 @@ def snapshot_bytes(*, param_bytes: int, optim_bytes: int, rank_file_bytes: int, 
 class MemorySnapshots:
     """One rank's side of the in-memory snapshots (see the module docstring)."""
 
-    def __init__(self, *, every_steps: int, root: str | None, run_dir: Path, env: DistEnv) -> None:
+    def __init__(self, *, every_steps: int, root: str | None, run_dir: Path, env: DistEnv, auto: bool = False) -> None:
         self.every_steps = every_steps
+        self.auto = auto  # on by default (checkpoint.memory_every_steps: null): turned off, not failing, when it cannot
         self.base = Path(root or DEFAULT_ROOT)
         self.run = run_id(run_dir)
         self.node_dir = self.base / self.run / (env.hostname or "localhost")
@@ -237,13 +239,43 @@ class MemorySnapshots:
         background. Waits for the previous snapshot first. Collective."""
         if self.peer is not None and self._group is None:
             self._group = torch.distributed.new_group(backend="gloo")  # the replication's own group
-        self.wait()
-        collectives.barrier()  # every rank finished the previous snapshot: it is complete, older ones can go
+        if self.auto:  # every rank finished the previous snapshot (as the barrier would say) and can go on
+            why = self._wait_or_why() or self._room(files)
+            if why is not None:
+                print(f"dptrain: warning: rank {self.env.rank}: {why}", file=sys.stderr, flush=True)
+            if collectives.all_reduce_mean([float(why is not None)], device=torch.device("cpu"))[0] > 0:
+                self.every_steps = 0  # on every rank alike
+                if self.env.is_main:
+                    print("dptrain: warning: in-memory snapshots turned off for this run (set checkpoint.memory_dir to "
+                          "a larger tmpfs, or checkpoint.memory_every_steps=0 to silence this)", file=sys.stderr,
+                          flush=True)
+                return
+        else:
+            self.wait()
+            collectives.barrier()  # every rank finished the previous snapshot: it is complete, older ones can go
         keep = {self.last_complete} if self.last_complete is not None else set()
         self._staged = {name: stage(obj, self._staged.get(name)) for name, obj in files.items()}
         part = {"rank": self.env.rank, "world_size": self.env.world_size, "step": step,
                 "host": self.node_dir.name, "meta": meta}
         self._pending = (step, in_background(self._write, part, self._staged, keep))
+
+    def _wait_or_why(self) -> str | None:
+        """`wait`, with a failed write (a full tmpfs) as the reason to stop snapshotting instead of an error."""
+        try:
+            self.wait()
+        except OSError as e:
+            return f"writing to {self.base} failed ({e})"
+        return None
+
+    def _room(self, files: dict[str, Any]) -> str | None:
+        """Before the first snapshot: why two of them and a peer's replica would not fit the tmpfs (None: they fit)."""
+        if self.last_complete is not None or self._staged:
+            return None
+        need = 2 * (2 if self.peer is not None else 1) * tree_bytes(files) * max(self.env.local_world_size, 1)
+        free = shutil.disk_usage(self.node_dir).free
+        if need > free * 0.5:  # leave half of the tmpfs to everything else that uses it
+            return f"{self.base} has {free / 2**20:,.0f} MiB free, two snapshots need about {need / 2**20:,.0f} MiB"
+        return None
 
     def wait(self) -> None:
         """Wait for the snapshot in flight (re-raising its error)."""
@@ -283,6 +315,17 @@ class MemorySnapshots:
                 self.node_dir.parent.rmdir()  # the run's folder, once no node of it is left
             except OSError:
                 pass
+
+
+def tree_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a state tree (dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tree_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tree_bytes(v) for v in obj)
+    return 0
 
 
 def in_background(fn: Any, *args: Any) -> Future:

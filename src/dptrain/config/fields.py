@@ -426,11 +426,13 @@ class CheckpointConfig:
     """Keep only the newest N committed checkpoints (older committed ones are deleted); null keeps all."""
     async_save: bool = False
     """Write checkpoint files in a background thread while training continues; committed only once complete."""
-    memory_every_steps: int = 0
+    memory_every_steps: int | None = None
     """Also snapshot the run's state into host memory (a tmpfs folder that outlives the worker) every N optimizer
     steps, written in the background and copied to a rank of another node; after a restart the run resumes from the
     newest complete snapshot when it is at least as new as the newest disk checkpoint (0: off). Needs the full
-    checkpoint format (single, ddp, zero1)."""
+    checkpoint format (single, ddp, zero1). null (default): every step when the run can restart
+    (`launch.max_restarts` > 0), its state is in the full format and two snapshots (and a peer's replica) fit the
+    tmpfs; otherwise off, and off for good (with one warning) if a snapshot cannot be written."""
     memory_dir: str | None = None
     """Folder for the in-memory snapshots (default `/dev/shm/dptrain`); one `<run id>/<host>/` folder per run and
     node, removed when the run ends normally."""

@@ -343,7 +343,7 @@ RANGES: dict[str, dict[str, Range]] = {
     "checkpoint": {
         "every_steps": Range(int, 0, note="0: only at the end"),
         "keep_last": Range(int, 1, optional=True, note="null keeps all"),
-        "memory_every_steps": Range(int, 0, note="0 turns the in-memory snapshots off"),
+        "memory_every_steps": Range(int, 0, optional=True, note="0 turns the in-memory snapshots off; null: auto"),
     },
     "diagnostics": {
         "hang_timeout_s": Range(float, 0, _YEAR_S, optional=True, note="seconds; 0 turns the watchdog off"),
@@ -414,10 +414,24 @@ def validate(cfg: Config) -> None:
         )
 
 
+def full_checkpoint_format(cfg: Config) -> bool:
+    """Whether the run's layout checkpoints in the `full` format (one process, dp, ddp, zero1; pp = tp = 1)."""
+    p = cfg.parallel
+    return not (strategy_mode(p).wrapper == "fsdp" or p.pp > 1 or p.tp > 1)
+
+
+def memory_snapshot_every(cfg: Config, *, max_restarts: int) -> int:
+    """checkpoint.memory_every_steps as it applies (null: every step when the run can restart, in the full format)."""
+    n = cfg.checkpoint.memory_every_steps
+    if n is not None:
+        return n
+    return 1 if max_restarts > 0 and full_checkpoint_format(cfg) else 0
+
+
 def _check_memory_snapshots(cfg: Config) -> None:
     """In-memory snapshots are written in the `full` checkpoint format (one process, ddp, zero1)."""
     n, p = cfg.checkpoint.memory_every_steps, cfg.parallel
-    if n and (strategy_mode(p).wrapper == "fsdp" or p.pp > 1 or p.tp > 1):
+    if n and not full_checkpoint_format(cfg):
         raise ConfigError(
             f"checkpoint.memory_every_steps={n} needs the full checkpoint format (parallel.strategy single, dp, ddp "
             f"or zero1 with pp=1 and tp=1); parallel.strategy={p.strategy!r}, pp={p.pp}, tp={p.tp} writes DCP shards: "

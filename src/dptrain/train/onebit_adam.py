@@ -36,20 +36,11 @@ import torch
 from dptrain.parallel.onebit_adam import MomentumExchange
 
 
-class OneBitAdam(torch.optim.Optimizer):
-    """1-bit Adam over `params`; `exchange` does the compressed momentum all-reduce (None: no
-    exchange, e.g. one process; gradients must then be averaged by the caller)."""
+class ExchangingOptimizer(torch.optim.Optimizer):
+    """An optimizer whose momentum goes through a `MomentumExchange` once `freeze_step` steps are done (1-bit Adam,
+    1-bit LAMB): it counts its steps and tells the exchange (the DDP hook's stage), also after a checkpoint load."""
 
-    def __init__(
-        self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100,
-        exchange: MomentumExchange | None = None,
-    ) -> None:
-        if freeze_step < 1:
-            raise ValueError(f"freeze_step={freeze_step} must be at least 1: the variance needs one full Adam step")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.freeze_step = freeze_step
-        self.exchange = exchange
+    exchange: MomentumExchange | None
 
     def steps_done(self) -> int:
         """Optimizer steps taken (0 before the first)."""
@@ -67,6 +58,23 @@ class OneBitAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._tell_exchange()  # the DDP hook's stage follows the loaded step
+
+
+class OneBitAdam(ExchangingOptimizer):
+    """1-bit Adam over `params`; `exchange` does the compressed momentum all-reduce (None: no
+    exchange, e.g. one process; gradients must then be averaged by the caller)."""
+
+    def __init__(
+        self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100,
+        exchange: MomentumExchange | None = None,
+    ) -> None:
+        if freeze_step < 1:
+            raise ValueError(f"freeze_step={freeze_step} must be at least 1: the variance needs one full Adam step")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.freeze_step = freeze_step
+        self.exchange = exchange
+
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -35,9 +35,10 @@ from typing import Any
 import torch
 
 from dptrain.parallel.onebit_adam import MomentumExchange
+from dptrain.train.onebit_adam import ExchangingOptimizer
 
 
-class OneBitLamb(torch.optim.Optimizer):
+class OneBitLamb(ExchangingOptimizer):
     """1-bit LAMB over `params`; `exchange` does the compressed momentum all-reduce (None: one process, or
     gradients already averaged by the caller)."""
 
@@ -56,22 +57,6 @@ class OneBitLamb(torch.optim.Optimizer):
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         self.exchange = exchange
         self.coeffs: list[float] = []
-
-    def steps_done(self) -> int:
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state.get(p)
-                if st and "step" in st:
-                    return int(st["step"].item())
-        return 0
-
-    def _tell_exchange(self) -> None:
-        if self.exchange is not None:
-            self.exchange.steps_done = self.steps_done()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._tell_exchange()
 
     def _params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         return [(p, g) for g in self.param_groups for p in g["params"]]

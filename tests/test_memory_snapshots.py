@@ -86,6 +86,8 @@ def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart_in_the_
         return memory_snapshot_every(load_config(None, list(over)), max_restarts=restarts)
 
     assert load_config(None, []).checkpoint.memory_every_steps is None
+    assert DistEnv.from_env({"TORCHELASTIC_MAX_RESTARTS": "2"}).max_restarts == 2  # torchrun's budget, per worker
+    assert DistEnv.from_env({}).max_restarts == 0
     assert every("parallel.strategy=ddp", restarts=1) == 1
     assert every("parallel.strategy=zero1", restarts=3) == 1
     assert every("parallel.strategy=ddp", restarts=0) == 0  # no restart: nothing would read them

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -97,7 +96,7 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
         self.memory = MemorySnapshots(
-            every_steps=memory_snapshot_every(cfg, max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))),
+            every_steps=memory_snapshot_every(cfg, max_restarts=env.max_restarts),
             root=cfg.checkpoint.memory_dir, run_dir=run_dir, env=env, auto=cfg.checkpoint.memory_every_steps is None,
         )
         self.resumed_from_memory: MemoryChoice | None = None

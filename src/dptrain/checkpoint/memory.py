@@ -240,7 +240,9 @@ class MemorySnapshots:
         if self.peer is not None and self._group is None:
             self._group = torch.distributed.new_group(backend="gloo")  # the replication's own group
         if self.auto:  # every rank finished the previous snapshot (as the barrier would say) and can go on
-            why = self._wait_or_why() or self._room(files)
+            waited = self._wait_or_why()
+            room = self._room(files)  # every rank: collective on the first snapshot
+            why = waited or room
             if why is not None:
                 print(f"dptrain: warning: rank {self.env.rank}: {why}", file=sys.stderr, flush=True)
             if collectives.all_reduce_mean([float(why is not None)], device=torch.device("cpu"))[0] > 0:
@@ -268,10 +270,13 @@ class MemorySnapshots:
         return None
 
     def _room(self, files: dict[str, Any]) -> str | None:
-        """Before the first snapshot: why two of them and a peer's replica would not fit the tmpfs (None: they fit)."""
+        """Before the first snapshot: why two of them would not fit the tmpfs (None: they fit). A node holds at most
+        every rank's files (the full format puts the model and optimizer on rank 0) plus as much again in replicas,
+        twice (the newest complete snapshot and the one being written). Collective on the first snapshot."""
         if self.last_complete is not None or self._staged:
             return None
-        need = 2 * (2 if self.peer is not None else 1) * tree_bytes(files) * max(self.env.local_world_size, 1)
+        world_bytes = collectives.all_reduce_mean([float(tree_bytes(files))], device=torch.device("cpu"))[0]
+        need = 2 * (2 if self.peer is not None else 1) * world_bytes * self.env.world_size
         free = shutil.disk_usage(self.node_dir).free
         if need > free * 0.5:  # leave half of the tmpfs to everything else that uses it
             return f"{self.base} has {free / 2**20:,.0f} MiB free, two snapshots need about {need / 2**20:,.0f} MiB"

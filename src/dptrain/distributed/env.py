@@ -19,6 +19,8 @@ class DistEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     restart_count: int = 0
+    max_restarts: int = 0
+    """torchrun's restart budget for this worker group (0 outside torchrun): whether a failure is restarted."""
     hostname: str = ""
 
     @property
@@ -53,5 +55,6 @@ class DistEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=get("MASTER_PORT"),
             restart_count=get("TORCHELASTIC_RESTART_COUNT"),
+            max_restarts=get("TORCHELASTIC_MAX_RESTARTS"),
             hostname=socket.gethostname(),
         )

@@ -55,6 +55,7 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from dptrain.checkpoint import manifest as mf  # noqa: E402
+from dptrain.checkpoint.memory import DEFAULT_ROOT, run_id  # noqa: E402
 from dptrain.tools.netns import Cluster, unavailable_reason  # noqa: E402
 
 KINDS = ("worker_kill", "node_loss", "rejoin", "sigterm", "stall", "full_disk", "corrupt")
@@ -492,6 +493,8 @@ def soak(args: argparse.Namespace) -> int:
         shutil.copytree(run / "final", work / "run" / "final", dirs_exist_ok=True)
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+        # a lost node's in-memory snapshots (its host never comes back to clear them)
+        shutil.rmtree(Path(DEFAULT_ROOT) / run_id(run), ignore_errors=True)
     return conclude(args, work=work, faults=faults, max_steps=max_steps, items=items, env=env, wall=wall)
 
 

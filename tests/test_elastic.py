@@ -51,7 +51,8 @@ ELASTIC = [
 
 def start(c: Cluster, node: int, out: Path, log: Path, *items: str) -> subprocess.Popen:
     argv = dptrain_argv(
-        [*join(TOY, ELASTIC, items, c.launch_overrides(node, nnodes="1:2")), "--nproc-per-node", "1", "--out", str(out)]
+        [*join(TOY, ELASTIC, [f"checkpoint.memory_dir={out.parent / 'shm'}"], items,  # the test's own, not /dev/shm
+               c.launch_overrides(node, nnodes="1:2")), "--nproc-per-node", "1", "--out", str(out)]
     )
     return c.popen(
         node, argv, cwd=ROOT, env=subprocess_env(OMP_NUM_THREADS="1"), stdout=open(log, "w"), stderr=subprocess.STDOUT

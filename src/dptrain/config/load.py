@@ -24,6 +24,7 @@ import yaml
 from dptrain.config.datasource import resolve_data_source
 from dptrain.config.fields import Config, ConfigError, to_dict
 from dptrain.config.layout import strategy_mode
+from dptrain.config.ranges import RANGES
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
@@ -329,9 +330,6 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
 
 def _type_error(name: str, value: Any, hint: Any) -> ConfigError:
     """`name=value has the wrong type`, with the field's valid range where it has one."""
-    # lazy: resolve.py imports this module
-    from dptrain.config.resolve import RANGES
-
     section, _, field = name.partition(".")
     rng = RANGES.get(section, {}).get(field)
     valid = f"; it must be {rng.describe()}" if rng is not None else ""

@@ -72,16 +72,15 @@ def test_pack_unpack_round_trip():
 
 
 @pytest.mark.fast
-def test_memory_every_steps_is_checked_and_refused_for_sharded_formats():
+def test_memory_every_steps_is_checked_and_accepted_for_every_format():
     with pytest.raises(ConfigError, match=r"checkpoint.memory_every_steps=-1"):
         validate(load_config(None, ["checkpoint.memory_every_steps=-1"]))
-    with pytest.raises(ConfigError, match=r"memory_every_steps=1 needs the full checkpoint format.*'fsdp'"):
-        validate(load_config(None, ["checkpoint.memory_every_steps=1", "parallel.strategy=fsdp"]))
-    validate(load_config(None, ["checkpoint.memory_every_steps=1", "parallel.strategy=zero1"]))
+    for strategy in ("zero1", "fsdp", "zero2"):
+        validate(load_config(None, ["checkpoint.memory_every_steps=1", f"parallel.strategy={strategy}"]))
 
 
 @pytest.mark.fast
-def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart_in_the_full_format():
+def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart():
     def every(*over: str, restarts: int) -> int:
         return memory_snapshot_every(load_config(None, list(over)), max_restarts=restarts)
 
@@ -91,7 +90,8 @@ def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart_in_the_
     assert every("parallel.strategy=ddp", restarts=1) == 1
     assert every("parallel.strategy=zero1", restarts=3) == 1
     assert every("parallel.strategy=ddp", restarts=0) == 0  # no restart: nothing would read them
-    assert every("parallel.strategy=fsdp", restarts=1) == 0  # DCP shards: not covered yet
+    assert every("parallel.strategy=fsdp", restarts=1) == 1  # DCP shards
+    assert every("parallel.strategy=fsdp", restarts=0) == 0
     assert every("parallel.strategy=ddp", "checkpoint.memory_every_steps=0", restarts=1) == 0
     assert every("parallel.strategy=ddp", "checkpoint.memory_every_steps=5", restarts=0) == 5
 
@@ -254,3 +254,104 @@ def test_the_raw_snapshot_format_rebuilds_the_file_torch_save_would_write(tmp_pa
                  (got["state"][1]["m"], tree["state"][1]["m"]), (got["empty"], tree["empty"]),
                  (got["state"][0]["step"], tree["state"][0]["step"])):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def sharded_two_hosts(rank: int, root: str, run_dir: str) -> tuple:
+    """Two ranks on two fake hosts with an FSDP2 model: the snapshots' `dcp/` shards replicate to each other;
+    host b then loses its memory and recovery sends it every part. The recovered checkpoint's model, read in
+    full without a process group, must be the full model at the snapshot's step."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def body() -> tuple:
+        env = DistEnv(rank=rank, world_size=2, local_world_size=1, hostname="ab"[rank])
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        snap = MemorySnapshots(every_steps=1, root=root, run_dir=Path(run_dir), env=env)
+        snap.start(fresh=True)
+        full = {}
+        for step in (1, 2):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step + rank))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            shards = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            full = {k: v.full_tensor().clone() for k, v in shards["model"].items()}
+            snap.snapshot(step=step, files={f"rank_{rank:05d}.pt": {"rng": torch.tensor([rank])}},
+                          meta={"step": step, "world_size": 2, "format": "dcp"}, shards=shards)
+        snap.wait()
+        held = {s: sorted(p) for s, p in holdings(snap.node_dir).items()}
+        torch.distributed.barrier()
+        if rank == 1:
+            import shutil
+
+            shutil.rmtree(snap.node_dir)
+        torch.distributed.barrier()
+        choice, _ = recover(snap, min_step=0)
+        assert choice is not None
+        loaded = storage.load_full_model_state(choice.path, fmt="dcp")
+        files = sorted(p.relative_to(choice.path).as_posix() for p in choice.path.rglob("*") if p.is_file())
+        snap.finish(remove=True)
+        return held, choice.step, choice.replicas, files, full, loaded
+
+    return in_group(body)
+
+
+@pytest.mark.timeout(60)
+def test_sharded_snapshots_replicate_dcp_shards_and_recover_the_full_model(tmp_path):
+    results = run_ranks(sharded_two_hosts, 2, str(tmp_path / "mem"), str(tmp_path / "run"), timeout=50)
+    for held, step, _, files, full, loaded in results:
+        assert held == {1: [0, 1], 2: [0, 1]} and step == 2
+        assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "manifest.json", "COMMITTED",
+                "rank_00000.pt", "rank_00001.pt"} <= set(files)
+        assert sorted(loaded) == sorted(full)
+        for name, tensor in full.items():
+            torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
+    assert results[0][2] == ["rank 1 (host b) from host a's replica"]
+
+
+@pytest.mark.fast
+def test_the_sharded_memory_formula_and_the_room_rule():
+    from dptrain.checkpoint.memory_pace import interval_for, room_needed, room_problem
+
+    got = snapshot_bytes(param_bytes=400, optim_bytes=800, rank_file_bytes=10, world=4, local_world=2, sharded=True)
+    assert got == 2 * 2 * (10 + 1200 / 4) * 2  # 2 snapshots x 2 local ranks x (rank file + 1/4 of state) x replica
+    assert room_needed([300.0, 10.0, 10.0, 10.0], local_world=2) == 2 * (20 + 310)  # node 1 holds node 0's replica
+    assert room_needed([300.0, 10.0], local_world=2) == 2 * 310  # one node: no replica
+    assert room_problem([300.0, 10.0], local_world=2, free=1240, where="/x") is None
+    assert "about 0 MiB" in (room_problem([300.0, 10.0], local_world=2, free=1238, where="/x") or "")
+    assert [interval_for(s) for s in (0.0, 0.03, 0.031, 0.09, 0.5)] == [1, 1, 2, 3, 17]
+
+
+@pytest.mark.fast
+def test_the_default_widens_the_interval_when_a_snapshot_costs_more_than_its_budget(tmp_path, monkeypatch, capsys):
+    """A fake clock: each snapshot holds the loop 10 ms, each step takes 100 ms (10%): after the probe the default
+    snapshots every 4 steps (10% / 3%, rounded up); an explicit interval is never changed."""
+    from dptrain.checkpoint import memory_pace
+
+    now = [0.0]
+    monkeypatch.setattr(memory_pace.time, "perf_counter", lambda: now[0])
+    real_start = memory_module.in_background
+
+    def slow_start(*args):
+        now[0] += 0.01  # what the snapshot holds the loop for
+        return real_start(*args)
+
+    monkeypatch.setattr(memory_module, "in_background", slow_start)
+    env = DistEnv(hostname="h")
+    for auto, want in ((True, 4), (False, 1)):
+        snap = MemorySnapshots(every_steps=1, root=str(tmp_path / str(auto)), run_dir=tmp_path / "run", env=env,
+                               auto=auto)
+        snap.start(fresh=True)
+        step = 0
+        while step < 12:
+            step += 1
+            now[0] += 0.1  # the step
+            if snap.due(step):
+                snap.snapshot(step=step, files={"rank_00000.pt": {"rng": torch.ones(2)}, "train.pt": {"x": 1}},
+                              meta={"step": step, "world_size": 1})
+        snap.finish(remove=True)
+        assert snap.every_steps == want
+    assert "in-memory snapshots every 4 steps: one takes 10.0% of a step's time" in capsys.readouterr().err

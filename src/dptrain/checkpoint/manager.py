@@ -278,19 +278,23 @@ class CheckpointManager:
             self._say(f"dptrain: {why}: saved step {step}; resume with the same command")
             return True
         if self.memory.due(step):
-            self.memory.snapshot(step=step, files=self._snapshot_files(state), meta=self._meta(state))
+            files, shards = self._snapshot_files(state)
+            self.memory.snapshot(step=step, files=files, meta=self._meta(state), shards=shards)
         flag.start(busy=self._pending is not None and not self._pending[1].done())
         return False
 
-    def _snapshot_files(self, state: CheckpointState) -> dict[str, Any]:
-        """This rank's files of a checkpoint, as live state dicts (the in-memory snapshot copies them)."""
-        files = storage.full_state_dicts(state, rank=self.env.rank)
+    def _snapshot_files(self, state: CheckpointState) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """This rank's share of a checkpoint, as live state (the in-memory snapshot copies it): its files (full
+        format: rank 0's model and optimizer files; rank 0's train.pt; its rank file), and the `dcp` format's
+        model and optimizer shards (None in the full format)."""
+        files = storage.full_state_dicts(state, rank=self.env.rank) if state.full else {}
+        shards = None if state.full else storage.dcp_state(state)
         if self.env.rank == 0:
             scaler = state.scaler.state_dict() if state.scaler is not None else None
             files["train.pt"] = {"scheduler": state.schedule.state_dict(), "scaler": scaler or None}
         own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
         files[f"rank_{self.env.rank:05d}.pt"] = own
-        return files
+        return files, shards
 
     def save_final(self, state: CheckpointState) -> None:
         """The end-of-run checkpoint (skipped when this step was just saved); waits for any

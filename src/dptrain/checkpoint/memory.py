@@ -1,10 +1,12 @@
 """In-memory snapshots: the checkpoint format in host memory, with a copy on another node.
 
 Every `checkpoint.memory_every_steps` each rank copies its share of the checkpoint (`full` format:
-rank 0 the model, optimizer and `train.pt` files, every rank its `rank_RRRRR.pt`) at the step
-boundary into CPU staging buffers it reuses from one snapshot to the next (`stage`: no allocation, a
-device-to-host copy on a GPU); a background thread writes them (memory_format.py: raw tensor bytes
-and a small skeleton per checkpoint file) into its node's folder
+rank 0 the model, optimizer and `train.pt` files; `dcp` format: every rank its model and optimizer
+shards, rank 0 `train.pt`; every rank its `rank_RRRRR.pt`) at the step boundary into CPU staging
+buffers it reuses from one snapshot to the next (`stage`: no allocation, a device-to-host copy on a
+GPU); a background thread writes them (memory_format.py: raw tensor bytes and a small skeleton per
+checkpoint file; the shards with `torch.distributed.checkpoint` over the snapshots' own gloo group,
+as a disk checkpoint's `dcp/` folder) into its node's folder
 `<memory_dir>/<run id>/<host>/step_NNNNNN/` (a tmpfs: `/dev/shm/dptrain` by default, which outlives
 the worker process), then writes the rank's *part* `parts/step_NNNNNN.rank_RRRRR.json` (every file's
 size and CRC-32, and the checkpoint's meta), last: a part names only files fully written. The
@@ -17,7 +19,8 @@ folder: every node holds its own ranks' parts and the previous node's.
 
 At most two snapshots exist at a time: before a new one starts, every rank has finished the previous
 one (a barrier at the step boundary), so everything older is deleted. Host memory per rank:
-2 x (own files + the replica it holds); see `snapshot_bytes`.
+2 x (own files + the replica it holds); see `snapshot_bytes`. The default (`memory_every_steps: null`)
+checks room and time first (memory_pace.py).
 
 Recovery (`memory_recover.py`) builds a committed checkpoint folder from the parts the new world holds.
 The run id is a hash of the run directory's absolute path (shared by every node and every restart).
@@ -40,9 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import memory_format
+from dptrain.checkpoint.memory_pace import Pace, interval_for, room_problem
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
@@ -62,9 +67,12 @@ def part_name(step: int, rank: int) -> str:
 
 
 def stage(obj: Any, cached: Any = None) -> Any:
-    """A CPU copy of a state tree (dicts, lists, tuples, tensors, plain values), copied into the tensors of
-    `cached` (an earlier copy) where they match in shape and dtype: no allocation from the second
-    snapshot on."""
+    """A CPU copy of a state tree (dicts, lists, tuples, tensors, DTensors, plain values), copied into the
+    tensors of `cached` (an earlier copy) where they match in shape and dtype: no allocation from the
+    second snapshot on. A DTensor's copy is a DTensor of the same mesh and placements holding a CPU copy of
+    this rank's shard (as DCP's own asynchronous save stages)."""
+    if isinstance(obj, DTensor):
+        return _stage_dtensor(obj, cached)
     if isinstance(obj, torch.Tensor):
         src = obj.detach()
         if isinstance(cached, torch.Tensor) and cached.shape == src.shape and cached.dtype == src.dtype:
@@ -78,6 +86,16 @@ def stage(obj: Any, cached: Any = None) -> Any:
         olds: list[Any] = list(cached) if same else [None] * len(obj)
         return type(obj)(stage(v, o) for v, o in zip(obj, olds, strict=True))
     return copy.deepcopy(obj)
+
+
+def _stage_dtensor(obj: DTensor, cached: Any) -> DTensor:
+    with torch.no_grad():  # to_local() is then the shard itself, not an autograd view
+        src: DTensor = obj.detach()  # type: ignore[assignment]
+        if (isinstance(cached, DTensor) and cached.shape == src.shape and cached.dtype == src.dtype
+                and cached.placements == src.placements and cached.to_local().shape == src.to_local().shape):
+            cached.to_local().copy_(src.to_local())
+            return cached
+        return src.to("cpu") if src.device.type != "cpu" else src.clone()  # type: ignore[return-value]
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -179,16 +197,20 @@ def remove_dead_runs(root: Path, *, host: str, own: str) -> list[Path]:
     return removed
 
 
-def snapshot_bytes(*, param_bytes: int, optim_bytes: int, rank_file_bytes: int, world: int, local_world: int) -> int:
-    """Host memory (bytes) one node's snapshot folder needs at most, for the `full` format: two snapshots
-    (the newest complete one and the one being written), each with the node's own files (rank 0's model
-    and optimizer on its node) plus the replica of the previous node's. A rank's own share is
-    (param_bytes + optim_bytes if rank 0) + rank_file_bytes; the node holding rank 0's files or their
-    replica carries the model + optimizer once more."""
+def snapshot_bytes(*, param_bytes: int, optim_bytes: int, rank_file_bytes: int, world: int, local_world: int,
+                   sharded: bool = False) -> int:
+    """Host memory (bytes) the fullest node's snapshot folder needs at most: two snapshots (the newest
+    complete one and the one being written), each with the node's own files plus the replica of the previous
+    node's. `full` format: a rank's share is rank_file_bytes, and rank 0 also holds the model and optimizer
+    (param_bytes + optim_bytes), so node 0 (own) and node 1 (replica) carry them once more. `sharded` (dcp):
+    every rank holds 1/world of the model and optimizer besides its rank file."""
     nodes = max(1, world // max(1, local_world))
+    model = param_bytes + optim_bytes
+    if sharded:
+        per_rank = rank_file_bytes + model / world
+        return int(2 * local_world * per_rank * (2 if nodes > 1 else 1))
     own = local_world * rank_file_bytes
     replica = local_world * rank_file_bytes if nodes > 1 else 0
-    model = param_bytes + optim_bytes  # on node 0 (own) and on node 1 (replica)
     return 2 * (own + replica + model)
 
 
@@ -205,10 +227,12 @@ class MemorySnapshots:
         cross = env.world_size > env.local_world_size
         self.peer = (env.rank + env.local_world_size) % env.world_size if cross else None
         self.source = (env.rank - env.local_world_size) % env.world_size if cross else None
-        self._group: Any = None
+        self._group: Any = None  # the snapshots' own gloo group (replication, DCP's planning)
+        self._pace = Pace()
         self._pending: tuple[int, Future] | None = None
         self.last_complete: int | None = None  # the newest snapshot every rank has finished
         self._staged: dict[str, Any] = {}  # the CPU buffers of the last snapshot, reused
+        self._staged_shards: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -234,32 +258,54 @@ class MemorySnapshots:
             write_file(self.node_dir / OWNER, json.dumps({"pid": owner}).encode())
         collectives.barrier()
 
-    def snapshot(self, *, step: int, files: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Snapshot `files` (name -> state tree, live: copied here) of step `step`: written and replicated in the
-        background. Waits for the previous snapshot first. Collective."""
-        if self.peer is not None and self._group is None:
-            self._group = torch.distributed.new_group(backend="gloo")  # the replication's own group
+    def snapshot(self, *, step: int, files: dict[str, Any], meta: dict[str, Any],
+                 shards: dict[str, Any] | None = None) -> None:
+        """Snapshot `files` (name -> state tree, live: copied here) and `shards` (the `dcp` format's model and
+        optimizer state dict, DCP's keys: copied here, written by DCP) of step `step`: written and replicated in
+        the background. Waits for the previous snapshot first. Collective."""
+        self._pace.begin()
+        if self._group is None and (self.peer is not None or shards is not None) and torch.distributed.is_initialized():
+            self._group = torch.distributed.new_group(backend="gloo")  # the snapshots' own group
         if self.auto:  # every rank finished the previous snapshot (as the barrier would say) and can go on
-            waited = self._wait_or_why()
-            room = self._room(files)  # every rank: collective on the first snapshot
-            why = waited or room
-            if why is not None:
-                print(f"dptrain: warning: rank {self.env.rank}: {why}", file=sys.stderr, flush=True)
-            if collectives.all_reduce_mean([float(why is not None)], device=torch.device("cpu"))[0] > 0:
-                self.every_steps = 0  # on every rank alike
-                if self.env.is_main:
-                    print("dptrain: warning: in-memory snapshots turned off for this run (set checkpoint.memory_dir to "
-                          "a larger tmpfs, or checkpoint.memory_every_steps=0 to silence this)", file=sys.stderr,
-                          flush=True)
+            if not self._go_on(files, shards):
                 return
         else:
             self.wait()
             collectives.barrier()  # every rank finished the previous snapshot: it is complete, older ones can go
         keep = {self.last_complete} if self.last_complete is not None else set()
         self._staged = {name: stage(obj, self._staged.get(name)) for name, obj in files.items()}
+        staged_shards = stage(shards, self._staged_shards) if shards is not None else None
+        self._staged_shards = staged_shards
         part = {"rank": self.env.rank, "world_size": self.env.world_size, "step": step,
                 "host": self.node_dir.name, "meta": meta}
-        self._pending = (step, in_background(self._write, part, self._staged, keep))
+        self._pending = (step, in_background(self._write, part, self._staged, staged_shards, keep))
+        self._pace.end()
+
+    def _go_on(self, files: dict[str, Any], shards: dict[str, Any] | None) -> bool:
+        """The default's checks (memory_pace.py), every rank alike: the previous write succeeded, two snapshots fit
+        the tmpfs (before the first), and the interval that keeps the time within budget (after the probe). False:
+        turned off for the run."""
+        waited = self._wait_or_why()
+        room = self._room(files, shards)  # every rank: collective on the first snapshot
+        why = waited or room
+        if why is not None:
+            print(f"dptrain: warning: rank {self.env.rank}: {why}", file=sys.stderr, flush=True)
+        share = self._pace.share()
+        agreed = collectives.all_reduce_mean([float(why is not None), share or 0.0], device=torch.device("cpu"))
+        if agreed[0] > 0:
+            self.every_steps = 0  # on every rank alike
+            if self.env.is_main:
+                print("dptrain: warning: in-memory snapshots turned off for this run (set checkpoint.memory_dir to "
+                      "a larger tmpfs, or checkpoint.memory_every_steps=0 to silence this)", file=sys.stderr,
+                      flush=True)
+            return False
+        if share is not None and interval_for(agreed[1]) > 1:
+            self.every_steps = interval_for(agreed[1])
+            if self.env.is_main:
+                print(f"dptrain: in-memory snapshots every {self.every_steps} steps: one takes {agreed[1]:.1%} of a "
+                      "step's time (the default keeps them within 3%; set checkpoint.memory_every_steps to choose)",
+                      file=sys.stderr, flush=True)
+        return True
 
     def _wait_or_why(self) -> str | None:
         """`wait`, with a failed write (a full tmpfs) as the reason to stop snapshotting instead of an error."""
@@ -269,18 +315,17 @@ class MemorySnapshots:
             return f"writing to {self.base} failed ({e})"
         return None
 
-    def _room(self, files: dict[str, Any]) -> str | None:
-        """Before the first snapshot: why two of them would not fit the tmpfs (None: they fit). A node holds at most
-        every rank's files (the full format puts the model and optimizer on rank 0) plus as much again in replicas,
-        twice (the newest complete snapshot and the one being written). Collective on the first snapshot."""
+    def _room(self, files: dict[str, Any], shards: dict[str, Any] | None) -> str | None:
+        """Before the first snapshot: why two of them would not fit the tmpfs (None: they fit; memory_pace.py).
+        Collective on the first snapshot."""
         if self.last_complete is not None or self._staged:
             return None
-        world_bytes = collectives.all_reduce_mean([float(tree_bytes(files))], device=torch.device("cpu"))[0]
-        need = 2 * (2 if self.peer is not None else 1) * world_bytes * self.env.world_size
-        free = shutil.disk_usage(self.node_dir).free
-        if need > free * 0.5:  # leave half of the tmpfs to everything else that uses it
-            return f"{self.base} has {free / 2**20:,.0f} MiB free, two snapshots need about {need / 2**20:,.0f} MiB"
-        return None
+        world = self.env.world_size
+        mine = [0.0] * world
+        mine[self.env.rank] = float(tree_bytes(files) + tree_bytes(shards))
+        every = [v * world for v in collectives.all_reduce_mean(mine, device=torch.device("cpu"))]
+        return room_problem(every, local_world=self.env.local_world_size, free=shutil.disk_usage(self.node_dir).free,
+                            where=str(self.base))
 
     def wait(self) -> None:
         """Wait for the snapshot in flight (re-raising its error)."""
@@ -291,12 +336,14 @@ class MemorySnapshots:
         fut.result()
         self.last_complete = step
 
-    def _write(self, part: dict[str, Any], objs: dict[str, Any], keep: set[int]) -> None:
+    def _write(self, part: dict[str, Any], objs: dict[str, Any], shards: dict[str, Any] | None, keep: set[int]) -> None:
         if self.node_main:
             drop_steps(self.node_dir, keep=keep | {part["step"]})
         step_dir = self.node_dir / mf.step_dir_name(part["step"])
         step_dir.mkdir(parents=True, exist_ok=True)
         part["files"] = {}
+        if shards is not None:
+            part["files"].update(memory_format.write_shards(step_dir, shards, group=self._group, rank=self.env.rank))
         for name, obj in objs.items():
             part["files"].update(memory_format.write(step_dir, name, obj))
         store_part(self.node_dir, part, {})
@@ -323,7 +370,9 @@ class MemorySnapshots:
 
 
 def tree_bytes(obj: Any) -> int:
-    """Bytes of the tensors in a state tree (dicts, lists, tuples)."""
+    """Bytes of the tensors in a state tree (dicts, lists, tuples); a DTensor's: this rank's shard."""
+    if isinstance(obj, DTensor):
+        return tree_bytes(obj.to_local())
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):

@@ -88,7 +88,8 @@ def _load_model_dict(parts: list[Stateful], merged: dict[str, Any]) -> None:
         part.load_state_dict({k: merged[k] for k in part.state_dict()})
 
 
-def _dcp_state(state: CheckpointState) -> dict[str, Any]:
+def dcp_state(state: CheckpointState) -> dict[str, Any]:
+    """The `dcp` format's state dict: `model` (the parts' names merged) and `optim`, `optim_1`, ... (live)."""
     out = {"model": _model_dict(state.model_parts)}
     out.update({optim_name(i): o.state_dict() for i, o in enumerate(state.optimizers)})
     return out
@@ -99,7 +100,7 @@ def save_model_optim(ckpt_dir: Path, *, state: CheckpointState, rank: int) -> No
     if not state.full:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(_dcp_state(state), storage_writer=dcp.FileSystemWriter(ckpt_dir / DCP_DIR, sync_files=True))
+        dcp.save(dcp_state(state), storage_writer=dcp.FileSystemWriter(ckpt_dir / DCP_DIR, sync_files=True))
         return
     model_sd = _model_dict(state.model_parts)  # collective where a part is sharded or ZeRO-1 consolidates
     optim_sds = [o.state_dict() for o in state.optimizers]
@@ -123,7 +124,7 @@ def async_save_model_optim(
 
         writer = dcp.FileSystemWriter(ckpt_dir / DCP_DIR, sync_files=True)
         # AsyncSaveResponse is returned only with an async_stager's staging future, which is not asked for.
-        return cast(Future, dcp.async_save(_dcp_state(state), storage_writer=writer, process_group=process_group))
+        return cast(Future, dcp.async_save(dcp_state(state), storage_writer=writer, process_group=process_group))
     copies = full_state_copies(state, rank=rank)
     done: Future = Future()
     if rank != 0:
@@ -186,7 +187,7 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> Non
 def _load_dcp(ckpt_dir: Path, state: CheckpointState) -> None:
     import torch.distributed.checkpoint as dcp
 
-    sd = _dcp_state(state)  # the current (sharded) tensors: DCP reads into them, resharding
+    sd = dcp_state(state)  # the current (sharded) tensors: DCP reads into them, resharding
     dcp.load(sd, storage_reader=SafeFileSystemReader(ckpt_dir / DCP_DIR), planner=SafeLoadPlanner())
     _load_model_dict(state.model_parts, sd["model"])
     for i, o in enumerate(state.optimizers):

@@ -429,10 +429,11 @@ class CheckpointConfig:
     memory_every_steps: int | None = None
     """Also snapshot the run's state into host memory (a tmpfs folder that outlives the worker) every N optimizer
     steps, written in the background and copied to a rank of another node; after a restart the run resumes from the
-    newest complete snapshot when it is at least as new as the newest disk checkpoint (0: off). Needs the full
-    checkpoint format (single, ddp, zero1). null (default): every step when the run can restart
-    (`launch.max_restarts` > 0), its state is in the full format and two snapshots (and a peer's replica) fit the
-    tmpfs; otherwise off, and off for good (with one warning) if a snapshot cannot be written."""
+    newest complete snapshot when it is at least as new as the newest disk checkpoint (0: off). Every layout: full
+    files (single, ddp, zero1) or each rank's DCP shards (zero2, fsdp, hsdp, tp, pp). null (default): every step when
+    the run can restart (`launch.max_restarts` > 0) and two snapshots (and a peer's replica) fit the tmpfs, widened
+    to every N steps when one costs more than 3% of a step's time; off for good (with one warning) if a snapshot
+    cannot be written."""
     memory_dir: str | None = None
     """Folder for the in-memory snapshots (default `/dev/shm/dptrain`); one `<run id>/<host>/` folder per run and
     node, removed when the run ends normally."""

@@ -278,7 +278,6 @@ def validate(cfg: Config) -> None:
     validate_launch(cfg.launch)
     _check_seq_len(cfg)
     validate_parallel(cfg)
-    _check_memory_snapshots(cfg)
     validate_diagnostics(cfg.diagnostics, pg_timeout_s=cfg.parallel.timeout_s)
     validate_speed(cfg, wrapper=strategy_mode(cfg.parallel).wrapper)  # config/speed.py
     if cfg.diagnostics.check_collectives and strategy_mode(cfg.parallel).wrapper == "ddp":
@@ -289,29 +288,13 @@ def validate(cfg: Config) -> None:
         )
 
 
-def full_checkpoint_format(cfg: Config) -> bool:
-    """Whether the run's layout checkpoints in the `full` format (one process, dp, ddp, zero1; pp = tp = 1)."""
-    p = cfg.parallel
-    return not (strategy_mode(p).wrapper == "fsdp" or p.pp > 1 or p.tp > 1)
-
-
 def memory_snapshot_every(cfg: Config, *, max_restarts: int) -> int:
-    """checkpoint.memory_every_steps as it applies (null: every step when the run can restart, in the full format)."""
+    """checkpoint.memory_every_steps as it applies (null: every step when the run can restart; the run itself then
+    widens the interval when a snapshot costs more than its time budget, checkpoint/memory_pace.py)."""
     n = cfg.checkpoint.memory_every_steps
     if n is not None:
         return n
-    return 1 if max_restarts > 0 and full_checkpoint_format(cfg) else 0
-
-
-def _check_memory_snapshots(cfg: Config) -> None:
-    """In-memory snapshots are written in the `full` checkpoint format (one process, ddp, zero1)."""
-    n, p = cfg.checkpoint.memory_every_steps, cfg.parallel
-    if n and not full_checkpoint_format(cfg):
-        raise ConfigError(
-            f"checkpoint.memory_every_steps={n} needs the full checkpoint format (parallel.strategy single, dp, ddp "
-            f"or zero1 with pp=1 and tp=1); parallel.strategy={p.strategy!r}, pp={p.pp}, tp={p.tp} writes DCP shards: "
-            "set checkpoint.memory_every_steps=0"
-        )
+    return 1 if max_restarts > 0 else 0
 
 
 def validate_parallel(cfg: Config) -> None:

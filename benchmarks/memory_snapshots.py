@@ -2,6 +2,7 @@
 from them after a worker SIGKILL and after a node loss.
 
     python benchmarks/memory_snapshots.py overhead [--rounds 60]   # 2 ranks under torchrun, built-in recipe
+    python benchmarks/memory_snapshots.py overhead --strategy fsdp # the same, sharded state (DCP shards)
     python benchmarks/memory_snapshots.py kill                     # 2 ranks, --max-restarts 1, rank 1 SIGKILLed
     python benchmarks/memory_snapshots.py nodeloss                 # two-host netns cluster (root), node 1 killed
 
@@ -43,7 +44,7 @@ def env() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------ overhead (inside torchrun)
-def overhead_worker(rounds: int) -> None:
+def overhead_worker(rounds: int, strategy: str | None = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -56,8 +57,9 @@ def overhead_worker(rounds: int) -> None:
     base = Path(tempfile.gettempdir()) / f"dptrain-memsnap-bench-{os.environ['MASTER_PORT']}"  # the same on both ranks
     variants = {"off": [], "memory every step": MEMORY, "off (again)": []}  # snapshots in /dev/shm/dptrain
     trainers = {}
+    layout = [f"parallel.strategy={strategy}"] if strategy else []
     for name, items in variants.items():
-        cfg = load_config(None, ["log.progress=false", f"train.max_steps={rounds + 10}", *items])
+        cfg = load_config(None, ["log.progress=false", f"train.max_steps={rounds + 10}", *layout, *items])
         trainers[name] = Trainer(cfg, out_dir=base / name.replace(" ", "-"))
         trainers[name].setup()
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -77,7 +79,7 @@ def overhead_worker(rounds: int) -> None:
     on = trainers["memory every step"]
     on.ckpt.memory.wait()
     measured = sum(p.stat().st_size for p in on.ckpt.memory.node_dir.rglob("*") if p.is_file())
-    params = sum(p.numel() * p.element_size() for p in on.model.parameters())
+    params = sum(p.numel() * p.element_size() for p in on.model.parameters())  # a DTensor's numel: the whole
     optim = sum(
         v.numel() * v.element_size()
         for st in on.optimizer.state_dict()["state"].values()
@@ -87,15 +89,17 @@ def overhead_worker(rounds: int) -> None:
     step_dir = next(on.ckpt.memory.node_dir.glob("step_*"))
     rank_file = sum(p.stat().st_size for p in step_dir.glob("rank_00001.pt.*"))  # its .raw + .skel
     world, local = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    sharded = on.ckpt.memory.sharded  # the run snapshotted DCP shards
     formula = snapshot_bytes(param_bytes=params, optim_bytes=optim, rank_file_bytes=rank_file, world=world,
-                             local_world=local)
+                             local_world=local, sharded=sharded)
     for tr in trainers.values():
         tr.close()
     per_rank = [None] * world
     dist.all_gather_object(per_rank, {k: statistics.median(v) * 1e3 for k, v in phases.items()})
     if dist.get_rank() == 0:
         base = statistics.median(times["off"])
-        print(f"built-in recipe, world size {world}, {rounds} interleaved steps per variant")
+        print(f"built-in recipe{f' with parallel.strategy={strategy}' if strategy else ''}, world size {world}, "
+              f"{rounds} interleaved steps per variant")
         print("| variant | median step (ms) | vs off (ms) | vs off (%) |\n|---|---|---|---|")
         for name, ts in times.items():
             med = statistics.median(ts)
@@ -104,8 +108,12 @@ def overhead_worker(rounds: int) -> None:
             print(f"rank {r}: " + ", ".join(f"{k} {v:.1f} ms (median)" for k, v in ph.items()))
         print(f"\nparameters {params} B, optimizer state {optim} B, rank file {rank_file} B")
         print(f"snapshot folder of the node (2 snapshots kept at most; measured with 2 present): {measured} B; "
-              f"formula 2 x (model + optimizer + rank files) = {formula} B ({measured / formula:.3f} of it)")
+              f"formula ({WHAT[sharded]}) = {formula} B ({measured / formula:.3f} of it)")
     dist.destroy_process_group()
+
+
+WHAT = {False: "2 x (model + optimizer + rank files)",
+        True: "sharded: 2 x local ranks x ((model + optimizer) / world + rank file)"}
 
 
 def timed(fn, into: list[float]):
@@ -122,8 +130,9 @@ def timed(fn, into: list[float]):
 def overhead(a: argparse.Namespace) -> None:
     from dptrain.tools.bench.harness import under_torchrun
 
-    raise SystemExit(under_torchrun(lambda: overhead_worker(a.rounds), script=__file__,
-                                    argv=["overhead", "--rounds", str(a.rounds)], nproc=2))
+    extra = ["--strategy", a.strategy] if a.strategy else []
+    raise SystemExit(under_torchrun(lambda: overhead_worker(a.rounds, a.strategy), script=__file__,
+                                    argv=["overhead", "--rounds", str(a.rounds), *extra], nproc=2))
 
 
 # ------------------------------------------------------------------ kill / node loss (outside)
@@ -258,6 +267,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="what", required=True)
     o = sub.add_parser("overhead")
     o.add_argument("--rounds", type=int, default=60)
+    o.add_argument("--strategy", help="parallel.strategy (default: the built-in recipe's)")
     for name, steps, at in (("kill", 40, 20), ("nodeloss", 30, 10)):
         k = sub.add_parser(name)
         k.add_argument("--steps", type=int, default=steps)

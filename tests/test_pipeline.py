@@ -318,6 +318,20 @@ def test_resume_pipeline_checkpoint_at_dp2_and_single(tmp_path, capsys):
         )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_resume_pipeline_checkpoint_at_pp2_restores_each_stages_optimizer(tmp_path):
+    """pp2 -> pp2 in a fresh group: the ranks hold different parameters, so each optimizer's hyperparameters must
+    come back under its own parameters' names (DCP's flattened layout, format version 3). With the nested layout
+    both ranks wrote `param_groups.0.*`, DCP kept rank 0's, and rank 1's optimizer lost its hyperparameters
+    (KeyError 'momentum' at its first step). The resumed run ends with the uninterrupted run's weights."""
+    items = pp_items(strategy="ddp", world_size=2, accum=2, schedule="1f1b") + RESUME
+    full_run, _ = tp.train(items, 2, tmp_path / "pp2", timeout=120)
+    got = _resume(items, 2, tmp_path / "again", tmp_path / "pp2" / "checkpoints" / "step_000002")
+    assert got.keys() == full_run.keys()
+    assert all(torch.equal(got[k], full_run[k]) for k in full_run)
+
+
 def _resume(items: list[str], world: int, out_dir: Path, resume: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -18,7 +18,10 @@ A checkpoint folder `step_NNNNNN/` holds:
 `meta.format_version` says how the files are laid out (`FORMAT_VERSION`; a manifest without one
 was written before it existed: version 1). This dptrain reads `READABLE_VERSIONS` and refuses
 any other, naming it. Version 2 keys the full format's `optim.pt` by parameter name (DCP's
-layout) instead of by parameter index; everything else is as in version 1.
+layout) instead of by parameter index; everything else is as in version 1. Version 3 writes the
+dcp format's optimizer state in DCP's flattened layout (hyperparameters keyed by parameter name,
+checkpoint/state.py `_options`), so that ranks holding different parameters (pipeline stages)
+never write the same key; everything else is as in version 2.
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ from dptrain.config.resolve import memory_snapshot_every
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def config_hash(section: Any) -> str:
@@ -225,14 +228,14 @@ class CheckpointManager:
 
     def _load(self, state: CheckpointState, path: Path, meta: dict[str, Any]) -> int:
         """Load `path` into `state`; the step it holds."""
-        check_format_version(path, meta)
+        version = check_format_version(path, meta)
         want = config_hash(self.root_cfg.model)
         if meta.get("model_config_hash") not in (None, want):
             raise mf.CheckpointError(
                 f"{path}: written for another model config (model section hash {meta['model_config_hash'][:12]}, "
                 f"this run {want[:12]}); resume with the run's own model settings"
             )
-        storage.load_model_optim(path, fmt=meta["format"], state=state)
+        storage.load_model_optim(path, fmt=meta["format"], state=state, version=version)
         train = storage.load_torch(path / "train.pt")
         state.schedule.load_state_dict(train["scheduler"])
         if train["scaler"] and state.scaler is not None:

@@ -233,6 +233,7 @@ class MemorySnapshots:
         self.last_complete: int | None = None  # the newest snapshot every rank has finished
         self._staged: dict[str, Any] = {}  # the CPU buffers of the last snapshot, reused
         self._staged_shards: Any = None
+        self.sharded = False  # the run's state is DCP shards (set by the first snapshot)
 
     @property
     def enabled(self) -> bool:
@@ -264,6 +265,7 @@ class MemorySnapshots:
         optimizer state dict, DCP's keys: copied here, written by DCP) of step `step`: written and replicated in
         the background. Waits for the previous snapshot first. Collective."""
         self._pace.begin()
+        self.sharded = shards is not None
         if self._group is None and (self.peer is not None or shards is not None) and torch.distributed.is_initialized():
             self._group = torch.distributed.new_group(backend="gloo")  # the snapshots' own group
         if self.auto:  # every rank finished the previous snapshot (as the barrier would say) and can go on

@@ -42,9 +42,12 @@ from dptrain.distributed import collectives
 from dptrain.parallel import unwrap
 
 
-def _options(full: bool) -> StateDictOptions:
-    # full: whole tensors on CPU, complete on rank 0 (the only rank that writes the full format)
-    return StateDictOptions(full_state_dict=full, cpu_offload=full)
+def _options(full: bool, *, flat: bool = False) -> StateDictOptions:
+    # full: whole tensors on CPU, complete on rank 0 (the only rank that writes the full format). flat: the
+    # optimizer's hyperparameters keyed by parameter name ("param_groups.<name>.lr"), not by group index: DCP
+    # keeps one copy of a key that several ranks write, so with ranks holding different parameters (pipeline
+    # stages) the nested layout's "param_groups.0.params" of one rank would stand for every rank's.
+    return StateDictOptions(full_state_dict=full, cpu_offload=full, flatten_optimizer_state_dict=flat)
 
 
 class ModelState:
@@ -104,6 +107,7 @@ class OptimizerState:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool) -> None:
         self.module, self.optimizer, self.full = module, optimizer, full
+        self.flat = True  # sharded state dicts in DCP's flattened layout (format version 3); False: version <= 2
 
     def state_dict(self) -> dict[str, Any]:
         opt = self.optimizer
@@ -112,7 +116,7 @@ class OptimizerState:
             if collectives.rank() != 0:
                 return {}
             return index_to_names(opt.state_dict(), param_names(self.module, opt))
-        return get_optimizer_state_dict(self.module, opt, options=_options(self.full))
+        return get_optimizer_state_dict(self.module, opt, options=_options(self.full, flat=self.flat and not self.full))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         names = param_names(self.module, self.optimizer)

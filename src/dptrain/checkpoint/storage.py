@@ -157,14 +157,15 @@ def full_state_copies(state: CheckpointState, *, rank: int) -> dict[str, Any]:
     }
 
 
-def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> None:
+def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState, version: int = 3) -> None:
     """Load model and optimizer state written by `save_model_optim` (possibly at another world size;
-    a format-version-1 `optim.pt`, keyed by parameter index, is read too)."""
+    a format-version-1 `optim.pt`, keyed by parameter index, is read too, and a version-1/2 `dcp/`
+    with its optimizer state in DCP's nested layout)."""
     here = FULL if state.full else SHARDED
     if fmt == SHARDED and here == FULL and not _zero1(state):
         # DCP shards (pipeline stages, FSDP2, tensor parallelism) into an unsharded model (single, ddp):
         # DCP reads into the live tensors of every rank, consolidating the shards, under the plain names.
-        with _live_tensors(state):
+        with _live_tensors(state), _optimizer_layout(state, flat=version >= 3):
             _load_dcp(ckpt_dir, state)
         return
     if fmt == FULL and here == SHARDED and _splits_full_files(state):
@@ -177,7 +178,8 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState) -> Non
             "`dptrain ckpt export`"
         )
     if not state.full:
-        _load_dcp(ckpt_dir, state)
+        with _optimizer_layout(state, flat=version >= 3):
+            _load_dcp(ckpt_dir, state)
         return
     _load_model_dict(state.model_parts, load_torch(ckpt_dir / "model.pt"))
     for i, o in enumerate(state.optimizers):
@@ -212,6 +214,21 @@ def _live_tensors(state: CheckpointState) -> Iterator[None]:
     finally:
         for o in objs:
             o.full = True  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _optimizer_layout(state: CheckpointState, *, flat: bool) -> Iterator[None]:
+    """The optimizers' sharded state dicts in DCP's flattened layout (format version 3) or the nested one
+    (versions 1 and 2) while the body runs: the keys DCP then reads from the checkpoint."""
+    objs = [o for o in state.optimizers if hasattr(o, "flat")]
+    before = [o.flat for o in objs]
+    for o in objs:
+        o.flat = flat
+    try:
+        yield
+    finally:
+        for o, b in zip(objs, before, strict=True):
+            o.flat = b
 
 
 def _splits_full_files(state: CheckpointState) -> bool:

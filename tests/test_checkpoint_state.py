@@ -48,8 +48,10 @@ X = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
 Y = X.sum(dim=1, keepdim=True).sin()
 
 
-def plain_run(run_dir: Path, *, until: int, every: int = 3) -> tuple[list[str], list[torch.Tensor], CheckpointManager]:
-    """A hand-written loop: plain model, SGD with momentum, LR schedule, the dptrain sampler."""
+def plain_run(run_dir: Path, *, until: int, every: int = 3, extra: tuple[str, ...] = (), env: DistEnv | None = None,
+              crash: bool = False) -> tuple[list[str], list[torch.Tensor], CheckpointManager]:
+    """A hand-written loop: plain model, SGD with momentum, LR schedule, the dptrain sampler. `crash`: stop after
+    step `until` as a killed worker would (no final save; the in-memory snapshot in flight finishes)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -66,8 +68,8 @@ def plain_run(run_dir: Path, *, until: int, every: int = 3) -> tuple[list[str], 
         train=progress,
         full=True,
     )
-    cfg = load_config(None, [f"checkpoint.every_steps={every}", "checkpoint.keep_last=null"])
-    mgr = CheckpointManager(cfg=cfg, run_dir=run_dir, env=DistEnv.from_env({}))
+    cfg = load_config(None, [f"checkpoint.every_steps={every}", "checkpoint.keep_last=null", *extra])
+    mgr = CheckpointManager(cfg=cfg, run_dir=run_dir, env=env or DistEnv.from_env({}))
     mgr.maybe_resume(state)
     batches, out = iter(sampler), []
     while progress.step < until:
@@ -82,8 +84,50 @@ def plain_run(run_dir: Path, *, until: int, every: int = 3) -> tuple[list[str], 
         progress.samples_seen += len(idx)
         out.append(float.hex(loss.item()))
         assert not mgr.maybe_save(state, step=progress.step)
+    if crash:
+        mgr.memory.wait()
+        return out, [], mgr
     mgr.save_final(state)
     return out, [p.detach().clone() for p in model.parameters()], mgr
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_a_restart_that_resumes_from_memory_hashes_no_disk_checkpoint_unless_it_needs_one(tmp_path, monkeypatch):
+    """After a restart the in-memory snapshot is chosen without reading the disk checkpoints' data (their SHA-256
+    costs minutes at scale): the disk's newest committed step is read from its manifest. Only when no snapshot is
+    that new are the disk checkpoints verified, and then an older valid one (the newest corrupt) lets an older
+    snapshot win. Every resumed run ends bit-identical to the uninterrupted one."""
+    ref_losses, ref_params, _ = plain_run(tmp_path / "ref", until=8)
+    hashed: list[str] = []
+    verify = mf.verify_files
+    monkeypatch.setattr(mf, "verify_files", lambda d, *a, **k: (hashed.append(Path(d).name), verify(d, *a, **k))[1])
+
+    def restart(run: Path, *extra: str, attempt: int) -> tuple[list[str], list[torch.Tensor], CheckpointManager]:
+        env = DistEnv.from_env({"TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": "3"})
+        return plain_run(run, until=7 if attempt == 0 else 8, extra=(f"checkpoint.memory_dir={tmp_path / 'mem'}",
+                                                                    *extra), env=env, crash=attempt == 0)
+
+    # memory every step, disk every 3: the snapshot of step 7 beats the disk's step 6, whose data is never read
+    restart(tmp_path / "a", attempt=0)
+    hashed.clear()
+    rest, params, mgr = restart(tmp_path / "a", attempt=1)
+    assert mgr.resumed_from_memory is not None and mgr.resumed_from_memory.step == 7
+    assert hashed == []  # no checkpoint data read at the resume
+    assert rest == ref_losses[7:] and all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    # memory every 2 steps (snapshots 4 and 6 kept), disk at step 7 only: the disk is newer, so it is verified
+    for corrupt, want in ((False, ("disk", 7)), (True, ("memory", 6))):
+        run = tmp_path / f"b-{corrupt}"
+        restart(run, "checkpoint.memory_every_steps=2", "checkpoint.every_steps=7", attempt=0)
+        if corrupt:  # the newest disk checkpoint is corrupt: the disk's valid step is 0, the snapshot of 6 wins
+            (run / "checkpoints" / "step_000007" / "model.pt").write_bytes(b"garbage")
+        hashed.clear()
+        rest, params, mgr = restart(run, "checkpoint.memory_every_steps=2", "checkpoint.every_steps=7", attempt=1)
+        memory = mgr.resumed_from_memory
+        got = ("memory", memory.step) if memory else ("disk", mf.step_of(mgr.resumed_from))
+        assert got == want and "step_000007" in hashed
+        assert rest == ref_losses[want[1]:], corrupt
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
 
 
 @pytest.mark.fast

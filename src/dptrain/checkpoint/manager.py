@@ -45,7 +45,7 @@ from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-expor
 from dptrain.checkpoint.memory import MemorySnapshots
 from dptrain.checkpoint.memory_recover import MemoryChoice, recover
 from dptrain.checkpoint.preempt import PreemptionFlag
-from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, truncate_metrics
+from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, newest_committed, truncate_metrics
 from dptrain.checkpoint.rundir import move_aside
 from dptrain.checkpoint.state import CheckpointState, RngState
 from dptrain.config import Config, to_dict
@@ -129,12 +129,13 @@ class CheckpointManager:
         members = collectives.all_gather_object((self.env.hostname, self.env.restart_count)) if elastic else None
         attempt = max(c for _, c in members) if members else self.env.restart_count
         generation = 0
-        if self.env.is_main:
-            choice = self._choose(choice)
+        from_memory = self.memory.enabled and attempt > 0 and self.resume == "auto"
+        if self.env.is_main:  # a restart that may resume from memory hashes no disk checkpoint unless it needs one
+            choice = newest_committed(self.root) if from_memory else self._choose(choice)
         memory: MemoryChoice | None = None
         if self.memory.enabled:
             choice = collectives.broadcast_object(choice)
-            memory = self._recover_memory(choice, attempt=attempt)
+            memory, choice = self._recover_memory(choice, attempt=attempt)
         if self.env.is_main:
             if attempt > 0 or elastic:
                 resumed = memory.step if memory else int(choice.meta.get("step", 0)) if choice.path else 0
@@ -196,18 +197,24 @@ class CheckpointManager:
         self._say(f"dptrain: resumed from {choice.path} at step {step}")
         return True
 
-    def _recover_memory(self, choice: ResumeChoice, *, attempt: int) -> MemoryChoice | None:
+    def _recover_memory(self, choice: ResumeChoice, *, attempt: int) -> tuple[MemoryChoice | None, ResumeChoice]:
         """After a restart (the same resume rule as `auto`), the newest in-memory snapshot at least as new as the
-        disk's `choice`, assembled on every node; None: resume from disk. Collective."""
+        disk's `choice`, assembled on every node (None: resume from disk), and the disk's choice, verified when it
+        is needed. An unverified `choice` (`newest_committed`) is verified only when no snapshot reaches it: an
+        older valid disk checkpoint (the newest one corrupt) then lets an older snapshot qualify. Collective."""
         restarted = attempt > 0 and self.resume == "auto" and not choice.error
         self.memory.start(fresh=not restarted)
         if not restarted:
-            return None
-        min_step = int(choice.meta["step"]) if choice.path else 0
+            return None, choice
         self._memory_t0 = time.perf_counter()
-        memory, messages = recover(self.memory, min_step=min_step)
+        memory, messages = recover(self.memory, min_step=choice.step, keep_if_none=not choice.verified)
+        if memory is None and not choice.verified:
+            if self.env.is_main:
+                choice = self._choose(ResumeChoice())
+            choice = collectives.broadcast_object(choice)
+            memory, messages = recover(self.memory, min_step=choice.step)
         choice.messages.extend(messages)
-        return memory
+        return memory, choice
 
     def _choose(self, choice: ResumeChoice) -> ResumeChoice:
         found = choose_checkpoint(self.resume, root=self.root, trust=self.trust)

@@ -84,14 +84,20 @@ def describe(step: int, parts: dict[int, dict[str, Any]], views: list[tuple[str,
     return out
 
 
-def recover(snap: MemorySnapshots, *, min_step: int) -> tuple[MemoryChoice | None, list[str]]:
+def recover(
+    snap: MemorySnapshots, *, min_step: int, keep_if_none: bool = False
+) -> tuple[MemoryChoice | None, list[str]]:
     """Collective: find, gather, assemble and verify the newest usable snapshot on every node (see the module
-    docstring); (the choice or None, messages for the user). Leaves only the chosen snapshot in memory."""
+    docstring); (the choice or None, messages for the user). Leaves only the chosen snapshot in memory, or none;
+    with `keep_if_none`, a search that finds no snapshot new enough keeps them all and says nothing (the caller
+    asks again with a lower `min_step`)."""
     mine = holdings(snap.node_dir)
     everyone = collectives.all_gather_object((snap.env.rank, snap.node_dir.name, mine))
     views = list({host: h for _, host, h in everyone}.items())
     found = choose(views, min_step=min_step)
     messages: list[str] = []
+    if found is None and keep_if_none:
+        return None, messages
     if found is None:
         newest = max((s for _, h in views for s in h), default=None)
         if newest is not None:

@@ -27,6 +27,23 @@ class ResumeChoice:
     messages: list[str] = field(default_factory=list)
     error: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    verified: bool = True  # False: the newest committed folder, its files not hashed (`newest_committed`)
+
+    @property
+    def step(self) -> int:
+        """The chosen checkpoint's step (0: none)."""
+        return int(self.meta["step"]) if self.path else 0
+
+
+def newest_committed(root: Path) -> ResumeChoice:
+    """The newest committed step folder under `root` with a readable manifest, its files NOT hashed: what a
+    restart that resumes from memory needs to know of the disk (the step a snapshot must reach). Reading no
+    checkpoint data keeps such a recovery off the disk; `_newest_valid` verifies when the disk is needed."""
+    for d in reversed(mf.step_dirs(root)):
+        info = mf.inspect_dir(d, check_hashes=False)
+        if info.valid:
+            return ResumeChoice(path=str(d), meta=info.meta, verified=False)
+    return ResumeChoice()
 
 
 def _newest_valid(root: Path) -> ResumeChoice:

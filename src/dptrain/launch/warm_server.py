@@ -197,9 +197,13 @@ class Server:
                 signal.signal(int(num), handler)
             except (ValueError, OSError):
                 pass
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:  # its global generator was seeded once, in the server: a fresh one per worker, as cold
+            numpy.random.seed()
         module, *args = request["argv"]
         sys.argv = [module, *args]
         signal.pthread_sigmask(signal.SIG_SETMASK, {signal.Signals(s) for s in request["mask"]})
+        sys.modules.pop(module, None)  # preloaded: `python -m` runs it as __main__ only (and runpy warns otherwise)
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0

@@ -139,7 +139,8 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
             # Let the rank that failed be the first failure torchrun observes (its report names the root
             # cause by time): torchrun stops this one as soon as it sees that rank gone.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing left to save: torchrun's stop ends the wait
-            time.sleep(REMOTE_PEER_LOST_GRACE_S if peer_is_remote(e) else PEER_LOST_GRACE_S)
+            if not getattr(trainer.ckpt.preemption, "received", False):  # a stop that came first: no wait
+                time.sleep(REMOTE_PEER_LOST_GRACE_S if peer_is_remote(e) else PEER_LOST_GRACE_S)
             return 1
         trainer.ckpt.record_error(traceback.format_exc())  # for the restart report (attempts.jsonl)
         raise

@@ -52,11 +52,11 @@ class WarmServer:
         return self.proc.pid
 
     @classmethod
-    def start(cls) -> WarmServer | None:
+    def start(cls, preload: tuple[str, ...] = ()) -> WarmServer | None:
         """Start the server with this process's environment (what torchrun's workers inherit) and point the workers
         at it (`SOCKET_ENV`). The listening socket is bound here and handed over, so workers that start while the
         server is still importing wait in its backlog; once the server is gone, connecting fails at once and the
-        workers start cold."""
+        workers start cold. `preload`: the modules the server imports (default: a dptrain worker's)."""
         folder = Path(tempfile.mkdtemp(prefix="dptrain-warm-"))  # mode 0700: only this user reaches the socket
         path = folder / "sock"
         try:
@@ -65,7 +65,7 @@ class WarmServer:
                 listener.listen(128)
                 fd = listener.fileno()
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", SERVER_MODULE, str(folder), str(fd), str(os.getpid())],
+                    [sys.executable, "-m", SERVER_MODULE, str(folder), str(fd), str(os.getpid()), *preload],
                     pass_fds=[fd], stdin=subprocess.DEVNULL, start_new_session=True,
                 )
         except OSError as e:

@@ -290,7 +290,7 @@ def reset_stdio(*, unbuffered: bool) -> None:
     for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
         tty = os.isatty(fd)
         if mode == "r":
-            stream: io.TextIOWrapper = open(fd, "r", closefd=False)  # noqa: SIM115
+            stream: io.TextIOWrapper = open(fd, closefd=False)  # noqa: SIM115
         else:
             raw = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)  # noqa: SIM115
             stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",

@@ -40,10 +40,10 @@ def server(monkeypatch):
     assert not s.folder.exists()  # the socket's folder is gone
 
 
-def client(*args: str, cwd: Path | None = None, **kwargs) -> subprocess.Popen:
+def client(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     """`python -u -m dptrain.launch.warm_client support.warm_target ARGS` as torchrun would start it."""
     return subprocess.Popen([sys.executable, "-u", "-m", "dptrain.launch.warm_client", TARGET, *args],
-                            env={**os.environ, "WARM_TEST": "from the client"}, cwd=cwd, stdout=subprocess.PIPE,
+                            env={**os.environ, "WARM_TEST": "from the client", **(env or {})}, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
 
 
@@ -120,7 +120,7 @@ def test_a_sigkilled_client_takes_its_worker_along(server, tmp_path):
 def test_the_worker_dies_with_the_server_and_the_client_then_ends(server, tmp_path):
     """The forked worker follows its parent, the server (launch/worker.py `die_with_launcher`), which itself follows
     the launcher: the worker gets SIGTERM (here it has no handler: killed by it), and its client ends."""
-    p = client("follow", str(tmp_path / "pid"), env={**os.environ, "DPTRAIN_LAUNCHER_PID": str(os.getpid())})
+    p = client("follow", str(tmp_path / "pid"), env={"DPTRAIN_LAUNCHER_PID": str(os.getpid())})
     worker = wait_pid(tmp_path / "pid")
     os.kill(server.pid, signal.SIGKILL)
     assert gone(worker, timeout=5.0)

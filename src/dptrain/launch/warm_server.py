@@ -55,6 +55,9 @@ def mismatch(request: dict[str, Any]) -> str | None:
     """Why this server cannot stand for the client's own interpreter, or None."""
     if request.get("executable") != sys.executable:
         return f"the worker runs {request.get('executable')}, the warm server {sys.executable}"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
+        return "CUDA was initialised in the warm server"
     env = request["env"]
     for key in STARTUP_ENV:
         if env.get(key) != os.environ.get(key):
@@ -109,7 +112,7 @@ class Server:
                     self.accept()
                 elif key.data == "wake":
                     with_retry(os.read, self.wake_r, 512)
-                else:
+                elif self.closed(key.fileobj):
                     self.client_closed(key.data)
             self.reap()
             if os.getppid() != self.launcher:  # the death signal is lost if the launcher died before prctl
@@ -222,6 +225,16 @@ class Server:
         atexit._run_exitfuncs()
         flush()
         return code
+
+    @staticmethod
+    def closed(conn: Any) -> bool:
+        """Whether a client's readable connection is at EOF (or broken); a client sends nothing after its request."""
+        try:
+            return conn.recv(64, socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
 
     def client_closed(self, pid: int) -> None:
         """The client's connection closed (it was SIGKILLed, or the server already reported): kill its worker."""

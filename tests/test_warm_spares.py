@@ -43,8 +43,8 @@ def server(monkeypatch):
 def client(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     """`python -u -m dptrain.launch.warm_client support.warm_target ARGS` as torchrun would start it."""
     return subprocess.Popen([sys.executable, "-u", "-m", "dptrain.launch.warm_client", TARGET, *args],
-                            env={**os.environ, "WARM_TEST": "from the client", **(env or {})}, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+                            env={**os.environ, "WARM_TEST": "from the client", **(env or {})}, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
 
 
 def wait_pid(path: Path, timeout: float = 20) -> int:

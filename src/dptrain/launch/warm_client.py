@@ -18,7 +18,7 @@ import signal
 import socket
 import struct
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 SOCKET_ENV = "DPTRAIN_WARM_SOCKET"
 """The warm server's Unix socket, set by the launcher (launch/warm.py) for its workers."""
@@ -116,7 +116,7 @@ class Forwarder:
                 pass
 
 
-def run_cold(argv: list[str], why: str, *, mask: set[int], pending: list[int]) -> None:
+def run_cold(argv: list[str], why: str, *, mask: set[int], pending: list[int]) -> NoReturn:
     """Run the worker in this process (exec), as torchrun would have: never lose a run to the warm path."""
     if pending:  # torchrun already asked the worker to stop: end as an unhandled first signal would
         die_by(pending[0], mask=mask)
@@ -128,7 +128,7 @@ def run_cold(argv: list[str], why: str, *, mask: set[int], pending: list[int]) -
     os.execv(sys.executable, [sys.executable, *flags, "-m", *argv])
 
 
-def die_by(sig: int, *, mask: set[int]) -> None:
+def die_by(sig: int, *, mask: set[int]) -> NoReturn:
     """End this process killed by `sig`, as the worker was (torchrun reads the same status)."""
     sys.stdout.flush()
     sys.stderr.flush()

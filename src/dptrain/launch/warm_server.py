@@ -195,7 +195,8 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGINT):  # the server's own handlers
             signal.signal(sig, signal.SIG_DFL)
         for num, how in request["signals"].items():
-            handler = {"ign": signal.SIG_IGN, "int": signal.default_int_handler}.get(how, signal.SIG_DFL)
+            handler: Any = (signal.SIG_IGN if how == "ign" else signal.default_int_handler if how == "int"
+                            else signal.SIG_DFL)
             try:
                 signal.signal(int(num), handler)
             except (ValueError, OSError):
@@ -322,7 +323,11 @@ def flush() -> None:
 
 def die_with_launcher(launcher: int, folder: Path) -> None:
     """SIGTERM when the launcher dies; then remove `folder` and exit."""
-    signal.signal(signal.SIGTERM, lambda *_: (shutil.rmtree(folder, ignore_errors=True), os._exit(0)))
+    def stop(signum: int, frame: Any) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

@@ -5,7 +5,8 @@ worker and trainer modules once, then serves the clients torchrun starts as work
 each it forks a process that takes the client's argv, environment, cwd, fds 0/1/2, signal dispositions and mask, and
 runs `python -m MODULE ARGS...` there, then sends the client that process's status. It stays single-threaded (it
 forks; a fork of a process with other threads would copy their locks mid-use), never touches CUDA or a process group,
-dies with the launcher (PR_SET_PDEATHSIG, then removes DIR) and SIGKILLs a forked worker whose client is gone.
+dies with the launcher (PR_SET_PDEATHSIG, then removes DIR), and a forked worker whose client is gone is SIGKILLed
+(by the server, and by a thread of its own that watches the connection).
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ class Server:
         """In the forked child: take the client's place and run its module as `python -m` would; its exit code."""
         os.setsid()  # a session of its own, as torchrun starts workers
         signal.set_wakeup_fd(-1)
+        watch_client(conn.dup())
         for sock in (conn, self.listener, *self.workers.values()):
             sock.close()
         self.selector.close()
@@ -279,6 +281,22 @@ class Server:
     def shutdown(self, *_: Any) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
         os._exit(0)  # the forked workers get SIGTERM from their own parent-death signal and save, as cold ones do
+
+
+def watch_client(conn: socket.socket) -> None:
+    """In the forked worker: SIGKILL itself once its client's connection closes (the client was killed), even if
+    the server cannot do it. A daemon thread blocked in recv; the client sends nothing after its request."""
+
+    def watch() -> None:
+        conn.settimeout(None)
+        try:
+            while conn.recv(64):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="dptrain-warm-watch", daemon=True).start()
 
 
 def with_retry(fn: Any, *args: Any) -> Any:

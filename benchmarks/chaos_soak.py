@@ -218,12 +218,19 @@ def progress(run: Path) -> dict:
 
 
 def worker_pid(c: Cluster, node: int) -> int | None:
-    """The pid of the dptrain worker running in `node`'s namespace."""
+    """The pid of the process that trains `node`'s worker: the dptrain worker itself, or with warm spares
+    (launch.warm_workers) the process the node's warm server forked for it (a stall must stop that one)."""
+    cold = None
     for pid in c.pids(node):
-        with contextlib.suppress(OSError):
-            if b"dptrain.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-    return None
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"dptrain.launch.warm_server" in cmd:
+                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                if b"dptrain.launch.warm_server" in Path(f"/proc/{ppid}/cmdline").read_bytes():
+                    return pid  # forked by the server (the server's own parent is the launcher)
+            elif b"dptrain.launch.worker" in cmd and cold is None:
+                cold = pid
+    return cold
 
 
 def newest_checkpoint(run: Path) -> Path | None:

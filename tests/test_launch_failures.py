@@ -168,12 +168,15 @@ def test_sigkill_of_rank_1_with_restarts_recovers_without_a_traceback(tmp_path):
     while max(logged_steps(out), default=0) < 8:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.005)
-    victim = next(c for c in psutil.Process(proc.pid).children(recursive=True)
-                  if "dptrain.launch.worker" in " ".join(c.cmdline()) and c.environ().get("RANK") == "1")
+    # max_restarts > 0: warm spares (launch.warm_workers auto): the process that trains rank 1 was forked by this
+    # node's warm server; its client (torchrun's worker) reports its SIGKILL to torchrun
+    victim = psutil.Process(json.loads((out / "attempts" / "rank1.json").read_text())["pid"])
+    assert "dptrain.launch.warm_server" in victim.parent().cmdline()
     victim.send_signal(signal.SIGKILL)
     output = proc.communicate(timeout=150)[0]
     assert proc.returncode == 0, output[-3000:]
     no_traceback(output)
+    assert "(cold)" not in output and "exitcode: -9" in output, output[-3000:]
     assert "restart 1: attempt 0 failed" in output and "resumed from" in output
     assert losses(out) == losses(tmp_path / "ref")
     assert (out / "final" / "model.safetensors").read_bytes() == (tmp_path / "ref" / "final" /

@@ -39,6 +39,7 @@ from dptrain.launch.cluster_env import cluster_launch
 from dptrain.launch.elastic import pin_global_batch
 from dptrain.launch.hosted_checks import check_hosted, check_unnamed_recipe
 from dptrain.launch.interrupts import EARLY
+from dptrain.launch.warm import warm_workers_on
 from dptrain.launch.worker import main as worker_main
 from dptrain.metrics.console_log import console_log
 from dptrain.metrics.monitor import check_monitoring
@@ -162,6 +163,7 @@ def _launch(cfg: Config, *, res: Any, nproc: int, run_dir: Path, pending: Path, 
             launch_cfg=cfg.launch,
             ckpt_root=checkpoint_root(cfg.checkpoint, run_dir),
             abandon=lambda: pending.unlink(missing_ok=True),
+            warm=warm_workers_on(cfg.launch),
         )
     finally:
         pending.unlink(missing_ok=True)

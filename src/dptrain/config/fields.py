@@ -389,6 +389,10 @@ class LaunchConfig:
     heartbeat, keep_alive_interval, keep_alive_max_attempt, read_timeout); keys not set keep torchrun's defaults,
     except in an elastic run (nnodes MIN:MAX): last_call_timeout=2, keep_alive_interval=1, keep_alive_max_attempt=3
     (a lost node is noticed in 3 s, not 15 s, and the survivors wait 2 s, not 30 s, for more nodes)."""
+    warm_workers: bool | None = None
+    """Warm spares: a per-node server imports torch and dptrain once, and every worker torchrun (re)starts is forked
+    from it, skipping the imports (seconds per restart). null (auto): on for Linux runs that can restart (max_restarts
+    > 0 or an elastic nnodes); true: always (Linux only); false: off. See "Warm spare workers"."""
 
 
 @dataclass(frozen=True)

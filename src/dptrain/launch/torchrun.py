@@ -26,6 +26,7 @@ from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, rdzv_se
 from dptrain.config.resolve import parse_endpoint
 from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, final_status, read_exit_marks
 from dptrain.launch.interrupts import EARLY, CtrlC, last_saved, workers_start_with_sigint_blocked
+from dptrain.launch.warm import WarmServer, client_command
 
 EXIT_RENDEZVOUS = 2
 """The rendezvous did not complete (nobody hosts it, a node never came, its port is taken): one line, no worker ran."""
@@ -80,6 +81,7 @@ def run_torchrun(
     launch_cfg: LaunchConfig | None = None,
     abandon: Callable[[], None] | None = None,
     own_workers: bool = True,
+    warm: bool = False,
 ) -> int:
     """Run torchrun in this process; the exit code: 0 done, 1 a worker failed (after torchrun's
     failure report, root-cause rank first: host, exit code, error file, traceback; then dptrain's
@@ -93,7 +95,8 @@ def run_torchrun(
     launcher exits in the second case (torchrun cannot be unwound from there).
     `own_workers=False` (`dptrain launch`: the user's script): a failed run exits with the root-cause
     rank's own status ("your script exited with status N on rank R"); dptrain's meanings of 2/3/4/130/143
-    apply only to ranks whose exit mark (distributed/exit_marks.py) says dptrain caused them."""
+    apply only to ranks whose exit mark (distributed/exit_marks.py) says dptrain caused them.
+    `warm`: the workers (a `--module`) are forked by a warm server that imported them ahead (launch/warm.py)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -118,8 +121,13 @@ def run_torchrun(
     marks_dir = tempfile.mkdtemp(prefix="dptrain-exit-")  # the workers' exit marks: which statuses are dptrain's
     os.environ[EXIT_MARKS_ENV] = marks_dir
     EARLY.check()  # a Ctrl-C during the checks that something swallowed: no worker starts
+    server = WarmServer.start() if warm and args.module else None  # with the environment the workers inherit
+    if server is not None:
+        args.training_script, args.training_script_args = client_command(args.training_script,
+                                                                          args.training_script_args)
     interrupts = CtrlC(ckpt_root)
-    waiting = NodeWait(launch_cfg, abandon=abandon) if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None
+    waiting = (NodeWait(launch_cfg, abandon=abandon, ignore={server.pid} if server else set())
+               if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None)
     try:
         with workers_start_with_sigint_blocked(interrupts) if own_workers else contextlib.nullcontext():
             run(args)
@@ -174,6 +182,8 @@ def run_torchrun(
         interrupts.restore()
         if waiting is not None:
             waiting.stop()
+        if server is not None:
+            server.stop()
         shutil.rmtree(marks_dir, ignore_errors=True)
         os.environ.pop(EXIT_MARKS_ENV, None)
     return 0
@@ -301,8 +311,9 @@ class NodeWait:
     answer that never comes): join_timeout + RENDEZVOUS_GRACE_S after the start, with still no
     worker, this thread says so in one line and ends the launcher (exit 2)."""
 
-    def __init__(self, cfg: LaunchConfig, *, abandon: Callable[[], None] | None = None) -> None:
-        self.cfg, self.abandon = cfg, abandon
+    def __init__(self, cfg: LaunchConfig, *, abandon: Callable[[], None] | None = None,
+                 ignore: set[int] | None = None) -> None:
+        self.cfg, self.abandon, self.ignore = cfg, abandon, ignore or set()
         self.every = float(os.environ.get("DPTRAIN_WAIT_REPORT_S", "30"))
         self.deadline_s = join_timeout_s(cfg) + RENDEZVOUS_GRACE_S
         self._stop = threading.Event()
@@ -315,7 +326,7 @@ class NodeWait:
         me = psutil.Process()
         next_line = self.every
         while not self._stop.wait(min(1.0, self.every)):
-            if me.children():  # the rendezvous completed: this node's workers are running
+            if {c.pid for c in me.children()} - self.ignore:  # the rendezvous completed: the workers are running
                 return
             waited = time.monotonic() - self._t0
             if waited >= self.deadline_s:

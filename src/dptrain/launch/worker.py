@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 
 from dptrain.distributed.exit_marks import clear_exit_mark, mark_exit
+from dptrain.launch.warm_client import PARENT_ENV
 
 EXIT_INTERRUPTED = 130  # = dptrain.checkpoint.preempt.EXIT_INTERRUPTED (not imported: it imports torch)
 EXIT_PREEMPTED = 143
@@ -46,8 +47,9 @@ def die_with_launcher() -> None:
     """No orphans: when the launcher dies, whatever killed it (SIGKILL, an OOM kill, a closed SSH
     session), the kernel sends this worker SIGTERM (Linux's parent-death signal), and the run's
     preemption handling saves the last finished step on every rank and exits 143. A launcher that
-    died before this call is noticed at once: the worker exits without training."""
-    expected = os.environ.get(LAUNCHER_PID)
+    died before this call is noticed at once: the worker exits without training. A worker forked by a warm server
+    (launch/warm_server.py) follows that server instead, which itself dies with the launcher."""
+    expected = os.environ.get(PARENT_ENV) or os.environ.get(LAUNCHER_PID)
     if expected is None or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -137,7 +139,8 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
             # Let the rank that failed be the first failure torchrun observes (its report names the root
             # cause by time): torchrun stops this one as soon as it sees that rank gone.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing left to save: torchrun's stop ends the wait
-            time.sleep(REMOTE_PEER_LOST_GRACE_S if peer_is_remote(e) else PEER_LOST_GRACE_S)
+            if not getattr(trainer.ckpt.preemption, "received", False):  # a stop that came first: no wait
+                time.sleep(REMOTE_PEER_LOST_GRACE_S if peer_is_remote(e) else PEER_LOST_GRACE_S)
             return 1
         trainer.ckpt.record_error(traceback.format_exc())  # for the restart report (attempts.jsonl)
         raise

@@ -327,8 +327,9 @@ def test_the_sharded_memory_formula_and_the_room_rule():
 
 @pytest.mark.fast
 def test_the_default_widens_the_interval_when_a_snapshot_costs_more_than_its_budget(tmp_path, monkeypatch, capsys):
-    """A fake clock: each snapshot holds the loop 10 ms, each step takes 100 ms (10%): after the probe the default
-    snapshots every 4 steps (10% / 3%, rounded up); an explicit interval is never changed."""
+    """A fake clock: a clean step takes 100 ms, each snapshot holds the loop 10 ms and its background write makes
+    the next step 20 ms longer: 30% of a step. The default probes every other step, then snapshots every 10 steps
+    (30% / 3%); an explicit interval is never changed."""
     from dptrain.checkpoint import memory_pace
 
     now = [0.0]
@@ -341,17 +342,19 @@ def test_the_default_widens_the_interval_when_a_snapshot_costs_more_than_its_bud
 
     monkeypatch.setattr(memory_module, "in_background", slow_start)
     env = DistEnv(hostname="h")
-    for auto, want in ((True, 4), (False, 1)):
+    for auto, want in ((True, 10), (False, 1)):
         snap = MemorySnapshots(every_steps=1, root=str(tmp_path / str(auto)), run_dir=tmp_path / "run", env=env,
                                auto=auto)
         snap.start(fresh=True)
-        step = 0
-        while step < 12:
-            step += 1
-            now[0] += 0.1  # the step
-            if snap.due(step):
+        taken, after_snapshot = [], False
+        for step in range(1, 41):
+            now[0] += 0.1 + (0.02 if after_snapshot else 0.0)  # the step
+            after_snapshot = snap.due(step)
+            if after_snapshot:
+                taken.append(step)
                 snap.snapshot(step=step, files={"rank_00000.pt": {"rng": torch.ones(2)}, "train.pt": {"x": 1}},
                               meta={"step": step, "world_size": 1})
         snap.finish(remove=True)
         assert snap.every_steps == want
-    assert "in-memory snapshots every 4 steps: one takes 10.0% of a step's time" in capsys.readouterr().err
+        assert taken == ([1, 3, 5, 7, 9, 11, 13, 20, 30, 40] if auto else list(range(1, 41)))
+    assert "in-memory snapshots every 10 steps: one takes 30.0% of a step's time" in capsys.readouterr().err

@@ -156,7 +156,8 @@ def holdings(node_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
 
 
 def drop_steps(node_dir: Path, *, keep: set[int]) -> None:
-    """Delete every snapshot of the node except the steps in `keep` (parts first, then the files)."""
+    """Delete every snapshot of the node except the steps in `keep` (parts first, then the files); with some kept,
+    the deleted snapshots' raw files go to the pool the next snapshot overwrites (`memory_format.recycle`)."""
     parts = node_dir / PARTS
     if parts.is_dir():
         for p in parts.glob("step_*.rank_*.json"):
@@ -164,7 +165,11 @@ def drop_steps(node_dir: Path, *, keep: set[int]) -> None:
                 p.unlink(missing_ok=True)
     for d in mf.step_dirs(node_dir):
         if mf.step_of(d) not in keep:
+            if keep:  # snapshots go on: their files are overwritten next time (memory_format.FREE)
+                memory_format.recycle(d)
             shutil.rmtree(d, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(node_dir / memory_format.FREE, ignore_errors=True)
 
 
 def pid_alive(pid: int) -> bool:
@@ -245,7 +250,14 @@ class MemorySnapshots:
         return self.env.local_rank == 0
 
     def due(self, step: int) -> bool:
-        return self.enabled and step % self.every_steps == 0
+        """Whether to snapshot at the boundary of `step` (called at every boundary). The default's probe
+        (memory_pace.py) snapshots every other step until it has chosen the interval."""
+        if not self.enabled:
+            return False
+        if self.auto and self._pace.probing:
+            self._pace.tick()
+            return step % 2 == 1
+        return step % self.every_steps == 0
 
     def start(self, *, fresh: bool) -> None:
         """At setup, before recovery: own the node's folder; a `fresh` start (no restart) clears the run's

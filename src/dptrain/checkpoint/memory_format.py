@@ -29,6 +29,10 @@ from dptrain.checkpoint import storage
 
 TENSOR = "__dptrain_tensor__"
 RAW, SKEL = ".raw", ".skel"
+FREE = ".free"
+"""The node folder's pool of `.raw` files of dropped snapshots: the next snapshot of the same file overwrites one
+in place instead of writing a new file (a tmpfs allocates and zeroes every page of a new file: 5.8 ms for 10 MB
+here, against 1.3 ms to overwrite)."""
 
 
 def split(tree: Any, tensors: list[torch.Tensor]) -> Any:
@@ -66,12 +70,18 @@ def write(step_dir: Path, name: str, tree: Any) -> dict[str, dict[str, int]]:
     entries = {}
     raw, crc, size = step_dir / (name + RAW), 0, 0
     tmp = raw.with_name(f".{raw.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    try:
+        os.replace(step_dir.parent / FREE / raw.name, tmp)  # a dropped snapshot's file: overwritten in place
+        mode = "r+b"
+    except FileNotFoundError:
+        mode = "wb"
+    with open(tmp, mode) as f:
         for t in tensors:
             if t.numel():
                 mv = _bytes_of(t)
                 f.write(mv)
                 crc, size = zlib.crc32(mv, crc), size + mv.nbytes
+        f.truncate()
     os.replace(tmp, raw)
     entries[raw.name] = {"size": size, "crc32": crc}
     skel_path = step_dir / (name + SKEL)
@@ -112,6 +122,18 @@ def write_shards(step_dir: Path, state_dict: dict[str, Any], *, group: Any, rank
 def verbatim(name: str) -> bool:
     """A snapshot file that is itself a checkpoint file (a DCP shard or DCP's metadata), not raw + skeleton."""
     return name.startswith(f"{storage.DCP_DIR}/")
+
+
+def recycle(step_dir: Path) -> None:
+    """Keep the `.raw` files of a snapshot folder about to be deleted in the node's pool (one per name: the
+    newest), for `write` to overwrite."""
+    pool = step_dir.parent / FREE
+    for raw in step_dir.glob(f"*{RAW}"):
+        pool.mkdir(exist_ok=True)
+        try:
+            os.replace(raw, pool / raw.name)
+        except OSError:
+            pass  # another rank took or replaced it: the folder is deleted anyway
 
 
 def logical_names(files: dict[str, Any]) -> list[str]:

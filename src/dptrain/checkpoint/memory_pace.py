@@ -5,16 +5,20 @@ shares plus, on more than one node, the previous node's as the replica, twice (t
 snapshot and the one being written). The default turns itself off when that exceeds half of the
 tmpfs's free space (`room_problem`).
 
-Time: the default snapshots every step "if the overhead allows". `Pace` measures, over the first
-`PROBE` snapshots after the first, the time a snapshot holds the training loop (staging the state,
-and waiting for the previous one's background write) against the time of the steps between them;
-the ranks agree on the mean, and when it is over `BUDGET` the interval becomes the smallest number
-of steps that brings it under (`interval_for`). Torch-free.
+Time: the default snapshots every step "if the overhead allows". `Pace` measures it during a probe:
+snapshots on every other step (the first one, which also sets things up, not counted), so that each
+snapshot is followed by a step it may slow down (its background write competes for the cores and the
+GIL) and then by a clean step. A snapshot's cost is the time it holds the loop (staging, and waiting
+for the previous one's background write) plus how much longer the step after it takes than the clean
+one (medians over `PROBE` snapshots); the ranks agree on the mean share of a clean step, and when it
+is over `BUDGET` the interval becomes the smallest number of steps that brings it under
+(`interval_for`). Torch-free.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 BUDGET = 0.03
@@ -53,35 +57,46 @@ def interval_for(share: float, *, budget: float = BUDGET) -> int:
 
 
 class Pace:
-    """Times the snapshots (see the module docstring): `begin()`/`end()` around each one's blocking part;
-    `share()` is the measured cost over step time once PROBE snapshots are measured (None before, and after)."""
+    """Times the probe (see the module docstring): `tick()` at every step boundary while `probing`, `begin()` /
+    `end()` around each snapshot's blocking part; `share()` is the cost over a clean step's time, once PROBE
+    snapshots are measured (None before, and after: the probe is over)."""
 
     def __init__(self) -> None:
-        self.spent = 0.0
-        self.between = 0.0
+        self.spent: list[float] = []  # each measured snapshot's blocking time
+        self.after: list[float] = []  # each step that followed a snapshot
+        self.clean: list[float] = []  # each step that did not
         self.count = -1  # the first snapshot is not measured
-        self._start = 0.0
-        self._last_end: float | None = None
         self.done = False
+        self._start = 0.0
+        self._tick: float | None = None
+        self._snapped = False  # a snapshot ended since the last tick
 
-    def _measuring(self) -> bool:
-        return 0 <= self.count < PROBE
+    @property
+    def probing(self) -> bool:
+        return not self.done
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self._tick is not None and 0 < self.count <= PROBE:
+            (self.after if self._snapped else self.clean).append(now - self._tick)
+        self._tick, self._snapped = now, False
 
     def begin(self) -> None:
         self._start = time.perf_counter()
-        if self._last_end is not None and self._measuring():
-            self.between += self._start - self._last_end  # the step(s) since the previous snapshot
 
     def end(self) -> None:
         now = time.perf_counter()
-        if self._measuring():
-            self.spent += now - self._start
+        if 0 <= self.count < PROBE:
+            self.spent.append(now - self._start)
         self.count += 1
-        self._last_end = now
+        self._tick, self._snapped = now, True  # the next step is timed from here
 
     def share(self) -> float | None:
-        """This rank's snapshot time over its step time, once (when PROBE snapshots are measured)."""
-        if self.done or self.count < PROBE:
+        """This rank's snapshot cost over its clean step time, once (when PROBE snapshots are measured)."""
+        if self.done or self.count < PROBE or not self.clean:
             return None
         self.done = True
-        return self.spent / self.between if self.between > 0 else 0.0
+        clean = statistics.median(self.clean)
+        slowed = statistics.median(self.after) - clean if self.after else 0.0
+        cost = statistics.median(self.spent) + max(0.0, slowed)
+        return cost / clean if clean > 0 else 0.0

@@ -288,23 +288,32 @@ class CheckpointManager:
             self._say(f"dptrain: {why}: saved step {step}; resume with the same command")
             return True
         if self.memory.due(step):
-            files, shards = self._snapshot_files(state)
-            self.memory.snapshot(step=step, files=files, meta=self._meta(state), shards=shards)
+            files, shards, version = self._snapshot_files(state)
+            meta = {**self._meta(state), "format_version": version}
+            self.memory.snapshot(step=step, files=files, meta=meta, shards=shards)
         flag.start(busy=self._pending is not None and not self._pending[1].done())
         return False
 
-    def _snapshot_files(self, state: CheckpointState) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def _snapshot_files(self, state: CheckpointState) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
         """This rank's share of a checkpoint, as live state (the in-memory snapshot copies it): its files (full
-        format: rank 0's model and optimizer files; rank 0's train.pt; its rank file), and the `dcp` format's
-        model and optimizer shards (None in the full format)."""
+        format: rank 0's model and optimizer files; rank 0's train.pt; its rank file), the `dcp` format's model
+        and optimizer shards (None in the full format), and the format version they are in. Shards of ranks that
+        all hold the same parameters use DCP's nested optimizer layout (format version 2): a few items per
+        parameter group instead of one per hyperparameter and parameter (version 3, which pipeline stages need),
+        which the snapshot's DCP save pickles and gathers at every step."""
+        version = FORMAT_VERSION
         files = storage.full_state_dicts(state, rank=self.env.rank) if state.full else {}
-        shards = None if state.full else storage.dcp_state(state)
+        shards = None
+        if not state.full:
+            version = FORMAT_VERSION if self.root_cfg.parallel.pp > 1 else 2
+            with storage.optimizer_layout(state, flat=version >= 3):
+                shards = storage.dcp_state(state)
         if self.env.rank == 0:
             scaler = state.scaler.state_dict() if state.scaler is not None else None
             files["train.pt"] = {"scheduler": state.schedule.state_dict(), "scaler": scaler or None}
         own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
         files[f"rank_{self.env.rank:05d}.pt"] = own
-        return files, shards
+        return files, shards, version
 
     def save_final(self, state: CheckpointState) -> None:
         """The end-of-run checkpoint (skipped when this step was just saved); waits for any

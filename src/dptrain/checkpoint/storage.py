@@ -165,7 +165,7 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState, versio
     if fmt == SHARDED and here == FULL and not _zero1(state):
         # DCP shards (pipeline stages, FSDP2, tensor parallelism) into an unsharded model (single, ddp):
         # DCP reads into the live tensors of every rank, consolidating the shards, under the plain names.
-        with _live_tensors(state), _optimizer_layout(state, flat=version >= 3):
+        with _live_tensors(state), optimizer_layout(state, flat=version >= 3):
             _load_dcp(ckpt_dir, state)
         return
     if fmt == FULL and here == SHARDED and _splits_full_files(state):
@@ -178,7 +178,7 @@ def load_model_optim(ckpt_dir: Path, *, fmt: str, state: CheckpointState, versio
             "`dptrain ckpt export`"
         )
     if not state.full:
-        with _optimizer_layout(state, flat=version >= 3):
+        with optimizer_layout(state, flat=version >= 3):
             _load_dcp(ckpt_dir, state)
         return
     _load_model_dict(state.model_parts, load_torch(ckpt_dir / "model.pt"))
@@ -217,7 +217,7 @@ def _live_tensors(state: CheckpointState) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _optimizer_layout(state: CheckpointState, *, flat: bool) -> Iterator[None]:
+def optimizer_layout(state: CheckpointState, *, flat: bool) -> Iterator[None]:
     """The optimizers' sharded state dicts in DCP's flattened layout (format version 3) or the nested one
     (versions 1 and 2) while the body runs: the keys DCP then reads from the checkpoint."""
     objs = [o for o in state.optimizers if hasattr(o, "flat")]

@@ -10,7 +10,7 @@ snapshots on every other step (the first one, which also sets things up, not cou
 snapshot is followed by a step it may slow down (its background write competes for the cores and the
 GIL) and then by a clean step. A snapshot's cost is the time it holds the loop (staging, and waiting
 for the previous one's background write) plus how much longer the step after it takes than the clean
-one (medians over `PROBE` snapshots); the ranks agree on the mean share of a clean step, and when it
+one after that (medians over `PROBE` snapshots and pairs of steps); the ranks agree on the mean share of a clean step, and when it
 is over `BUDGET` the interval becomes the smallest number of steps that brings it under
 (`interval_for`). Torch-free.
 """
@@ -23,7 +23,7 @@ import time
 
 BUDGET = 0.03
 """The share of step time the default snapshots may take."""
-PROBE = 5
+PROBE = 8
 """Snapshots measured (after the first, which also sets things up) before the interval is chosen."""
 
 
@@ -63,8 +63,7 @@ class Pace:
 
     def __init__(self) -> None:
         self.spent: list[float] = []  # each measured snapshot's blocking time
-        self.after: list[float] = []  # each step that followed a snapshot
-        self.clean: list[float] = []  # each step that did not
+        self.steps: list[tuple[bool, float]] = []  # (follows a snapshot, duration) of each probed step, in order
         self.count = -1  # the first snapshot is not measured
         self.done = False
         self._start = 0.0
@@ -78,7 +77,7 @@ class Pace:
     def tick(self) -> None:
         now = time.perf_counter()
         if self._tick is not None and 0 < self.count <= PROBE:
-            (self.after if self._snapped else self.clean).append(now - self._tick)
+            self.steps.append((self._snapped, now - self._tick))
         self._tick, self._snapped = now, False
 
     def begin(self) -> None:
@@ -92,11 +91,16 @@ class Pace:
         self._tick, self._snapped = now, True  # the next step is timed from here
 
     def share(self) -> float | None:
-        """This rank's snapshot cost over its clean step time, once (when PROBE snapshots are measured)."""
-        if self.done or self.count < PROBE or not self.clean:
+        """This rank's snapshot cost over its clean step time, once (when PROBE snapshots are measured). The drag
+        is the median over pairs of a step after a snapshot minus the clean step that follows it: pairs cancel the
+        machine's slow drift, the median a step slowed by something else (a disk checkpoint, an evaluation)."""
+        if self.done or self.count < PROBE:
             return None
         self.done = True
-        clean = statistics.median(self.clean)
-        slowed = statistics.median(self.after) - clean if self.after else 0.0
-        cost = statistics.median(self.spent) + max(0.0, slowed)
-        return cost / clean if clean > 0 else 0.0
+        pairs = [a - c for (sa, a), (sc, c) in zip(self.steps, self.steps[1:], strict=False) if sa and not sc]
+        clean = [d for snapped, d in self.steps if not snapped]
+        if not clean:
+            return 0.0
+        drag = max(0.0, statistics.median(pairs)) if pairs else 0.0
+        base = statistics.median(clean)
+        return (statistics.median(self.spent) + drag) / base if base > 0 else 0.0

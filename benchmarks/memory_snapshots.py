@@ -9,8 +9,8 @@ from them after a worker SIGKILL and after a node loss.
 `overhead`: three Trainers of the built-in recipe (`dptrain run` defaults) on one process group take turns
 in blocks of BLOCK steps (slow drift of the machine hits all alike; a block's first step is not timed, so the
 background write of a snapshot slows the steps of its own run, as in a real run, not the next variant's):
-`off`, `memory every step`, `off again` (the noise). Rank 0 prints the median step time of each and the difference to `off`; then the bytes of the
-node's snapshot folder (measured: the sum of its files' sizes) against `snapshot_bytes` from the model's
+`off`, `memory every step`, `off again` (the noise). Rank 0 prints the median step time of each and the
+difference to `off`; then the bytes of the node's snapshot folder (measured: the sum of its files' sizes) against `snapshot_bytes` from the model's
 parameter and optimizer-state bytes.
 
 `kill` and `nodeloss`: the disk checkpoint interval (1000) is longer than the run, so a resume at a step

@@ -10,9 +10,9 @@ snapshots on every other step (the first one, which also sets things up, not cou
 snapshot is followed by a step it may slow down (its background write competes for the cores and the
 GIL) and then by a clean step. A snapshot's cost is the time it holds the loop (staging, and waiting
 for the previous one's background write) plus how much longer the step after it takes than the clean
-one after that (medians over `PROBE` snapshots and pairs of steps); the ranks agree on the mean share of a clean step, and when it
-is over `BUDGET` the interval becomes the smallest number of steps that brings it under
-(`interval_for`). Torch-free.
+one after that (medians over `PROBE` snapshots and pairs of steps); the ranks agree on the mean share
+of a clean step, and when it is over `BUDGET` the interval becomes the smallest number of steps that
+brings it under (`interval_for`). Torch-free.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from them after a worker SIGKILL and after a node loss.
 in blocks of BLOCK steps (slow drift of the machine hits all alike; a block's first step is not timed, so the
 background write of a snapshot slows the steps of its own run, as in a real run, not the next variant's):
 `off`, `memory every step`, `off again` (the noise). Rank 0 prints the median step time of each and the
-difference to `off`; then the bytes of the node's snapshot folder (measured: the sum of its files' sizes) against `snapshot_bytes` from the model's
-parameter and optimizer-state bytes.
+difference to `off`; then the bytes of the node's snapshot folder (measured: the sum of its files' sizes)
+against `snapshot_bytes` from the model's parameter and optimizer-state bytes.
 
 `kill` and `nodeloss`: the disk checkpoint interval (1000) is longer than the run, so a resume at a step
 above 0 comes from memory; seconds from the kill to the first finished step of the new worker group, steps

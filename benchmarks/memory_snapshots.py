@@ -70,6 +70,9 @@ def overhead_worker(rounds: int, strategy: str | None = None) -> None:
         trainers[name].setup()
     times: dict[str, list[float]] = {name: [] for name in variants}
     phases: dict[str, list[float]] = {"snapshot() on the step's path": [], "background write (+ replication)": []}
+    for name, tr in trainers.items():
+        phases[f"{name}: checkpoint boundary"] = []
+        tr.ckpt.maybe_save = timed(tr.ckpt.maybe_save, phases[f"{name}: checkpoint boundary"])
     snap = trainers["memory every step"].ckpt.memory
     for attr, key in (("snapshot", "snapshot() on the step's path"), ("_write", "background write (+ replication)")):
         setattr(snap, attr, timed(getattr(snap, attr), phases[key]))
@@ -86,7 +89,9 @@ def overhead_worker(rounds: int, strategy: str | None = None) -> None:
                     times[name].append(time.perf_counter() - t0)
     on = trainers["memory every step"]
     on.ckpt.memory.wait()
-    measured = sum(p.stat().st_size for p in on.ckpt.memory.node_dir.rglob("*") if p.is_file())
+    inodes = {(st.st_dev, st.st_ino): st.st_size  # a slot and its step folder's link are one file
+              for st in (p.stat() for p in on.ckpt.memory.node_dir.rglob("*") if p.is_file())}
+    measured = sum(inodes.values())
     params = sum(p.numel() * p.element_size() for p in on.model.parameters())  # a DTensor's numel: the whole
     optim = sum(
         v.numel() * v.element_size()

@@ -12,17 +12,9 @@ import torch
 
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import memory as memory_module
-from dptrain.checkpoint import memory_format, storage
-from dptrain.checkpoint.memory import (
-    MemorySnapshots,
-    holdings,
-    pack,
-    remove_dead_runs,
-    run_id,
-    snapshot_bytes,
-    stage,
-    unpack,
-)
+from dptrain.checkpoint import memory_flat, memory_format, storage
+from dptrain.checkpoint.memory import MemorySnapshots, snapshot_bytes, stage
+from dptrain.checkpoint.memory_folder import holdings, pack, remove_dead_runs, run_id, unpack
 from dptrain.checkpoint.memory_recover import choose, describe, plan_transfers, recover
 from dptrain.config import ConfigError, validate
 from dptrain.config.load import load_config
@@ -111,7 +103,7 @@ def test_default_snapshots_turn_off_with_a_warning_when_the_tmpfs_cannot_hold_th
         def full(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(memory_format, "write", full)
+        monkeypatch.setattr(memory_flat, "commit", full)
     snap.snapshot(step=1, files=snapshot_files(1, 0), meta={"step": 1, "world_size": 1})
     snap.snapshot(step=2, files=snapshot_files(2, 0), meta={"step": 2, "world_size": 1})
     assert not snap.enabled and not snap.due(3)
@@ -157,7 +149,7 @@ def test_one_process_keeps_two_snapshots_recovers_the_newest_and_falls_back_on_c
     data[-10] ^= 0xFF
     raw.write_bytes(bytes(data))
     choice, messages = recover(again, min_step=0)
-    assert choice is None and "CRC-32" in " ".join(messages) and "from disk" in messages[-1]
+    assert choice is None and "xxh3" in " ".join(messages) and "from disk" in messages[-1]
     assert holdings(snap.node_dir) == {}
     snap.finish(remove=True)
     assert not snap.node_dir.exists()
@@ -235,25 +227,79 @@ def test_stage_copies_into_the_previous_buffers_and_leaves_the_live_state_alone(
 
 
 @pytest.mark.fast
-def test_the_raw_snapshot_format_rebuilds_the_file_torch_save_would_write(tmp_path):
+@pytest.mark.parametrize("extra", [None, torch.Size([2, 3])], ids=["plain data", "torch.Size (torch.save skeleton)"])
+def test_the_raw_snapshot_format_rebuilds_the_file_torch_save_would_write(tmp_path, extra):
     tree = {
         "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5, 2)},
                   1: {"m": torch.ones(2, dtype=torch.bool)}},
         "param_groups": [{"lr": 0.1, "params": [0, 1], "betas": (0.9, 0.99)}],
-        "half": torch.randn(3, dtype=torch.bfloat16), "empty": torch.empty(0, 4), "n": None,
+        "half": torch.randn(3, dtype=torch.bfloat16), "empty": torch.empty(0, 4), "n": None, "odd": torch.arange(3,
+                                                                                                      dtype=torch.uint8),
+        "wide": torch.arange(5, dtype=torch.float64), "rng": (3, tuple(range(625)), None), "extra": extra,
     }
-    entries = memory_format.write(tmp_path, "optim.pt", stage(tree))
-    assert sorted(entries) == ["optim.pt.raw", "optim.pt.skel"]
-    assert memory_format.logical_names(entries) == ["optim.pt"]
-    memory_format.materialize(tmp_path, "optim.pt", tmp_path / "optim.pt")
-    got = storage.load_torch(tmp_path / "optim.pt")
     torch.save(tree, tmp_path / "want.pt")
+    pair = memory_flat.Pair(tmp_path / "slots" / "optim.pt.raw")
+    staged = memory_flat.stage(pair, tree, step=1, avoid=None, release=lambda step: None)
+    assert staged.plain is (extra is None)
+    tree["state"][0]["exp_avg"].add_(1.0)  # the live state moves on: the snapshot holds the copy taken at stage()
+    step_dir = tmp_path / "step_000001"
+    step_dir.mkdir()
+    entries, _ = memory_flat.commit(step_dir, "optim.pt", staged)
+    assert sorted(entries) == ["optim.pt.raw", "optim.pt.skel"]
+    assert os.path.samefile(step_dir / "optim.pt.raw", staged.slot.path)  # the slot is the file: linked, not copied
+    assert memory_format.logical_names(entries) == ["optim.pt"]
+    memory_format.materialize(step_dir, "optim.pt", tmp_path / "optim.pt")
+    got = storage.load_torch(tmp_path / "optim.pt")
     want = storage.load_torch(tmp_path / "want.pt")
-    assert got["param_groups"] == want["param_groups"] and got["n"] is None
-    for a, b in ((got["state"][0]["exp_avg"], tree["state"][0]["exp_avg"]), (got["half"], tree["half"]),
-                 (got["state"][1]["m"], tree["state"][1]["m"]), (got["empty"], tree["empty"]),
-                 (got["state"][0]["step"], tree["state"][0]["step"])):
+    assert got["param_groups"] == want["param_groups"] and got["n"] is None and got["rng"] == want["rng"]
+    assert got["extra"] == want["extra"] and type(got["extra"]) is type(want["extra"])
+    for key in ("half", "empty", "odd", "wide"):
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key])
+    got_state, want_state = got["state"], want["state"]
+    for a, b in ((got_state[0]["exp_avg"], want_state[0]["exp_avg"]), (got_state[1]["m"], want_state[1]["m"]),
+                 (got_state[0]["step"], want_state[0]["step"])):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.fast
+def test_slots_alternate_never_overwrite_the_newest_complete_snapshot_and_release_the_old_part(tmp_path):
+    """Two slots per file: a snapshot writes into the one not holding the newest complete snapshot, tells which
+    step that slot held (its part is deleted before the bytes change), and a slot a step folder still links keeps
+    its bytes when the pair is remade (a new file, as after a restart)."""
+    pair = memory_flat.Pair(tmp_path / "slots" / "m.pt.raw")
+    released = []
+    live = {"w": torch.zeros(4)}
+    held = {}
+    for step in (1, 2, 3, 4):
+        live["w"].fill_(step)
+        staged = memory_flat.stage(pair, live, step=step, avoid=step - 1 if step > 1 else None, release=released.append)
+        held[step] = staged.slot
+    assert released == [1, 2]  # step 3 overwrote step 1's slot, step 4 step 2's; never the newest complete
+    assert held[1] is held[3] and held[2] is held[4] and held[3] is not held[4]
+    assert held[4].views[0].tolist() == [4.0] * 4 and held[3].views[0].tolist() == [3.0] * 4
+    step_dir = tmp_path / "step_000004"
+    step_dir.mkdir()
+    memory_flat.commit(step_dir, "m.pt", memory_flat.Staged(held[4], {"w": (memory_flat.TENSOR, 0)}, [0], True))
+    pair.close()
+    again = memory_flat.Pair(tmp_path / "slots" / "m.pt.raw")  # a new process: new files under the same names
+    live["w"].fill_(9)
+    memory_flat.stage(again, live, step=5, avoid=4, release=released.append)
+    memory_flat.stage(again, live, step=6, avoid=5, release=released.append)
+    assert memory_flat.materialize_raw(step_dir, "m.pt")["w"].tolist() == [4.0] * 4
+
+
+@pytest.mark.fast
+def test_a_skeleton_names_no_global_unless_torch_save_wrote_it():
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|nt.system"):
+        memory_flat.load_skeleton(pickle.dumps({"skeleton": Evil()}))
+    plain = {"a": (1, 2.5, "x"), 3: [None, True]}
+    assert memory_flat.load_skeleton(memory_flat.dump_skeleton(plain, plain=True)) == plain
 
 
 def sharded_two_hosts(rank: int, root: str, run_dir: str) -> tuple:

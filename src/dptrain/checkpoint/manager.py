@@ -103,7 +103,9 @@ class CheckpointManager:
             root=cfg.checkpoint.memory_dir, run_dir=run_dir, env=env, auto=cfg.checkpoint.memory_every_steps is None,
         )
         self.resumed_from_memory: MemoryChoice | None = None
+        self._live_full = storage.LiveFullState()  # the snapshots' full-format state dicts, cheap once checked
         self._memory_t0 = 0.0
+        self._config_hashes: dict[str, str] = {}
 
     def _say(self, message: str) -> None:
         if self.env.is_main:
@@ -302,7 +304,7 @@ class CheckpointManager:
         parameter group instead of one per hyperparameter and parameter (version 3, which pipeline stages need),
         which the snapshot's DCP save pickles and gathers at every step."""
         version = FORMAT_VERSION
-        files = storage.full_state_dicts(state, rank=self.env.rank) if state.full else {}
+        files = self._live_full(state, rank=self.env.rank) if state.full else {}
         shards = None
         if not state.full:
             version = FORMAT_VERSION if self.root_cfg.parallel.pp > 1 else 2
@@ -414,6 +416,14 @@ class CheckpointManager:
             part.unlink()
         return entries
 
+    def _hashes(self) -> dict[str, str]:
+        """The config's hashes, taken at the first checkpoint or snapshot (the config is fixed once training runs;
+        hashing it costs a millisecond, which a snapshot at every step would pay)."""
+        if not self._config_hashes:
+            self._config_hashes = {"config_hash": config_hash(self.root_cfg),
+                                   "model_config_hash": config_hash(self.root_cfg.model)}
+        return self._config_hashes
+
     def _meta(self, state: CheckpointState) -> dict[str, Any]:
         train = state.train.state_dict()
         return {
@@ -426,8 +436,7 @@ class CheckpointManager:
             "strategy": self.root_cfg.parallel.strategy,
             "format": storage.format_of(state),
             **state.meta,
-            "config_hash": config_hash(self.root_cfg),
-            "model_config_hash": config_hash(self.root_cfg.model),
+            **self._hashes(),
             "torch_version": torch.__version__,
             "dptrain_version": __version__,
             "time": time.time(),

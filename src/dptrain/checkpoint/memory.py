@@ -32,9 +32,9 @@ process (recorded in `owner.json`) is gone are removed.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
+import queue
 import shutil
 import sys
 import threading
@@ -46,24 +46,23 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.checkpoint import memory_format
+from dptrain.checkpoint import memory_flat, memory_format, memory_replica
+from dptrain.checkpoint.memory_flat import Pair
+from dptrain.checkpoint.memory_folder import (
+    OWNER,
+    PARTS,
+    drop_steps,
+    part_name,
+    remove_dead_runs,
+    run_id,
+    store_part,
+    write_file,
+)
 from dptrain.checkpoint.memory_pace import Pace, interval_for, room_problem
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
 DEFAULT_ROOT = "/dev/shm/dptrain"
-PARTS = "parts"
-OWNER = "owner.json"
-
-
-def run_id(run_dir: Path) -> str:
-    """The run's folder name under the memory root: the same on every node and after every restart."""
-    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-
-
-def part_name(step: int, rank: int) -> str:
-    """`step_000012.rank_00001.json`: the part of `rank` of the snapshot of `step`."""
-    return f"{mf.step_dir_name(step)}.rank_{rank:05d}.json"
 
 
 def stage(obj: Any, cached: Any = None) -> Any:
@@ -96,110 +95,6 @@ def _stage_dtensor(obj: DTensor, cached: Any) -> DTensor:
             cached.to_local().copy_(src.to_local())
             return cached
         return src.to("cpu") if src.device.type != "cpu" else src.clone()  # type: ignore[return-value]
-
-
-def write_file(path: Path, data: bytes) -> None:
-    """Write-temp + rename (no fsync: the folder is in memory)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def pack(part: dict[str, Any], files: dict[str, bytes]) -> bytes:
-    """One message: a JSON header (the part and the file names with sizes), then the files' bytes."""
-    header = json.dumps({"part": part, "files": [[name, len(data)] for name, data in files.items()]}).encode()
-    return len(header).to_bytes(8, "little") + header + b"".join(files.values())
-
-
-def unpack(blob: bytes | memoryview) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """The inverse of `pack`."""
-    view = memoryview(blob)
-    n = int.from_bytes(view[:8], "little")
-    header = json.loads(bytes(view[8 : 8 + n]))
-    files, at = {}, 8 + n
-    for name, size in header["files"]:
-        files[name] = bytes(view[at : at + size])
-        at += size
-    return header["part"], files
-
-
-def store_part(node_dir: Path, part: dict[str, Any], files: dict[str, bytes]) -> None:
-    """Write a part's files into the node's step folder, then the part itself (last)."""
-    step_dir = node_dir / mf.step_dir_name(part["step"])
-    step_dir.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        (step_dir / name).parent.mkdir(parents=True, exist_ok=True)
-        write_file(step_dir / name, data)
-    (node_dir / PARTS).mkdir(exist_ok=True)
-    write_file(node_dir / PARTS / part_name(part["step"], part["rank"]), json.dumps(part).encode())
-
-
-def read_part_files(node_dir: Path, part: dict[str, Any]) -> dict[str, bytes]:
-    """The bytes of a part's files, from the node's step folder."""
-    step_dir = node_dir / mf.step_dir_name(part["step"])
-    return {name: (step_dir / name).read_bytes() for name in part["files"]}
-
-
-def holdings(node_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
-    """The parts this node holds: step -> rank -> part (its own ranks' and the replicas)."""
-    out: dict[int, dict[int, dict[str, Any]]] = {}
-    parts = node_dir / PARTS
-    if not parts.is_dir():
-        return out
-    for p in sorted(parts.glob("step_*.rank_*.json")):
-        try:
-            part = json.loads(p.read_text())
-            out.setdefault(int(part["step"]), {})[int(part["rank"])] = part
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # unreadable: as if absent (parts are written by rename, so only a foreign file)
-    return out
-
-
-def drop_steps(node_dir: Path, *, keep: set[int]) -> None:
-    """Delete every snapshot of the node except the steps in `keep` (parts first, then the files); with some kept,
-    the deleted snapshots' raw files go to the pool the next snapshot overwrites (`memory_format.recycle`)."""
-    parts = node_dir / PARTS
-    if parts.is_dir():
-        for p in parts.glob("step_*.rank_*.json"):
-            if mf.step_of(Path(p.name.split(".")[0])) not in keep:
-                p.unlink(missing_ok=True)
-    for d in mf.step_dirs(node_dir):
-        if mf.step_of(d) not in keep:
-            if keep:  # snapshots go on: their files are overwritten next time (memory_format.FREE)
-                memory_format.recycle(d)
-            shutil.rmtree(d, ignore_errors=True)
-    if not keep:
-        shutil.rmtree(node_dir / memory_format.FREE, ignore_errors=True)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_dead_runs(root: Path, *, host: str, own: str) -> list[Path]:
-    """Remove `root/<other run>/<host>` folders whose owner process (owner.json) is gone; the removed ones."""
-    removed = []
-    for run in root.iterdir() if root.is_dir() else []:
-        node = run / host
-        if run.name == own or not node.is_dir():
-            continue
-        try:
-            pid = int(json.loads((node / OWNER).read_text())["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pid = -1
-        if pid <= 0 or not pid_alive(pid):
-            shutil.rmtree(node, ignore_errors=True)
-            removed.append(node)
-            with_other_nodes = any(run.iterdir()) if run.is_dir() else True
-            if not with_other_nodes:
-                run.rmdir()
-    return removed
 
 
 def snapshot_bytes(*, param_bytes: int, optim_bytes: int, rank_file_bytes: int, world: int, local_world: int,
@@ -236,8 +131,9 @@ class MemorySnapshots:
         self._pace = Pace()
         self._pending: tuple[int, Future] | None = None
         self.last_complete: int | None = None  # the newest snapshot every rank has finished
-        self._staged: dict[str, Any] = {}  # the CPU buffers of the last snapshot, reused
-        self._staged_shards: Any = None
+        self._pairs: dict[str, Pair] = {}  # this rank's slots, per file (memory_flat.py)
+        self._replica_pairs: dict[str, Pair] = {}  # the source's, per file
+        self._staged_shards: Any = None  # the CPU buffers of the last sharded snapshot, reused
         self.sharded = False  # the run's state is DCP shards (set by the first snapshot)
 
     @property
@@ -261,11 +157,13 @@ class MemorySnapshots:
 
     def start(self, *, fresh: bool) -> None:
         """At setup, before recovery: own the node's folder; a `fresh` start (no restart) clears the run's
-        own stale snapshots. Every node's first local rank does the work; then a barrier."""
+        own stale snapshots; the slots of the node's earlier processes are let go (memory_flat.py: the snapshots
+        that link them keep them). Every node's first local rank does the work; then a barrier."""
         if self.node_main:
             self.node_dir.mkdir(parents=True, exist_ok=True)
             if fresh:
                 drop_steps(self.node_dir, keep=set())
+            shutil.rmtree(self.node_dir / memory_flat.SLOTS, ignore_errors=True)  # the names, not what snapshots link
             remove_dead_runs(self.base, host=self.node_dir.name, own=self.run)
             owner = os.getppid() if self.env.launched else os.getpid()  # torchrun's agent outlives restarts
             write_file(self.node_dir / OWNER, json.dumps({"pid": owner}).encode())
@@ -275,65 +173,59 @@ class MemorySnapshots:
                  shards: dict[str, Any] | None = None) -> None:
         """Snapshot `files` (name -> state tree, live: copied here) and `shards` (the `dcp` format's model and
         optimizer state dict, DCP's keys: copied here, written by DCP) of step `step`: written and replicated in
-        the background. Waits for the previous snapshot first. Collective."""
+        the background. Waits for the previous snapshot first (whose end every rank agreed on in the background:
+        no collective here but on the first snapshot)."""
         self._pace.begin()
         self.sharded = shards is not None
-        if self._group is None and (self.peer is not None or shards is not None) and torch.distributed.is_initialized():
+        if self._group is None and self.env.world_size > 1 and torch.distributed.is_initialized():
             self._group = torch.distributed.new_group(backend="gloo")  # the snapshots' own group
-        if self.auto:  # every rank finished the previous snapshot (as the barrier would say) and can go on
-            if not self._go_on(files, shards):
-                return
-        else:
-            self.wait()
-            collectives.barrier()  # every rank finished the previous snapshot: it is complete, older ones can go
+        if not self._go_on(files, shards):
+            return
         keep = {self.last_complete} if self.last_complete is not None else set()
-        self._staged = {name: stage(obj, self._staged.get(name)) for name, obj in files.items()}
+        slots = self.node_dir / memory_flat.SLOTS / f"rank_{self.env.rank:05d}"
+        staged = {name: memory_flat.stage(self._pairs.setdefault(name, Pair(slots / (name + memory_flat.RAW))), obj,
+                                          step=step, avoid=self.last_complete, release=self._release(self.env.rank))
+                  for name, obj in files.items()}
         staged_shards = stage(shards, self._staged_shards) if shards is not None else None
         self._staged_shards = staged_shards
         part = {"rank": self.env.rank, "world_size": self.env.world_size, "step": step,
                 "host": self.node_dir.name, "meta": meta}
-        self._pending = (step, in_background(self._write, part, self._staged, staged_shards, keep))
+        share = self._pace.share() if self.auto else None
+        self._pending = (step, in_background(self._write_and_agree, part, staged, staged_shards, keep, share))
         self._pace.end()
 
     def _go_on(self, files: dict[str, Any], shards: dict[str, Any] | None) -> bool:
-        """The default's checks (memory_pace.py), every rank alike: the previous write succeeded, two snapshots fit
-        the tmpfs (before the first), and the interval that keeps the time within budget (after the probe). False:
-        turned off for the run."""
-        waited = self._wait_or_why()
-        room = self._room(files, shards)  # every rank: collective on the first snapshot
-        why = waited or room
+        """Wait for the previous snapshot; an explicit interval re-raises a failure (any rank's), the default
+        (memory_pace.py) turns itself off instead, or when two snapshots would not fit the tmpfs (checked before
+        the first), and takes the interval the ranks agreed on after its probe. False: off for the run."""
+        own, failed, share = self._collect()
+        if not self.auto:
+            _raise_failure(own, failed)
+            return True
+        why = f"writing to {self.base} failed ({own})" if own is not None else None
+        if self.last_complete is None and not self._pairs and self._staged_shards is None:  # the first snapshot
+            why = self._room(files, shards)
+            failed = collectives.all_reduce_mean([float(why is not None)], device=torch.device("cpu"))[0] > 0
         if why is not None:
             print(f"dptrain: warning: rank {self.env.rank}: {why}", file=sys.stderr, flush=True)
-        share = self._pace.share()
-        agreed = collectives.all_reduce_mean([float(why is not None), share or 0.0], device=torch.device("cpu"))
-        if agreed[0] > 0:
+        if failed:
             self.every_steps = 0  # on every rank alike
             if self.env.is_main:
                 print("dptrain: warning: in-memory snapshots turned off for this run (set checkpoint.memory_dir to "
                       "a larger tmpfs, or checkpoint.memory_every_steps=0 to silence this)", file=sys.stderr,
                       flush=True)
             return False
-        if share is not None and interval_for(agreed[1]) > 1:
-            self.every_steps = interval_for(agreed[1])
+        if share is not None and interval_for(share) > 1:
+            self.every_steps = interval_for(share)
             if self.env.is_main:
-                print(f"dptrain: in-memory snapshots every {self.every_steps} steps: one takes {agreed[1]:.1%} of a "
+                print(f"dptrain: in-memory snapshots every {self.every_steps} steps: one takes {share:.1%} of a "
                       "step's time (the default keeps them within 3%; set checkpoint.memory_every_steps to choose)",
                       file=sys.stderr, flush=True)
         return True
 
-    def _wait_or_why(self) -> str | None:
-        """`wait`, with a failed write (a full tmpfs) as the reason to stop snapshotting instead of an error."""
-        try:
-            self.wait()
-        except OSError as e:
-            return f"writing to {self.base} failed ({e})"
-        return None
-
     def _room(self, files: dict[str, Any], shards: dict[str, Any] | None) -> str | None:
         """Before the first snapshot: why two of them would not fit the tmpfs (None: they fit; memory_pace.py).
-        Collective on the first snapshot."""
-        if self.last_complete is not None or self._staged:
-            return None
+        Collective."""
         world = self.env.world_size
         mine = [0.0] * world
         mine[self.env.rank] = float(tree_bytes(files) + tree_bytes(shards))
@@ -341,37 +233,79 @@ class MemorySnapshots:
         return room_problem(every, local_world=self.env.local_world_size, free=shutil.disk_usage(self.node_dir).free,
                             where=str(self.base))
 
-    def wait(self) -> None:
-        """Wait for the snapshot in flight (re-raising its error)."""
+    def _collect(self) -> tuple[BaseException | None, bool, float | None]:
+        """Wait for the snapshot in flight: this rank's error, whether any rank failed, and the ranks' mean of the
+        probe's share (None: not measured); the snapshot is the newest complete one unless a rank failed."""
         if self._pending is None:
-            return
+            return None, False, None
         step, fut = self._pending
         self._pending = None
-        fut.result()
-        self.last_complete = step
+        own, failed, share = fut.result()
+        if not failed:
+            self.last_complete = step
+        return own, failed, share
 
-    def _write(self, part: dict[str, Any], objs: dict[str, Any], shards: dict[str, Any] | None, keep: set[int]) -> None:
+    def wait(self) -> None:
+        """Wait for the snapshot in flight (re-raising its error, or saying that another rank's failed)."""
+        own, failed, _ = self._collect()
+        _raise_failure(own, failed)
+
+    def _write_and_agree(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged],
+                         shards: dict[str, Any] | None, keep: set[int],
+                         share: float | None) -> tuple[BaseException | None, bool, float | None]:
+        """`_write`, then every rank's agreement (one all-reduce on the snapshots' group, in the background): whether
+        any failed, and the mean `share`. Never raises: a rank that failed still takes part in the agreement."""
+        own: BaseException | None = None
+        try:
+            self._write(part, staged, shards, keep)
+        except Exception as e:  # noqa: BLE001 - reported to the step loop by _collect
+            own = e
+        if self._group is None:
+            return own, own is not None, share
+        flags = collectives.all_reduce_mean([float(own is not None), share or 0.0, float(share is not None)],
+                                            device=torch.device("cpu"), group=self._group)
+        return own, flags[0] > 0, flags[1] if flags[2] > 0 else None
+
+    def _release(self, rank: int) -> Any:
+        """What a slot calls before it is overwritten: delete the part of `rank` that names its old bytes."""
+        return lambda step: (self.node_dir / PARTS / part_name(step, rank)).unlink(missing_ok=True)
+
+    def _write(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged], shards: dict[str, Any] | None,
+               keep: set[int]) -> None:
         if self.node_main:
             drop_steps(self.node_dir, keep=keep | {part["step"]})
         step_dir = self.node_dir / mf.step_dir_name(part["step"])
         step_dir.mkdir(parents=True, exist_ok=True)
         part["files"] = {}
+        small: dict[str, bytes] = {}
+        big: dict[str, torch.Tensor] = {}
         if shards is not None:
-            part["files"].update(memory_format.write_shards(step_dir, shards, group=self._group, rank=self.env.rank))
-        for name, obj in objs.items():
-            part["files"].update(memory_format.write(step_dir, name, obj))
+            entries = memory_format.write_shards(step_dir, shards, group=self._group, rank=self.env.rank)
+            part["files"].update(entries)
+            small.update((name, (step_dir / name).read_bytes()) for name in entries)
+        for name, st in staged.items():
+            entries, skel = memory_flat.commit(step_dir, name, st)
+            part["files"].update(entries)
+            big[name + memory_flat.RAW], small[name + memory_flat.SKEL] = st.slot.data, skel
         store_part(self.node_dir, part, {})
         if self.peer is None:
             return
-        data = read_part_files(self.node_dir, part)
         assert self.source is not None  # set with peer
-        got = exchange(pack(part, data), peer=self.peer, source=self.source, group=self._group)
-        store_part(self.node_dir, *unpack(got))
+        sends = memory_replica.send(part, small, big, peer=self.peer, group=self._group)
+        got = memory_replica.receive(self.node_dir, self._replica_pairs, source=self.source, group=self._group,
+                                     avoid=max(keep, default=None), release=self._release(self.source))
+        memory_replica.wait_all(sends)
+        store_part(self.node_dir, got, {})
 
     def finish(self, *, remove: bool) -> None:
-        """Wait for the snapshot in flight; with `remove` (the run ended normally, collective), delete the
-        node's folder."""
-        self.wait()
+        """Wait for the snapshot in flight and unmap the slots; with `remove` (the run ended normally, collective),
+        delete the node's folder."""
+        try:
+            self.wait()
+        finally:
+            for pair in [*self._pairs.values(), *self._replica_pairs.values()]:
+                pair.close()
+            self._pairs, self._replica_pairs = {}, {}
         if not remove:
             return
         collectives.barrier()  # nobody is still writing a replica into a folder about to go
@@ -397,32 +331,32 @@ def tree_bytes(obj: Any) -> int:
 
 
 def in_background(fn: Any, *args: Any) -> Future:
-    """Run `fn(*args)` in a daemon thread: a snapshot blocked on a dead peer never holds up the exit of a
-    failing worker (an executor's threads are joined at exit)."""
+    """Run `fn(*args)` on the snapshots' thread (one per process, started at the first call; calls run in order). A
+    daemon thread: a snapshot blocked on a dead peer never holds up the exit of a failing worker (an executor's
+    threads are joined at exit)."""
     fut: Future = Future()
+    if _WORKER.get("pid") != os.getpid():  # none yet, or a forked child (which has its parent's queue, not its thread)
+        _WORKER.update(pid=os.getpid(), queue=queue.SimpleQueue())
+        threading.Thread(target=_work, args=(_WORKER["queue"],), name="dptrain-memsnap", daemon=True).start()
+    _WORKER["queue"].put((fut, fn, args))
+    return fut
 
-    def run() -> None:
+
+_WORKER: dict[str, Any] = {}
+
+
+def _work(jobs: queue.SimpleQueue) -> None:
+    while True:
+        fut, fn, args = jobs.get()
         try:
             fut.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             fut.set_exception(e)
 
-    threading.Thread(target=run, name="dptrain-memsnap", daemon=True).start()
-    return fut
 
-
-def exchange(blob: bytes, *, peer: int, source: int, group: Any) -> bytes:
-    """Send `blob` to `peer` and receive one from `source` (a ring: every rank does both)."""
-    dist = torch.distributed
-    n_out, n_in = torch.tensor([len(blob)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    both(dist.isend(n_out, peer, group=group), dist.irecv(n_in, source, group=group))
-    out = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    got = torch.empty(int(n_in.item()), dtype=torch.uint8)
-    both(dist.isend(out, peer, group=group), dist.irecv(got, source, group=group))
-    return got.numpy().tobytes()
-
-
-def both(*works: Any) -> None:
-    """Wait for point-to-point works (a send and a receive posted together, so neither side blocks first)."""
-    for w in works:
-        w.wait()
+def _raise_failure(own: BaseException | None, failed: bool) -> None:
+    """Re-raise this rank's snapshot error; or say that another rank's snapshot failed."""
+    if own is not None:
+        raise own
+    if failed:
+        raise RuntimeError("dptrain: an in-memory snapshot failed on another rank (its error is in that rank's log)")

@@ -5,7 +5,7 @@ decide the same way (`choose`): the newest step, at least as new as the newest v
 for which a part of every rank of the world that wrote it exists on some node of the new world.
 Nodes that lack parts receive them from a holder (`plan_transfers`: the lowest rank of a holding node
 sends to the lowest rank of a lacking node, point to point, in one order on every rank). Each node then
-has the whole snapshot; its first rank checks every snapshot file's size and CRC-32 against its part,
+has the whole snapshot; its first rank checks every snapshot file's size and checksum against its part,
 rebuilds the checkpoint files from them (memory_format.py) into `step_NNNNNN/checkpoint/` and writes
 `manifest.json` (their SHA-256) and `COMMITTED` there, so that folder is an ordinary committed checkpoint and
 loads through the same path as a disk one (another world size included). A snapshot that fails
@@ -15,7 +15,6 @@ verification anywhere is not used: the run falls back to disk.
 from __future__ import annotations
 
 import shutil
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,9 @@ from typing import Any
 import torch
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.checkpoint import memory_format
-from dptrain.checkpoint.memory import MemorySnapshots, drop_steps, holdings, pack, read_part_files, store_part, unpack
+from dptrain.checkpoint import memory_flat, memory_format
+from dptrain.checkpoint.memory import MemorySnapshots
+from dptrain.checkpoint.memory_folder import drop_steps, holdings, pack, read_part_files, store_part, unpack
 from dptrain.distributed import collectives
 
 CHECKPOINT = "checkpoint"  # the rebuilt checkpoint folder inside a snapshot's step folder
@@ -143,15 +143,16 @@ def recover(
 
 
 def check(path: Path, entry: dict[str, Any]) -> None:
-    """CheckpointError naming the snapshot file unless its size and CRC-32 match its part's `entry`."""
+    """CheckpointError naming the snapshot file unless its size and xxh3-64 match its part's `entry`."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise mf.CheckpointError(f"{path}: missing (listed in its rank's part)") from None
-    if len(data) != entry["size"] or zlib.crc32(data) != entry["crc32"]:
+    got, want = memory_flat.digest(data), entry.get("xxh3")
+    if len(data) != entry["size"] or got != want:
         raise mf.CheckpointError(
-            f"{path}: {len(data)} bytes with CRC-32 {zlib.crc32(data):08x}, its part says {entry['size']} bytes with "
-            f"CRC-32 {entry['crc32']:08x}"
+            f"{path}: {len(data)} bytes with xxh3 {got:016x}, its part says {entry['size']} bytes with xxh3 "
+            f"{want if want is None else format(want, '016x')}"
         )
 
 

@@ -59,6 +59,11 @@ class ModelState:
     def state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.module, options=_options(self.full))
 
+    def live_state_dict(self) -> dict[str, Any]:
+        """`state_dict` of an unsharded module (the `full` format) from the module's own: its tensors live, and
+        30x cheaper than DCP's helper (the in-memory snapshots take it at every step; see storage.LiveFullState)."""
+        return unwrap(self.module).state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Whole tensors go into an unsharded module as they are: DCP's full_state_dict loading path
         # (meant for distributing into shards) is not needed for the `full` format's models.
@@ -117,6 +122,11 @@ class OptimizerState:
                 return {}
             return index_to_names(opt.state_dict(), param_names(self.module, opt))
         return get_optimizer_state_dict(self.module, opt, options=_options(self.full, flat=self.flat and not self.full))
+
+    def live_state_dict(self) -> dict[str, Any]:
+        """`state_dict` of an unsharded optimizer (the `full` format; not ZeRO-1's) from torch's own, keyed by
+        name."""
+        return index_to_names(self.optimizer.state_dict(), param_names(self.module, self.optimizer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         names = param_names(self.module, self.optimizer)

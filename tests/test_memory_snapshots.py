@@ -16,6 +16,7 @@ from dptrain.checkpoint import memory_flat, memory_format, storage
 from dptrain.checkpoint.memory import MemorySnapshots, snapshot_bytes, stage
 from dptrain.checkpoint.memory_folder import holdings, pack, remove_dead_runs, run_id, unpack
 from dptrain.checkpoint.memory_recover import choose, describe, plan_transfers, recover
+from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
 from dptrain.config import ConfigError, validate
 from dptrain.config.load import load_config
 from dptrain.config.resolve import memory_snapshot_every
@@ -404,3 +405,102 @@ def test_the_default_widens_the_interval_when_a_snapshot_costs_more_than_its_bud
         assert snap.every_steps == want
         assert taken == ([*range(1, 20, 2), 20, 30, 40] if auto else list(range(1, 41)))
     assert "in-memory snapshots every 10 steps: one takes 30.0% of a step's time" in capsys.readouterr().err
+
+
+def failing_write(rank: int, root: str, run_dir: str, auto: bool) -> tuple:
+    """Rank 1's write of step 2 fails (a full tmpfs). The ranks agree on it in the background; at the next
+    snapshot the default turns itself off on both, an explicit interval fails on both (rank 1 with its own error)."""
+
+    def body() -> tuple:
+        env = DistEnv(rank=rank, world_size=2, local_world_size=2, hostname="h")
+        snap = MemorySnapshots(every_steps=1, root=root, run_dir=Path(run_dir), env=env, auto=auto)
+        snap.start(fresh=True)
+        real = memory_flat.commit
+
+        def commit(step_dir, name, staged):
+            if rank == 1 and step_dir.name == "step_000002":
+                raise OSError(28, "No space left on device")
+            return real(step_dir, name, staged)
+
+        memory_flat.commit = commit
+        error = None
+        try:
+            for step in (1, 2, 3, 4):
+                if snap.enabled:  # (the step loop asks `due`, which says no once the default is off)
+                    snap.snapshot(step=step, files=snapshot_files(step, rank),
+                                  meta={"step": step, "world_size": 2})
+            snap.wait()
+        except (OSError, RuntimeError) as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            memory_flat.commit = real
+        return snap.enabled, snap.last_complete, error
+
+    return in_group(body)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("auto", [True, False], ids=["default", "explicit"])
+def test_a_rank_whose_write_fails_stops_every_ranks_snapshots_alike(tmp_path, auto):
+    results = run_ranks(failing_write, 2, str(tmp_path / "mem"), str(tmp_path / "run"), auto, timeout=50)
+    if auto:
+        assert results == [(False, 1, None), (False, 1, None)]  # off on both; step 1 stays the newest complete one
+    else:
+        (_, done0, err0), (_, done1, err1) = results
+        assert done0 == done1 == 1
+        assert err1 == "OSError: [Errno 28] No space left on device"
+        assert err0 is not None and "failed on another rank" in err0
+
+
+class Counter:
+    """A minimal Stateful."""
+
+    def state_dict(self) -> dict:
+        return {"n": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.frozen = torch.nn.Linear(4, 4)
+        self.frozen.weight.requires_grad_(False)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return self.head(self.frozen(self.emb(x)))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("case", ["untied", "tied embedding and head", "live differs"])
+def test_the_snapshots_live_state_dicts_equal_dcps_or_dcps_are_used(case, monkeypatch):
+    """The snapshots take the full format's state dicts from the module's and optimizer's own state_dict (30x
+    cheaper) once they equal DCP's helpers' (what a disk checkpoint holds: the reference), with a frozen parameter, a
+    buffer and a tied one too; where they do not, DCP's are used. Either way every call equals DCP's at its step."""
+    tied = case == "tied embedding and head"
+    if case == "live differs":
+        real = ModelState.live_state_dict
+        monkeypatch.setattr(ModelState, "live_state_dict", lambda self: {k: v for k, v in real(self).items()
+                                                                         if k != "seen"})
+    torch.manual_seed(0)
+    model = Tied()
+    if tied:
+        model.head.weight = model.emb.weight  # (10, 4) both
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    state = CheckpointState(model_parts=[ModelState(model, full=True)],
+                            optimizers=[OptimizerState(model, opt, full=True)], schedule=Counter(), scaler=None,
+                            data=Counter(), train=Counter(), full=True)
+    live = storage.LiveFullState()
+    for _ in range(3):
+        model(torch.tensor([1, 2, 3])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        got = live(state, rank=0)
+        assert storage.same_tree(got, storage.full_state_dicts(state, rank=0))
+    assert live.agreed is (case != "live differs")
+    assert live(state, rank=1) == {}

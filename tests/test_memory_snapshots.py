@@ -374,37 +374,45 @@ def test_the_sharded_memory_formula_and_the_room_rule():
 
 @pytest.mark.fast
 def test_the_default_widens_the_interval_when_a_snapshot_costs_more_than_its_budget(tmp_path, monkeypatch, capsys):
-    """A fake clock: a clean step takes 100 ms, each snapshot holds the loop 10 ms and its background write makes
-    the next step 20 ms longer: 30% of a step. The default probes every other step, then snapshots every 10 steps
-    (30% / 3%); an explicit interval is never changed."""
+    """A fake clock: a step takes 100 ms, each snapshot holds the loop 10 ms and its background write spends 20 ms of
+    CPU: 30% of a step. The default probes at every step, then snapshots every 10 steps (30% / 3%); an explicit
+    interval is never changed, and a cheap snapshot stays at every step."""
     from dptrain.checkpoint import memory_pace
 
-    now = [0.0]
+    now, cpu = [0.0], [0.0]
     monkeypatch.setattr(memory_pace.time, "perf_counter", lambda: now[0])
-    real_start = memory_module.in_background
+    monkeypatch.setattr(memory_pace.time, "thread_time", lambda: cpu[0])
+    real_start, real_write = memory_module.in_background, MemorySnapshots._write
+    costs = {"hold": 0.01, "write": 0.02}
 
     def slow_start(*args):
-        now[0] += 0.01  # what the snapshot holds the loop for
+        now[0] += costs["hold"]  # what the snapshot holds the loop for
         return real_start(*args)
 
+    def slow_write(self, *args):
+        cpu[0] += costs["write"]  # the background write's CPU time
+        return real_write(self, *args)
+
     monkeypatch.setattr(memory_module, "in_background", slow_start)
+    monkeypatch.setattr(MemorySnapshots, "_write", slow_write)
     env = DistEnv(hostname="h")
-    for auto, want in ((True, 10), (False, 1)):
-        snap = MemorySnapshots(every_steps=1, root=str(tmp_path / str(auto)), run_dir=tmp_path / "run", env=env,
+    for auto, hold, want in ((True, 0.01, 10), (False, 0.01, 1), (True, 0.001, 1)):
+        costs["hold"], costs["write"] = hold, 2 * hold
+        snap = MemorySnapshots(every_steps=1, root=str(tmp_path / f"{auto}{hold}"), run_dir=tmp_path / "run", env=env,
                                auto=auto)
         snap.start(fresh=True)
-        taken, after_snapshot = [], False
+        taken = []
         for step in range(1, 41):
-            now[0] += 0.1 + (0.02 if after_snapshot else 0.0)  # the step
-            after_snapshot = snap.due(step)
-            if after_snapshot:
+            now[0] += 0.1  # the step
+            if snap.due(step):
                 taken.append(step)
                 snap.snapshot(step=step, files={"rank_00000.pt": {"rng": torch.ones(2)}, "train.pt": {"x": 1}},
                               meta={"step": step, "world_size": 1})
         snap.finish(remove=True)
         assert snap.every_steps == want
-        assert taken == ([*range(1, 20, 2), 20, 30, 40] if auto else list(range(1, 41)))
+        assert taken == ([*range(1, 12), 20, 30, 40] if want == 10 else list(range(1, 41)))
     assert "in-memory snapshots every 10 steps: one takes 30.0% of a step's time" in capsys.readouterr().err
+
 
 
 def failing_write(rank: int, root: str, run_dir: str, auto: bool) -> tuple:

@@ -58,7 +58,7 @@ from dptrain.checkpoint.memory_folder import (
     store_part,
     write_file,
 )
-from dptrain.checkpoint.memory_pace import Pace, interval_for, room_problem
+from dptrain.checkpoint.memory_pace import Pace, cpu_clock, interval_for, room_problem
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
@@ -147,12 +147,12 @@ class MemorySnapshots:
 
     def due(self, step: int) -> bool:
         """Whether to snapshot at the boundary of `step` (called at every boundary). The default's probe
-        (memory_pace.py) snapshots every other step until it has chosen the interval."""
+        (memory_pace.py) snapshots every step until it has chosen the interval."""
         if not self.enabled:
             return False
         if self.auto and self._pace.probing:
             self._pace.tick()
-            return step % 2 == 1
+            return True
         return step % self.every_steps == 0
 
     def start(self, *, fresh: bool) -> None:
@@ -234,13 +234,14 @@ class MemorySnapshots:
                             where=str(self.base))
 
     def _collect(self) -> tuple[BaseException | None, bool, float | None]:
-        """Wait for the snapshot in flight: this rank's error, whether any rank failed, and the ranks' mean of the
-        probe's share (None: not measured); the snapshot is the newest complete one unless a rank failed."""
+        """Wait for the snapshot in flight: this rank's error, whether any rank failed, and the ranks' largest
+        probe share (None: not measured); the snapshot is the newest complete one unless a rank failed."""
         if self._pending is None:
             return None, False, None
         step, fut = self._pending
         self._pending = None
-        own, failed, share = fut.result()
+        own, failed, share, cpu = fut.result()
+        self._pace.background(cpu)
         if not failed:
             self.last_complete = step
         return own, failed, share
@@ -252,19 +253,22 @@ class MemorySnapshots:
 
     def _write_and_agree(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged],
                          shards: dict[str, Any] | None, keep: set[int],
-                         share: float | None) -> tuple[BaseException | None, bool, float | None]:
+                         share: float | None) -> tuple[BaseException | None, bool, float | None, float]:
         """`_write`, then every rank's agreement (one all-reduce on the snapshots' group, in the background): whether
-        any failed, and the mean `share`. Never raises: a rank that failed still takes part in the agreement."""
+        any failed, and the largest `share`; and the CPU time the write took here. Never raises: a rank that failed
+        still takes part in the agreement."""
         own: BaseException | None = None
+        cpu = cpu_clock()
         try:
             self._write(part, staged, shards, keep)
         except Exception as e:  # noqa: BLE001 - reported to the step loop by _collect
             own = e
+        cpu = cpu_clock() - cpu
         if self._group is None:
-            return own, own is not None, share
-        flags = collectives.all_reduce_mean([float(own is not None), share or 0.0, float(share is not None)],
-                                            device=torch.device("cpu"), group=self._group)
-        return own, flags[0] > 0, flags[1] if flags[2] > 0 else None
+            return own, own is not None, share, cpu
+        failed, most = collectives.all_reduce_max([float(own is not None), -1.0 if share is None else share],
+                                                  device=torch.device("cpu"), group=self._group)
+        return own, failed > 0, None if most < 0 else most, cpu
 
     def _release(self, rank: int) -> Any:
         """What a slot calls before it is overwritten: delete the part of `rank` that names its old bytes."""

@@ -5,14 +5,13 @@ shares plus, on more than one node, the previous node's as the replica, twice (t
 snapshot and the one being written). The default turns itself off when that exceeds half of the
 tmpfs's free space (`room_problem`).
 
-Time: the default snapshots every step "if the overhead allows". `Pace` measures it during a probe:
-snapshots on every other step (the first one, which also sets things up, not counted), so that each
-snapshot is followed by a step it may slow down (its background write competes for the cores and the
-GIL) and then by a clean step. A snapshot's cost is the time it holds the loop (staging, and waiting
-for the previous one's background write) plus how much longer the step after it takes than the clean
-one after that (medians over `PROBE` snapshots and pairs of steps); the ranks agree on the mean share
-of a clean step, and when it is over `BUDGET` the interval becomes the smallest number of steps that
-brings it under (`interval_for`). Torch-free.
+Time: the default snapshots every step "if the overhead allows". `Pace` measures it during a probe of
+`PROBE` snapshots at every step (the first one, which also sets things up, not counted): a snapshot's cost is
+the time it holds the loop (staging, and waiting for the previous one's background write) plus the CPU time
+of its background write (on a machine whose cores are all busy training, that much step time; where a core is
+idle it is an upper bound), over the step's own time (medians). The ranks agree on the largest share (the
+slowest rank sets the pace of all), and when it is over `BUDGET` the interval becomes the smallest number of
+steps that brings it under (`interval_for`). Torch-free.
 """
 
 from __future__ import annotations
@@ -56,19 +55,26 @@ def interval_for(share: float, *, budget: float = BUDGET) -> int:
     return math.ceil(share / budget - 1e-9)
 
 
+def cpu_clock() -> float:
+    """The calling thread's CPU time (s): what the background write of a snapshot costs the machine."""
+    return time.thread_time()
+
+
 class Pace:
     """Times the probe (see the module docstring): `tick()` at every step boundary while `probing`, `begin()` /
-    `end()` around each snapshot's blocking part; `share()` is the cost over a clean step's time, once PROBE
-    snapshots are measured (None before, and after: the probe is over)."""
+    `end()` around each snapshot's blocking part, `background(seconds)` with each snapshot's background CPU time;
+    `share()` is the cost over a step's own time, once PROBE snapshots are measured (None before, and after: the
+    probe is over)."""
 
     def __init__(self) -> None:
         self.spent: list[float] = []  # each measured snapshot's blocking time
-        self.steps: list[tuple[bool, float]] = []  # (follows a snapshot, duration) of each probed step, in order
+        self.behind: list[float] = []  # each measured snapshot's background CPU time
+        self.steps: list[float] = []  # boundary to boundary, each probed step (its snapshot's blocking included)
         self.count = -1  # the first snapshot is not measured
         self.done = False
         self._start = 0.0
         self._tick: float | None = None
-        self._snapped = False  # a snapshot ended since the last tick
+        self._background = -1  # the first snapshot's background write is not measured either
 
     @property
     def probing(self) -> bool:
@@ -77,30 +83,29 @@ class Pace:
     def tick(self) -> None:
         now = time.perf_counter()
         if self._tick is not None and 0 < self.count <= PROBE:
-            self.steps.append((self._snapped, now - self._tick))
-        self._tick, self._snapped = now, False
+            self.steps.append(now - self._tick)
+        self._tick = now
 
     def begin(self) -> None:
         self._start = time.perf_counter()
 
     def end(self) -> None:
-        now = time.perf_counter()
         if 0 <= self.count < PROBE:
-            self.spent.append(now - self._start)
+            self.spent.append(time.perf_counter() - self._start)
         self.count += 1
-        self._tick, self._snapped = now, True  # the next step is timed from here
+
+    def background(self, seconds: float) -> None:
+        """The background CPU time of the snapshots, in order, as each is collected."""
+        if 0 <= self._background < PROBE:
+            self.behind.append(seconds)
+        self._background += 1
 
     def share(self) -> float | None:
-        """This rank's snapshot cost over its clean step time, once (when PROBE snapshots are measured). The drag
-        is the median over pairs of a step after a snapshot minus the clean step that follows it: pairs cancel the
-        machine's slow drift, the median a step slowed by something else (a disk checkpoint, an evaluation)."""
-        if self.done or self.count < PROBE:
+        """This rank's snapshot cost over its step time, once (when PROBE snapshots are measured)."""
+        if self.done or self.count < PROBE or not self.steps:
             return None
         self.done = True
-        pairs = [a - c for (sa, a), (sc, c) in zip(self.steps, self.steps[1:], strict=False) if sa and not sc]
-        clean = [d for snapped, d in self.steps if not snapped]
-        if not clean:
-            return 0.0
-        drag = max(0.0, statistics.median(pairs)) if pairs else 0.0
-        base = statistics.median(clean)
-        return (statistics.median(self.spent) + drag) / base if base > 0 else 0.0
+        spent = statistics.median(self.spent)
+        behind = statistics.median(self.behind) if self.behind else 0.0
+        base = statistics.median(self.steps) - spent
+        return (spent + behind) / base if base > 0 else 0.0

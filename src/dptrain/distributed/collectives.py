@@ -29,6 +29,11 @@ def all_reduce_mean(values: list[float], *, device: torch.device, group: Any = N
     return [v / world_size(group) for v in _all_reduce(values, op=dist.ReduceOp.SUM, device=device, group=group)]
 
 
+def all_reduce_max(values: list[float], *, device: torch.device, group: Any = None) -> list[float]:
+    """Max of each value over the ranks of `group` (default: every rank), in one collective."""
+    return _all_reduce(values, op=dist.ReduceOp.MAX, device=device, group=group)
+
+
 def _all_reduce(values: list[float], *, op: Any, device: torch.device, group: Any = None) -> list[float]:
     if world_size(group) == 1:
         return list(values)

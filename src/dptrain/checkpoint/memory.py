@@ -2,25 +2,24 @@
 
 Every `checkpoint.memory_every_steps` each rank copies its share of the checkpoint (`full` format:
 rank 0 the model, optimizer and `train.pt` files; `dcp` format: every rank its model and optimizer
-shards, rank 0 `train.pt`; every rank its `rank_RRRRR.pt`) at the step boundary into CPU staging
-buffers it reuses from one snapshot to the next (`stage`: no allocation, a device-to-host copy on a
-GPU); a background thread writes them (memory_format.py: raw tensor bytes and a small skeleton per
-checkpoint file; the shards with `torch.distributed.checkpoint` over the snapshots' own gloo group,
-as a disk checkpoint's `dcp/` folder) into its node's folder
-`<memory_dir>/<run id>/<host>/step_NNNNNN/` (a tmpfs: `/dev/shm/dptrain` by default, which outlives
-the worker process), then writes the rank's *part* `parts/step_NNNNNN.rank_RRRRR.json` (every file's
-size and CRC-32, and the checkpoint's meta), last: a part names only files fully written. The
-SHA-256 of the commit protocol is computed at recovery, from bytes checked against the CRC-32.
+shards, rank 0 `train.pt`; every rank its `rank_RRRRR.pt`) at the step boundary straight into files of
+its node's folder `<memory_dir>/<run id>/<host>/` (a tmpfs: `/dev/shm/dptrain` by default, which outlives
+the worker process), mapped into the process (memory_flat.py: the copy is the write, a device-to-host
+copy on a GPU). A background thread links them into the snapshot's folder `step_NNNNNN/`, with a small
+skeleton per file, then writes the rank's *part* `parts/step_NNNNNN.rank_RRRRR.json` (every file's size
+and xxh3-64, and the checkpoint's meta), last: a part names only files fully written. The SHA-256 of the
+commit protocol is computed at recovery, from bytes checked against the part.
 
 Replication: when the run spans nodes, the same thread sends the rank's files and part to its peer
 `(rank + local_world_size) % world_size` (a rank of the next node) over a gloo group of its own, and
-receives those of `(rank - local_world_size) % world_size`, which it writes into its own node's
-folder: every node holds its own ranks' parts and the previous node's.
+receives those of `(rank - local_world_size) % world_size` straight into files of its own node's folder
+(memory_replica.py): every node holds its own ranks' parts and the previous node's.
 
-At most two snapshots exist at a time: before a new one starts, every rank has finished the previous
-one (a barrier at the step boundary), so everything older is deleted. Host memory per rank:
-2 x (own files + the replica it holds); see `snapshot_bytes`. The default (`memory_every_steps: null`)
-checks room and time first (memory_pace.py).
+At most two snapshots exist at a time: the thread ends each snapshot with an all-reduce over the
+snapshots' group (did any rank fail; the pace's share), so when the step loop starts the next one, every
+rank has finished the previous one, and everything older is deleted, with no collective on the step's
+path. Host memory per rank: 2 x (own files + the replica it holds); see `snapshot_bytes`. The default
+(`memory_every_steps: null`) checks room and time first (memory_pace.py).
 
 Recovery (`memory_recover.py`) builds a committed checkpoint folder from the parts the new world holds.
 The run id is a hash of the run directory's absolute path (shared by every node and every restart).
@@ -31,7 +30,6 @@ process (recorded in `owner.json`) is gone are removed.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import queue
@@ -63,38 +61,6 @@ from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
 DEFAULT_ROOT = "/dev/shm/dptrain"
-
-
-def stage(obj: Any, cached: Any = None) -> Any:
-    """A CPU copy of a state tree (dicts, lists, tuples, tensors, DTensors, plain values), copied into the
-    tensors of `cached` (an earlier copy) where they match in shape and dtype: no allocation from the
-    second snapshot on. A DTensor's copy is a DTensor of the same mesh and placements holding a CPU copy of
-    this rank's shard (as DCP's own asynchronous save stages)."""
-    if isinstance(obj, DTensor):
-        return _stage_dtensor(obj, cached)
-    if isinstance(obj, torch.Tensor):
-        src = obj.detach()
-        if isinstance(cached, torch.Tensor) and cached.shape == src.shape and cached.dtype == src.dtype:
-            return cached.copy_(src)
-        return src.to("cpu", copy=True).contiguous()
-    if isinstance(obj, dict):
-        before: dict[Any, Any] = cached if isinstance(cached, dict) else {}
-        return {k: stage(v, before.get(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        same = isinstance(cached, type(obj)) and len(cached) == len(obj)
-        olds: list[Any] = list(cached) if same else [None] * len(obj)
-        return type(obj)(stage(v, o) for v, o in zip(obj, olds, strict=True))
-    return copy.deepcopy(obj)
-
-
-def _stage_dtensor(obj: DTensor, cached: Any) -> DTensor:
-    with torch.no_grad():  # to_local() is then the shard itself, not an autograd view
-        src: DTensor = obj.detach()  # type: ignore[assignment]
-        if (isinstance(cached, DTensor) and cached.shape == src.shape and cached.dtype == src.dtype
-                and cached.placements == src.placements and cached.to_local().shape == src.to_local().shape):
-            cached.to_local().copy_(src.to_local())
-            return cached
-        return src.to("cpu") if src.device.type != "cpu" else src.clone()  # type: ignore[return-value]
 
 
 def snapshot_bytes(*, param_bytes: int, optim_bytes: int, rank_file_bytes: int, world: int, local_world: int,
@@ -133,7 +99,6 @@ class MemorySnapshots:
         self.last_complete: int | None = None  # the newest snapshot every rank has finished
         self._pairs: dict[str, Pair] = {}  # this rank's slots, per file (memory_flat.py)
         self._replica_pairs: dict[str, Pair] = {}  # the source's, per file
-        self._staged_shards: Any = None  # the CPU buffers of the last sharded snapshot, reused
         self.sharded = False  # the run's state is DCP shards (set by the first snapshot)
 
     @property
@@ -182,16 +147,16 @@ class MemorySnapshots:
         if not self._go_on(files, shards):
             return
         keep = {self.last_complete} if self.last_complete is not None else set()
+        if shards is not None:  # the dcp format: this rank's shards are one more file (memory_format.py)
+            files = {**files, memory_format.shards_name(self.env.rank): shards}
         slots = self.node_dir / memory_flat.SLOTS / f"rank_{self.env.rank:05d}"
         staged = {name: memory_flat.stage(self._pairs.setdefault(name, Pair(slots / (name + memory_flat.RAW))), obj,
                                           step=step, avoid=self.last_complete, release=self._release(self.env.rank))
                   for name, obj in files.items()}
-        staged_shards = stage(shards, self._staged_shards) if shards is not None else None
-        self._staged_shards = staged_shards
         part = {"rank": self.env.rank, "world_size": self.env.world_size, "step": step,
                 "host": self.node_dir.name, "meta": meta}
         share = self._pace.share() if self.auto else None
-        self._pending = (step, in_background(self._write_and_agree, part, staged, staged_shards, keep, share))
+        self._pending = (step, in_background(self._write_and_agree, part, staged, keep, share))
         self._pace.end()
 
     def _go_on(self, files: dict[str, Any], shards: dict[str, Any] | None) -> bool:
@@ -203,7 +168,7 @@ class MemorySnapshots:
             _raise_failure(own, failed)
             return True
         why = f"writing to {self.base} failed ({own})" if own is not None else None
-        if self.last_complete is None and not self._pairs and self._staged_shards is None:  # the first snapshot
+        if self.last_complete is None and not self._pairs:  # the first snapshot
             why = self._room(files, shards)
             failed = collectives.all_reduce_mean([float(why is not None)], device=torch.device("cpu"))[0] > 0
         if why is not None:
@@ -251,8 +216,7 @@ class MemorySnapshots:
         own, failed, _ = self._collect()
         _raise_failure(own, failed)
 
-    def _write_and_agree(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged],
-                         shards: dict[str, Any] | None, keep: set[int],
+    def _write_and_agree(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged], keep: set[int],
                          share: float | None) -> tuple[BaseException | None, bool, float | None, float]:
         """`_write`, then every rank's agreement (one all-reduce on the snapshots' group, in the background): whether
         any failed, and the largest `share`; and the CPU time the write took here. Never raises: a rank that failed
@@ -260,7 +224,7 @@ class MemorySnapshots:
         own: BaseException | None = None
         cpu = cpu_clock()
         try:
-            self._write(part, staged, shards, keep)
+            self._write(part, staged, keep)
         except Exception as e:  # noqa: BLE001 - reported to the step loop by _collect
             own = e
         cpu = cpu_clock() - cpu
@@ -274,8 +238,7 @@ class MemorySnapshots:
         """What a slot calls before it is overwritten: delete the part of `rank` that names its old bytes."""
         return lambda step: (self.node_dir / PARTS / part_name(step, rank)).unlink(missing_ok=True)
 
-    def _write(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged], shards: dict[str, Any] | None,
-               keep: set[int]) -> None:
+    def _write(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged], keep: set[int]) -> None:
         if self.node_main:
             drop_steps(self.node_dir, keep=keep | {part["step"]})
         step_dir = self.node_dir / mf.step_dir_name(part["step"])
@@ -283,10 +246,6 @@ class MemorySnapshots:
         part["files"] = {}
         small: dict[str, bytes] = {}
         big: dict[str, torch.Tensor] = {}
-        if shards is not None:
-            entries = memory_format.write_shards(step_dir, shards, group=self._group, rank=self.env.rank)
-            part["files"].update(entries)
-            small.update((name, (step_dir / name).read_bytes()) for name in entries)
         for name, st in staged.items():
             entries, skel = memory_flat.commit(step_dir, name, st)
             part["files"].update(entries)

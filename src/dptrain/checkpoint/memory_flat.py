@@ -1,13 +1,17 @@
 """Snapshot files staged in place: the step boundary's copy of a checkpoint file's tensors is its write.
 
 Each rank keeps, per checkpoint file it snapshots (`model.pt`, `optim.pt`, ... of the `full` format, its
-`rank_RRRRR.pt`), two files in its node's memory folder (`.slots/rank_RRRRR/NAME.raw.0` and `.1`), mapped into
-the process. A snapshot copies the live tensors straight into one of them (`Slot.views`: one view per tensor,
-ALIGN-aligned, made once), the one that does not hold the newest complete snapshot; the background thread then
-only hard-links that file into the snapshot's step folder as `NAME.raw`, hashes it (xxh3-64) and writes the small
-skeleton (`NAME.skel`: the tree without its tensors, and each tensor's dtype, shape and offset). No staging
-copy in process memory, no second copy into the file, no allocation after the first snapshot: the node's
-folder holds the two snapshots and nothing else does.
+`rank_RRRRR.pt`, and in the `dcp` format `shards_RRRRR`: its shards of the model and optimizer), two files in its
+node's memory folder (`.slots/rank_RRRRR/NAME.raw.0` and `.1`), mapped into the process. A snapshot copies the live
+tensors straight into one of them (`Slot.views`: one view per tensor, ALIGN-aligned, made once), the one that does
+not hold the newest complete snapshot; the background thread then only hard-links that file into the snapshot's
+step folder as `NAME.raw`, hashes it (xxh3-64) and writes the small skeleton (`NAME.skel`: the tree without its
+tensors, and each tensor's dtype, shape and offset). No staging copy in process memory, no second copy into the
+file, no allocation after the first snapshot: the node's folder holds the two snapshots and nothing else does.
+
+A DTensor is stored as this rank's shard plus the whole tensor's shape and the shard's offsets in it (DTensor's
+own `__create_chunk_list__`, which DCP plans with); recovery puts the shards of every rank together and writes
+them with DCP (memory_format.py), which reshards them to the new world on load.
 
 A peer's replica is received the same way: straight into a mapped pair of its own (`.slots/from_RRRRR/`).
 
@@ -41,6 +45,7 @@ ALIGN = 64
 """Byte alignment of each tensor in a slot (any dtype's view of the bytes needs its element size at least)."""
 SLOTS = ".slots"
 TENSOR = "__dptrain_tensor__"
+SHARD = "__dptrain_shard__"
 RAW, SKEL = ".raw", ".skel"
 PLAIN = (int, float, str, bytes, bool, complex, type(None))
 _PLAIN = frozenset(PLAIN)
@@ -54,9 +59,11 @@ def digest(data: Any) -> int:
 def split(tree: Any, tensors: list[torch.Tensor], plain: list[bool]) -> Any:
     """`tree` with each tensor replaced by (TENSOR, its index in `tensors`), appended there in order; its other
     values copied (containers rebuilt, anything but a built-in scalar deep-copied and `plain[0]` set False)."""
+    if isinstance(tree, DTensor):  # this rank's shard, and where it lies in the whole tensor
+        local = tree.to_local()
+        tensors.append(local)
+        return (SHARD, len(tensors) - 1, list(tree.shape), chunk_offsets(tree, local))
     if isinstance(tree, torch.Tensor):
-        if isinstance(tree, DTensor):
-            raise TypeError("a snapshot file holds plain tensors; DTensors go through the sharded (DCP) snapshot")
         tensors.append(tree)
         return (TENSOR, len(tensors) - 1)
     if isinstance(tree, dict):
@@ -76,10 +83,40 @@ def split(tree: Any, tensors: list[torch.Tensor], plain: list[bool]) -> Any:
     return copy.deepcopy(tree)
 
 
+_CHUNKS: dict[tuple[Any, ...], tuple[list[int], tuple[int, ...]]] = {}
+
+
+def chunk_offsets(t: DTensor, local: torch.Tensor) -> list[int]:
+    """The offsets of this rank's shard of `t` in the whole tensor (DTensor's own `__create_chunk_list__`, the
+    protocol DCP plans with), kept per global shape, placements and mesh: they depend on nothing else."""
+    key = (tuple(t.shape), tuple(t.placements), t.device_mesh, torch.distributed.get_rank())
+    if key not in _CHUNKS:
+        chunks = t.__create_chunk_list__()
+        if len(chunks) != 1:
+            raise TypeError(f"a DTensor of shape {tuple(t.shape)} holds {len(chunks)} chunks on this rank; "
+                            "in-memory snapshots take one")
+        _CHUNKS[key] = (list(chunks[0].offsets), tuple(chunks[0].sizes))
+    offsets, sizes = _CHUNKS[key]
+    if tuple(local.shape) != sizes:
+        raise TypeError(f"a DTensor's shard has shape {tuple(local.shape)}, its chunk {sizes}")
+    return offsets
+
+
+@dataclass
+class Chunk:
+    """A shard read back from a snapshot: the whole tensor's shape, and where this piece of it lies."""
+
+    shape: list[int]
+    offsets: list[int]
+    tensor: torch.Tensor
+
+
 def join(skel: Any, tensors: list[torch.Tensor]) -> Any:
-    """The inverse of `split`."""
+    """The inverse of `split` (a shard comes back as a `Chunk`)."""
     if isinstance(skel, tuple) and len(skel) == 2 and skel[0] == TENSOR:
         return tensors[skel[1]]
+    if isinstance(skel, tuple) and len(skel) == 4 and skel[0] == SHARD:
+        return Chunk(shape=skel[2], offsets=skel[3], tensor=tensors[skel[1]])
     if isinstance(skel, dict):
         return {k: join(v, tensors) for k, v in skel.items()}
     if isinstance(skel, (list, tuple)):
@@ -222,7 +259,8 @@ def stage(pair: Pair, tree: Any, *, step: int, avoid: int | None, release: Any) 
     the step the slot held before, before its bytes change."""
     tensors: list[torch.Tensor] = []
     plain = [True]
-    skel = split(tree, tensors, plain)
+    with torch.no_grad():  # a DTensor's to_local() is then the shard itself, not an autograd view
+        skel = split(tree, tensors, plain)
     offsets, size = layout(tensors)
     slot, held = pair.take(size, avoid=avoid)
     if held is not None:

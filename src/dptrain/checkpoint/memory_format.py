@@ -5,70 +5,76 @@ bytes (a slot the step boundary copied them into, memory_flat.py), and `NAME.ske
 tensors plus every tensor's dtype, shape and offset. Only at recovery is the checkpoint file itself rebuilt
 (`materialize`) and written with `torch.save`, so the recovered folder is an ordinary checkpoint.
 
-The `dcp` format's model and optimizer shards (FSDP2, tensor and pipeline parallelism) are written by
-`torch.distributed.checkpoint` itself (`write_shards`) into the snapshot's `dcp/` folder, exactly as a
-disk checkpoint's: each rank's `__R_N.distcp` files, and rank 0's `.metadata`. They are kept as they are
-(`verbatim`) and linked into the recovered checkpoint, where DCP reshards them to the new world on load.
+The `dcp` format's model and optimizer shards (FSDP2, tensor and pipeline parallelism) are one such file per rank
+(`shards_RRRRR`): each DTensor as this rank's shard with its place in the whole tensor. At recovery the shards of
+every rank are put together into whole tensors and written with DCP in one process (`materialize_shards`) as the
+checkpoint's `dcp/` folder, which DCP reshards to the new world on load, as it does a disk checkpoint's.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 
 from dptrain.checkpoint import memory_flat, storage
+from dptrain.checkpoint.manifest import CheckpointError
 from dptrain.checkpoint.memory_flat import RAW, SKEL
 
-
-class SnapshotPlanner(DefaultSavePlanner):
-    """DCP's default planner with its plan cache on (the snapshots save the same layout every time: the ranks
-    skip sending their plans once they are known). Its own class: DCP keys the cache by the planner's class."""
-
-    def __init__(self) -> None:
-        super().__init__(enable_plan_caching=True)
+SHARDS = "shards_"
 
 
-def write_shards(step_dir: Path, state_dict: dict[str, Any], *, group: Any, rank: int) -> dict[str, dict[str, int]]:
-    """Save `state_dict` (staged CPU shards, DCP's keys) with DCP into `step_dir/dcp/` (collective over `group`,
-    the snapshots' own); the part entries (size, xxh3) of this rank's files: its `__RANK_N.distcp`, and on
-    rank 0 DCP's `.metadata`. The group's ranks are the global ranks (a group of every rank)."""
-    out = step_dir / storage.DCP_DIR
-    writer = dcp.FileSystemWriter(out, sync_files=False, overwrite=True)  # a tmpfs: nothing to sync
-    dcp.save(state_dict, storage_writer=writer, planner=SnapshotPlanner(), process_group=group)
-    names = sorted(p.name for p in out.glob(f"__{rank}_*.distcp"))
-    if rank == 0:
-        names.append(".metadata")
-    entries = {}
-    for name in names:
-        data = (out / name).read_bytes()
-        entries[f"{storage.DCP_DIR}/{name}"] = {"size": len(data), "xxh3": memory_flat.digest(data)}
-    return entries
-
-
-def verbatim(name: str) -> bool:
-    """A snapshot file that is itself a checkpoint file (a DCP shard or DCP's metadata), not raw + skeleton."""
-    return name.startswith(f"{storage.DCP_DIR}/")
+def shards_name(rank: int) -> str:
+    """The snapshot file of rank `rank`'s model and optimizer shards (the `dcp` format)."""
+    return f"{SHARDS}{rank:05d}"
 
 
 def logical_names(files: dict[str, Any]) -> list[str]:
-    """The checkpoint files a part's snapshot files stand for (`model.pt` for `model.pt.raw` + `.skel`; a DCP
-    file for itself)."""
-    return sorted({n if verbatim(n) else n.removesuffix(RAW).removesuffix(SKEL) for n in files})
+    """The snapshot files a part's files stand for (`model.pt` for `model.pt.raw` + `.skel`)."""
+    return sorted({n.removesuffix(RAW).removesuffix(SKEL) for n in files})
 
 
 def materialize(step_dir: Path, name: str, dest: Path) -> None:
-    """Rebuild checkpoint file `name` from its snapshot files in `step_dir` and `torch.save` it to `dest` (a
-    verbatim file is hard-linked, or copied where it cannot be)."""
-    if verbatim(name):
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(step_dir / name, dest)
-        except OSError:
-            shutil.copyfile(step_dir / name, dest)
-        return
+    """Rebuild checkpoint file `name` from its snapshot files in `step_dir` and `torch.save` it to `dest`."""
     storage.save_torch(dest, memory_flat.materialize_raw(step_dir, name))
+
+
+def materialize_shards(step_dir: Path, names: list[str], dest: Path) -> list[str]:
+    """Put every rank's shards (`names`: their snapshot files in `step_dir`) together into whole tensors and save
+    them with DCP, in one process, as the checkpoint's `dcp/` folder `dest` (DCP reshards it to any world on load);
+    the files written, relative to dest's parent. CheckpointError when the shards do not cover a tensor."""
+    trees = [memory_flat.materialize_raw(step_dir, name) for name in sorted(names)]
+    whole = merge(trees, where=[])
+    dcp.save(whole, storage_writer=dcp.FileSystemWriter(dest, sync_files=True), no_dist=True)
+    return sorted(p.relative_to(dest.parent).as_posix() for p in dest.rglob("*") if p.is_file())
+
+
+def merge(trees: list[Any], *, where: list[str]) -> Any:
+    """One tree from every rank's: dict keys united (pipeline stages hold different ones), shards (`Chunk`s) put
+    together into the whole tensor, anything else (replicated) taken from the first rank that has it."""
+    first = trees[0]
+    if isinstance(first, memory_flat.Chunk):
+        return assemble(trees, where=".".join(where))
+    if isinstance(first, dict):
+        keys = list(dict.fromkeys(k for t in trees if isinstance(t, dict) for k in t))
+        return {k: merge([t[k] for t in trees if isinstance(t, dict) and k in t], where=[*where, str(k)]) for k in keys}
+    return first
+
+
+def assemble(chunks: list[Any], *, where: str) -> torch.Tensor:
+    """The whole tensor from its shards (a replicated shard counted once)."""
+    first = chunks[0]
+    out = torch.empty(first.shape, dtype=first.tensor.dtype)
+    seen, covered = set(), 0
+    for c in chunks:
+        key = tuple(c.offsets)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.tensor.shape, strict=True))] = c.tensor
+        covered += c.tensor.numel()
+    if covered != out.numel():
+        raise CheckpointError(f"{where}: the snapshot's shards cover {covered} of its {out.numel()} elements")
+    return out

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.checkpoint import memory_flat, memory_format
+from dptrain.checkpoint import memory_flat, memory_format, storage
 from dptrain.checkpoint.memory import MemorySnapshots
 from dptrain.checkpoint.memory_folder import drop_steps, holdings, pack, read_part_files, store_part, unpack
 from dptrain.distributed import collectives
@@ -121,9 +121,13 @@ def recover(
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir()
             names = [n for p in parts.values() for n in memory_format.logical_names(p["files"])]
-            for name in names:
+            shards = [n for n in names if n.startswith(memory_format.SHARDS)]
+            files = [n for n in names if n not in shards]
+            for name in files:
                 memory_format.materialize(snapshot, name, path / name)
-            digest = mf.write_manifest(path, files={n: mf.file_entry(path / n) for n in names}, meta=parts[0]["meta"])
+            if shards:
+                files += memory_format.materialize_shards(snapshot, shards, path / storage.DCP_DIR)
+            digest = mf.write_manifest(path, files={n: mf.file_entry(path / n) for n in files}, meta=parts[0]["meta"])
             mf.commit(path, manifest_sha256=digest)
         except (OSError, mf.CheckpointError) as e:
             ok, reason = False, str(e)

@@ -103,6 +103,7 @@ def overhead_worker(rounds: int, strategy: str | None = None) -> None:
     rank_file = sum(p.stat().st_size for p in step_dir.glob("rank_00001.pt.*"))  # its .raw + .skel
     world, local = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
     sharded = on.ckpt.memory.sharded  # the run snapshotted DCP shards
+    live = on.ckpt._live.agreed  # the snapshots took the module's and optimizer's own state dicts (live_state.py)
     formula = snapshot_bytes(param_bytes=params, optim_bytes=optim, rank_file_bytes=rank_file, world=world,
                              local_world=local, sharded=sharded)
     for tr in trainers.values():
@@ -119,7 +120,9 @@ def overhead_worker(rounds: int, strategy: str | None = None) -> None:
             print(f"| {name} | {med * 1e3:.2f} | {(med - base) * 1e3:+.2f} | {(med / base - 1) * 100:+.1f}% |")
         for r, ph in enumerate(per_rank):
             print(f"rank {r}: " + ", ".join(f"{k} {v:.1f} ms (median)" for k, v in ph.items()))
-        print(f"\nparameters {params} B, optimizer state {optim} B, rank file {rank_file} B")
+        which = "the module's and optimizer's own (equal to DCP's)" if live else "DCP's helpers'"
+        print(f"\nstate dicts snapshotted: {which}")
+        print(f"parameters {params} B, optimizer state {optim} B, rank file {rank_file} B")
         print(f"snapshot folder of the node (2 snapshots kept at most; measured with 2 present): {measured} B; "
               f"formula ({WHAT[sharded]}) = {formula} B ({measured / formula:.3f} of it)")
     dist.destroy_process_group()

@@ -13,6 +13,7 @@ import torch
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import memory as memory_module
 from dptrain.checkpoint import memory_flat, memory_format, storage
+from dptrain.checkpoint.live_state import LiveState, same_tree
 from dptrain.checkpoint.memory import MemorySnapshots, snapshot_bytes
 from dptrain.checkpoint.memory_folder import holdings, pack, remove_dead_runs, run_id, unpack
 from dptrain.checkpoint.memory_recover import choose, describe, plan_transfers, recover
@@ -489,12 +490,12 @@ def test_the_snapshots_live_state_dicts_equal_dcps_or_dcps_are_used(case, monkey
     state = CheckpointState(model_parts=[ModelState(model, full=True)],
                             optimizers=[OptimizerState(model, opt, full=True)], schedule=Counter(), scaler=None,
                             data=Counter(), train=Counter(), full=True)
-    live = storage.LiveFullState()
+    live = LiveState()
     for _ in range(3):
         model(torch.tensor([1, 2, 3])).sum().backward()
         opt.step()
         opt.zero_grad()
         got = live(state, rank=0)
-        assert storage.same_tree(got, storage.full_state_dicts(state, rank=0))
+        assert same_tree(got, storage.full_state_dicts(state, rank=0))
     assert live.agreed is (case != "live differs")
     assert live(state, rank=1) == {}

@@ -41,6 +41,7 @@ from dptrain import __version__
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
 from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
+from dptrain.checkpoint.live_state import LiveState
 from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
 from dptrain.checkpoint.memory import MemorySnapshots
 from dptrain.checkpoint.memory_recover import MemoryChoice, recover
@@ -103,7 +104,7 @@ class CheckpointManager:
             root=cfg.checkpoint.memory_dir, run_dir=run_dir, env=env, auto=cfg.checkpoint.memory_every_steps is None,
         )
         self.resumed_from_memory: MemoryChoice | None = None
-        self._live_full = storage.LiveFullState()  # the snapshots' full-format state dicts, cheap once checked
+        self._live = LiveState()  # the snapshots' state dicts, cheap once checked
         self._memory_t0 = 0.0
         self._config_hashes: dict[str, str] = {}
 
@@ -304,12 +305,12 @@ class CheckpointManager:
         parameter group instead of one per hyperparameter and parameter (version 3, which pipeline stages need),
         which the snapshot's DCP save pickles and gathers at every step."""
         version = FORMAT_VERSION
-        files = self._live_full(state, rank=self.env.rank) if state.full else {}
+        files = self._live(state, rank=self.env.rank) if state.full else {}
         shards = None
         if not state.full:
             version = FORMAT_VERSION if self.root_cfg.parallel.pp > 1 else 2
             with storage.optimizer_layout(state, flat=version >= 3):
-                shards = storage.dcp_state(state)
+                shards = self._live(state, rank=self.env.rank)
         if self.env.rank == 0:
             scaler = state.scaler.state_dict() if state.scaler is not None else None
             files["train.pt"] = {"scheduler": state.schedule.state_dict(), "scaler": scaler or None}

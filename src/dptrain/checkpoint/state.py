@@ -60,8 +60,8 @@ class ModelState:
         return get_model_state_dict(self.module, options=_options(self.full))
 
     def live_state_dict(self) -> dict[str, Any]:
-        """`state_dict` of an unsharded module (the `full` format) from the module's own: its tensors live, and
-        30x cheaper than DCP's helper (the in-memory snapshots take it at every step; see storage.LiveFullState)."""
+        """`state_dict` from the module's own: its tensors live (a sharded module's: its DTensors), and 30x cheaper
+        than DCP's helper (the in-memory snapshots take it at every step; see live_state.py)."""
         return unwrap(self.module).state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -124,8 +124,7 @@ class OptimizerState:
         return get_optimizer_state_dict(self.module, opt, options=_options(self.full, flat=self.flat and not self.full))
 
     def live_state_dict(self) -> dict[str, Any]:
-        """`state_dict` of an unsharded optimizer (the `full` format; not ZeRO-1's) from torch's own, keyed by
-        name."""
+        """`state_dict` (not ZeRO-1's; DCP's nested layout) from torch's own, keyed by name."""
         return index_to_names(self.optimizer.state_dict(), param_names(self.module, self.optimizer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

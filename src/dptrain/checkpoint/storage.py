@@ -150,49 +150,6 @@ def full_state_dicts(state: CheckpointState, *, rank: int) -> dict[str, Any]:
     return {"model.pt": model_sd, **{f"{optim_name(i)}.pt": sd for i, sd in enumerate(optim_sds)}}
 
 
-def live_full_state_dicts(state: CheckpointState, *, rank: int) -> dict[str, Any] | None:
-    """`full_state_dicts` from the module's and optimizers' own state dicts (not collective, a fraction of a
-    millisecond), or None where that does not apply (ZeRO-1's optimizer; model parts)."""
-    models, optims = state.model_parts, state.optimizers
-    plain = len(models) == 1 and isinstance(models[0], ModelState) and all(
-        isinstance(o, OptimizerState) and not isinstance(o.optimizer, ZeroRedundancyOptimizer) for o in optims)
-    if not plain:
-        return None
-    if rank != 0:
-        return {}
-    optim_sds = {f"{optim_name(i)}.pt": cast(OptimizerState, o).live_state_dict() for i, o in enumerate(optims)}
-    return {"model.pt": cast(ModelState, models[0]).live_state_dict(), **optim_sds}
-
-
-class LiveFullState:
-    """The `full` format's files for the in-memory snapshots: `live_full_state_dicts` once it has agreed with
-    `full_state_dicts` (DCP's helpers: what a disk checkpoint holds), checked at the first call; else
-    `full_state_dicts`."""
-
-    def __init__(self) -> None:
-        self.agreed: bool | None = None
-
-    def __call__(self, state: CheckpointState, *, rank: int) -> dict[str, Any]:
-        live = live_full_state_dicts(state, rank=rank) if self.agreed is not False else None
-        if live is not None and self.agreed:
-            return live
-        reference = full_state_dicts(state, rank=rank)
-        self.agreed = live is not None and same_tree(live, reference)
-        return reference
-
-
-def same_tree(a: Any, b: Any) -> bool:
-    """Whether two state trees hold the same keys, values and tensors (dtype, shape and values)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a.detach().cpu(), b.detach().cpu()))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return list(a) == list(b) and all(same_tree(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
-
-
 def full_state_copies(state: CheckpointState, *, rank: int) -> dict[str, Any]:
     """`full_state_dicts` as copies taken now."""
     return {
@@ -241,8 +198,6 @@ def _load_dcp(ckpt_dir: Path, state: CheckpointState) -> None:
 
 
 def _zero1(state: CheckpointState) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     return any(isinstance(getattr(o, "optimizer", None), ZeroRedundancyOptimizer) for o in state.optimizers)
 
 

@@ -76,8 +76,8 @@ class CheckpointConfig:
     newest complete snapshot when it is at least as new as the newest disk checkpoint (0: off). Every layout: full
     files (single, ddp, zero1) or each rank's DCP shards (zero2, fsdp, hsdp, tp, pp). null (default): every step when
     the run can restart (`launch.max_restarts` > 0) and two snapshots (and a peer's replica) fit the tmpfs, widened
-    to every N steps when one costs more than 3% of a step's time (measured by the run: a probe snapshots every
-    other step first); off for good (with one warning) if a snapshot cannot be written."""
+    to every N steps when one costs more than 3% of a step's time (measured by the run: a probe of 8 snapshots
+    first); off for good (with one warning) if a snapshot cannot be written."""
     memory_dir: str | None = None
     """Folder for the in-memory snapshots (default `/dev/shm/dptrain`); one `<run id>/<host>/` folder per run and
     node, removed when the run ends normally."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -402,42 +403,55 @@ def test_the_default_widens_the_interval_when_a_snapshot_costs_more_than_its_bud
 
 
 
-def failing_write(rank: int, root: str, run_dir: str, auto: bool) -> tuple:
-    """Rank 1's write of step 2 fails (a full tmpfs). The ranks agree on it in the background; at the next
-    snapshot the default turns itself off on both, an explicit interval fails on both (rank 1 with its own error)."""
+def failing_write(rank: int, root: str, run_dir: str, auto: bool, where: str) -> tuple:
+    """Rank 1's write of step 2 fails: its tmpfs is full when it links a file (`commit`) or when it makes a slot
+    (`slot`: a layout change that needs a new file). The ranks sit on two fake hosts, so they also trade replicas:
+    the failing rank still sends its peer a (failed) part, so nobody waits forever. The ranks agree on the failure
+    in the background; at the next snapshot the default turns itself off on both, an explicit interval fails on
+    both (rank 1 with its own error)."""
 
     def body() -> tuple:
-        env = DistEnv(rank=rank, world_size=2, local_world_size=2, hostname="h")
+        env = DistEnv(rank=rank, world_size=2, local_world_size=1, hostname="ab"[rank])
         snap = MemorySnapshots(every_steps=1, root=root, run_dir=Path(run_dir), env=env, auto=auto)
         snap.start(fresh=True)
-        real = memory_flat.commit
+        real_commit, real_fallocate = memory_flat.commit, memory_flat.os.posix_fallocate
+        full = OSError(28, "No space left on device")
 
         def commit(step_dir, name, staged):
             if rank == 1 and step_dir.name == "step_000002":
-                raise OSError(28, "No space left on device")
-            return real(step_dir, name, staged)
+                raise full
+            return real_commit(step_dir, name, staged)
+
+        def fallocate(fd, offset, size):  # the step loop's staging of step 2 (not the replica thread's)
+            if where == "slot" and rank == 1 and step[0] == 2 and threading.current_thread() is threading.main_thread():
+                raise full
+            return real_fallocate(fd, offset, size)
 
         memory_flat.commit = commit
-        error = None
+        memory_flat.os.posix_fallocate = fallocate
+        step, error = [0], None
         try:
-            for step in (1, 2, 3, 4):
+            for step[0] in (1, 2, 3, 4):
                 if snap.enabled:  # (the step loop asks `due`, which says no once the default is off)
-                    snap.snapshot(step=step, files=snapshot_files(step, rank),
-                                  meta={"step": step, "world_size": 2})
+                    files = snapshot_files(step[0], rank)
+                    if where == "slot" and step[0] == 2:
+                        files[f"rank_{rank:05d}.pt"]["rng"] = torch.rand(8)  # another layout: new slots
+                    snap.snapshot(step=step[0], files=files, meta={"step": step[0], "world_size": 2})
             snap.wait()
         except (OSError, RuntimeError) as e:
             error = f"{type(e).__name__}: {e}"
         finally:
-            memory_flat.commit = real
+            memory_flat.commit, memory_flat.os.posix_fallocate = real_commit, real_fallocate
         return snap.enabled, snap.last_complete, error
 
     return in_group(body)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["commit", "slot"])
 @pytest.mark.parametrize("auto", [True, False], ids=["default", "explicit"])
-def test_a_rank_whose_write_fails_stops_every_ranks_snapshots_alike(tmp_path, auto):
-    results = run_ranks(failing_write, 2, str(tmp_path / "mem"), str(tmp_path / "run"), auto, timeout=50)
+def test_a_rank_whose_write_fails_stops_every_ranks_snapshots_alike(tmp_path, auto, where):
+    results = run_ranks(failing_write, 2, str(tmp_path / "mem"), str(tmp_path / "run"), auto, where, timeout=50)
     if auto:
         assert results == [(False, 1, None), (False, 1, None)]  # off on both; step 1 stays the newest complete one
     else:

@@ -150,13 +150,19 @@ class MemorySnapshots:
         if shards is not None:  # the dcp format: this rank's shards are one more file (memory_format.py)
             files = {**files, memory_format.shards_name(self.env.rank): shards}
         slots = self.node_dir / memory_flat.SLOTS / f"rank_{self.env.rank:05d}"
-        staged = {name: memory_flat.stage(self._pairs.setdefault(name, Pair(slots / (name + memory_flat.RAW))), obj,
-                                          step=step, avoid=self.last_complete, release=self._release(self.env.rank))
-                  for name, obj in files.items()}
+        staged: dict[str, memory_flat.Staged] | None = {}
+        staging: BaseException | None = None
+        try:
+            staged = {name: memory_flat.stage(self._pairs.setdefault(name, Pair(slots / (name + memory_flat.RAW))),
+                                              obj, step=step, avoid=self.last_complete,
+                                              release=self._release(self.env.rank))
+                      for name, obj in files.items()}
+        except OSError as e:  # no room for a slot: reported like a failed write, every rank still agrees
+            staged, staging = None, e
         part = {"rank": self.env.rank, "world_size": self.env.world_size, "step": step,
                 "host": self.node_dir.name, "meta": meta}
         share = self._pace.share() if self.auto else None
-        self._pending = (step, in_background(self._write_and_agree, part, staged, keep, share))
+        self._pending = (step, in_background(self._write_and_agree, part, staged, keep, share, staging))
         self._pace.end()
 
     def _go_on(self, files: dict[str, Any], shards: dict[str, Any] | None) -> bool:
@@ -216,17 +222,19 @@ class MemorySnapshots:
         own, failed, _ = self._collect()
         _raise_failure(own, failed)
 
-    def _write_and_agree(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged], keep: set[int],
-                         share: float | None) -> tuple[BaseException | None, bool, float | None, float]:
+    def _write_and_agree(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged] | None, keep: set[int],
+                         share: float | None, staging: BaseException | None = None
+                         ) -> tuple[BaseException | None, bool, float | None, float]:
         """`_write`, then every rank's agreement (one all-reduce on the snapshots' group, in the background): whether
-        any failed, and the largest `share`; and the CPU time the write took here. Never raises: a rank that failed
-        still takes part in the agreement."""
+        any failed, and the largest `share`; and the CPU time the write took here. `staging`: the error that stopped
+        this rank's staging (its write then only tells its peer). Never raises: a rank that failed still takes part in
+        the agreement."""
         own: BaseException | None = None
         cpu = cpu_clock()
         try:
             self._write(part, staged, keep)
         except Exception as e:  # noqa: BLE001 - reported to the step loop by _collect
-            own = e
+            own = staging or e
         cpu = cpu_clock() - cpu
         if self._group is None:
             return own, own is not None, share, cpu
@@ -238,27 +246,42 @@ class MemorySnapshots:
         """What a slot calls before it is overwritten: delete the part of `rank` that names its old bytes."""
         return lambda step: (self.node_dir / PARTS / part_name(step, rank)).unlink(missing_ok=True)
 
-    def _write(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged], keep: set[int]) -> None:
-        if self.node_main:
-            drop_steps(self.node_dir, keep=keep | {part["step"]})
-        step_dir = self.node_dir / mf.step_dir_name(part["step"])
-        step_dir.mkdir(parents=True, exist_ok=True)
-        part["files"] = {}
+    def _write(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged] | None, keep: set[int]) -> None:
+        """Write this rank's files and part (`staged` None: its staging failed), then trade replicas with the
+        peers; a failure here still sends the peer a part (an empty, failed one) and receives the source's, so that
+        no rank waits for a message that will never come. Raises this rank's first error."""
+        error: BaseException | None = None
         small: dict[str, bytes] = {}
         big: dict[str, torch.Tensor] = {}
-        for name, st in staged.items():
-            entries, skel = memory_flat.commit(step_dir, name, st)
-            part["files"].update(entries)
-            big[name + memory_flat.RAW], small[name + memory_flat.SKEL] = st.slot.data, skel
-        store_part(self.node_dir, part, {})
-        if self.peer is None:
-            return
-        assert self.source is not None  # set with peer
-        sends = memory_replica.send(part, small, big, peer=self.peer, group=self._group)
-        got = memory_replica.receive(self.node_dir, self._replica_pairs, source=self.source, group=self._group,
-                                     avoid=max(keep, default=None), release=self._release(self.source))
-        memory_replica.wait_all(sends)
-        store_part(self.node_dir, got, {})
+        try:
+            if staged is None:
+                raise RuntimeError("staging failed")  # (the error itself is reported by the step loop)
+            if self.node_main:
+                drop_steps(self.node_dir, keep=keep | {part["step"]})
+            step_dir = self.node_dir / mf.step_dir_name(part["step"])
+            step_dir.mkdir(parents=True, exist_ok=True)
+            part["files"] = {}
+            for name, st in staged.items():
+                entries, skel = memory_flat.commit(step_dir, name, st)
+                part["files"].update(entries)
+                big[name + memory_flat.RAW], small[name + memory_flat.SKEL] = st.slot.data, skel
+            store_part(self.node_dir, part, {})
+        except Exception as e:  # noqa: BLE001 - raised below, once the peers have their messages
+            error, small, big = e, {}, {}
+        if self.peer is not None:
+            assert self.source is not None  # set with peer
+            sends = memory_replica.send({**part, "failed": error is not None}, small, big, peer=self.peer,
+                                        group=self._group)
+            try:
+                got = memory_replica.receive(self.node_dir, self._replica_pairs, source=self.source,
+                                             group=self._group, avoid=max(keep, default=None),
+                                             release=self._release(self.source))
+            finally:
+                memory_replica.wait_all(sends)
+            if got is not None and error is None:
+                store_part(self.node_dir, got, {})
+        if error is not None:
+            raise error
 
     def finish(self, *, remove: bool) -> None:
         """Wait for the snapshot in flight and unmap the slots; with `remove` (the run ended normally, collective),

@@ -167,10 +167,16 @@ class Slot:
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, size)
+            if size:  # every page now (OSError ENOSPC on a full tmpfs), so a write through the map never meets SIGBUS
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, 0)
             self._map = mmap.mmap(fd, size) if size else None
-        finally:
+        except OSError:
             os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
         os.replace(tmp, path)  # a new file: a snapshot that links the old one keeps its bytes
         self.path, self.size = path, size
         self.data = torch.frombuffer(self._map, dtype=torch.uint8) if self._map else torch.empty(0, dtype=torch.uint8)

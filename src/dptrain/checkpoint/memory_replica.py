@@ -39,10 +39,12 @@ def send(part: dict[str, Any], small: dict[str, bytes], big: dict[str, torch.Ten
 
 
 def receive(node_dir: Path, pairs: dict[str, Pair], *, source: int, group: Any, avoid: int | None,
-            release: Any) -> dict[str, Any]:
+            release: Any) -> dict[str, Any] | None:
     """Receive `source`'s part: its big files straight into slots of `pairs` (one pair per file name, made here
     under the node's slots folder), then linked into the step folder; its small files written there. Returns the
-    part, for the caller to write last. `release(step)` is called with the step a slot held, before it changes."""
+    part, for the caller to write last (None: the source's write failed, its part lists nothing). `release(step)` is
+    called with the step a slot held, before it changes. A slot that cannot be made (a full tmpfs) still receives
+    every message, into memory, before the error is raised: the sender must not wait forever."""
     dist = torch.distributed
     n = torch.zeros(1, dtype=torch.int64)
     dist.recv(n, source, group=group, tag=HEADER_SIZE)
@@ -55,16 +57,27 @@ def receive(node_dir: Path, pairs: dict[str, Pair], *, source: int, group: Any, 
     if total:
         dist.recv(blob, source, group=group, tag=SMALL)
     slots: dict[str, Slot] = {}
+    error: OSError | None = None
     for i, (name, size) in enumerate(header["big"]):
-        if name not in pairs:
-            pairs[name] = Pair(node_dir / memory_flat.SLOTS / f"from_{source:05d}" / name)
-        slot, held = pairs[name].take(size, avoid=avoid)
-        if held is not None:
-            release(held)
+        into = torch.empty(size, dtype=torch.uint8)
+        if error is None:
+            try:
+                if name not in pairs:
+                    pairs[name] = Pair(node_dir / memory_flat.SLOTS / f"from_{source:05d}" / name)
+                slot, held = pairs[name].take(size, avoid=avoid)
+                if held is not None:
+                    release(held)
+                slots[name], into = slot, slot.data
+            except OSError as e:
+                error = e
         if size:
-            dist.recv(slot.data, source, group=group, tag=FIRST_BIG + i)
+            dist.recv(into, source, group=group, tag=FIRST_BIG + i)
+    if error is not None:
+        raise error
+    if part.get("failed"):
+        return None
+    for slot in slots.values():
         slot.step = part["step"]
-        slots[name] = slot
     step_dir = node_dir / mf.step_dir_name(part["step"])
     step_dir.mkdir(parents=True, exist_ok=True)
     for name, slot in slots.items():
@@ -74,6 +87,7 @@ def receive(node_dir: Path, pairs: dict[str, Pair], *, source: int, group: Any, 
         (step_dir / name).parent.mkdir(parents=True, exist_ok=True)
         memory_flat.write_bytes(step_dir / name, view[at : at + size])
         at += size
+    part.pop("failed", None)
     return part
 
 

@@ -3,6 +3,7 @@ from them after a worker SIGKILL and after a node loss.
 
     python benchmarks/memory_snapshots.py overhead [--rounds 60]   # 2 ranks under torchrun, built-in recipe
     python benchmarks/memory_snapshots.py overhead --strategy fsdp # the same, sharded state (DCP shards)
+    python benchmarks/memory_snapshots.py overhead --nodes 2       # each rank its own node: replicated every step
     python benchmarks/memory_snapshots.py kill                     # 2 ranks, --max-restarts 1, rank 1 SIGKILLed
     python benchmarks/memory_snapshots.py nodeloss                 # two-host netns cluster (root), node 1 killed
 
@@ -50,7 +51,7 @@ def env() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------ overhead (inside torchrun)
-def overhead_worker(rounds: int, strategy: str | None = None) -> None:
+def overhead_worker(rounds: int, strategy: str | None = None, nodes: int = 1) -> None:
     import torch
     import torch.distributed as dist
 
@@ -68,6 +69,8 @@ def overhead_worker(rounds: int, strategy: str | None = None) -> None:
         cfg = load_config(None, ["log.progress=false", f"train.max_steps={rounds + 10}", *layout, *items])
         trainers[name] = Trainer(cfg, out_dir=base / name.replace(" ", "-"))
         trainers[name].setup()
+    if nodes == 2:  # each rank its own "node": its own host folder, and every snapshot is replicated to the other
+        as_node(trainers["memory every step"])
     times: dict[str, list[float]] = {name: [] for name in variants}
     phases: dict[str, list[float]] = {"snapshot() on the step's path": [], "background write (+ replication)": []}
     for name, tr in trainers.items():
@@ -101,7 +104,7 @@ def overhead_worker(rounds: int, strategy: str | None = None) -> None:
     )
     step_dir = next(on.ckpt.memory.node_dir.glob("step_*"))
     rank_file = sum(p.stat().st_size for p in step_dir.glob("rank_00001.pt.*"))  # its .raw + .skel
-    world, local = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    world, local = dist.get_world_size(), 1 if nodes == 2 else int(os.environ["LOCAL_WORLD_SIZE"])
     sharded = on.ckpt.memory.sharded  # the run snapshotted DCP shards
     live = on.ckpt._live.agreed  # the snapshots took the module's and optimizer's own state dicts (live_state.py)
     formula = snapshot_bytes(param_bytes=params, optim_bytes=optim, rank_file_bytes=rank_file, world=world,
@@ -113,7 +116,8 @@ def overhead_worker(rounds: int, strategy: str | None = None) -> None:
     if dist.get_rank() == 0:
         base = statistics.median(times["off"])
         print(f"built-in recipe{f' with parallel.strategy={strategy}' if strategy else ''}, world size {world}, "
-              f"{rounds} interleaved steps per variant")
+              f"{rounds} interleaved steps per variant"
+              f"{', each rank its own node: every snapshot replicated to the other rank' if nodes == 2 else ''}")
         print("| variant | median step (ms) | vs off (ms) | vs off (%) |\n|---|---|---|---|")
         for name, ts in times.items():
             med = statistics.median(ts)
@@ -143,11 +147,26 @@ def timed(fn, into: list[float]):
     return run
 
 
+def as_node(tr) -> None:
+    """Make this rank a node of its own for the snapshots (local world 1, its own host folder), so that each snapshot
+    is also sent to the other rank and its snapshot received, over loopback: the replication's cost on the step."""
+    import dataclasses
+
+    from dptrain.checkpoint.memory import MemorySnapshots
+
+    old = tr.ckpt.memory
+    env = dataclasses.replace(old.env, local_world_size=1, local_rank=0, hostname=f"bench-node{old.env.rank}")
+    tr.ckpt.memory = MemorySnapshots(every_steps=old.every_steps, root=str(old.base), run_dir=tr.run_dir, env=env)
+    tr.ckpt.memory.start(fresh=True)
+    assert tr.ckpt.memory.peer is not None
+
+
 def overhead(a: argparse.Namespace) -> None:
     from dptrain.tools.bench.harness import under_torchrun
 
     extra = ["--strategy", a.strategy] if a.strategy else []
-    raise SystemExit(under_torchrun(lambda: overhead_worker(a.rounds, a.strategy), script=__file__,
+    extra += ["--nodes", str(a.nodes)]
+    raise SystemExit(under_torchrun(lambda: overhead_worker(a.rounds, a.strategy, a.nodes), script=__file__,
                                     argv=["overhead", "--rounds", str(a.rounds), *extra], nproc=2))
 
 
@@ -284,6 +303,8 @@ def main() -> None:
     o = sub.add_parser("overhead")
     o.add_argument("--rounds", type=int, default=60)
     o.add_argument("--strategy", help="parallel.strategy (default: the built-in recipe's)")
+    o.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                   help="2: each rank acts as its own node, so snapshots are replicated to the other rank (loopback)")
     for name, steps, at in (("kill", 40, 20), ("nodeloss", 30, 10)):
         k = sub.add_parser(name)
         k.add_argument("--steps", type=int, default=steps)

@@ -62,15 +62,15 @@ def overhead_worker(rounds: int, strategy: str | None = None, nodes: int = 1) ->
 
     dist.init_process_group("gloo")
     base = Path(tempfile.gettempdir()) / f"dptrain-memsnap-bench-{os.environ['MASTER_PORT']}"  # the same on both ranks
-    variants = {"off": [], "memory every step": MEMORY, "off (again)": []}  # snapshots in /dev/shm/dptrain
+    variants = {"off": [], "memory every step": MEMORY, "default (paced)": MEMORY, "off (again)": []}  # in /dev/shm
     trainers = {}
     layout = [f"parallel.strategy={strategy}"] if strategy else []
     for name, items in variants.items():
         cfg = load_config(None, ["log.progress=false", f"train.max_steps={rounds + 10}", *layout, *items])
         trainers[name] = Trainer(cfg, out_dir=base / name.replace(" ", "-"))
         trainers[name].setup()
-    if nodes == 2:  # each rank its own "node": its own host folder, and every snapshot is replicated to the other
-        as_node(trainers["memory every step"])
+    for name in ("memory every step", "default (paced)"):  # the default as a restartable run has it (auto)
+        own_snapshots(trainers[name], nodes=nodes, auto=name.startswith("default"))
     times: dict[str, list[float]] = {name: [] for name in variants}
     phases: dict[str, list[float]] = {"snapshot() on the step's path": [], "background write (+ replication)": []}
     for name, tr in trainers.items():
@@ -91,6 +91,7 @@ def overhead_worker(rounds: int, strategy: str | None = None, nodes: int = 1) ->
                 if i > 0:
                     times[name].append(time.perf_counter() - t0)
     on = trainers["memory every step"]
+    paced = trainers["default (paced)"].ckpt.memory.every_steps  # the interval the default chose
     on.ckpt.memory.wait()
     inodes = {(st.st_dev, st.st_ino): st.st_size  # a slot and its step folder's link are one file
               for st in (p.stat() for p in on.ckpt.memory.node_dir.rglob("*") if p.is_file())}
@@ -118,14 +119,17 @@ def overhead_worker(rounds: int, strategy: str | None = None, nodes: int = 1) ->
         print(f"built-in recipe{f' with parallel.strategy={strategy}' if strategy else ''}, world size {world}, "
               f"{rounds} interleaved steps per variant"
               f"{', each rank its own node: every snapshot replicated to the other rank' if nodes == 2 else ''}")
-        print("| variant | median step (ms) | vs off (ms) | vs off (%) |\n|---|---|---|---|")
+        mean_base = statistics.fmean(times["off"])  # the mean counts a paced run's snapshot steps in full
+        print("| variant | median step (ms) | vs off (ms) | vs off (%) | mean step (ms) | mean vs off (%) |\n"
+              "|---|---|---|---|---|---|")
         for name, ts in times.items():
-            med = statistics.median(ts)
-            print(f"| {name} | {med * 1e3:.2f} | {(med - base) * 1e3:+.2f} | {(med / base - 1) * 100:+.1f}% |")
+            med, mean = statistics.median(ts), statistics.fmean(ts)
+            print(f"| {name} | {med * 1e3:.2f} | {(med - base) * 1e3:+.2f} | {(med / base - 1) * 100:+.1f}% | "
+                  f"{mean * 1e3:.2f} | {(mean / mean_base - 1) * 100:+.1f}% |")
         for r, ph in enumerate(per_rank):
             print(f"rank {r}: " + ", ".join(f"{k} {v:.1f} ms (median)" for k, v in ph.items()))
         which = "the module's and optimizer's own (equal to DCP's)" if live else "DCP's helpers'"
-        print(f"\nstate dicts snapshotted: {which}")
+        print(f"\nstate dicts snapshotted: {which}; the default (paced) chose every {paced} step(s)")
         print(f"parameters {params} B, optimizer state {optim} B, rank file {rank_file} B")
         print(f"snapshot folder of the node (2 snapshots kept at most; measured with 2 present): {measured} B; "
               f"formula ({WHAT[sharded]}) = {formula} B ({measured / formula:.3f} of it)")
@@ -147,18 +151,20 @@ def timed(fn, into: list[float]):
     return run
 
 
-def as_node(tr) -> None:
-    """Make this rank a node of its own for the snapshots (local world 1, its own host folder), so that each snapshot
-    is also sent to the other rank and its snapshot received, over loopback: the replication's cost on the step."""
+def own_snapshots(tr, *, nodes: int, auto: bool) -> None:
+    """Give a Trainer snapshots at every step (`auto`: the default's, which probes and paces itself, as in a run that
+    can restart); with `nodes` 2 each rank is a node of its own (local world 1, its own host folder), so that each
+    snapshot is also sent to the other rank and its snapshot received, over loopback: the replication's cost."""
     import dataclasses
 
     from dptrain.checkpoint.memory import MemorySnapshots
 
     old = tr.ckpt.memory
-    env = dataclasses.replace(old.env, local_world_size=1, local_rank=0, hostname=f"bench-node{old.env.rank}")
-    tr.ckpt.memory = MemorySnapshots(every_steps=old.every_steps, root=str(old.base), run_dir=tr.run_dir, env=env)
+    env = old.env if nodes == 1 else dataclasses.replace(old.env, local_world_size=1, local_rank=0,
+                                                         hostname=f"bench-node{old.env.rank}")
+    tr.ckpt.memory = MemorySnapshots(every_steps=1, root=str(old.base), run_dir=tr.run_dir, env=env, auto=auto)
     tr.ckpt.memory.start(fresh=True)
-    assert tr.ckpt.memory.peer is not None
+    assert (tr.ckpt.memory.peer is not None) == (nodes == 2)
 
 
 def overhead(a: argparse.Namespace) -> None:

@@ -36,6 +36,7 @@ import queue
 import shutil
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -226,16 +227,17 @@ class MemorySnapshots:
                          share: float | None, staging: BaseException | None = None
                          ) -> tuple[BaseException | None, bool, float | None, float]:
         """`_write`, then every rank's agreement (one all-reduce on the snapshots' group, in the background): whether
-        any failed, and the largest `share`; and the CPU time the write took here. `staging`: the error that stopped
+        any failed, and the largest `share`; and what the write cost here (its CPU time, plus its replication's wall
+        time). `staging`: the error that stopped
         this rank's staging (its write then only tells its peer). Never raises: a rank that failed still takes part in
         the agreement."""
         own: BaseException | None = None
-        cpu = cpu_clock()
+        cpu, replicated = cpu_clock(), 0.0
         try:
-            self._write(part, staged, keep)
+            replicated = self._write(part, staged, keep)
         except Exception as e:  # noqa: BLE001 - reported to the step loop by _collect
             own = staging or e
-        cpu = cpu_clock() - cpu
+        cpu = cpu_clock() - cpu + replicated  # an upper bound of what the write costs the machine
         if self._group is None:
             return own, own is not None, share, cpu
         failed, most = collectives.all_reduce_max([float(own is not None), -1.0 if share is None else share],
@@ -246,10 +248,11 @@ class MemorySnapshots:
         """What a slot calls before it is overwritten: delete the part of `rank` that names its old bytes."""
         return lambda step: (self.node_dir / PARTS / part_name(step, rank)).unlink(missing_ok=True)
 
-    def _write(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged] | None, keep: set[int]) -> None:
+    def _write(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged] | None, keep: set[int]) -> float:
         """Write this rank's files and part (`staged` None: its staging failed), then trade replicas with the
         peers; a failure here still sends the peer a part (an empty, failed one) and receives the source's, so that
-        no rank waits for a message that will never come. Raises this rank's first error."""
+        no rank waits for a message that will never come. Raises this rank's first error; returns the seconds the
+        replication took (wall time: gloo's own threads copy the bytes, which this thread's CPU time misses)."""
         error: BaseException | None = None
         small: dict[str, bytes] = {}
         big: dict[str, torch.Tensor] = {}
@@ -268,6 +271,7 @@ class MemorySnapshots:
             store_part(self.node_dir, part, {})
         except Exception as e:  # noqa: BLE001 - raised below, once the peers have their messages
             error, small, big = e, {}, {}
+        replicated = time.perf_counter()
         if self.peer is not None:
             assert self.source is not None  # set with peer
             sends = memory_replica.send({**part, "failed": error is not None}, small, big, peer=self.peer,
@@ -282,6 +286,7 @@ class MemorySnapshots:
                 store_part(self.node_dir, got, {})
         if error is not None:
             raise error
+        return time.perf_counter() - replicated if self.peer is not None else 0.0
 
     def finish(self, *, remove: bool) -> None:
         """Wait for the snapshot in flight and unmap the slots; with `remove` (the run ended normally, collective),

@@ -9,7 +9,8 @@ Time: the default snapshots every step "if the overhead allows". `Pace` measures
 `PROBE` snapshots at every step (the first one, which also sets things up, not counted): a snapshot's cost is
 the time it holds the loop (staging, and waiting for the previous one's background write) plus the CPU time
 of its background write (on a machine whose cores are all busy training, that much step time; where a core is
-idle it is an upper bound), over the step's own time (medians). The ranks agree on the largest share (the
+idle it is an upper bound) and the wall time of its replication to another node (gloo's own threads copy those
+bytes: an upper bound too), over the step's own time (medians). The ranks agree on the largest share (the
 slowest rank sets the pace of all), and when it is over `BUDGET` the interval becomes the smallest number of
 steps that brings it under (`interval_for`). Torch-free.
 """

@@ -252,7 +252,8 @@ class MemorySnapshots:
         """Write this rank's files and part (`staged` None: its staging failed), then trade replicas with the
         peers; a failure here still sends the peer a part (an empty, failed one) and receives the source's, so that
         no rank waits for a message that will never come. Raises this rank's first error; returns the seconds the
-        replication took (wall time: gloo's own threads copy the bytes, which this thread's CPU time misses)."""
+        transfer took once the source's write was done (wall time: gloo's own threads copy the bytes, which this
+        thread's CPU time misses)."""
         error: BaseException | None = None
         small: dict[str, bytes] = {}
         big: dict[str, torch.Tensor] = {}
@@ -271,7 +272,7 @@ class MemorySnapshots:
             store_part(self.node_dir, part, {})
         except Exception as e:  # noqa: BLE001 - raised below, once the peers have their messages
             error, small, big = e, {}, {}
-        replicated = time.perf_counter()
+        arrived: list[float] = []
         if self.peer is not None:
             assert self.source is not None  # set with peer
             sends = memory_replica.send({**part, "failed": error is not None}, small, big, peer=self.peer,
@@ -279,14 +280,14 @@ class MemorySnapshots:
             try:
                 got = memory_replica.receive(self.node_dir, self._replica_pairs, source=self.source,
                                              group=self._group, avoid=max(keep, default=None),
-                                             release=self._release(self.source))
+                                             release=self._release(self.source), arrived=arrived)
             finally:
                 memory_replica.wait_all(sends)
             if got is not None and error is None:
                 store_part(self.node_dir, got, {})
         if error is not None:
             raise error
-        return time.perf_counter() - replicated if self.peer is not None else 0.0
+        return time.perf_counter() - arrived[0] if arrived else 0.0
 
     def finish(self, *, remove: bool) -> None:
         """Wait for the snapshot in flight and unmap the slots; with `remove` (the run ended normally, collective),

@@ -5,14 +5,14 @@ shares plus, on more than one node, the previous node's as the replica, twice (t
 snapshot and the one being written). The default turns itself off when that exceeds half of the
 tmpfs's free space (`room_problem`).
 
-Time: the default snapshots every step "if the overhead allows". `Pace` measures it during a probe of
-`PROBE` snapshots at every step (the first one, which also sets things up, not counted): a snapshot's cost is
-the time it holds the loop (staging, and waiting for the previous one's background write) plus the CPU time
-of its background write (on a machine whose cores are all busy training, that much step time; where a core is
-idle it is an upper bound) and the wall time of its replication to another node (gloo's own threads copy those
-bytes: an upper bound too), over the step's own time (medians). The ranks agree on the largest share (the
-slowest rank sets the pace of all), and when it is over `BUDGET` the interval becomes the smallest number of
-steps that brings it under (`interval_for`). Torch-free.
+Time: the default snapshots every step "if the overhead allows". `Pace` measures it during a probe of `PROBE`
+snapshots at every step (the first one, which also sets things up, not counted): a snapshot's cost is the time
+it holds the loop (staging, and waiting for the previous one's background write) plus the CPU time of its
+background write (on a machine whose cores are all busy training, that much step time; where a core is idle it
+is an upper bound) and the wall time of its transfer to and from another node, from when the peer's write is
+done (gloo's own threads copy those bytes: an upper bound too), over the step's own time (medians). The ranks
+agree on the largest share (the slowest rank sets the pace of all), and when it is over `BUDGET` the interval
+becomes the smallest number of steps that brings it under (`interval_for`). Torch-free.
 """
 
 from __future__ import annotations

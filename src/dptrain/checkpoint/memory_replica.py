@@ -11,6 +11,7 @@ so neither side waits on the other.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +40,18 @@ def send(part: dict[str, Any], small: dict[str, bytes], big: dict[str, torch.Ten
 
 
 def receive(node_dir: Path, pairs: dict[str, Pair], *, source: int, group: Any, avoid: int | None,
-            release: Any) -> dict[str, Any] | None:
+            release: Any, arrived: list[float] | None = None) -> dict[str, Any] | None:
     """Receive `source`'s part: its big files straight into slots of `pairs` (one pair per file name, made here
     under the node's slots folder), then linked into the step folder; its small files written there. Returns the
     part, for the caller to write last (None: the source's write failed, its part lists nothing). `release(step)` is
     called with the step a slot held, before it changes. A slot that cannot be made (a full tmpfs) still receives
-    every message, into memory, before the error is raised: the sender must not wait forever."""
+    every message, into memory, before the error is raised: the sender must not wait forever. `arrived` gets the
+    time the source's header came (its own write done: from then on the time is the transfer's)."""
     dist = torch.distributed
     n = torch.zeros(1, dtype=torch.int64)
     dist.recv(n, source, group=group, tag=HEADER_SIZE)
+    if arrived is not None:
+        arrived.append(time.perf_counter())
     raw_header = torch.empty(int(n.item()), dtype=torch.uint8)
     dist.recv(raw_header, source, group=group, tag=HEADER)
     header = json.loads(raw_header.numpy().tobytes())

@@ -147,7 +147,6 @@ class MemorySnapshots:
             self._group = torch.distributed.new_group(backend="gloo")  # the snapshots' own group
         if not self._go_on(files, shards):
             return
-        keep = {self.last_complete} if self.last_complete is not None else set()
         if shards is not None:  # the dcp format: this rank's shards are one more file (memory_format.py)
             files = {**files, memory_format.shards_name(self.env.rank): shards}
         slots = self.node_dir / memory_flat.SLOTS / f"rank_{self.env.rank:05d}"
@@ -163,7 +162,7 @@ class MemorySnapshots:
         part = {"rank": self.env.rank, "world_size": self.env.world_size, "step": step,
                 "host": self.node_dir.name, "meta": meta}
         share = self._pace.share() if self.auto else None
-        self._pending = (step, in_background(self._write_and_agree, part, staged, keep, share, staging))
+        self._pending = (step, in_background(self._write_and_agree, part, staged, self.last_complete, share, staging))
         self._pace.end()
 
     def _go_on(self, files: dict[str, Any], shards: dict[str, Any] | None) -> bool:
@@ -223,8 +222,8 @@ class MemorySnapshots:
         own, failed, _ = self._collect()
         _raise_failure(own, failed)
 
-    def _write_and_agree(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged] | None, keep: set[int],
-                         share: float | None, staging: BaseException | None = None
+    def _write_and_agree(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged] | None,
+                         newest: int | None, share: float | None, staging: BaseException | None = None
                          ) -> tuple[BaseException | None, bool, float | None, float]:
         """`_write`, then every rank's agreement (one all-reduce on the snapshots' group, in the background): whether
         any failed, and the largest `share`; and what the write cost here (its CPU time, plus its replication's wall
@@ -234,7 +233,7 @@ class MemorySnapshots:
         own: BaseException | None = None
         cpu, replicated = cpu_clock(), 0.0
         try:
-            replicated = self._write(part, staged, keep)
+            replicated = self._write(part, staged, newest)
         except Exception as e:  # noqa: BLE001 - reported to the step loop by _collect
             own = staging or e
         cpu = cpu_clock() - cpu + replicated  # an upper bound of what the write costs the machine
@@ -248,8 +247,9 @@ class MemorySnapshots:
         """What a slot calls before it is overwritten: delete the part of `rank` that names its old bytes."""
         return lambda step: (self.node_dir / PARTS / part_name(step, rank)).unlink(missing_ok=True)
 
-    def _write(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged] | None, keep: set[int]) -> float:
-        """Write this rank's files and part (`staged` None: its staging failed), then trade replicas with the
+    def _write(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged] | None, newest: int | None) -> float:
+        """Write this rank's files and part (`staged` None: its staging failed; `newest`: the newest complete
+        snapshot, kept with this one, older ones deleted), then trade replicas with the
         peers; a failure here still sends the peer a part (an empty, failed one) and receives the source's, so that
         no rank waits for a message that will never come. Raises this rank's first error; returns the seconds the
         transfer took once the source's write was done (wall time: gloo's own threads copy the bytes, which this
@@ -261,7 +261,7 @@ class MemorySnapshots:
             if staged is None:
                 raise RuntimeError("staging failed")  # (the error itself is reported by the step loop)
             if self.node_main:
-                drop_steps(self.node_dir, keep=keep | {part["step"]})
+                drop_steps(self.node_dir, keep={part["step"]} | ({newest} if newest is not None else set()))
             step_dir = self.node_dir / mf.step_dir_name(part["step"])
             step_dir.mkdir(parents=True, exist_ok=True)
             part["files"] = {}
@@ -279,12 +279,12 @@ class MemorySnapshots:
                                         group=self._group)
             try:
                 got = memory_replica.receive(self.node_dir, self._replica_pairs, source=self.source,
-                                             group=self._group, avoid=max(keep, default=None),
+                                             group=self._group, avoid=newest,
                                              release=self._release(self.source), arrived=arrived)
             finally:
                 memory_replica.wait_all(sends)
             if got is not None and error is None:
-                store_part(self.node_dir, got, {})
+                store_part(self.node_dir, *got)
         if error is not None:
             raise error
         return time.perf_counter() - arrived[0] if arrived else 0.0

@@ -41,14 +41,15 @@ import torch
 import xxhash
 from torch.distributed.tensor import DTensor
 
+from dptrain.checkpoint.memory_folder import write_file
+
 ALIGN = 64
 """Byte alignment of each tensor in a slot (any dtype's view of the bytes needs its element size at least)."""
 SLOTS = ".slots"
 TENSOR = "__dptrain_tensor__"
 SHARD = "__dptrain_shard__"
 RAW, SKEL = ".raw", ".skel"
-PLAIN = (int, float, str, bytes, bool, complex, type(None))
-_PLAIN = frozenset(PLAIN)
+PLAIN = frozenset({int, float, str, bytes, bool, complex, type(None)})
 
 
 def digest(data: Any) -> int:
@@ -70,7 +71,7 @@ def split(tree: Any, tensors: list[torch.Tensor], plain: list[bool]) -> Any:
         if not all(type(k) in PLAIN for k in tree):
             plain[0] = False
         return {k: split(v, tensors, plain) for k, v in tree.items()}
-    if type(tree) in (list, tuple) and set(map(type, tree)) <= _PLAIN:  # e.g. Python's RNG state: 625 ints
+    if type(tree) in (list, tuple) and set(map(type, tree)) <= PLAIN:  # e.g. Python's RNG state: 625 ints
         return tree if type(tree) is tuple else list(tree)
     if isinstance(tree, (list, tuple)):
         items = [split(v, tensors, plain) for v in tree]
@@ -265,15 +266,14 @@ def stage(pair: Pair, tree: Any, *, step: int, avoid: int | None, release: Any) 
     the step the slot held before, before its bytes change."""
     tensors: list[torch.Tensor] = []
     plain = [True]
-    with torch.no_grad():  # a DTensor's to_local() is then the shard itself, not an autograd view
+    with torch.no_grad():  # a DTensor's to_local() is then the shard itself, not an autograd view; copies untracked
         skel = split(tree, tensors, plain)
-    offsets, size = layout(tensors)
-    slot, held = pair.take(size, avoid=avoid)
-    if held is not None:
-        release(held)
-    with torch.no_grad():
+        offsets, size = layout(tensors)
+        slot, held = pair.take(size, avoid=avoid)
+        if held is not None:
+            release(held)
         for view, t in zip(slot.shape_views(tensors, offsets), tensors, strict=True):
-            view.copy_(t.detach())
+            view.copy_(t)
     slot.step = step
     return Staged(slot=slot, skeleton=skel, offsets=offsets, plain=plain[0])
 
@@ -292,17 +292,9 @@ def commit(step_dir: Path, name: str, staged: Staged) -> tuple[dict[str, dict[st
     raw = step_dir / (name + RAW)
     link(staged.slot.path, raw)
     skel = dump_skeleton(staged.head(), plain=staged.plain)
-    write_bytes(step_dir / (name + SKEL), skel)
+    write_file(step_dir / (name + SKEL), skel)
     return {raw.name: {"size": staged.slot.size, "xxh3": digest(staged.slot.memory())},
             name + SKEL: {"size": len(skel), "xxh3": digest(skel)}}, skel
-
-
-def write_bytes(path: Path, data: bytes | memoryview) -> None:
-    """Write-temp + rename (no fsync: the folder is in memory)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def materialize_raw(step_dir: Path, name: str) -> Any:

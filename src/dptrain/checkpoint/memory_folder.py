@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ def part_name(step: int, rank: int) -> str:
     return f"{mf.step_dir_name(step)}.rank_{rank:05d}.json"
 
 
-def write_file(path: Path, data: bytes) -> None:
+def write_file(path: Path, data: bytes | memoryview) -> None:
     """Write-temp + rename (no fsync: the folder is in memory)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_bytes(data)
@@ -56,7 +57,7 @@ def unpack(blob: bytes | memoryview) -> tuple[dict[str, Any], dict[str, bytes]]:
     return header["part"], files
 
 
-def store_part(node_dir: Path, part: dict[str, Any], files: dict[str, bytes]) -> None:
+def store_part(node_dir: Path, part: dict[str, Any], files: Mapping[str, bytes | memoryview]) -> None:
     """Write a part's files into the node's step folder, then the part itself (last)."""
     step_dir = node_dir / mf.step_dir_name(part["step"])
     step_dir.mkdir(parents=True, exist_ok=True)

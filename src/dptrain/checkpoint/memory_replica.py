@@ -40,13 +40,15 @@ def send(part: dict[str, Any], small: dict[str, bytes], big: dict[str, torch.Ten
 
 
 def receive(node_dir: Path, pairs: dict[str, Pair], *, source: int, group: Any, avoid: int | None,
-            release: Any, arrived: list[float] | None = None) -> dict[str, Any] | None:
-    """Receive `source`'s part: its big files straight into slots of `pairs` (one pair per file name, made here
-    under the node's slots folder), then linked into the step folder; its small files written there. Returns the
-    part, for the caller to write last (None: the source's write failed, its part lists nothing). `release(step)` is
-    called with the step a slot held, before it changes. A slot that cannot be made (a full tmpfs) still receives
-    every message, into memory, before the error is raised: the sender must not wait forever. `arrived` gets the
-    time the source's header came (its own write done: from then on the time is the transfer's)."""
+            release: Any, arrived: list[float] | None = None
+            ) -> tuple[dict[str, Any], dict[str, memoryview]] | None:
+    """Receive `source`'s part: its big files straight into slots of `pairs` (one pair per file name, made here under
+    the node's slots folder), then linked into the step folder. Returns the part and its small files, for the
+    caller to store (`store_part`: the part last) (None: the source's write failed, its part lists nothing).
+    `release(step)` is called with the step a slot held, before it changes. A slot that cannot be made (a full
+    tmpfs) still receives every message, into memory, before the error is raised: the sender must not wait
+    forever. `arrived` gets the time the source's header came (its own write done: from then on the time is the
+    transfer's)."""
     dist = torch.distributed
     n = torch.zeros(1, dtype=torch.int64)
     dist.recv(n, source, group=group, tag=HEADER_SIZE)
@@ -86,13 +88,11 @@ def receive(node_dir: Path, pairs: dict[str, Pair], *, source: int, group: Any, 
     step_dir.mkdir(parents=True, exist_ok=True)
     for name, slot in slots.items():
         memory_flat.link(slot.path, step_dir / name)
-    view, at = memoryview(blob.numpy()), 0  # type: ignore[arg-type]
+    view, at, small = memoryview(blob.numpy()), 0, {}  # type: ignore[arg-type]
     for name, size in header["small"]:
-        (step_dir / name).parent.mkdir(parents=True, exist_ok=True)
-        memory_flat.write_bytes(step_dir / name, view[at : at + size])
-        at += size
+        small[name], at = view[at : at + size], at + size
     part.pop("failed", None)
-    return part
+    return part, small
 
 
 def wait_all(works: list[Any]) -> None:

@@ -513,3 +513,19 @@ def test_the_snapshots_live_state_dicts_equal_dcps_or_dcps_are_used(case, monkey
         assert same_tree(got, storage.full_state_dicts(state, rank=0))
     assert live.agreed is (case != "live differs")
     assert live(state, rank=1) == {}
+
+
+@pytest.mark.fast
+def test_shards_are_put_together_across_ranks_and_a_gap_is_refused():
+    """Recovery's merge: pipeline stages' different keys are united, a shard held by two ranks (a replicated mesh
+    dimension) counts once, plain values come from the first rank; shards that leave a gap are refused, named."""
+    w = torch.arange(12.0).reshape(4, 3)
+    piece = lambda rows, at: memory_flat.Chunk(shape=[4, 3], offsets=[at, 0], tensor=w[rows].clone())  # noqa: E731
+    rank0 = {"model": {"a.w": piece(slice(0, 2), 0)}, "optim": {"lr": 0.1}}
+    rank1 = {"model": {"a.w": piece(slice(2, 4), 2), "b.w": torch.ones(2)}, "optim": {"lr": 0.2}}
+    replica = {"model": {"a.w": piece(slice(0, 2), 0)}}
+    whole = memory_format.merge([rank0, rank1, replica], where=[])
+    assert torch.equal(whole["model"]["a.w"], w) and torch.equal(whole["model"]["b.w"], torch.ones(2))
+    assert whole["optim"] == {"lr": 0.1}
+    with pytest.raises(mf.CheckpointError, match=r"model.a.w: the snapshot's shards cover 6 of its 12 elements"):
+        memory_format.merge([rank0, replica], where=[])

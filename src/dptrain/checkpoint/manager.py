@@ -300,10 +300,10 @@ class CheckpointManager:
     def _snapshot_files(self, state: CheckpointState) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
         """This rank's share of a checkpoint, as live state (the in-memory snapshot copies it): its files (full
         format: rank 0's model and optimizer files; rank 0's train.pt; its rank file), the `dcp` format's model
-        and optimizer shards (None in the full format), and the format version they are in. Shards of ranks that
-        all hold the same parameters use DCP's nested optimizer layout (format version 2): a few items per
-        parameter group instead of one per hyperparameter and parameter (version 3, which pipeline stages need),
-        which the snapshot's DCP save pickles and gathers at every step."""
+        and optimizer shards (None in the full format), and the format version they are in. The state dicts are
+        the module's and optimizer's own once they have matched DCP's (live_state.py). Shards of ranks that all
+        hold the same parameters use DCP's nested optimizer layout (format version 2), which those own state dicts
+        have; pipeline stages need the flattened one (version 3), from DCP's helpers."""
         version = FORMAT_VERSION
         files = self._live(state, rank=self.env.rank) if state.full else {}
         shards = None

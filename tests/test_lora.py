@@ -226,3 +226,105 @@ def test_frozen_base_gets_no_grads_no_state_no_traffic_and_matches_one_process(s
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ------------------------------------------------------------------ a HF base read from a folder: checkpoints, final/
+def hf_from_folder(path: str) -> torch.nn.Module:
+    """A user's factory of a pretrained HF model (model.factory=test_lora:hf_from_folder model.kwargs.path=DIR)."""
+    return transformers.LlamaForCausalLM.from_pretrained(path)
+
+
+def save_base(folder: Path, seed: int) -> None:
+    torch.manual_seed(seed)
+    tiny_hf_llama().save_pretrained(str(folder))
+
+
+def hf_items(base: Path, *, steps: int = 4) -> list[str]:
+    return [
+        "model.factory=test_lora:hf_from_folder", f"model.kwargs.path={base}", "model.lora.enabled=true",
+        "model.lora.rank=4", "data.factory=support.hf:hf_batches", "data.num_workers=0", "optim.name=adamw",
+        "optim.lr=0.01", "optim.warmup_steps=0", "optim.schedule=constant", f"train.max_steps={steps}",
+        f"train.seed={SEED}", "train.eval_every_steps=0", "train.eval_batches=1", "train.log_every_steps=1",
+        "train.global_batch_size=4", "train.micro_batch_size=4", "parallel.strategy=single", "parallel.device=cpu",
+        "checkpoint.every_steps=2", "log.progress=false", "diagnostics.preflight=false",
+    ]
+
+
+def losses(run: Path) -> dict[int, str]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: float(r["loss"]).hex() for r in recs if "loss" in r}
+
+
+def size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.timeout(120)
+def test_hf_lora_run_checkpoints_final_resume_and_merge(tmp_path, capsys) -> None:
+    import shutil
+
+    from dptrain.checkpoint.manifest import CheckpointError
+    from dptrain.cli.main import main
+
+    base_dir, run = tmp_path / "base", tmp_path / "run"
+    save_base(base_dir, seed=1)
+    t = Trainer(load_config(None, hf_items(base_dir)), out_dir=str(run))
+    t.fit()
+    trained = t.parallel.plain
+    x = torch.randint(3, 64, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = trained(input_ids=x).logits
+
+    # checkpoints: the adapters and their optimizer state only, and the base's identity
+    step4 = run / "checkpoints" / "step_000004"
+    meta = json.loads((step4 / "manifest.json").read_text())["meta"]
+    assert meta["base_model"]["folder"] == str(base_dir) and len(meta["base_model"]["hash"]) == 64
+    saved = torch.load(step4 / "model.pt", weights_only=True)
+    assert saved and all("lora_" in k for k in saved)
+    full_ckpt = tmp_path / "full"
+    full_items = [i for i in hf_items(base_dir, steps=2) if not i.startswith("model.lora")]
+    Trainer(load_config(None, full_items), out_dir=str(full_ckpt)).fit()
+    lora_bytes, full_bytes = size(step4), size(full_ckpt / "checkpoints" / "step_000002")
+    with capsys.disabled():
+        print(f"\nLoRA checkpoint {lora_bytes} B vs full-model checkpoint {full_bytes} B ({full_bytes / lora_bytes:.1f}x)")
+    assert lora_bytes < full_bytes / 3
+
+    # final/: PEFT's layout, loaded by peft itself, gives the trained logits
+    assert sorted(p.name for p in (run / "final").iterdir() if p.suffix in (".json", ".safetensors")) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    loaded = peft.PeftModel.from_pretrained(hf_from_folder(str(base_dir)), str(run / "final"))
+    with torch.no_grad():
+        got = loaded(input_ids=x).logits
+    assert float((got - want).abs().max()) <= 1e-5
+
+    # export --merge: the merged full model, loadable by transformers, equals peft's own merge_and_unload
+    merged_dir = tmp_path / "merged"
+    assert main(["ckpt", "export", str(run), "--merge", "--out", str(merged_dir)]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(merged_dir))
+    reference_merge = peft.PeftModel.from_pretrained(hf_from_folder(str(base_dir)), str(run / "final"))
+    reference_merge = reference_merge.merge_and_unload()
+    with torch.no_grad():
+        d = float((exported(input_ids=x).logits - reference_merge(input_ids=x).logits).abs().max())
+    assert d <= 1e-6, d
+    ref_sd = reference_merge.state_dict()
+    assert all(torch.equal(v, ref_sd[k]) for k, v in exported.state_dict().items())
+
+    # resume from step 2: losses (float.hex) and final adapters bit-identical to the uninterrupted run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000004")
+    shutil.rmtree(resumed / "final")
+    Trainer(load_config(None, hf_items(base_dir)), out_dir=str(resumed), resume="auto").fit()
+    assert losses(resumed) == losses(run) and len(losses(run)) == 4
+    a = dict(peft.PeftModel.from_pretrained(hf_from_folder(str(base_dir)), str(run / "final")).named_parameters())
+    b = peft.PeftModel.from_pretrained(hf_from_folder(str(base_dir)), str(resumed / "final")).named_parameters()
+    assert all(torch.equal(v, a[k]) for k, v in b)
+
+    # another base in the same folder (same shapes and sizes, other weights): refused, naming both
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    shutil.rmtree(other / "checkpoints" / "step_000004")
+    save_base(base_dir, seed=2)
+    with pytest.raises(CheckpointError, match=rf"trained on the base model {base_dir} \(hash {meta['base_model']['hash'][:12]}\)"
+                                              rf", but this run's base is {base_dir} \(hash "):
+        Trainer(load_config(None, hf_items(base_dir)), out_dir=str(other), resume="auto").fit()

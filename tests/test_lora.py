@@ -286,7 +286,8 @@ def test_hf_lora_run_checkpoints_final_resume_and_merge(tmp_path, capsys) -> Non
     Trainer(load_config(None, full_items), out_dir=str(full_ckpt)).fit()
     lora_bytes, full_bytes = size(step4), size(full_ckpt / "checkpoints" / "step_000002")
     with capsys.disabled():
-        print(f"\nLoRA checkpoint {lora_bytes} B vs full-model checkpoint {full_bytes} B ({full_bytes / lora_bytes:.1f}x)")
+        print(f"\nLoRA checkpoint {lora_bytes} B vs full-model checkpoint {full_bytes} B "
+              f"({full_bytes / lora_bytes:.1f}x)")
     assert lora_bytes < full_bytes / 3
 
     # final/: PEFT's layout, loaded by peft itself, gives the trained logits
@@ -325,6 +326,56 @@ def test_hf_lora_run_checkpoints_final_resume_and_merge(tmp_path, capsys) -> Non
     shutil.copytree(run, other)
     shutil.rmtree(other / "checkpoints" / "step_000004")
     save_base(base_dir, seed=2)
-    with pytest.raises(CheckpointError, match=rf"trained on the base model {base_dir} \(hash {meta['base_model']['hash'][:12]}\)"
-                                              rf", but this run's base is {base_dir} \(hash "):
+    first = meta["base_model"]["hash"][:12]
+    with pytest.raises(CheckpointError, match=rf"trained on the base model {base_dir} \(hash {first}\), but this "
+                                              rf"run's base is {base_dir} \(hash "):
         Trainer(load_config(None, hf_items(base_dir)), out_dir=str(other), resume="auto").fit()
+
+
+# ------------------------------------------------------------------ the planner
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_planner_counts_the_frozen_base_as_weights_only() -> None:
+    """From first principles, d=32, 2 heads of 16, ffn 64, vocab 100, 2 layers, r=4: per block the adapters are
+    r*(in+out) over wq, wk, wv, wo (4 x (32+32)) and w1, w3, w2 (3 x (32+64)) = 4 * 544 = 2176, 4352 in all; the base
+    has 100*32 (embedding) + 2 * (4*32*32 + 3*32*64 + 2*32) + 32 + 100*32 (head) = 27040 parameters. A real AdamW step
+    of the LoRA model holds exactly those bytes."""
+    from dptrain.config import Config
+    from dptrain.config.resolve import resolve
+    from dptrain.models.llama import LlamaConfig
+    from dptrain.tools.plan import memory
+    from dptrain.tools.plan.llama import lora_block_params
+    from dptrain.tools.plan.predict import layout_from_config
+
+    shape = {"vocab_size": 100, "dim": 32, "n_layers": 2, "n_heads": 2, "ffn_hidden": 64, "max_seq_len": 16}
+    cfg = LlamaConfig(**shape)
+    assert lora_block_params(cfg, rank=4) == 2176
+    adapters, base = 4352, 27040
+    run = load_config(None, [f"model.kwargs.{k}={v}" for k, v in shape.items()] + [
+        "model.lora.enabled=true", "model.lora.rank=4", "parallel.strategy=ddp", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "parallel.device=cpu", "data.kwargs.seq_len=16"])
+    assert isinstance(run, Config)
+    lay = layout_from_config(run, resolve(run, world_size=1, cuda_available=False), seq=16, cpu=True)
+    mem = memory.layout_memory(cfg, lay)
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * (base + adapters), 4 * adapters, 8 * adapters)
+    fsdp = memory.layout_memory(cfg, memory.Layout(**{**lay.__dict__, "strategy": "fsdp", "dp_shard": 4}))
+    assert (fsdp["params"], fsdp["grads"], fsdp["optimizer"]) == (base + adapters, adapters, 2 * adapters)
+
+    model = build_model(ModelConfig(kwargs=shape, lora=LoraConfig(enabled=True, rank=4)), seed=SEED)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model(torch.randint(0, 100, (2, 9))).backward()
+    opt.step()
+    real = {"params": sum(p.nbytes for p in model.parameters()),
+            "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
+            "optimizer": sum(v.nbytes for s in opt.state.values() for v in s.values() if v.dim() > 0)}
+    assert real == {k: mem[k] for k in real}
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(30)
+def test_every_lora_field_is_documented() -> None:
+    import dataclasses
+
+    from dptrain.config import field_docs
+
+    assert set(field_docs(LoraConfig)) == {f.name for f in dataclasses.fields(LoraConfig)}

@@ -57,4 +57,4 @@ def merge_adapters(model: nn.Module, trained: dict[str, Any]) -> nn.Module:
         params = dict(peft_model.named_parameters())
         for name in names:
             params[name].copy_(trained[name])
-    return peft_model.merge_and_unload()  # type: ignore[no-any-return]
+    return peft_model.merge_and_unload()

@@ -40,8 +40,8 @@ import torch
 from dptrain import __version__
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
-from dptrain.checkpoint.base_identity import describe, same_base
 from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
+from dptrain.checkpoint.base_identity import describe, same_base
 from dptrain.checkpoint.live_state import LiveState
 from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
 from dptrain.checkpoint.memory import MemorySnapshots

@@ -29,10 +29,7 @@ def run_config_of(target: Path) -> Path:
 def export_merged(args: argparse.Namespace, *, root: Path) -> int:
     """The body of `ckpt export --merge` (`root`: the folder holding the step folders)."""
     # lazy: torch: loaded only when a checkpoint is read
-    from dptrain.checkpoint import storage
-    from dptrain.checkpoint.adapters import merge_adapters
-    from dptrain.checkpoint.base_identity import base_record, describe, same_base
-    from dptrain.train.build import build_model
+    from dptrain.train.merge_export import write_merged
 
     out, target = Path(args.out), Path(args.target)
     if out.is_file():
@@ -42,24 +39,10 @@ def export_merged(args: argparse.Namespace, *, root: Path) -> int:
     choice = choose_checkpoint(str(target), root=root, trust=args.trust_checkpoint)
     if choice.error or choice.path is None:
         raise ConfigError(choice.error or f"no valid checkpoint under {target}")
-    model = build_model(cfg.model, seed=cfg.train.seed)  # the base (its folder, or its seeded build) + adapters
-    base = base_record(model, factory=cfg.model.factory, kwargs=cfg.model.kwargs, seed=cfg.train.seed)
-    if base is None:
-        raise ConfigError(f"ckpt export --merge: the run's model ({cfg.model.factory}) has no LoRA adapters to merge; "
-                          "export without --merge")
-    if not same_base(choice.meta.get("base_model"), base):
-        raise ConfigError(f"{choice.path}: its adapters were trained on {describe(choice.meta.get('base_model'))}, "
-                          f"but the run's model.factory now builds {describe(base)}")
     try:
-        state = storage.load_full_model_state(Path(choice.path), fmt=choice.meta["format"])
+        what = write_merged(cfg, ckpt=Path(choice.path), meta=choice.meta, out=out)
     except mf.CheckpointError as e:
         print(f"dptrain: error: {e}", file=sys.stderr)
         return 1
-    merged = merge_adapters(model, state)
-    out.mkdir(parents=True, exist_ok=True)
-    if callable(getattr(merged, "save_pretrained", None)):
-        merged.save_pretrained(str(out))
-    else:
-        storage.save_safetensors(merged.state_dict(), out / "model.safetensors")
-    print(f"merged the adapters of {choice.path} (step {choice.meta['step']}) into {describe(base)}; wrote {out}")
+    print(f"{what}; wrote {out}")
     return 0

@@ -33,8 +33,8 @@ from dptrain.config.fields import (
     TrainConfig,
 )
 from dptrain.config.hosting import validate_hosting
-from dptrain.config.lora import validate_lora
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
+from dptrain.config.lora import validate_lora
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf
 from dptrain.config.pipeline import describe_pipeline, settle_pipeline, validate_pipeline
 from dptrain.config.ranges import RANGES, Range, check_ranges

@@ -78,7 +78,7 @@ def base_name(name: str) -> str:
     return name.replace(".base_layer.", ".").removesuffix(".base_layer")
 
 
-def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def lora_layers(model: nn.Module) -> list[tuple[str, Any]]:
     """Every peft LoRA layer of `model`, in `named_modules()` order (the order peft injected them)."""
     peft = _loaded_peft()
     if peft is None:
@@ -93,7 +93,7 @@ def adapter_modules(model: nn.Module) -> set[int]:
     `replay_adapter_init`, not by the base model's init."""
     out: set[int] = set()
     for _, layer in lora_layers(model):
-        for attr in layer.adapter_layer_names:  # type: ignore[union-attr]
+        for attr in layer.adapter_layer_names:
             container = getattr(layer, attr, None)
             if isinstance(container, nn.Module):
                 out.update(id(m) for m in container.modules())
@@ -110,11 +110,11 @@ def unsupported_init(model: nn.Module) -> str | None:
     """Why the adapters of `model` cannot be re-initialised by `replay_adapter_init` (so a meta build must be eager),
     or None."""
     for name, layer in lora_layers(model):
-        for attr in layer.adapter_layer_names:  # type: ignore[union-attr]
+        for attr in layer.adapter_layer_names:
             container = getattr(layer, attr, None)
             if attr not in ADAPTER_WEIGHTS and container is not None and len(container) > 0:
                 return f"LoRA layer {name!r} has {attr} adapters (only Linear adapters are replayed)"
-        for adapter in layer.lora_A:  # type: ignore[union-attr]
+        for adapter in layer.lora_A:
             config = adapter_config(model, adapter)
             init = True if config is None else config.init_lora_weights
             if init not in (True, False, "gaussian"):
@@ -122,15 +122,15 @@ def unsupported_init(model: nn.Module) -> str | None:
     return None
 
 
-def replay_adapter_init(model: nn.Module, layer: nn.Module) -> None:
+def replay_adapter_init(model: nn.Module, layer: Any) -> None:
     """Draw `layer`'s adapters as peft's `update_layer` does, from the global RNG: for each adapter, A's and B's
     nn.Linear constructors (`reset_parameters`), then peft's own `reset_lora_parameters` (A Kaiming-uniform, B zero).
     Called by the meta-device init on CPU scratch tensors, in `lora_layers` order, after the base's init."""
-    for adapter in layer.lora_A:  # type: ignore[union-attr]
+    for adapter in layer.lora_A:
         config = adapter_config(model, adapter)
-        layer.lora_A[adapter].reset_parameters()  # type: ignore[index]
-        layer.lora_B[adapter].reset_parameters()  # type: ignore[index]
-        layer.reset_lora_parameters(adapter, True if config is None else config.init_lora_weights)  # type: ignore
+        layer.lora_A[adapter].reset_parameters()
+        layer.lora_B[adapter].reset_parameters()
+        layer.reset_lora_parameters(adapter, True if config is None else config.init_lora_weights)
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -178,7 +178,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     task = "CAUSAL_LM" if _is_hf_causal_lm(model) else None
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                              task_type=task)
-    return peft.get_peft_model(model, config)  # type: ignore[no-any-return]
+    return peft.get_peft_model(model, config)
 
 
 def _is_hf_causal_lm(model: nn.Module) -> bool:

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptrain.checkpoint.base_identity import base_record
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.rundir import write_atomically
-from dptrain.checkpoint.base_identity import base_record
 from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, OptimizerState
 from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
 from dptrain.config.layout import strategy_mode

@@ -41,6 +41,7 @@ from dptrain import __version__
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
 from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
+from dptrain.checkpoint.base_identity import describe, same_base
 from dptrain.checkpoint.live_state import LiveState
 from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
 from dptrain.checkpoint.memory import MemorySnapshots
@@ -239,6 +240,13 @@ class CheckpointManager:
     def _load(self, state: CheckpointState, path: Path, meta: dict[str, Any]) -> int:
         """Load `path` into `state`; the step it holds."""
         version = check_format_version(path, meta)
+        saved_base, this_base = meta.get("base_model"), state.meta.get("base_model")
+        if not same_base(saved_base, this_base):  # LoRA adapters hold no base weights: they fit only their own base
+            raise mf.CheckpointError(
+                f"{path}: its adapters were trained on the base model {describe(saved_base)}, but this run's base is "
+                f"{describe(this_base)}; resume with the same base (model.factory, model.kwargs), or start afresh "
+                "with --resume none"
+            )
         want = config_hash(self.root_cfg.model)
         if meta.get("model_config_hash") not in (None, want):
             raise mf.CheckpointError(

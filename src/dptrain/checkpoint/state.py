@@ -51,28 +51,50 @@ def _options(full: bool, *, flat: bool = False) -> StateDictOptions:
 
 
 class ModelState:
-    """A model (part) as a Stateful, through DCP's state-dict helpers."""
+    """A model (part) as a Stateful, through DCP's state-dict helpers. `trainable_only` (LoRA adapters): only the
+    parameters that require gradients are saved and loaded (DCP's `ignore_frozen_params`); the frozen base comes from
+    the model factory again, and its identity is checked by the manager (checkpoint/base_identity.py)."""
 
-    def __init__(self, module: nn.Module, *, full: bool) -> None:
-        self.module, self.full = module, full
+    def __init__(self, module: nn.Module, *, full: bool, trainable_only: bool = False) -> None:
+        self.module, self.full, self.trainable_only = module, full, trainable_only
+
+    def _opts(self, *, full: bool, cpu_offload: bool) -> StateDictOptions:
+        return StateDictOptions(full_state_dict=full, cpu_offload=cpu_offload,
+                                ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.module, options=_options(self.full))
+        return get_model_state_dict(self.module, options=self._opts(full=self.full, cpu_offload=self.full))
 
     def live_state_dict(self) -> dict[str, Any]:
         """`state_dict` from the module's own: its tensors live (a sharded module's: its DTensors), and 30x cheaper
         than DCP's helper (the in-memory snapshots take it at every step; see live_state.py)."""
-        return unwrap(self.module).state_dict()
+        own = unwrap(self.module).state_dict()
+        if not self.trainable_only:
+            return own
+        return {k: v for k, v in own.items() if k in self._trainable()}
+
+    def _trainable(self) -> set[str]:
+        return {n for n, p in unwrap(self.module).named_parameters() if p.requires_grad}
+
+    def _check_complete(self, state_dict: dict[str, Any]) -> None:
+        """With `trainable_only` DCP loads non-strictly (the frozen keys are absent by design): refuse a state dict
+        that lacks a trainable parameter, which strict loading would have caught."""
+        missing = sorted(self._trainable() - set(state_dict)) if self.trainable_only else []
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} trainable parameter(s) of this model, e.g. "
+                             f"{missing[0]!r}: it was written for other adapters")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Whole tensors go into an unsharded module as they are: DCP's full_state_dict loading path
         # (meant for distributing into shards) is not needed for the `full` format's models.
-        set_model_state_dict(self.module, state_dict)
+        self._check_complete(state_dict)
+        set_model_state_dict(self.module, state_dict, options=self._opts(full=False, cpu_offload=False))
 
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Whole tensors (the `full` format, every rank holding them) into this module, sharded
         or not: each rank keeps its own shard (a full checkpoint resumed under FSDP2 or tp)."""
-        set_model_state_dict(self.module, state_dict, options=StateDictOptions(full_state_dict=True))
+        self._check_complete(state_dict)
+        set_model_state_dict(self.module, state_dict, options=self._opts(full=True, cpu_offload=False))
 
 
 def param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Any
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint.manifest import checkpoint_root
 from dptrain.checkpoint.resume import choose_checkpoint
+from dptrain.cli.ckpt_merge import export_merged
 from dptrain.config import BatchSizeError, Config, ConfigError, resolve, to_dict
 from dptrain.config.load import load_config
 from dptrain.launch.checks import check_file_writable
@@ -134,6 +135,8 @@ def add_ckpt_parser(sub: Any) -> None:
     )
     exp.add_argument("--out", default="model.safetensors")
     exp.add_argument("--trust-checkpoint", action="store_true", help="export a step folder without a valid manifest")
+    exp.add_argument("--merge", action="store_true", help="LoRA runs: merge the adapters into the base and write the "
+                     "full model into the folder --out (save_pretrained layout for Hugging Face models)")
     exp.set_defaults(func=cmd_export)
 
 
@@ -190,6 +193,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from dptrain.checkpoint import storage
 
     target = Path(args.target)
+    if getattr(args, "merge", False):
+        _check_target(args.target)
+        return export_merged(args, root=_root_of(target))
     if Path(args.out).is_dir():
         raise ConfigError(
             f"ckpt export --out {args.out!r} is a directory; name the file to write, e.g. "

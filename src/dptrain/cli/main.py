@@ -289,10 +289,7 @@ def config_reference() -> str:
     lines = []
     for section in dataclasses.fields(Config):
         lines += [f"**`{section.name}`**", "", "| field | default | meaning |", "|---|---|---|"]
-        docs = field_docs(type(getattr(Config(), section.name)))
-        for name, doc in docs.items():
-            default = defaults[section.name][name]
-            lines.append(f"| `{section.name}.{name}` | `{default}` | {doc} |")
+        lines += _reference_rows(section.name, getattr(Config(), section.name), defaults[section.name])
         lines.append("")
     for preset, fields in DEFAULTS_PRESETS.items():
         if fields:  # `dptrain run --defaults NAME`: what it sets under the config file
@@ -301,6 +298,19 @@ def config_reference() -> str:
             flat = {f"{k}.{n}": v for k, sec in defaults.items() for n, v in sec.items()}
             lines += [f"| `{k}` | `{flat[k]}` | `{v}` |" for k, v in fields.items()] + [""]
     return "\n".join(lines)
+
+
+def _reference_rows(prefix: str, obj: Any, defaults: dict[str, Any]) -> list[str]:
+    """One table row per field of the config section `obj`; a sub-section (model.lora) gives a row per field."""
+    rows = []
+    for name, doc in field_docs(type(obj)).items():
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            rows.append(f"| `{prefix}.{name}` | section | {doc} |")
+            rows += _reference_rows(f"{prefix}.{name}", value, defaults[name])
+        else:
+            rows.append(f"| `{prefix}.{name}` | `{defaults[name]}` | {doc} |")
+    return rows
 
 
 def _doctor():

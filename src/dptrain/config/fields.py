@@ -48,11 +48,34 @@ def _corpus_defaults() -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters (peft's `get_peft_model`; needs the `lora` extra: pip install 'dptrain[lora]') on the
+    model the factory returns, a Hugging Face model or the built-in LLaMA, instead of all its weights: the base is
+    frozen (no gradients, optimizer state or gradient all-reduce), checkpoints hold the adapters and the base's
+    identity, final/ is PEFT's adapter_model.safetensors + adapter_config.json. A factory that returns a PEFT model
+    itself needs none of this section. See docs/guides/lora.md."""
+    rank: int = 8
+    """The adapters' rank r (peft's LoraConfig.r): each targeted W (out x in) gets B (out x r) @ A (r x in)."""
+    alpha: float = 16.0
+    """LoRA's alpha (peft's lora_alpha): the adapters' output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (peft's lora_dropout), in [0, 1)."""
+    target_modules: tuple[str, ...] | None = None
+    """Names of the linear layers that get adapters (peft's target_modules: a module whose name is one of these or
+    ends with '.NAME'); null: every attention and MLP linear (the built-in LLaMA: wq, wk, wv, wo, w1, w2, w3;
+    a Hugging Face model: each nn.Linear but its output head), never the output head. A name that matches no module is
+    refused, naming the linears the model has."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     factory: str = "dptrain.models.llama:build_llama"
     """Import path `pkg.mod:fn` of a function returning an `nn.Module` (called with `kwargs`)."""
     kwargs: dict[str, Any] = field(default_factory=_llama_defaults)
     """Keyword arguments passed to the model factory."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the factory's model (model.lora.enabled=true; the fields below)."""
 
 
 @dataclass(frozen=True)

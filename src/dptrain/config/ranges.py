@@ -103,6 +103,11 @@ RANGES: dict[str, dict[str, Range]] = {
         "static_loss_scale": Range(float, 0, 2.0**64, note="0: dynamic; at most 2**64"),
     },
     "launch": {"node_rank": NONNEG_INT, "max_restarts": NONNEG_INT},  # nnodes: config/nodes.py
+    "model.lora": {
+        "rank": POS_INT,
+        "alpha": POS_FLOAT,
+        "dropout": Range(float, 0, 1, high_open=True),
+    },
     "data": {"num_workers": NONNEG_INT, "prefetch_factor": Range(int, 1, optional=True, note="null: 2")},
     "log": {
         "peak_tflops": Range(float, 0, low_open=True, optional=True, note="null: table or measured"),

@@ -6,6 +6,7 @@ exit code 2 and a message naming the value and what would be valid.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from dptrain.config.fields import (
 )
 from dptrain.config.hosting import validate_hosting
 from dptrain.config.layout import DataParallelMode, resolve_layout, strategy_mode
+from dptrain.config.lora import validate_lora
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf
 from dptrain.config.pipeline import describe_pipeline, settle_pipeline, validate_pipeline
 from dptrain.config.ranges import RANGES, Range, check_ranges
@@ -267,7 +269,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{name}={v!r} is not an import path; write it as 'package.module:function'")
     for section in RANGES:
         if section != "diagnostics":
-            check_ranges(section, getattr(cfg, section))
+            check_ranges(section, functools.reduce(getattr, section.split("."), cfg))  # "model.lora": a sub-section
+    validate_lora(cfg)
     beta = Range(float, 0, 1, high_open=True)
     for i, b in enumerate(cfg.optim.betas):
         if not beta.accepts(b):

@@ -257,6 +257,8 @@ def fsdp_comm_bytes(
             pd = param_dtype or p.dtype
             rd = reduce_dtype or pd
             per_micro += gathers * ring_bytes("all_gather", numel * pd.itemsize, shard)
+            if not p.requires_grad:  # frozen (LoRA's base): gathered for compute, never reduced
+                continue
             per_sync += ring_bytes("reduce_scatter", numel * rd.itemsize, shard)
             per_sync += ring_bytes("all_reduce", numel / shard * rd.itemsize, replicate)
     return FixedBytes(per_micro=per_micro, per_sync=per_sync)

@@ -18,6 +18,12 @@ The init contract (what a model needs for meta init). For each module, in order:
    constructor must end by calling it for every `named_modules()` entry in that order
    (`LlamaLM.init_weights` does).
 
+3. PEFT's LoRA adapters (a factory returning `get_peft_model(...)`, or `model.lora`): after every
+   other draw, each LoRA layer in `named_modules()` order draws its adapters as peft's injection
+   did (`dptrain.models.lora.replay_adapter_init`: the adapters' nn.Linear constructors, then
+   peft's own `reset_lora_parameters`, so B is zero and the model starts equal to its base). Under
+   a PEFT model, hook 2 is the base model's `init_submodule`, called with the base's module names.
+
 Eager construction runs every hook 1 (in the constructors) before any hook 2, so the replay
 keeps two RNG cursors. Hook 2's cursor starts where all of hook 1's draws end; a first walk
 over hook 1, whose values are thrown away, finds that point. Afterwards the global RNG is left
@@ -56,6 +62,8 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
+from dptrain.models import lora
+
 __all__ = [
     "Materializer",
     "check_init_contract",
@@ -77,9 +85,17 @@ def _method(obj: nn.Module, name: str) -> Callable[..., None] | None:
     return functools.partial(fn, obj) if callable(fn) else None
 
 
+def _init_root(model: nn.Module) -> Callable[..., None] | None:
+    """The root's `init_submodule`, bound; for a PEFT model the base model's (peft wraps it)."""
+    return _method(lora.base_of(model), "init_submodule")
+
+
 def _hooks(model: nn.Module, name: str, module: nn.Module) -> tuple[Hook | None, Hook | None]:
-    """(reset_parameters, the root's init_submodule) for one module; None where not defined."""
-    init = _method(model, "init_submodule")
+    """(reset_parameters, the root's init_submodule) for one module; None where not defined. Under a PEFT model the
+    root's hook gets the module's name in the base model (`lora.base_name`)."""
+    init = _init_root(model)
+    if init is not None and lora.is_peft_model(model):
+        name = lora.base_name(name)
     return _method(module, "reset_parameters"), (functools.partial(init, name, module) if init else None)
 
 
@@ -150,8 +166,9 @@ def replay_init(model: nn.Module, *, seed: int, skip_meta: bool = False) -> None
     values eager construction under `torch.manual_seed(seed)` gives them (see the module docstring).
     `skip_meta`: leave tensors still on the meta device alone (a pipeline stage cut from `model`
     shares its modules; the rest of `model` stays on meta, but its draws are replayed all the same)."""
-    modules = list(model.named_modules())
-    has_init = _method(model, "init_submodule") is not None
+    adapters = lora.adapter_modules(model)  # LoRA adapters: hook 3, after the base's draws
+    modules = [(n, m) for n, m in model.named_modules() if id(m) not in adapters]
+    has_init = _init_root(model) is not None
     torch.manual_seed(seed)
     cursor1 = cursor2 = torch.get_rng_state()
     if has_init:
@@ -169,7 +186,22 @@ def replay_init(model: nn.Module, *, seed: int, skip_meta: bool = False) -> None
         for attr, full in produced.items():
             if not (skip_meta and _on_meta(targets[attr])):
                 _write(targets[attr], full)
-    torch.set_rng_state(cursor2 if has_init else cursor1)  # where eager construction leaves it
+    torch.set_rng_state(cursor2 if has_init else cursor1)  # where eager construction of the base leaves it
+    for _, layer in lora.lora_layers(model):  # hook 3: peft's injection, in its order, continuing the stream
+        _replay_adapters(model, layer, skip_meta=skip_meta)
+
+
+def _replay_adapters(model: nn.Module, layer: nn.Module, *, skip_meta: bool) -> None:
+    """Write `layer`'s LoRA adapters as peft's injection drew them (`lora.replay_adapter_init`), on CPU scratch."""
+    owners = [m for attr in lora.ADAPTER_WEIGHTS for m in getattr(layer, attr).values()]
+    targets = [dict(_own(m)) for m in owners]
+    with contextlib.ExitStack() as stack:
+        produced = [stack.enter_context(_scratch(m, "cpu")) for m in owners]
+        lora.replay_adapter_init(model, layer)
+    for target, out in zip(targets, produced, strict=True):
+        for attr, full in out.items():
+            if not (skip_meta and _on_meta(target[attr])):
+                _write(target[attr], full)
 
 
 def _on_meta(t: torch.Tensor) -> bool:
@@ -269,7 +301,11 @@ def check_init_contract(model: nn.Module) -> str | None:
     write, also on meta). It catches a constructor that initialises weights some other way, as
     nanoGPT's `self.apply(self._init_weights)` does. A tensor shared by several modules (tied
     weights) is exempt from that count."""
-    modules = list(model.named_modules())
+    problem = lora.unsupported_init(model)
+    if problem is not None:
+        return problem
+    adapters = lora.adapter_modules(model)  # written by peft's own init (hook 3), replayed exactly
+    modules = [(n, m) for n, m in model.named_modules() if id(m) not in adapters]
     owners: dict[int, int] = {}
     for _, m in modules:
         for _, t in _own(m):

@@ -15,6 +15,7 @@ from dptrain.config import ConfigError, DataConfig, ModelConfig
 from dptrain.config.datasource import resolve_data
 from dptrain.config.imports import import_object
 from dptrain.data.loader import split_train_val
+from dptrain.models.lora import apply_lora
 from dptrain.parallel.materialize import (
     check_init_contract,
     converted_after_registration,
@@ -83,6 +84,8 @@ def _call_factory(cfg: ModelConfig) -> nn.Module:
         raise ConfigError(f"model.factory {cfg.factory!r} rejected model.kwargs {cfg.kwargs}: {e}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module")
+    if cfg.lora.enabled:  # on the meta device too: materialize replays peft's adapter init (models/lora.py)
+        model = apply_lora(model, cfg.lora)
     return model
 
 

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dptrain import __version__
+from dptrain.checkpoint.adapters import adapter_state, save_adapters
 from dptrain.checkpoint.hf import save_pretrained_config
 from dptrain.checkpoint.storage import save_safetensors
 from dptrain.metrics import strict_json
 from dptrain.metrics.monitor import Monitor, build_monitor
 from dptrain.metrics.sinks import ConsoleSink, JsonlSink, print_summary
+from dptrain.models import lora
 from dptrain.parallel import unwrap
 
 if TYPE_CHECKING:
@@ -91,8 +93,14 @@ class RunOutputs:
 
     def save_final(self, plan: ParallelModel) -> None:
         """Consolidated weights under the plain module's names, whatever the strategy; for a Hugging Face
-        model also its config, so that final/ loads with `from_pretrained` (checkpoint/hf.py)."""
+        model also its config, so that final/ loads with `from_pretrained` (checkpoint/hf.py). A PEFT model (LoRA):
+        PEFT's adapter_model.safetensors + adapter_config.json (checkpoint/adapters.py)."""
 
+        if lora.is_peft_model(unwrap(plan.module)):  # LoRA: PEFT's adapter files, the base never gathered
+            adapters = adapter_state(plan.module)  # collective under FSDP: every rank calls it
+            if self.env.is_main:
+                save_adapters(plan.module, adapters, self.run_dir / "final")
+            return
         state = plan.full_state_dict()  # collective under FSDP: every rank calls it
         if self.env.is_main:
             save_safetensors(state, self.run_dir / "final" / "model.safetensors")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptrain.checkpoint.base_identity import base_record
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.rundir import write_atomically
 from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, OptimizerState
@@ -131,8 +132,9 @@ class Trainer:
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint saves, as named Stateful objects (the manager never sees the Trainer)."""
         full = self.parallel.full_checkpoint  # pipeline stages and FSDP2 shards: DCP
+        adapters = self.base_model is not None  # LoRA: the trainable state and the frozen base's identity only
         return CheckpointState(
-            model_parts=[ModelState(m, full=full) for m in self.parallel.model_parts],  # one per pipeline stage
+            model_parts=[ModelState(m, full=full, trainable_only=adapters) for m in self.parallel.model_parts],
             optimizers=[OptimizerState(self.model, self.optimizer, full=full)],
             schedule=self.scheduler,
             scaler=self.scaler if self.scaler.is_enabled() else None,
@@ -143,7 +145,8 @@ class Trainer:
                 "log_window": self.log_window,  # error feedback differs per rank:
                 **({"comm_hook": self.comm_hook} if self.comm_hook is not None else {}),
             },
-            meta={"global_batch_size": self.res.global_batch_size, "grad_accum_steps": self.res.grad_accum_steps},
+            meta={"global_batch_size": self.res.global_batch_size, "grad_accum_steps": self.res.grad_accum_steps,
+                  **({"base_model": self.base_model} if adapters else {})},
         )
 
     def _build(self) -> None:
@@ -153,6 +156,8 @@ class Trainer:
         model, eager_reason = build_model_meta(cfg.model, seed=cfg.train.seed)
         if eager_reason and self.env.is_main:
             self.out.say(f"dptrain: {eager_reason}")
+        # A PEFT model (model.lora, or a factory's get_peft_model): the frozen base's folder and hash, else None
+        self.base_model = base_record(model, factory=cfg.model.factory, kwargs=cfg.model.kwargs, seed=cfg.train.seed)
         # Before any wrapper's own collectives: all ranks agree on world size, config and model.
         self.diag.preflight(model, config=to_dict(cfg))
         # One mesh per run: every group and data-parallel rank below comes from it.

@@ -95,6 +95,19 @@ def param_counts(cfg: LlamaConfig) -> ParamCounts:
     )
 
 
+LORA_DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def lora_block_params(cfg: LlamaConfig, *, rank: int, targets: tuple[str, ...] | None = None) -> int:
+    """Adapter parameters LoRA adds to one block of `LlamaLM(cfg)`: r * (in + out) per targeted linear (A is r x in,
+    B out x r; no bias); `targets` null: every attention and MLP linear (model.lora's default)."""
+    assert cfg.n_kv_heads is not None and cfg.ffn_hidden is not None
+    d, f = cfg.dim, cfg.ffn_hidden
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w1": (d, f), "w3": (d, f), "w2": (f, d)}
+    return sum(rank * sum(shapes[t]) for t in (targets or LORA_DEFAULT_TARGETS) if t in shapes)
+
+
 def _half(precision: str, param_dtype: str | None) -> tuple[bool, bool]:
     """(autocast to half, half parameters) of a run: half parameters only under half autocast."""
     half = precision in HALF

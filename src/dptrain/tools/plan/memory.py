@@ -20,7 +20,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dptrain.tools.plan.llama import HALF, ParamCounts, activation_parts, param_counts, replicated_block_bytes
+from dptrain.tools.plan.llama import (
+    HALF,
+    ParamCounts,
+    activation_parts,
+    lora_block_params,
+    param_counts,
+    replicated_block_bytes,
+)
 
 if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
     from dptrain.models.llama import LlamaConfig
@@ -91,6 +98,8 @@ class Layout:
     overhead: float = FRAMEWORK_OVERHEAD  # the stated allowance; 0 on the CPU (no CUDA context)
     sequence_parallel: bool = True  # tp > 1: norms and the residual stream on 1/tp of the sequence
     pp_stages_per_rank: int = 1  # interleaved_1f1b: virtual stages per rank (v)
+    lora_rank: int = 0  # model.lora: adapters of this rank train, the base is frozen (weights only); 0: no LoRA
+    lora_targets: tuple[str, ...] | None = None  # model.lora.target_modules (null: every attention and MLP linear)
 
     @property
     def pure_half(self) -> bool:
@@ -202,7 +211,11 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list
     k = optimizer_bytes(lay.optimizer, master=False)
     unit = 4 * (max(c.block_linear // lay.tp + c.block - c.block_linear,
                     (c.embedding + c.head) // lay.tp + c.final_norm))
-    states = model_states(lay, param_bytes=4 * n, grad_bytes=4 * n, optim_bytes=k * n, unit_bytes=unit)
+    trained = n  # LoRA: only the adapters have gradients and optimizer state; the frozen base is weights only
+    if lay.lora_rank:
+        trained = sum(layers) * lora_block_params(cfg, rank=lay.lora_rank, targets=lay.lora_targets)
+        n += trained
+    states = model_states(lay, param_bytes=4 * n, grad_bytes=4 * trained, optim_bytes=k * trained, unit_bytes=unit)
     params, grads, optim, temp, host = (states[key] for key in ("params", "grads", "optimizer", "temporary", "host"))
     m = max(1, lay.pp_microbatches)
     in_flight = pipeline_in_flight(lay, stage)

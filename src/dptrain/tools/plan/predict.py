@@ -48,7 +48,9 @@ def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int, cpu: bool =
                   grad_compression=p.grad_compression, powersgd_rank=p.powersgd_rank,
                   param_dtype=p.fsdp_param_dtype, reduce_dtype=p.fsdp_reduce_dtype,
                   sequence_parallel=p.sequence_parallel, pp_stages_per_rank=p.pp_stages_per_rank,
-                  overhead=0.0 if cpu else FRAMEWORK_OVERHEAD)
+                  overhead=0.0 if cpu else FRAMEWORK_OVERHEAD,
+                  lora_rank=cfg.model.lora.rank if cfg.model.lora.enabled else 0,
+                  lora_targets=cfg.model.lora.target_modules)
 
 
 def resolve_for_plan(cfg: Config, *, gpus: int, gpu_type: str) -> Resolved:

@@ -50,7 +50,7 @@ from dptrain.checkpoint.preempt import PreemptionFlag
 from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, newest_committed, truncate_metrics
 from dptrain.checkpoint.rundir import move_aside
 from dptrain.checkpoint.state import CheckpointState, RngState
-from dptrain.config import Config, to_dict
+from dptrain.config import Config, ModelConfig, to_dict
 from dptrain.config.nodes import is_elastic
 from dptrain.config.resolve import memory_snapshot_every
 from dptrain.distributed import collectives
@@ -63,6 +63,15 @@ READABLE_VERSIONS = (1, 2, 3)
 def config_hash(section: Any) -> str:
     """SHA-256 of a config (section) as canonical JSON."""
     return hashlib.sha256(json.dumps(to_dict(section), sort_keys=True).encode()).hexdigest()
+
+
+def model_config_hash(model: ModelConfig) -> str:
+    """`config_hash` of the model section, leaving out `lora` while it is disabled: a run written before the
+    section existed, or one without LoRA, keeps the hash it was saved with and resumes."""
+    body = to_dict(model)
+    if not model.lora.enabled:
+        body.pop("lora", None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def check_format_version(path: Path, meta: dict[str, Any]) -> int:
@@ -247,7 +256,7 @@ class CheckpointManager:
                 f"{describe(this_base)}; resume with the same base (model.factory, model.kwargs), or start afresh "
                 "with --resume none"
             )
-        want = config_hash(self.root_cfg.model)
+        want = model_config_hash(self.root_cfg.model)
         if meta.get("model_config_hash") not in (None, want):
             raise mf.CheckpointError(
                 f"{path}: written for another model config (model section hash {meta['model_config_hash'][:12]}, "
@@ -430,7 +439,7 @@ class CheckpointManager:
         hashing it costs a millisecond, which a snapshot at every step would pay)."""
         if not self._config_hashes:
             self._config_hashes = {"config_hash": config_hash(self.root_cfg),
-                                   "model_config_hash": config_hash(self.root_cfg.model)}
+                                   "model_config_hash": model_config_hash(self.root_cfg.model)}
         return self._config_hashes
 
     def _meta(self, state: CheckpointState) -> dict[str, Any]:

@@ -17,12 +17,13 @@ PROBE = torch.arange(3, 3 + 2 * SEQ).reshape(2, SEQ) % VOCAB  # a fixed input fo
 
 
 def hf_llama_config(*, tied: bool = False, **extra: Any) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=2 * SEQ,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tied, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, **extra,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
     )
+    return transformers.LlamaConfig(**{**fields, **extra})
 
 
 def save_hf_llama(folder: Path, *, tied: bool = False, seed: int = 0, std: float = 0.2, **extra: Any) -> Path:

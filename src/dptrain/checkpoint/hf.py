@@ -48,3 +48,35 @@ def save_pretrained_config(module: nn.Module, state: dict[str, torch.Tensor], fi
         generation.save_pretrained(str(final_dir))
         written.append("generation_config.json")
     return written
+
+
+def export_llama_hf(state: dict[str, torch.Tensor], llama: Any, out_dir: Path) -> list[str]:
+    """Write the built-in LLaMA's full state dict `state` (plain names) as a Hugging Face Llama folder that
+    `transformers.LlamaForCausalLM.from_pretrained(out_dir)` loads: config.json (dims, rope theta, norm eps,
+    the tie flag), generation_config.json and model.safetensors under HF's names (no permutation: the rotary
+    layouts agree, see dptrain/models/llama_hf.py). `llama`: its `dptrain.models.llama.LlamaConfig`. A tied
+    head is written once, as `model.embed_tokens.weight` (save_pretrained's layout). Needs transformers."""
+    try:
+        import transformers
+    except ImportError:
+        from dptrain.config import ConfigError
+
+        raise ConfigError("ckpt export --format hf needs transformers: pip install -e '.[hf]'") from None
+    from safetensors.torch import save_file
+
+    from dptrain.models.llama_hf import hf_config, hf_key
+
+    tensors = {}
+    for name, t in state.items():
+        if llama.tie_embeddings and name == "head.weight":
+            continue
+        key = hf_key(name)
+        if key == name:
+            raise ValueError(f"the built-in LLaMA's state has {name!r}, which has no Hugging Face Llama name")
+        tensors[key] = t.detach().to("cpu", torch.float32).contiguous()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = transformers.LlamaConfig(**hf_config(llama))
+    config.save_pretrained(str(out_dir))
+    transformers.GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return ["config.json", "generation_config.json", "model.safetensors"]

@@ -13,7 +13,9 @@ from dptrain.checkpoint.manifest import checkpoint_root
 from dptrain.checkpoint.resume import choose_checkpoint
 from dptrain.config import BatchSizeError, Config, ConfigError, resolve, to_dict
 from dptrain.config.load import load_config
-from dptrain.launch.checks import check_file_writable
+from dptrain.launch.checks import check_dir_writable, check_file_writable
+
+BUILTIN_LLAMA = "dptrain.models.llama:build_llama"
 
 
 def _root_of(target: Path) -> Path:
@@ -132,7 +134,12 @@ def add_ckpt_parser(sub: Any) -> None:
     exp.add_argument(
         "target", metavar="RUN_DIR_OR_CKPT", help="a step folder, or a run dir (its newest valid checkpoint)"
     )
-    exp.add_argument("--out", default="model.safetensors")
+    exp.add_argument(
+        "--format", choices=("safetensors", "hf"), default="safetensors",
+        help="safetensors: one file of plain parameter names; hf: a Hugging Face Llama folder (config.json, "
+        "model.safetensors) that LlamaForCausalLM.from_pretrained loads, for a run of the built-in LLaMA",
+    )
+    exp.add_argument("--out", help="the file to write (default model.safetensors); with --format hf, the folder")
     exp.add_argument("--trust-checkpoint", action="store_true", help="export a step folder without a valid manifest")
     exp.set_defaults(func=cmd_export)
 
@@ -190,6 +197,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from dptrain.checkpoint import storage
 
     target = Path(args.target)
+    if args.format == "hf":
+        return _export_hf(args)
+    args.out = args.out or "model.safetensors"
     if Path(args.out).is_dir():
         raise ConfigError(
             f"ckpt export --out {args.out!r} is a directory; name the file to write, e.g. "
@@ -211,4 +221,52 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     storage.save_safetensors(state, out)
     print(f"exported {len(state)} tensors of {choice.path} (step {choice.meta['step']}) to {out}")
+    return 0
+
+
+def _run_config(target: Path) -> Config:
+    """The config.yaml of the run a checkpoint target belongs to (the run dir, or up to two folders above)."""
+    for folder in (target, *list(target.resolve().parents)[:2]):
+        if (folder / "config.yaml").is_file():
+            return load_config(folder / "config.yaml")
+    raise ConfigError(
+        f"ckpt export --format hf: no config.yaml in {str(target)!r} or the two folders above it; it says the "
+        "model's dimensions: pass the run directory of `dptrain run`, or a step folder inside it"
+    )
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    """`ckpt export --format hf`: the built-in LLaMA's checkpoint as a Hugging Face Llama folder."""
+    # lazy: torch: loaded only when a checkpoint is read
+    from dptrain.checkpoint import storage
+    from dptrain.checkpoint.hf import export_llama_hf
+    from dptrain.models.llama import llama_config
+
+    if not args.out:
+        raise ConfigError("ckpt export --format hf needs --out DIR: the folder to write (created if missing)")
+    out, target = Path(args.out), Path(args.target)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"ckpt export --format hf --out {args.out!r} is a file; pass a folder (created if missing)")
+    _check_target(args.target)
+    model = _run_config(target).model
+    if model.factory != BUILTIN_LLAMA:
+        raise ConfigError(
+            f"ckpt export --format hf writes the built-in LLaMA ({BUILTIN_LLAMA}); this run's model.factory is "
+            f"{model.factory!r} (a transformers model's final/ is already a save_pretrained folder)"
+        )
+    llama = llama_config(model.kwargs)
+    check_dir_writable(out, what="ckpt export --out")
+    choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint)
+    if choice.error or choice.path is None:
+        raise ConfigError(choice.error or f"no valid checkpoint under {target}")
+    for line in choice.messages:
+        print(line, file=sys.stderr)
+    try:
+        state = storage.load_full_model_state(Path(choice.path), fmt=choice.meta["format"])
+    except mf.CheckpointError as e:
+        print(f"dptrain: error: {e}", file=sys.stderr)
+        return 1
+    written = export_llama_hf(state, llama, out)
+    print(f"exported {choice.path} (step {choice.meta['step']}) as a Hugging Face Llama folder {out}: "
+          f"{', '.join(written)}")
     return 0

@@ -238,9 +238,7 @@ def _run_config(target: Path) -> Config:
 def _export_hf(args: argparse.Namespace) -> int:
     """`ckpt export --format hf`: the built-in LLaMA's checkpoint as a Hugging Face Llama folder."""
     # lazy: torch: loaded only when a checkpoint is read
-    from dptrain.checkpoint import storage
     from dptrain.checkpoint.hf import export_llama_hf
-    from dptrain.models.llama import llama_config
 
     if not args.out:
         raise ConfigError("ckpt export --format hf needs --out DIR: the folder to write (created if missing)")
@@ -254,7 +252,6 @@ def _export_hf(args: argparse.Namespace) -> int:
             f"ckpt export --format hf writes the built-in LLaMA ({BUILTIN_LLAMA}); this run's model.factory is "
             f"{model.factory!r} (a transformers model's final/ is already a save_pretrained folder)"
         )
-    llama = llama_config(model.kwargs)
     check_dir_writable(out, what="ckpt export --out")
     choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint)
     if choice.error or choice.path is None:
@@ -262,11 +259,10 @@ def _export_hf(args: argparse.Namespace) -> int:
     for line in choice.messages:
         print(line, file=sys.stderr)
     try:
-        state = storage.load_full_model_state(Path(choice.path), fmt=choice.meta["format"])
+        written = export_llama_hf(Path(choice.path), fmt=choice.meta["format"], model_kwargs=model.kwargs, out_dir=out)
     except mf.CheckpointError as e:
         print(f"dptrain: error: {e}", file=sys.stderr)
         return 1
-    written = export_llama_hf(state, llama, out)
     print(f"exported {choice.path} (step {choice.meta['step']}) as a Hugging Face Llama folder {out}: "
           f"{', '.join(written)}")
     return 0

@@ -31,7 +31,7 @@ def causal_lm(pretrained: str, dtype: str = "auto", attn_implementation: str | N
     (`float32`, `bfloat16`, `float16` convert on load). `attn_implementation`: transformers' (e.g. `eager`,
     `sdpa`), None for its default."""
     try:
-        import transformers
+        import transformers  # lazy: the optional hf extra
     except ImportError:
         raise ConfigError(
             "model.factory='dptrain.models.hf:causal_lm' needs transformers: pip install -e '.[hf]'"

@@ -10,10 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dptrain.models.llama_hf import hf_key, llama_kwargs
+from dptrain.models.pretrained import meta_parameters, read_config, read_index, source_for
 
 
 @dataclass
@@ -319,7 +323,7 @@ def build_llama(
     from its config.json (a kwarg given as well must agree; ``max_seq_len`` may be shorter) and the model is
     built with its parameters on the meta device, to be loaded from the folder, each rank its own shards,
     once parallelised (see ``dptrain.models.pretrained``)."""
-    given = {
+    given: dict[str, Any] = {
         "vocab_size": vocab_size, "dim": dim, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads,
         "ffn_hidden": ffn_hidden, "max_seq_len": max_seq_len, "tie_embeddings": tie_embeddings,
         "rope_theta": rope_theta, "norm_eps": norm_eps,
@@ -335,18 +339,12 @@ def llama_config(kwargs: Mapping[str, object]) -> LlamaConfig:
     given = {k: v for k, v in kwargs.items() if v is not None and k != "pretrained"}
     if kwargs.get("pretrained") is None:
         return LlamaConfig(**given)  # type: ignore[arg-type]
-    from dptrain.models.llama_hf import llama_kwargs
-    from dptrain.models.pretrained import read_config
-
     folder = str(kwargs["pretrained"])
     return LlamaConfig(**llama_kwargs(read_config(folder), folder=folder, given=given))
 
 
-def _build_pretrained(folder: str, given: dict[str, object]) -> LlamaLM:
+def _build_pretrained(folder: str, given: dict[str, Any]) -> LlamaLM:
     """A LlamaLM shaped by a HF Llama folder, parameters on meta, with the folder attached as its source."""
-    from dptrain.models.llama_hf import hf_key
-    from dptrain.models.pretrained import meta_parameters, read_index, source_for
-
     index = read_index(folder)  # the folder's checks first: a missing folder is named as such
     cfg = llama_config({**given, "pretrained": folder})
     with meta_parameters():

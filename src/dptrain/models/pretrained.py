@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
@@ -95,8 +96,6 @@ class PretrainedSource:
 def read_index(folder: str | Path, *, what: str = "model.kwargs.pretrained") -> dict[str, TensorInfo]:
     """Key -> TensorInfo of a Hugging Face model folder's weights: `model.safetensors.index.json`'s files, or
     `model.safetensors`. Reads headers only. ConfigError naming the folder and what is expected otherwise."""
-    from safetensors import safe_open
-
     root = Path(folder)
     if not root.is_dir():
         raise ConfigError(
@@ -129,7 +128,9 @@ def read_index(folder: str | Path, *, what: str = "model.kwargs.pretrained") -> 
                 if dtype is None:
                     raise ConfigError(f"{path}: tensor {key!r} has dtype {sl.get_dtype()}, which dptrain cannot load")
                 if key in out:
-                    raise ConfigError(f"{what}={str(folder)!r}: {key!r} is in both {out[key].file.name} and {path.name}")
+                    raise ConfigError(
+                        f"{what}={str(folder)!r}: {key!r} is in both {out[key].file.name} and {path.name}"
+                    )
                 out[key] = TensorInfo(path, tuple(sl.get_shape()), dtype)
     return out
 
@@ -167,7 +168,7 @@ def meta_parameters() -> Iterator[None]:
             return None
         return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
-    handle = register_module_parameter_registration_hook(to_meta)
+    handle = register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]  # may return one
     try:
         with torch.device("cpu"):
             yield

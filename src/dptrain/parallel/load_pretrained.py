@@ -8,7 +8,7 @@ hold:
   chunk, cut as `distribute_tensor` cuts it, is read with safetensors' slice API (`get_slice(key)[a:b, c:d]`)
   straight from the mapped file; nothing else of the tensor is copied out of the file;
 - any other placement (FSDP2 over a tensor-parallel dim 0 uses a strided shard): the full tensor is read
-  and the rank's piece cut from it (`local_chunk`);
+  and the rank's piece cut from it (`distribute_tensor` without a collective, as materialize's `local_chunk`);
 - a plain tensor (ddp, zero1, single: every rank holds the whole model): copied tensor by tensor from the
   mapped file, so the files' pages are shared by the ranks (page cache) and no rank holds a second
   private copy of the model.
@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from dptrain.models.pretrained import PretrainedSource, load_names
 
@@ -75,11 +76,6 @@ def local_slices(shape: Sequence[int], mesh: Any, placements: Sequence[Placement
 def load_pretrained(model: nn.Module, carrier: str, source: PretrainedSource) -> LoadReport:
     """Copy every tensor of `model` the files hold (skipping those still on meta: another pipeline stage's)
     from `source` into its local storage; returns what this rank read."""
-    from safetensors import safe_open
-
-    # lazy: materialize imports this module
-    from dptrain.parallel.materialize import local_chunk
-
     todo = [(t, key) for t, _, key in load_names(model, carrier, source) if not _local(t).is_meta]
     read = 0
     with contextlib.ExitStack() as stack:
@@ -94,7 +90,7 @@ def load_pretrained(model: nn.Module, carrier: str, source: PretrainedSource) ->
             if isinstance(t, DTensor) and slices is None:
                 full = f.get_tensor(key)
                 read += full.numel() * full.element_size()
-                piece = local_chunk(full, t.device_mesh, t.placements)
+                piece = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local()
             elif slices is not None:
                 piece = f.get_slice(key)[tuple(slices)] if dst.numel() else dst.new_empty(dst.shape)
                 read += piece.numel() * piece.element_size()

@@ -14,7 +14,9 @@ from dptrain.checkpoint.resume import choose_checkpoint
 from dptrain.cli.ckpt_merge import export_merged
 from dptrain.config import BatchSizeError, Config, ConfigError, resolve, to_dict
 from dptrain.config.load import load_config
-from dptrain.launch.checks import check_file_writable
+from dptrain.launch.checks import check_dir_writable, check_file_writable
+
+BUILTIN_LLAMA = "dptrain.models.llama:build_llama"
 
 
 def _root_of(target: Path) -> Path:
@@ -133,7 +135,12 @@ def add_ckpt_parser(sub: Any) -> None:
     exp.add_argument(
         "target", metavar="RUN_DIR_OR_CKPT", help="a step folder, or a run dir (its newest valid checkpoint)"
     )
-    exp.add_argument("--out", default="model.safetensors")
+    exp.add_argument(
+        "--format", choices=("safetensors", "hf"), default="safetensors",
+        help="safetensors: one file of plain parameter names; hf: a Hugging Face Llama folder (config.json, "
+        "model.safetensors) that LlamaForCausalLM.from_pretrained loads, for a run of the built-in LLaMA",
+    )
+    exp.add_argument("--out", help="the file to write (default model.safetensors); with --format hf, the folder")
     exp.add_argument("--trust-checkpoint", action="store_true", help="export a step folder without a valid manifest")
     exp.add_argument("--merge", action="store_true", help="LoRA runs: merge the adapters into the base and write the "
                      "full model into the folder --out (save_pretrained layout for Hugging Face models)")
@@ -194,8 +201,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     target = Path(args.target)
     if getattr(args, "merge", False):
+        if args.format == "hf":
+            raise ConfigError("ckpt export: --merge and --format hf do not go together; --merge writes the merged "
+                              "model in the base's own layout (save_pretrained for a Hugging Face base)")
+        if args.out is None:
+            raise ConfigError("ckpt export --merge needs --out DIR: the folder to write the merged model into")
         _check_target(args.target)
         return export_merged(args, root=_root_of(target))
+    if args.format == "hf":
+        return _export_hf(args)
+    args.out = args.out or "model.safetensors"
     if Path(args.out).is_dir():
         raise ConfigError(
             f"ckpt export --out {args.out!r} is a directory; name the file to write, e.g. "
@@ -217,4 +232,48 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     storage.save_safetensors(state, out)
     print(f"exported {len(state)} tensors of {choice.path} (step {choice.meta['step']}) to {out}")
+    return 0
+
+
+def _run_config(target: Path) -> Config:
+    """The config.yaml of the run a checkpoint target belongs to (the run dir, or up to two folders above)."""
+    for folder in (target, *list(target.resolve().parents)[:2]):
+        if (folder / "config.yaml").is_file():
+            return load_config(folder / "config.yaml")
+    raise ConfigError(
+        f"ckpt export --format hf: no config.yaml in {str(target)!r} or the two folders above it; it says the "
+        "model's dimensions: pass the run directory of `dptrain run`, or a step folder inside it"
+    )
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    """`ckpt export --format hf`: the built-in LLaMA's checkpoint as a Hugging Face Llama folder."""
+    # lazy: torch: loaded only when a checkpoint is read
+    from dptrain.checkpoint.hf import export_llama_hf
+
+    if not args.out:
+        raise ConfigError("ckpt export --format hf needs --out DIR: the folder to write (created if missing)")
+    out, target = Path(args.out), Path(args.target)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"ckpt export --format hf --out {args.out!r} is a file; pass a folder (created if missing)")
+    _check_target(args.target)
+    model = _run_config(target).model
+    if model.factory != BUILTIN_LLAMA:
+        raise ConfigError(
+            f"ckpt export --format hf writes the built-in LLaMA ({BUILTIN_LLAMA}); this run's model.factory is "
+            f"{model.factory!r} (a transformers model's final/ is already a save_pretrained folder)"
+        )
+    check_dir_writable(out, what="ckpt export --out")
+    choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint)
+    if choice.error or choice.path is None:
+        raise ConfigError(choice.error or f"no valid checkpoint under {target}")
+    for line in choice.messages:
+        print(line, file=sys.stderr)
+    try:
+        written = export_llama_hf(Path(choice.path), fmt=choice.meta["format"], model_kwargs=model.kwargs, out_dir=out)
+    except mf.CheckpointError as e:
+        print(f"dptrain: error: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {choice.path} (step {choice.meta['step']}) as a Hugging Face Llama folder {out}: "
+          f"{', '.join(written)}")
     return 0

@@ -154,6 +154,8 @@ def check_model(cfg: Any) -> Any:
     try:
         with torch.device("meta"):
             model = fn(**cfg.kwargs)
+    except ConfigError:  # the factory's own refusal (a pretrained folder that cannot be used): as it is
+        raise
     except Exception:  # noqa: BLE001 - some factories need real tensors; the CPU call below reports errors
         model = call_factory(fn, cfg.kwargs, key="model.factory", spec=cfg.factory)
     if not isinstance(model, nn.Module):

@@ -10,10 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dptrain.models.llama_hf import hf_key, llama_kwargs
+from dptrain.models.pretrained import meta_parameters, read_config, read_index, source_for
 
 
 @dataclass
@@ -29,6 +33,7 @@ class LlamaConfig:
     max_seq_len: int = 256
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -146,9 +151,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.dim)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         assert cfg.ffn_hidden is not None  # set by LlamaConfig.__post_init__
         self.mlp = FeedForward(cfg.dim, cfg.ffn_hidden)
 
@@ -170,7 +175,7 @@ class LlamaLM(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
-        self.norm = RMSNorm(cfg.dim)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
@@ -299,26 +304,51 @@ class LlamaLM(nn.Module):
 
 def build_llama(
     *,
-    vocab_size: int = 256,
-    dim: int = 128,
-    n_layers: int = 4,
-    n_heads: int = 4,
+    vocab_size: int | None = None,
+    dim: int | None = None,
+    n_layers: int | None = None,
+    n_heads: int | None = None,
     n_kv_heads: int | None = None,
     ffn_hidden: int | None = None,
-    max_seq_len: int = 256,
-    tie_embeddings: bool = False,
-    rope_theta: float = 10000.0,
+    max_seq_len: int | None = None,
+    tie_embeddings: bool | None = None,
+    rope_theta: float | None = None,
+    norm_eps: float | None = None,
+    pretrained: str | None = None,
 ) -> LlamaLM:
-    """Build a :class:`LlamaLM` (deterministic given ``torch.manual_seed``)."""
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        ffn_hidden=ffn_hidden,
-        max_seq_len=max_seq_len,
-        tie_embeddings=tie_embeddings,
-        rope_theta=rope_theta,
-    )
-    return LlamaLM(cfg)
+    """Build a :class:`LlamaLM` (deterministic given ``torch.manual_seed``). A kwarg left at None takes
+    :class:`LlamaConfig`'s default (vocab 256, dim 128, 4 layers, 4 heads, context 256, rope theta 1e4).
+
+    ``pretrained``: a local Hugging Face Llama folder (config.json + model.safetensors). The dimensions come
+    from its config.json (a kwarg given as well must agree; ``max_seq_len`` may be shorter) and the model is
+    built with its parameters on the meta device, to be loaded from the folder, each rank its own shards,
+    once parallelised (see ``dptrain.models.pretrained``)."""
+    given: dict[str, Any] = {
+        "vocab_size": vocab_size, "dim": dim, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads,
+        "ffn_hidden": ffn_hidden, "max_seq_len": max_seq_len, "tie_embeddings": tie_embeddings,
+        "rope_theta": rope_theta, "norm_eps": norm_eps,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if pretrained is None:
+        return LlamaLM(LlamaConfig(**given))
+    return _build_pretrained(pretrained, given)
+
+
+def llama_config(kwargs: Mapping[str, object]) -> LlamaConfig:
+    """The :class:`LlamaConfig` ``build_llama(**kwargs)`` builds (reads a ``pretrained`` folder's config.json)."""
+    given = {k: v for k, v in kwargs.items() if v is not None and k != "pretrained"}
+    if kwargs.get("pretrained") is None:
+        return LlamaConfig(**given)  # type: ignore[arg-type]
+    folder = str(kwargs["pretrained"])
+    return LlamaConfig(**llama_kwargs(read_config(folder), folder=folder, given=given))
+
+
+def _build_pretrained(folder: str, given: dict[str, Any]) -> LlamaLM:
+    """A LlamaLM shaped by a HF Llama folder, parameters on meta, with the folder attached as its source."""
+    index = read_index(folder)  # the folder's checks first: a missing folder is named as such
+    cfg = llama_config({**given, "pretrained": folder})
+    with meta_parameters():
+        model = LlamaLM(cfg)
+    # the built-in keeps float32 weights: bf16/fp16 files are converted exactly on load
+    source_for(model, folder, index, key_of=hf_key, cast=True)
+    return model

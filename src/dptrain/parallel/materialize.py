@@ -45,6 +45,12 @@ construction on meta left every tensor on meta, in the dtype it was registered w
 untouched. A factory that
 fails any of these checks, or cannot be built on meta at all, is built eagerly as before, and
 the reason is returned. The built-in models are tested bit-for-bit against eager construction.
+
+Pretrained weights. A model that carries a `PretrainedSource` (dptrain/models/pretrained.py: a factory
+built it from a local Hugging Face folder) is loaded instead: after allocation each rank reads its own
+shards of the files (dptrain/parallel/load_pretrained.py). Its buffers were computed for real at build
+time and are kept; only the tensors the files do not hold (adapters added later) are initialised by the
+replay above, and only they must satisfy the init contract (`provided_names` lists the others).
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ from torch.nn.modules.module import (
 )
 
 from dptrain.models import lora
+from dptrain.models.pretrained import find_source, load_names
+from dptrain.parallel.load_pretrained import LoadReport, load_pretrained
 
 __all__ = [
     "Materializer",
@@ -71,6 +79,7 @@ __all__ = [
     "local_chunk",
     "make_materializer",
     "materialize",
+    "provided_names",
     "replay_init",
     "track_registrations",
 ]
@@ -160,14 +169,40 @@ def _run(hook: Hook | None, state: torch.Tensor) -> torch.Tensor:
     return torch.get_rng_state()
 
 
+def _full_name(module_name: str, attr: str) -> str:
+    return f"{module_name}.{attr}" if module_name else attr
+
+
+def _kept(name: str, module: nn.Module, skip: frozenset[str]) -> bool:
+    """The module's own tensors all come from elsewhere (`skip`: pretrained files, real buffers)."""
+    return bool(skip) and all(_full_name(name, attr) in skip for attr, _ in _own(module))
+
+
+def provided_names(model: nn.Module) -> frozenset[str]:
+    """Names (in `model`, every alias) of the tensors that are not initialised by the replay: those a
+    `PretrainedSource` loads and the buffers a pretrained build computed for real. Empty without a source."""
+    found = find_source(model)
+    if found is None:
+        return frozenset()
+    loaded = {id(t) for t, _, _ in load_names(model, *found)}
+    out = set()
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, t in _own(module):
+            if id(t) in loaded or (not _on_meta(t) and attr in module._buffers):
+                out.add(_full_name(mod_name, attr))
+    return frozenset(out)
+
+
 @torch.no_grad()
-def replay_init(model: nn.Module, *, seed: int, skip_meta: bool = False) -> None:
+def replay_init(model: nn.Module, *, seed: int, skip_meta: bool = False, skip: frozenset[str] = frozenset()) -> None:
     """Fill every parameter and buffer of `model` (already materialized with `to_empty`) with the
     values eager construction under `torch.manual_seed(seed)` gives them (see the module docstring).
     `skip_meta`: leave tensors still on the meta device alone (a pipeline stage cut from `model`
-    shares its modules; the rest of `model` stays on meta, but its draws are replayed all the same)."""
+    shares its modules; the rest of `model` stays on meta, but its draws are replayed all the same).
+    `skip`: names of tensors that come from elsewhere (`provided_names`): they are not written, and a
+    module holding only such tensors is not replayed at all."""
     adapters = lora.adapter_modules(model)  # LoRA adapters: hook 3, after the base's draws
-    modules = [(n, m) for n, m in model.named_modules() if id(m) not in adapters]
+    modules = [(n, m) for n, m in model.named_modules() if id(m) not in adapters and not _kept(n, m, skip)]
     has_init = _init_root(model) is not None
     torch.manual_seed(seed)
     cursor1 = cursor2 = torch.get_rng_state()
@@ -184,7 +219,7 @@ def replay_init(model: nn.Module, *, seed: int, skip_meta: bool = False) -> None
             cursor1 = _run(reset, cursor1)
             cursor2 = _run(init, cursor2)
         for attr, full in produced.items():
-            if not (skip_meta and _on_meta(targets[attr])):
+            if not (skip_meta and _on_meta(targets[attr])) and _full_name(name, attr) not in skip:
                 _write(targets[attr], full)
     torch.set_rng_state(cursor2 if has_init else cursor1)  # where eager construction of the base leaves it
     for _, layer in lora.lora_layers(model):  # hook 3: peft's injection, in its order, continuing the stream
@@ -208,22 +243,29 @@ def _on_meta(t: torch.Tensor) -> bool:
     return (t.to_local() if isinstance(t, DTensor) else t).is_meta
 
 
-def materialize(module: nn.Module, *, device: torch.device | str, seed: int, source: nn.Module | None = None) -> None:
+def materialize(
+    module: nn.Module, *, device: torch.device | str, seed: int, source: nn.Module | None = None
+) -> LoadReport | None:
     """Allocate `module`'s meta parameters and buffers on `device` (`to_empty`; for FSDP with CPU
-    offload pass the CPU: the shards live there) and initialise them as eager construction would.
+    offload pass the CPU: the shards live there) and initialise them as eager construction would,
+    or, for a model with a pretrained source, load them (returns what this rank read; None otherwise).
     `source`: the whole (meta) model `module` was cut from, sharing its modules (a pipeline
     stage): the init of all of `source` is replayed, so the RNG stream is eager construction's,
     and only `module`'s tensors are written."""
+    whole = module if source is None else source
+    found = find_source(whole)
+    skip = provided_names(whole)
     aliases = _aliases(module)
+    real = [(m, attr, t) for m in module.modules() for attr, t in m.named_buffers(recurse=False) if not t.is_meta]
     module.to_empty(device=device)
     # to_empty gives each module its own new Parameter (meta -> a real device cannot swap data in
     # place), which unties shared weights (tied embeddings); tie them again.
     for owner, attr, src, src_attr in aliases:
         setattr(owner, attr, getattr(src, src_attr))
-    if source is None:
-        replay_init(module, seed=seed)
-    else:
-        replay_init(source, seed=seed, skip_meta=True)
+    for owner, attr, t in real:  # buffers a pretrained build computed for real (rotary tables)
+        setattr(owner, attr, t.to(device))
+    replay_init(whole, seed=seed, skip_meta=source is not None, skip=skip)
+    return None if found is None else load_pretrained(whole, *found)
 
 
 def _aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
@@ -242,21 +284,30 @@ def _aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
 class Materializer:
     """The hook `parallelize(..., materialize=...)` calls once the model is sharded (FSDP) or
     before it is wrapped (DDP): `hook(module)`. `for_part(source)` is the hook for a part cut from
-    `source` (a pipeline stage), replaying the whole model's init."""
+    `source` (a pipeline stage), replaying the whole model's init. A model with pretrained weights
+    is loaded instead; `reports` then holds what this rank read, and `say` (rank 0's console) gets one
+    line saying so."""
 
-    def __init__(self, *, device: torch.device | str, seed: int) -> None:
-        self.device, self.seed = device, seed
+    def __init__(self, *, device: torch.device | str, seed: int, say: Callable[[str], None] | None = None) -> None:
+        self.device, self.seed, self.say = device, seed, say
+        self.reports: list[LoadReport] = []
 
-    def __call__(self, module: nn.Module) -> None:
-        materialize(module, device=self.device, seed=self.seed)
+    def __call__(self, module: nn.Module, *, source: nn.Module | None = None) -> None:
+        report = materialize(module, device=self.device, seed=self.seed, source=source)
+        if report is not None:
+            self.reports.append(report)
+            if self.say is not None:
+                self.say(report.line())
 
     def for_part(self, source: nn.Module) -> Callable[[nn.Module], None]:
-        return functools.partial(materialize, device=self.device, seed=self.seed, source=source)
+        return functools.partial(self, source=source)
 
 
-def make_materializer(*, device: torch.device | str, seed: int) -> Materializer:
+def make_materializer(
+    *, device: torch.device | str, seed: int, say: Callable[[str], None] | None = None
+) -> Materializer:
     """The meta-device init hook for `parallelize` (see `Materializer`)."""
-    return Materializer(device=device, seed=seed)
+    return Materializer(device=device, seed=seed, say=say)
 
 
 @contextlib.contextmanager
@@ -278,11 +329,15 @@ def track_registrations() -> Iterator[dict[int, tuple[torch.Tensor, torch.dtype]
             h.remove()
 
 
-def converted_after_registration(model: nn.Module, seen: dict[int, tuple[torch.Tensor, torch.dtype]]) -> str | None:
+def converted_after_registration(
+    model: nn.Module, seen: dict[int, tuple[torch.Tensor, torch.dtype]], *, skip: frozenset[str] = frozenset()
+) -> str | None:
     """Why a tensor of `model` is not as it was registered (`model.to(dtype)` or `.half()` in
     the factory), or None. The replay would initialise such a tensor in its final dtype, but
     eager construction initialised it first and converted it afterwards."""
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name in skip:  # loaded from pretrained files, or a buffer computed for real
+            continue
         if id(t) not in seen:
             return f"{name!r} was replaced after construction (e.g. by model.to(...) in the factory)"
         if seen[id(t)][1] != t.dtype:
@@ -294,13 +349,14 @@ def converted_after_registration(model: nn.Module, seen: dict[int, tuple[torch.T
 
 
 @torch.no_grad()
-def check_init_contract(model: nn.Module) -> str | None:
+def check_init_contract(model: nn.Module, *, skip: frozenset[str] = frozenset()) -> str | None:
     """None if the init hooks of `model`, freshly built on meta, write every parameter and buffer
     of the module that owns it, nothing else, and as often as construction wrote it; otherwise the
     first violation, in words. The last part compares version counters (one bump per in-place
     write, also on meta). It catches a constructor that initialises weights some other way, as
     nanoGPT's `self.apply(self._init_weights)` does. A tensor shared by several modules (tied
-    weights) is exempt from that count."""
+    weights) is exempt from that count. `skip`: names of tensors that come from elsewhere
+    (`provided_names`): they need no hook."""
     problem = lora.unsupported_init(model)
     if problem is not None:
         return problem
@@ -313,7 +369,9 @@ def check_init_contract(model: nn.Module) -> str | None:
     every = {id(t): t for _, m in modules for _, t in _own(m)}
     built = {k: t._version for k, t in every.items()}  # in-place writes during construction
     for name, module in modules:
-        problem = _check_module(model, name, module, every=every, built=built, owners=owners)
+        if _kept(name, module, skip):
+            continue
+        problem = _check_module(model, name, module, every=every, built=built, owners=owners, skip=skip)
         if problem is not None:
             return problem
     return None
@@ -327,6 +385,7 @@ def _check_module(
     every: dict[int, torch.Tensor],
     built: dict[int, int],
     owners: dict[int, int],
+    skip: frozenset[str],
 ) -> str | None:
     where = f"module {name or '<root>'!r} ({type(module).__name__})"
     before = {k: t._version for k, t in every.items()}
@@ -339,7 +398,7 @@ def _check_module(
     if any(t._version != before[k] for k, t in every.items()):
         return f"an init hook of {where} writes tensors of other modules"
     for attr, t in scratch.items():
-        if produced[attr] is not t:  # the hook assigned a new tensor (a recomputed buffer)
+        if produced[attr] is not t or _full_name(name, attr) in skip:  # a recomputed buffer; a loaded tensor
             continue
         if t._version == 0:
             return (

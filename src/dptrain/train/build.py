@@ -16,9 +16,11 @@ from dptrain.config.datasource import resolve_data
 from dptrain.config.imports import import_object
 from dptrain.data.loader import split_train_val
 from dptrain.models.lora import apply_lora
+from dptrain.models.pretrained import find_source
 from dptrain.parallel.materialize import (
     check_init_contract,
     converted_after_registration,
+    provided_names,
     track_registrations,
 )
 from dptrain.parallel.model import to_device
@@ -43,9 +45,11 @@ def build_model_meta(cfg: ModelConfig, *, seed: int) -> tuple[nn.Module, str | N
     (see `dptrain.parallel.materialize`), `(build_model(cfg, seed=seed), reason)`: an eager model
     as today, and a line for the console saying why. A meta build leaves the global RNG as it
     found it (`materialize` moves it to where eager construction leaves it); the fallback leaves
-    it where `build_model` does."""
-    # imported here: it loads DTensor, which importing dptrain.train.build should not
+    it where `build_model` does.
 
+    A model with pretrained weights (its factory attached a `PretrainedSource`: dptrain/models/pretrained.py)
+    is always returned on meta, to be loaded after sharding; the checks above apply to the tensors the files do
+    not hold (adapters added to it), and a failure is a ConfigError: such a model has no eager build."""
     before = torch.get_rng_state()
     torch.manual_seed(seed)
     seeded = torch.get_rng_state()
@@ -53,11 +57,22 @@ def build_model_meta(cfg: ModelConfig, *, seed: int) -> tuple[nn.Module, str | N
     try:
         with torch.device("meta"), track_registrations() as registered:
             model = _call_factory(cfg)
+    except ConfigError:
+        torch.set_rng_state(before)
+        raise
     except Exception as e:  # noqa: BLE001 - any failure on meta means: build it as today
         reason = f"it raised {type(e).__name__}: {e}"
     else:
-        reason = (_meta_problem(model, seeded=seeded) or converted_after_registration(model, registered)
-                  or check_init_contract(model))
+        skip = provided_names(model)
+        reason = (_meta_problem(model, seeded=seeded, skip=skip)
+                  or converted_after_registration(model, registered, skip=skip)
+                  or check_init_contract(model, skip=skip))
+        if reason is not None and find_source(model) is not None:
+            torch.set_rng_state(before)
+            raise ConfigError(
+                f"model.factory {cfg.factory!r} starts from pretrained weights, but the parameters its files do not "
+                f"hold cannot be initialised after sharding: {reason}"
+            )
     torch.set_rng_state(before)
     if reason is None:
         return model, None
@@ -66,10 +81,11 @@ def build_model_meta(cfg: ModelConfig, *, seed: int) -> tuple[nn.Module, str | N
                    "built it eagerly on every rank instead")
 
 
-def _meta_problem(model: nn.Module, *, seeded: torch.Tensor) -> str | None:
-    """Why a model just built under `torch.device("meta")` cannot be replayed exactly, or None."""
+def _meta_problem(model: nn.Module, *, seeded: torch.Tensor, skip: frozenset[str] = frozenset()) -> str | None:
+    """Why a model just built under `torch.device("meta")` cannot be replayed exactly, or None. `skip`: the
+    names of tensors that come from elsewhere (pretrained files, buffers computed for real)."""
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if not t.is_meta:
+        if not t.is_meta and name not in skip:
             return f"{name!r} was created on {t.device}, not on meta"
     if not torch.equal(torch.get_rng_state(), seeded):
         return "its construction drew from the CPU random generator outside the init hooks"

@@ -163,7 +163,9 @@ class Trainer:
         # One mesh per run: every group and data-parallel rank below comes from it.
         self.mesh = ParallelMesh.build(res.dims, device_type=self.device.type)
         shards_on = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
-        materialize = None if eager_reason else make_materializer(device=shards_on, seed=cfg.train.seed)
+        materialize = None if eager_reason else make_materializer(
+            device=shards_on, seed=cfg.train.seed, say=self.out.say if self.env.is_main else None
+        )
         # parallel.grad_compression: a DDP communication hook (None: none, or FSDP2's reduce dtype)
         self.comm_hook = build_comm_hook(
             cfg.parallel, process_group=self.mesh.dp_group, backend=res.backend, optim=cfg.optim

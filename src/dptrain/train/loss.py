@@ -34,6 +34,7 @@ from torch import nn
 
 from dptrain.config import ConfigError
 from dptrain.distributed import collectives
+from dptrain.models.lora import base_of
 
 IGNORE_INDEX = -100
 
@@ -92,6 +93,7 @@ def takes_num_items(loss_fn: LossFn, model: nn.Module) -> bool:
         return False
     plain = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     plain = getattr(plain, "_orig_mod", plain)  # torch.compile's wrapper forwards *args, **kwargs
+    plain = base_of(plain)  # a PEFT model passes its **kwargs on to the model it wraps: that one decides
     declared = getattr(plain, "accepts_loss_kwargs", None)
     if declared is not None:
         return bool(declared)

@@ -1,0 +1,110 @@
+"""The whole fine-tuning path together: a Hugging Face Llama saved locally (tests/support/pretrained.py), built on
+the meta device by `dptrain.models.hf:causal_lm`, each rank loading only its shards, LoRA applied by `model.lora`,
+trained on 2 forked gloo ranks under fsdp through the real `Trainer.fit()`:
+
+- step 1's loss is the pretrained base's own loss on that batch (the base was loaded, and LoRA starts at B = 0);
+- the checkpoints hold the adapters only and name the base folder;
+- `final/` is PEFT's layout: `PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), final/)` gives the
+  trained model's logits (max |d| <= 1e-5);
+- the same run resumed from its step-2 checkpoint ends with the same losses and adapters, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (the optional extra: pip install -e '.[hf]')"
+)
+peft = pytest.importorskip("peft", reason="peft is not installed (the optional extra: pip install -e '.[lora]')")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
+
+from dptrain.checkpoint import manifest as mf  # noqa: E402
+from support.hf import GLOBAL_BATCH, hf_batches, overrides  # noqa: E402
+from support.mp import run_ranks  # noqa: E402
+from support.parity import SEED  # noqa: E402
+from support.pretrained import PROBE, save_hf_llama  # noqa: E402
+
+STEPS = 4
+
+
+def items(folder: Path, *, steps: int = STEPS) -> list[str]:
+    base = [i for i in overrides("llama", "fsdp") if not i.startswith(("model.", "train.max_steps"))]
+    return [*base, "model.factory=dptrain.models.hf:causal_lm", f"model.kwargs={{pretrained: {folder}}}",
+            "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", f"train.max_steps={steps}",
+            "checkpoint.every_steps=2", "train.log_every_steps=1"]
+
+
+def _fit_and_probe(rank: int, cfg_items: list[str], out: str) -> dict:
+    from dptrain.config.load import load_config
+    from dptrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, cfg_items), out_dir=out)
+    trainer.fit()
+    model = trainer.parallel.module  # still the FSDP2 module: every rank runs the forward
+    with torch.no_grad():
+        logits = model.eval()(input_ids=PROBE).logits
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return {"logits": logits.detach().clone()}
+
+
+def losses(run: Path) -> list[tuple[int, str]]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], float(r["loss"]).hex()) for r in recs if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_lora_on_a_sharded_pretrained_base_under_fsdp(tmp_path: Path) -> None:
+    from torch.utils.data import default_collate
+
+    from dptrain.data import GlobalBatchSampler
+
+    folder = save_hf_llama(tmp_path / "base")
+    run = tmp_path / "run"
+    [r0, _] = run_ranks(_fit_and_probe, 2, items(folder), str(run), timeout=200)
+
+    # step 1 is the base's own loss: loaded, not drawn; the adapters add nothing yet
+    ds = hf_batches()
+    order = GlobalBatchSampler(dataset_len=len(ds), global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH,
+                               grad_accum_steps=1, dp_rank=0, dp_world_size=1, seed=SEED, shuffle=True)
+    batch = default_collate([ds[i] for i in order.global_batch_indices(0)])
+    base = transformers.LlamaForCausalLM.from_pretrained(str(folder))
+    with torch.no_grad():
+        want = base(**batch).loss.item()
+    first = float.fromhex(losses(run)[0][1])
+    assert abs(first - want) <= 1e-5, (first, want)
+
+    # checkpoints: adapters only, and the base they belong to
+    ckpt = run / "checkpoints" / "step_000002"
+    meta = mf.verify(ckpt)
+    assert meta["base_model"]["folder"] == str(folder)
+    stored = list(FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata)
+    tensors = [k for k in stored if k.startswith(("model.", "optim.state."))]
+    assert tensors and all("lora_" in k for k in tensors), [k for k in tensors if "lora_" not in k][:5]
+
+    # final/: PEFT's own loader gives the trained logits
+    final = run / "final"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in final.iterdir()}
+    assert all("lora_" in k for k in load_file(final / "adapter_model.safetensors"))
+    tuned = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(str(folder)), str(final))
+    with torch.no_grad():
+        got = tuned.eval()(input_ids=PROBE).logits
+    assert (got - r0["logits"]).abs().max().item() <= 1e-5
+    assert (got - base.eval()(input_ids=PROBE).logits).abs().max().item() > 1e-4  # the adapters did train
+
+    # resume from step 2: the same losses and adapters, bit for bit
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copytree(run / "checkpoints" / "step_000002", again / "checkpoints" / "step_000002")
+    run_ranks(_fit_and_probe, 2, items(folder), str(again), timeout=200)
+    assert losses(again) == losses(run)[2:]
+    a, b = load_file(final / "adapter_model.safetensors"), load_file(again / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -108,3 +108,31 @@ def test_lora_on_a_sharded_pretrained_base_under_fsdp(tmp_path: Path) -> None:
     assert losses(again) == losses(run)[2:]
     a, b = load_file(final / "adapter_model.safetensors"), load_file(again / "final" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------ QLoRA: a 4-bit base needs a GPU
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_a_4bit_base_is_refused_on_a_cpu_with_the_reason(tmp_path: Path) -> None:
+    """QLoRA's 4-bit base (bitsandbytes) is written for CUDA and not yet run on a GPU: on this machine it is
+    refused before any process starts, naming the value; so are a 4-bit base without LoRA, under fsdp, and an
+    unknown 4-bit type."""
+    from dptrain.config import ConfigError, resolve
+    from dptrain.config.load import load_config
+    from dptrain.models.hf import causal_lm
+
+    folder = save_hf_llama(tmp_path / "base")
+    base = ["model.factory=dptrain.models.hf:causal_lm", f"model.kwargs={{pretrained: {folder}, quantize: nf4}}"]
+    cases = {
+        "a 4-bit base cannot be trained itself": [],
+        "not FSDP2 or ZeRO shards": ["model.lora.enabled=true", "parallel.strategy=fsdp"],
+    }
+    for message, extra in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            resolve(load_config(None, [*base, *extra]), world_size=2)
+    resolve(load_config(None, [*base, "model.lora.enabled=true", "parallel.strategy=ddp"]), world_size=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="quantize='nf4' .* needs a CUDA GPU and bitsandbytes"):
+            causal_lm(str(folder), quantize="nf4")
+    with pytest.raises(ConfigError, match="quantize='int3' is not one of nf4, fp4"):
+        causal_lm(str(folder), quantize="int3")

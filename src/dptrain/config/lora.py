@@ -22,6 +22,10 @@ def peft_missing() -> bool:
 def validate_lora(cfg: Config) -> None:
     """model.lora: peft importable, target names, and the layouts LoRA is not built for yet (tp, pp)."""
     lora: LoraConfig = cfg.model.lora
+    quantize = cfg.model.kwargs.get("quantize") if isinstance(cfg.model.kwargs, dict) else None
+    if quantize is not None and not lora.enabled:
+        raise ConfigError(f"model.kwargs.quantize={quantize!r}: a 4-bit base cannot be trained itself, only adapters "
+                          "on it (QLoRA); set model.lora.enabled=true, or drop model.kwargs.quantize")
     if not lora.enabled:
         return
     if peft_missing():
@@ -30,6 +34,12 @@ def validate_lora(cfg: Config) -> None:
     if targets is not None and (not targets or not all(isinstance(t, str) and t.strip() for t in targets)):
         raise ConfigError(f"model.lora.target_modules={list(targets)!r} is not valid; give module names such as "
                           "[q_proj, v_proj], or null for every attention and MLP linear")
+    if quantize is not None and cfg.parallel.strategy not in ("single", "ddp"):
+        raise ConfigError(
+            f"model.kwargs.quantize={quantize!r} (a 4-bit base, QLoRA) with parallel.strategy="
+            f"{cfg.parallel.strategy!r}: bitsandbytes' 4-bit weights are not FSDP2 or ZeRO shards; use "
+            "parallel.strategy=ddp (every rank holds the 4-bit base, only the adapters are reduced) or single"
+        )
     for name, degree in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp)):
         if degree != 1:
             raise ConfigError(

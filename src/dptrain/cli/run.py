@@ -175,14 +175,16 @@ def check_factories(cfg: Config, *, tp: int = 1) -> Any:
     model can be split. Returns the train set."""
     # lazy: torch: loaded when the command runs, never for --help
     from dptrain.data.loader import split_train_val
+    from dptrain.train.build import align_labels
 
     if cfg.train.loss:
         import_object(cfg.train.loss)  # a typo in an import path fails here, not in every worker
     check_hosted(cfg)  # optim.factory, scheduler_factory, eval_fn, collate (+ kwargs): import and bind
     model = check_model(cfg.model)
-    data_fn = import_object(cfg.data.factory)
-    check_signature(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory)
-    train, _ = split_train_val(call_factory(data_fn, cfg.data.kwargs, key="data.factory", spec=cfg.data.factory))
+    data = align_labels(cfg.data, model)  # the labels the model expects; a `shift` against it is refused now
+    data_fn = import_object(data.factory)
+    check_signature(data_fn, data.kwargs, key="data.factory", spec=data.factory)
+    train, _ = split_train_val(call_factory(data_fn, data.kwargs, key="data.factory", spec=data.factory))
     check_vocabulary(model, train)
     check_tensor_parallel(model, parallel=cfg.parallel, tp=tp, sample=train[0] if len(train) else None)
     return train

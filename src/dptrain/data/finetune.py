@@ -183,7 +183,8 @@ def build_finetune(
     tokens per global batch; ``min_rows``: rows per global batch at least (>= grad_accum_steps x data-parallel
     ranks, kept when the world size changes); ``sort_window``: rows sorted by length together. ``shift``:
     labels aligned with the predictions (the built-in LLaMA) or equal to the inputs (a model that shifts them,
-    Hugging Face's ``*ForCausalLM``). ``attention_mask``: add one (default: for classification, and without
+    Hugging Face's ``*ForCausalLM``); a run sets it from its model (``dptrain.train.build.align_labels``), the
+    default applies to direct calls. ``attention_mask``: add one (default: for classification, and without
     shift). ``val_fraction``: the file's last fraction of examples is the validation split. ``padding``:
     ``dynamic`` (the token budget above) or ``max``: fixed-size batches of the config's batch sizes in random
     order, every row padded to ``seq_len`` (static shapes; what dynamic padding is measured against).

@@ -170,6 +170,9 @@ class TransformerBlock(nn.Module):
 class LlamaLM(nn.Module):
     """Byte-level LLaMA-style causal LM whose ``forward(batch)`` returns the CE loss (see ``forward``)."""
 
+    shifts_labels = False
+    """Its ``labels`` are aligned with the predictions: the data shifts them (``dptrain.models.labels``)."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -4,6 +4,7 @@ here, where configs and own loops found them before.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -12,9 +13,10 @@ import torch
 from torch import nn
 
 from dptrain.config import ConfigError, DataConfig, ModelConfig
-from dptrain.config.datasource import resolve_data
+from dptrain.config.datasource import FINETUNE_FACTORY, PACKED_FACTORY, resolve_data
 from dptrain.config.imports import import_object
 from dptrain.data.loader import split_train_val
+from dptrain.models.labels import labels_shifted_by, model_kind
 from dptrain.models.lora import apply_lora
 from dptrain.models.pretrained import find_source
 from dptrain.parallel.materialize import (
@@ -27,7 +29,8 @@ from dptrain.parallel.model import to_device
 from dptrain.train.loss import LossFn, check_scalar, forward_loss
 
 __all__ = [
-    "build_collate", "build_datasets", "build_loss_fn", "build_model", "build_model_meta", "import_object", "to_device"
+    "align_labels", "build_collate", "build_datasets", "build_loss_fn", "build_model", "build_model_meta",
+    "import_object", "to_device",
 ]
 
 
@@ -114,6 +117,46 @@ def build_datasets(cfg: DataConfig) -> tuple[Any, Any | None]:
     except TypeError as e:
         raise ConfigError(f"data.factory {cfg.factory!r} rejected data.kwargs {cfg.kwargs}: {e}") from None
     return split_train_val(out)
+
+
+def align_labels(cfg: DataConfig, model: nn.Module) -> DataConfig:
+    """`cfg` (``data.source`` resolved) giving `model` the labels it expects (dptrain/models/labels.py).
+
+    The fine-tuning rows (``dptrain.data.finetune:build_finetune``): ``data.kwargs.shift`` follows the model when
+    not given (``false`` for a transformers causal LM, which shifts its labels itself; ``true`` for the built-in
+    LLaMA), and a ``shift`` that contradicts it is refused. Packed rows (labels always aligned with the
+    predictions) are refused for a model that shifts its labels itself. Other data factories, and models that
+    do not say (``labels_shifted_by`` is None), are left as they are. ConfigError naming the setting, the
+    model's class and what to set instead: shifted twice, or not at all, the loss still falls and nothing
+    fails, but every token learns to predict the one two places ahead (or itself)."""
+    cfg = resolve_data(cfg)
+    by_model = labels_shifted_by(model)
+    if by_model is None:
+        return cfg
+    kind = model_kind(model)
+    if cfg.factory == PACKED_FACTORY and by_model:
+        raise ConfigError(
+            f"data.factory={PACKED_FACTORY} gives labels already shifted (labels = the next tokens), but {kind} "
+            "shifts its labels itself: every token would learn to predict the one two places ahead. Packed rows "
+            "train the built-in LLaMA (model.factory=dptrain.models.llama:build_llama); for this model use a "
+            "JSON-lines file (data.source=FILE.jsonl), whose labels follow the model"
+        )
+    if cfg.factory != FINETUNE_FACTORY:
+        return cfg
+    want = not by_model  # the data shifts exactly when the model does not
+    given = cfg.kwargs.get("shift")
+    if given is None:
+        return dataclasses.replace(cfg, kwargs={**cfg.kwargs, "shift": want})
+    if bool(given) != want:
+        why = ("shifts its labels itself (it takes labels equal to input_ids): shifted labels would train every "
+               "token to predict the one two places ahead" if by_model else
+               "takes labels aligned with its predictions: unshifted labels would train every token to predict "
+               "itself")
+        raise ConfigError(
+            f"data.kwargs.shift={str(bool(given)).lower()} contradicts the model: {kind} {why}; remove "
+            f"data.kwargs.shift (it follows the model) or set data.kwargs.shift={str(want).lower()}"
+        )
+    return cfg
 
 
 def build_collate(cfg: DataConfig) -> Callable[[list[Any]], Any] | None:

@@ -48,7 +48,14 @@ from dptrain.parallel.comm_hooks import build_comm_hook
 from dptrain.parallel.materialize import make_materializer
 from dptrain.parallel.nvme_offload import NvmeOptimizerState
 from dptrain.train.backend import apply_backend_flags, compile_backend
-from dptrain.train.build import build_collate, build_datasets, build_loss_fn, build_model_meta, import_object
+from dptrain.train.build import (
+    align_labels,
+    build_collate,
+    build_datasets,
+    build_loss_fn,
+    build_model_meta,
+    import_object,
+)
 from dptrain.train.evaluation import evaluate, summarize
 from dptrain.train.hosted import make_optimizer, make_scheduler, scheduler_period
 from dptrain.train.loss import CountItems, items_per_rank, takes_num_items
@@ -158,6 +165,9 @@ class Trainer:
             self.out.say(f"dptrain: {eager_reason}")
         # A PEFT model (model.lora, or a factory's get_peft_model): the frozen base's folder and hash, else None
         self.base_model = base_record(model, factory=cfg.model.factory, kwargs=cfg.model.kwargs, seed=cfg.train.seed)
+        # The labels this model expects (a transformers causal LM shifts its own): the fine-tuning data's
+        # `shift` follows the model, one against it is refused; config.yaml then says what trained.
+        self.cfg = cfg = dataclasses.replace(cfg, data=align_labels(cfg.data, model))
         # Before any wrapper's own collectives: all ranks agree on world size, config and model.
         self.diag.preflight(model, config=to_dict(cfg))
         # One mesh per run: every group and data-parallel rank below comes from it.

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from dptrain.config import Config, resolve
 from dptrain.data import GlobalBatchSampler
-from dptrain.train.build import build_collate, build_datasets, build_loss_fn, build_model, to_device
+from dptrain.train.build import align_labels, build_collate, build_datasets, build_loss_fn, build_model, to_device
 from dptrain.train.optim import build_scheduler, optimizer_spec, param_groups
 
 __all__ = ["RawDDP"]
@@ -40,7 +40,7 @@ class RawDDP:
         self.opt = cls(param_groups(self.ddp.module, weight_decay=cfg.optim.weight_decay), **kw)
         self.scheduler = build_scheduler(self.opt, cfg=cfg.optim, max_steps=cfg.train.max_steps)
         self.loss_fn = build_loss_fn(cfg.train.loss)
-        train_ds, _ = build_datasets(cfg.data)
+        train_ds, _ = build_datasets(align_labels(cfg.data, self.ddp.module))  # as the Trainer: labels per model
         self.tokens_per_sample: int | None = getattr(train_ds, "seq_len", None)
         sampler = GlobalBatchSampler(
             dataset_len=len(train_ds), global_batch_size=res.global_batch_size, micro_batch_size=res.micro_batch_size,

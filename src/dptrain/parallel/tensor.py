@@ -46,7 +46,9 @@ from typing import Any
 from torch import nn
 
 from dptrain.config.imports import import_object
+from dptrain.models import lora
 from dptrain.models.llama_parallel import apply_llama_tp, is_builtin_llama
+from dptrain.models.lora_parallel import keep_frozen, lora_tp_plan
 
 TpPlan = Callable[[nn.Module, Any], None]
 
@@ -91,6 +93,7 @@ def apply_hf_tp(model: nn.Module, tp_mesh: Any) -> None:
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    model = lora.base_of(model)  # a PEFT model: the model peft wraps, its LoRA layers in place of the linears
     plan = hf_tp_plan(model)
     assert plan is not None
     base = model.get_submodule(str(model.base_model_prefix))
@@ -99,7 +102,7 @@ def apply_hf_tp(model: nn.Module, tp_mesh: Any) -> None:
     expanded = {n: styles[style]() for pattern, style in plan.items() for n in names if fnmatch.fnmatchcase(n, pattern)}
     if not expanded:
         raise ValueError(f"{type(model).__name__}'s tensor-parallel plan matches none of its modules: {plan}")
-    parallelize_module(base, tp_mesh, expanded)
+    parallelize_module(base, tp_mesh, lora_tp_plan(base, expanded))
 
 
 def load_plan(spec: str) -> TpPlan:
@@ -120,6 +123,7 @@ def tp_problem(
         return None
     if tp_plan is not None:
         return None  # the user's plan decides what it splits
+    model = lora.base_of(model)  # a PEFT model (LoRA): the plans below are its base model's (models/lora_parallel.py)
     if (hf := hf_tp_plan(model)) is not None:
         return _hf_problem(model, hf, tp=tp)
     if not is_builtin_llama(model):
@@ -169,12 +173,14 @@ def apply_tp(
     tp = tp_mesh.size()
     if (why := tp_problem(model, tp=tp, tp_plan=tp_plan, sequence_parallel=sequence_parallel)) is not None:
         raise ValueError(why)
-    if tp_plan is not None:
-        load_plan(tp_plan)(model, tp_mesh)
-    elif hf_tp_plan(model) is not None:
-        apply_hf_tp(model, tp_mesh)
-    else:
-        apply_llama_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    with keep_frozen(model):  # SequenceParallel (a user's plan may use it) would make frozen norms trainable again
+        if tp_plan is not None:
+            load_plan(tp_plan)(model, tp_mesh)
+        elif hf_tp_plan(lora.base_of(model)) is not None:
+            apply_hf_tp(model, tp_mesh)
+        else:
+            apply_llama_tp(lora.base_of(model), tp_mesh, sequence_parallel=sequence_parallel,
+                           loss_parallel=loss_parallel)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,319 @@
+"""LoRA under tensor parallelism (models/lora_parallel.py: the tp plans rewritten for peft's LoRA layers), for the
+built-in LLaMA and a Hugging Face LlamaForCausalLM read from a folder, on real gloo ranks (tests/support/mp.py):
+
+- parity with one plain process training peft's own model with SGD (momentum): every step's loss and the final
+  adapters within rtol 1e-5, under tp2 with and without sequence parallelism, with loss parallelism, and fsdp x tp2;
+- the frozen base gets no gradient and no optimizer state; the adapters are split as the plan says (lora_B of a
+  column-parallel linear sharded like its base, lora_A of a row-parallel one);
+- the meta-device init under tp gives every rank its shard of the one-process init, bit for bit;
+- final/ (gathered from DTensor adapters) loads with `PeftModel.from_pretrained` and gives the trained logits;
+- the refusals before launch: pipeline parallelism, LoRA dropout under tp.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+peft = pytest.importorskip("peft", reason="peft is not installed (the optional extra: pip install -e '.[lora]')")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+
+import torch  # noqa: E402
+from torch.utils.data import default_collate  # noqa: E402
+
+from dptrain.config import ConfigError, LoraConfig, ModelConfig  # noqa: E402
+from dptrain.config.load import load_config  # noqa: E402
+from dptrain.data import GlobalBatchSampler  # noqa: E402
+from dptrain.train.build import build_model  # noqa: E402
+from dptrain.train.trainer import Trainer  # noqa: E402
+from support import hf  # noqa: E402
+from support.mp import run_ranks  # noqa: E402
+from support.parity import SEED, tiny_tokens  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*sequential all_(reduce|gather).*")
+
+LLAMA = {"vocab_size": 96, "dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 16}
+TOKENS = {"n": 32, "seq_len": 17, "vocab_size": 96, "seed": 0}
+RANK, ALPHA = 4, 8.0
+STEPS, GLOBAL, LR, MOMENTUM = 4, 8, 0.5, 0.9
+PROBE = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(5))  # 8 tokens: splits over tp=2 (SP)
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# ------------------------------------------------------------------ the two models and their runs
+def llama_model_cfg() -> ModelConfig:
+    return ModelConfig(factory="dptrain.models.llama:build_llama", kwargs=dict(LLAMA),
+                       lora=LoraConfig(enabled=True, rank=RANK, alpha=ALPHA))
+
+
+def hf_from_folder(path: str) -> torch.nn.Module:
+    """A user's factory of a pretrained HF model (model.factory=test_lora_tp:hf_from_folder model.kwargs.path=DIR)."""
+    return transformers.LlamaForCausalLM.from_pretrained(path)
+
+
+def hf_model_cfg(base: Path) -> ModelConfig:
+    return ModelConfig(factory="test_lora_tp:hf_from_folder", kwargs={"path": str(base)},
+                       lora=LoraConfig(enabled=True, rank=RANK, alpha=ALPHA))
+
+
+def common(*, dp: int, tp: int, strategy: str) -> list[str]:
+    return [
+        "model.lora.enabled=true", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "data.num_workers=0",
+        "optim.name=sgd", f"optim.lr={LR}", "optim.weight_decay=0", f"optim.momentum={MOMENTUM}",
+        "optim.warmup_steps=0", "optim.schedule=constant", "optim.grad_clip=null", f"train.max_steps={STEPS}",
+        f"train.seed={SEED}", "train.eval_batches=1", "train.log_every_steps=1", "train.eval_every_steps=0",
+        f"train.global_batch_size={GLOBAL}", f"train.micro_batch_size={GLOBAL // dp}", "train.grad_accum_steps=1",
+        f"parallel.strategy={strategy}", f"parallel.tp={tp}", "parallel.device=cpu", "parallel.timeout_s=60",
+        "log.progress=false", "diagnostics.preflight=false",
+    ]
+
+
+def llama_items(*, dp: int = 1, tp: int = 2, strategy: str = "ddp", extra: tuple[str, ...] = ()) -> list[str]:
+    return ["model.factory=dptrain.models.llama:build_llama", *(f"model.kwargs.{k}={v}" for k, v in LLAMA.items()),
+            "data.factory=support.parity:tiny_tokens", *(f"data.kwargs.{k}={v}" for k, v in TOKENS.items()),
+            *common(dp=dp, tp=tp, strategy=strategy), *extra]
+
+
+def hf_items(base: Path, *, dp: int = 1, tp: int = 2, strategy: str = "ddp") -> list[str]:
+    return ["model.factory=test_lora_tp:hf_from_folder", f"model.kwargs.path={base}",
+            "data.factory=support.hf:hf_batches", *common(dp=dp, tp=tp, strategy=strategy)]
+
+
+def probe_logits(model: torch.nn.Module) -> torch.Tensor:
+    """The logits of PROBE from a PEFT model (built-in LLaMA or HF), whole (vocabulary-sharded ones gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        base = model.get_base_model()  # type: ignore[operator]
+        out = base.logits(PROBE) if hasattr(base, "logits") else model(input_ids=PROBE).logits
+    return (out.full_tensor() if isinstance(out, DTensor) else out).detach().clone()
+
+
+def fit(rank: int, items: list[str], out: str, with_logits: bool) -> dict[str, Any]:
+    """One rank's run: what the test checks of its model, optimizer and (with_logits) the trained model's logits,
+    taken right before final/ is written (while the process group lives)."""
+    from torch.distributed.tensor import DTensor
+
+    from dptrain.train.outputs import RunOutputs
+
+    seen: dict[str, Any] = {}
+    real = RunOutputs.save_final
+
+    def save_final(self: RunOutputs, plan: Any) -> None:
+        if with_logits:
+            seen["logits"] = probe_logits(plan.plain)
+        real(self, plan)
+
+    RunOutputs.save_final = save_final  # type: ignore[method-assign]  # a forked rank: patched here only
+    t = Trainer(load_config(None, items), out_dir=out)
+    summary = t.fit()
+    plain = t.parallel.plain
+    trainable = {id(p) for p in plain.parameters() if p.requires_grad}
+    in_optimizer = {id(p) for group in t.optimizer.param_groups for p in group["params"]}
+    return {
+        **summary, **seen,
+        "n_frozen": sum(not p.requires_grad for p in plain.parameters()),
+        # the base stays frozen through the plan (SequenceParallel re-registers norm weights as trainable ones)
+        "trained_not_adapters": [n for n, p in plain.named_parameters() if p.requires_grad and "lora_" not in n],
+        "frozen_grads": sum(p.grad is not None for p in plain.parameters() if not p.requires_grad),
+        "optimizer_trainable_only": bool(in_optimizer) and in_optimizer <= trainable
+        and all(id(p) in trainable for p in t.optimizer.state),
+        "placements": {n: [repr(pl) for pl in p.placements] for n, p in plain.named_parameters()
+                       if isinstance(p, DTensor) and "lora_" in n},
+    }
+
+
+def reference(model_cfg: ModelConfig, data: Any, step_loss: Any) -> dict[str, Any]:
+    """One plain process, peft's own model: SGD with momentum on each whole global batch; the losses, the final
+    adapters and the trained logits of PROBE."""
+    net = build_model(model_cfg, seed=SEED)
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=LR, momentum=MOMENTUM)
+    order = GlobalBatchSampler(dataset_len=len(data), global_batch_size=GLOBAL, micro_batch_size=GLOBAL,
+                               grad_accum_steps=1, dp_rank=0, dp_world_size=1, seed=SEED, shuffle=True)
+    losses = []
+    for step in range(STEPS):
+        loss = step_loss(net, default_collate([data[i] for i in order.global_batch_indices(step)]))
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    adapters = {k: v.detach().clone() for k, v in net.named_parameters() if v.requires_grad}
+    return {"losses": losses, "adapters": adapters, "logits": probe_logits(net)}
+
+
+def llama_reference() -> dict[str, Any]:
+    return reference(llama_model_cfg(), tiny_tokens(**TOKENS), lambda net, batch: net(batch))
+
+
+def hf_reference(base: Path) -> dict[str, Any]:
+    return reference(hf_model_cfg(base), hf.hf_batches(), lambda net, batch: net(**batch).loss)
+
+
+def run_losses(run: Path) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def final_model(run: Path, base: torch.nn.Module) -> torch.nn.Module:
+    """final/ loaded by peft itself into `base`."""
+    assert sorted(p.name for p in (run / "final").iterdir() if p.suffix in (".json", ".safetensors")) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    return peft.PeftModel.from_pretrained(base, str(run / "final"))
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys() and a
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def check_run(run: Path, summaries: list[dict[str, Any]], want: dict[str, Any], base: torch.nn.Module,
+              *, label: str) -> None:
+    """The parity, frozen-base and final/ checks shared by the tests; prints the measured max |d|."""
+    for s in summaries:
+        assert s["n_frozen"] > 0 and s["frozen_grads"] == 0 and s["trained_not_adapters"] == [], s
+        assert s["optimizer_trainable_only"]
+    got_losses = run_losses(run)
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want["losses"]), rtol=RTOL, atol=ATOL)
+    loaded = final_model(run, base)
+    got = {k: v.detach() for k, v in loaded.named_parameters() if "lora_" in k}
+    for k in want["adapters"]:
+        torch.testing.assert_close(got[k], want["adapters"][k], rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
+    d_adapters = max_diff(got, want["adapters"])
+    d_loss = max(abs(a - b) for a, b in zip(got_losses, want["losses"], strict=True))
+    line = f"\n{label}: max |d| adapters {d_adapters:.2e}, losses {d_loss:.2e}"
+    if "logits" in summaries[0]:  # final/ loaded by peft gives the logits the tp model had at the end
+        trained = summaries[0]["logits"]
+        d_final = float((probe_logits(loaded) - trained).abs().max())
+        assert d_final <= 1e-5, d_final
+        line += f", final/ logits vs the trained tp model {d_final:.2e}, vs one process " \
+                f"{float((trained - want['logits']).abs().max()):.2e}"
+    print(line)
+
+
+# ------------------------------------------------------------------ the built-in LLaMA
+@pytest.fixture(scope="module")
+def llama_want() -> dict[str, Any]:
+    return llama_reference()
+
+
+def llama_base() -> torch.nn.Module:
+    return build_model(ModelConfig(factory="dptrain.models.llama:build_llama", kwargs=dict(LLAMA)), seed=SEED)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("label", "extra"), [
+    ("tp2, sequence parallel", ()),
+    ("tp2, no sequence parallel", ("parallel.sequence_parallel=false",)),
+    ("tp2, loss parallel", ("parallel.loss_parallel=true",)),
+])
+def test_builtin_llama_lora_under_tp2_matches_one_process(label, extra, llama_want, tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    summaries = run_ranks(fit, 2, llama_items(extra=extra), str(run), True, timeout=130)
+    with capsys.disabled():
+        check_run(run, summaries, llama_want, llama_base(), label=f"built-in LLaMA, {label}")
+    placements = summaries[0]["placements"]
+    # split as the plan says: colwise base -> lora_A replicated, lora_B sharded like the base's rows;
+    # rowwise base -> lora_A sharded like the base's columns, lora_B replicated
+    prefix = "base_model.model.layers.0"
+    assert placements[f"{prefix}.attn.wq.lora_A.default.weight"] == ["Replicate()"]
+    assert placements[f"{prefix}.attn.wq.lora_B.default.weight"] == ["Shard(dim=0)"]
+    assert placements[f"{prefix}.mlp.w2.lora_A.default.weight"] == ["Shard(dim=1)"]
+    assert placements[f"{prefix}.mlp.w2.lora_B.default.weight"] == ["Replicate()"]
+    assert len(placements) == 2 * 7 * LLAMA["n_layers"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_builtin_llama_lora_under_fsdp_times_tp2_matches_one_process(llama_want, tmp_path, capsys) -> None:
+    """4 ranks: 2 FSDP2 shards of a model split over 2; the adapters are 2-D DTensors on (dp, tp)."""
+    run = tmp_path / "run"
+    summaries = run_ranks(fit, 4, llama_items(dp=2, strategy="fsdp"), str(run), False, timeout=220)
+    with capsys.disabled():
+        check_run(run, summaries, llama_want, llama_base(), label="built-in LLaMA, fsdp2 x tp2")
+
+
+@pytest.mark.timeout(90)
+def test_meta_init_under_tp_gives_each_rank_its_shard_of_the_one_process_init(tmp_path) -> None:
+    """Built on meta, split over tp=2, materialized: every tensor (base and adapters, whole via DTensor) equals the
+    eager one-process build bit for bit; lora_B starts at zero."""
+    def one_rank(rank: int) -> list[str]:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+
+        from dptrain.parallel.materialize import materialize
+        from dptrain.parallel.tensor import apply_tp
+        from dptrain.train.build import build_model_meta
+
+        dist.init_process_group("gloo")
+        try:
+            model, reason = build_model_meta(llama_model_cfg(), seed=SEED)
+            assert reason is None, reason
+            apply_tp(model, init_device_mesh("cpu", (2,)))
+            materialize(model, device="cpu", seed=SEED)
+            want = build_model(llama_model_cfg(), seed=SEED).state_dict()
+            bad = []
+            for name, t in model.state_dict().items():
+                whole = t.full_tensor() if isinstance(t, DTensor) else t
+                if not torch.equal(whole, want[name]):
+                    bad.append(name)
+            assert sum(isinstance(t, DTensor) for n, t in model.state_dict().items() if "lora_" in n) == 28
+            return bad
+        finally:
+            dist.destroy_process_group()
+
+    assert run_ranks(one_rank, 2, timeout=80) == [[], []]
+
+
+# ------------------------------------------------------------------ Hugging Face Llama from a folder
+@pytest.mark.timeout(150)
+def test_hf_llama_lora_under_tp2_matches_one_process(tmp_path, capsys) -> None:
+    """LlamaForCausalLM read from a save_pretrained folder (the base weights loaded, not re-drawn), LoRA on every
+    linear but lm_head, split by its own base_model_tp_plan rewritten for the LoRA layers."""
+    base = tmp_path / "base"
+    torch.manual_seed(1)
+    hf.tiny_llama().save_pretrained(str(base))
+    run = tmp_path / "run"
+    summaries = run_ranks(fit, 2, hf_items(base), str(run), True, timeout=130)
+    with capsys.disabled():
+        check_run(run, summaries, hf_reference(base), hf_from_folder(str(base)), label="HF Llama, tp2")
+    placements = summaries[0]["placements"]
+    prefix = "base_model.model.model.layers.1"
+    assert placements[f"{prefix}.self_attn.q_proj.lora_B.default.weight"] == ["Shard(dim=0)"]
+    assert placements[f"{prefix}.self_attn.o_proj.lora_A.default.weight"] == ["Shard(dim=1)"]
+    assert placements[f"{prefix}.mlp.down_proj.lora_B.default.weight"] == ["Replicate()"]
+
+
+# ------------------------------------------------------------------ refusals
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["parallel.pp=2"], "model.lora.enabled=true cannot be used with parallel.pp=2 yet"),
+    (["parallel.tp=2", "model.lora.dropout=0.1"], "model.lora.dropout=0.1 cannot be used with parallel.tp=2 yet"),
+])
+def test_what_lora_is_not_built_for_is_refused_before_launch(overrides, named) -> None:
+    from dptrain.config.resolve import validate
+
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        validate(load_config(None, ["model.lora.enabled=true", *overrides]))
+    validate(load_config(None, ["model.lora.enabled=true", "parallel.tp=2"]))  # tp itself is fine now
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_a_lora_layer_the_plan_cannot_split_is_named() -> None:
+    """A DoRA layer (a LoRA variant) under a tp plan: refused naming the layer, not split wrong."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from dptrain.models.lora_parallel import lora_tp_plan
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    dora = peft.get_peft_model(net, peft.LoraConfig(r=2, target_modules=["0"], use_dora=True)).get_base_model()
+    with pytest.raises(ValueError, match=r"'0' has DoraLinearVariant"):
+        lora_tp_plan(dora, {"0": ColwiseParallel()})
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert list(lora_tp_plan(plain, {"0": ColwiseParallel()})) == ["0"]

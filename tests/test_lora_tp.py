@@ -2,12 +2,17 @@
 built-in LLaMA and a Hugging Face LlamaForCausalLM read from a folder, on real gloo ranks (tests/support/mp.py):
 
 - parity with one plain process training peft's own model with SGD (momentum): every step's loss and the final
-  adapters within rtol 1e-5, under tp2 with and without sequence parallelism, with loss parallelism, and fsdp x tp2;
-- the frozen base gets no gradient and no optimizer state; the adapters are split as the plan says (lora_B of a
-  column-parallel linear sharded like its base, lora_A of a row-parallel one);
+  adapters within rtol 1e-5, under tp2 with and without sequence parallelism, with loss parallelism and activation
+  checkpointing, and dp2 x tp2 under fsdp, zero2 and ddp (4 ranks);
+- every adapter's gradient in fp64 (lora_B non-zero, so lora_A has one) equal to one process's to 1e-12 relative,
+  which the trained parity cannot show for lora_A (from B = 0 some A's move by 1e-8 in 4 steps);
+- the frozen base stays frozen through the plan (SequenceParallel would make its norms trainable), gets no gradient
+  and no optimizer state; the adapters are split as the plan says; the planner's per-rank adapter count;
 - the meta-device init under tp gives every rank its shard of the one-process init, bit for bit;
-- final/ (gathered from DTensor adapters) loads with `PeftModel.from_pretrained` and gives the trained logits;
-- the refusals before launch: pipeline parallelism, LoRA dropout under tp.
+- final/ (gathered from DTensor adapters) loads with `PeftModel.from_pretrained` and gives the trained logits; the tp
+  DCP checkpoint holds the adapters only and resumes bit-identical; `ckpt export --merge` equals peft's own merge;
+- the refusals: pipeline parallelism and LoRA dropout under tp before launch, a LoRA layer the plan cannot split
+  (DoRA), a base model whose numbers tp does not divide.
 """
 
 from __future__ import annotations
@@ -433,3 +438,25 @@ def test_a_lora_layer_the_plan_cannot_split_is_named() -> None:
         lora_tp_plan(dora, {"0": ColwiseParallel()})
     plain = torch.nn.Sequential(torch.nn.Linear(8, 8))
     assert list(lora_tp_plan(plain, {"0": ColwiseParallel()})) == ["0"]
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_a_lora_model_that_cannot_be_split_is_refused_by_its_base_models_numbers() -> None:
+    """Before launch the PEFT model is judged by its base model's plan (built-in LLaMA, HF): the numbers named."""
+    from dptrain.parallel.tensor import tp_problem
+    from dptrain.train.build import build_model_meta
+
+    cfg = ModelConfig(factory="dptrain.models.llama:build_llama", kwargs={**LLAMA, "n_heads": 4, "dim": 48},
+                      lora=LoraConfig(enabled=True, rank=RANK))
+    model, _ = build_model_meta(cfg, seed=SEED)
+    assert tp_problem(model, tp=2, tp_plan=None, sequence_parallel=True) is None
+    why = tp_problem(model, tp=3, tp_plan=None, sequence_parallel=True)
+    assert why is not None and why.startswith("model.kwargs.n_heads=4 is not divisible by parallel.tp=3")
+    hf_cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=3, num_key_value_heads=3)
+    with torch.device("meta"):
+        hf_lora = peft.get_peft_model(transformers.LlamaForCausalLM(hf_cfg),
+                                      peft.LoraConfig(r=2, task_type="CAUSAL_LM"))
+    why = tp_problem(hf_lora, tp=2, tp_plan=None, sequence_parallel=True)
+    assert why is not None and "config.num_attention_heads=3 is not divisible by parallel.tp=2" in why

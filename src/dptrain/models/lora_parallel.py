@@ -18,7 +18,7 @@ would see one tensor. Under sequence parallelism the rowwise base's output is Sh
 output is reduced the same way and lora_B, replicated, runs on this rank's slice of the sequence (as
 SequenceParallel runs a norm); its gradient is then a partial sum over the sequence slices, which DTensor reduces
 as it does the norms' (the optimizer step, FSDP2's reduce-scatter and `clip_grad_norm_` see it whole).
-"""
+"""  # noqa: E501 (a Markdown table: one row a line)
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ class ReplicateParallel(ParallelStyle):
             module,
             device_mesh,
             None,  # every parameter replicated
-            functools.partial(self._prepare_input, self.input_layouts),  # type: ignore[arg-type]
-            functools.partial(self._prepare_output, self.use_local_output),  # type: ignore[arg-type]
+            functools.partial(self._prepare_input, self.input_layouts),
+            functools.partial(self._prepare_output, self.use_local_output),
         )
 
 
@@ -88,7 +88,7 @@ def _check_layer(name: str, layer: nn.Module) -> None:
                          "variant such as DoRA); dptrain splits plain LoRA adapters only (or use parallel.tp=1)")
 
 
-def _layer_plan(name: str, layer: nn.Module, style: Any) -> dict[str, Any]:
+def _layer_plan(name: str, layer: Any, style: Any) -> dict[str, Any]:
     """The plan entries for one LoRA layer whose base linear the plan splits with `style`."""
     _check_layer(name, layer)
     plan: dict[str, Any] = {}
@@ -106,7 +106,8 @@ def _layer_plan(name: str, layer: nn.Module, style: Any) -> dict[str, Any]:
         for adapter in layer.lora_A:
             plan[f"{name}.lora_A.{adapter}"] = RowwiseParallel(
                 input_layouts=style.input_layouts[0], output_layouts=out, use_local_output=False)
-            plan[f"{name}.lora_B.{adapter}"] = ReplicateParallel(input_layouts=out, use_local_output=style.use_local_output)
+            plan[f"{name}.lora_B.{adapter}"] = ReplicateParallel(
+                input_layouts=out, use_local_output=style.use_local_output)
     else:
         raise ValueError(f"tensor parallelism with LoRA: the plan splits the LoRA layer {name!r} with "
                          f"{type(style).__name__}; dptrain rewrites ColwiseParallel and RowwiseParallel entries for "

@@ -28,6 +28,11 @@ evaluation); see `loss_context`.
 A Hugging Face model with its own `config.base_model_tp_plan` (LlamaForCausalLM: q/k/v and
 gate/up column-wise, o and down row-wise) is split by that plan, translated into PyTorch's styles
 (`apply_hf_tp`; embeddings and LM head replicated; sequence and loss parallelism do not apply).
+A PEFT model (LoRA: `model.lora` or a factory's `get_peft_model`) is split by its base model's plan (the built-in
+LLaMA's or the Hugging Face one), each entry that names a linear peft wrapped rewritten for the LoRA layer: its base
+linear as planned, lora_B column-wise under a column-wise base, lora_A row-wise under a row-wise one, the other
+adapter replicated (`models/lora_parallel.py`: `lora_tp_plan`). Every plan runs under `keep_frozen`:
+SequenceParallel re-registers a norm's weight as a trainable parameter, which would train a frozen base's norms.
 Users' own models name a function `parallel.tp_plan=pkg.mod:fn`; `fn(model, tp_mesh)` applies its
 own plan (typically one `parallelize_module` call). A model with neither a plan nor a built-in
 one is refused before launch (`tp_problem`). Tied embeddings (`tie_embeddings=true`) are refused:
@@ -168,7 +173,8 @@ def apply_tp(
     loss_parallel: bool = False,
 ) -> None:
     """Split `model` in place over `tp_mesh`: the user's plan `tp_plan` (import path of
-    fn(model, tp_mesh)) when given, else the built-in LLaMA plan. Works on the meta device:
+    fn(model, tp_mesh)) when given, else a Hugging Face model's own plan, else the built-in LLaMA plan (for a PEFT
+    model: its base model's plan, rewritten for the LoRA layers). Works on the meta device:
     the parameters become meta DTensors that `materialize` fills later."""
     tp = tp_mesh.size()
     if (why := tp_problem(model, tp=tp, tp_plan=tp_plan, sequence_parallel=sequence_parallel)) is not None:

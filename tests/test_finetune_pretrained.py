@@ -125,7 +125,7 @@ def test_a_4bit_base_is_refused_on_a_cpu_with_the_reason(tmp_path: Path) -> None
     base = ["model.factory=dptrain.models.hf:causal_lm", f"model.kwargs={{pretrained: {folder}, quantize: nf4}}"]
     cases = {
         "a 4-bit base cannot be trained itself": [],
-        "not FSDP2 or ZeRO shards": ["model.lora.enabled=true", "parallel.strategy=fsdp"],
+        "not FSDP2, ZeRO or tensor-parallel shards": ["model.lora.enabled=true", "parallel.strategy=fsdp"],
     }
     for message, extra in cases.items():
         with pytest.raises(ConfigError, match=message):

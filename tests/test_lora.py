@@ -173,7 +173,7 @@ def test_hf_peft_model_materialized_from_meta_keeps_peft_init() -> None:
     ("model.lora.rank=0", "model.lora.rank=0 is not valid; it must be an integer >= 1"),
     ("model.lora.dropout=1.0", "model.lora.dropout=1.0 is not valid"),
     ("model.lora.alpha=-1", "model.lora.alpha=-1.0 is not valid"),
-    ("parallel.tp=2", "model.lora.enabled=true cannot be used with parallel.tp=2"),
+    ("parallel.pp=2", "model.lora.enabled=true cannot be used with parallel.pp=2"),
 ])
 def test_bad_lora_settings_are_refused_before_launch(override: str, named: str) -> None:
     from dptrain.config.resolve import validate

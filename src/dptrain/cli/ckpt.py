@@ -200,15 +200,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     from dptrain.checkpoint import storage
 
     target = Path(args.target)
+    fmt = getattr(args, "format", "safetensors")  # a Namespace built in Python may leave out the newer options
     if getattr(args, "merge", False):
-        if args.format == "hf":
+        if fmt == "hf":
             raise ConfigError("ckpt export: --merge and --format hf do not go together; --merge writes the merged "
                               "model in the base's own layout (save_pretrained for a Hugging Face base)")
         if args.out is None:
             raise ConfigError("ckpt export --merge needs --out DIR: the folder to write the merged model into")
         _check_target(args.target)
         return export_merged(args, root=_root_of(target))
-    if args.format == "hf":
+    if fmt == "hf":
         return _export_hf(args)
     args.out = args.out or "model.safetensors"
     if Path(args.out).is_dir():

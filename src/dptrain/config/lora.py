@@ -20,7 +20,7 @@ def peft_missing() -> bool:
 
 
 def validate_lora(cfg: Config) -> None:
-    """model.lora: peft importable, target names, and the layouts LoRA is not built for yet (tp, pp)."""
+    """model.lora: peft importable, target names, and what LoRA is not built for yet (pp; dropout under tp)."""
     lora: LoraConfig = cfg.model.lora
     quantize = cfg.model.kwargs.get("quantize") if isinstance(cfg.model.kwargs, dict) else None
     if quantize is not None and not lora.enabled:
@@ -34,17 +34,22 @@ def validate_lora(cfg: Config) -> None:
     if targets is not None and (not targets or not all(isinstance(t, str) and t.strip() for t in targets)):
         raise ConfigError(f"model.lora.target_modules={list(targets)!r} is not valid; give module names such as "
                           "[q_proj, v_proj], or null for every attention and MLP linear")
-    if quantize is not None and cfg.parallel.strategy not in ("single", "ddp"):
+    if quantize is not None and (cfg.parallel.strategy not in ("single", "ddp") or cfg.parallel.tp != 1):
         raise ConfigError(
             f"model.kwargs.quantize={quantize!r} (a 4-bit base, QLoRA) with parallel.strategy="
-            f"{cfg.parallel.strategy!r}: bitsandbytes' 4-bit weights are not FSDP2 or ZeRO shards; use "
-            "parallel.strategy=ddp (every rank holds the 4-bit base, only the adapters are reduced) or single"
+            f"{cfg.parallel.strategy!r}, parallel.tp={cfg.parallel.tp}: bitsandbytes' 4-bit weights are not FSDP2, "
+            "ZeRO or tensor-parallel shards; use parallel.strategy=ddp (every rank holds the 4-bit base, only the "
+            "adapters are reduced) or single, with parallel.tp=1"
         )
-    for name, degree in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp)):
-        if degree != 1:
-            raise ConfigError(
-                f"model.lora.enabled=true cannot be used with parallel.{name}={degree} yet: the tensor-parallel plans "
-                "and the pipeline split are written for the plain model's linears, not for peft's LoRA layers; use "
-                "parallel.strategy=ddp, zero1, zero2 or fsdp (LoRA's base weights are frozen, so fsdp already keeps "
-                "only 1/world of them per rank)"
-            )
+    if cfg.parallel.pp != 1:
+        raise ConfigError(
+            f"model.lora.enabled=true cannot be used with parallel.pp={cfg.parallel.pp} yet: the pipeline split is "
+            "written for the plain model, not for peft's PEFT model around it; use parallel.pp=1 (with "
+            "parallel.strategy=ddp, zero2 or fsdp, and parallel.tp if the model is too big for one device)"
+        )
+    if cfg.parallel.tp != 1 and lora.dropout > 0:
+        raise ConfigError(
+            f"model.lora.dropout={lora.dropout} cannot be used with parallel.tp={cfg.parallel.tp} yet: the adapters "
+            "of a column-parallel linear read the input replicated on every tp rank, so each rank would have to draw "
+            "the same dropout mask, which dptrain does not arrange; use model.lora.dropout=0, or parallel.tp=1"
+        )

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dptrain.models.llama import LlamaLM, rope_tables
+from dptrain.models.lora_parallel import keep_frozen, lora_tp_plan
 
 __all__ = ["LlamaStage", "apply_llama_tp", "is_builtin_llama", "llama_tp_plan", "split_batch", "split_llama"]
 
@@ -63,18 +64,21 @@ def apply_llama_tp(
 ) -> None:
     """The built-in plan (module docstring) applied in place to a `LlamaLM`, or to one of its
     pipeline stages (`LlamaStage`: the blocks it holds, and of tok_emb / norm / head those it has).
+    Linears peft wrapped in LoRA layers (the base model of a PEFT model) get the plan's entries for their base
+    linear and adapters (`lora_tp_plan`, models/lora_parallel.py).
     Between stages under sequence parallelism the activation is this rank's Shard(1) slice of the
     sequence (a plain local tensor): the pipeline group pairs ranks of the same tp coordinate."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     root, block = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     layers: Any = model.layers  # a ModuleList on LlamaLM; a pipeline stage's ModuleDict keyed by layer index
-    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
-        parallelize_module(layer, tp_mesh, block)
-    # A pipeline stage holds tok_emb only on the first stage, norm and head only on the last: plan what it has.
-    root = {name: style for name, style in root.items() if getattr(model, name, None) is not None}
-    if root:
-        parallelize_module(model, tp_mesh, root)
+    with keep_frozen(model):  # SequenceParallel would make a frozen norm trainable again
+        for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
+            parallelize_module(layer, tp_mesh, lora_tp_plan(layer, block))
+        # A pipeline stage holds tok_emb only on the first stage, norm and head only on the last: plan what it has.
+        root = {name: style for name, style in root.items() if getattr(model, name, None) is not None}
+        if root:
+            parallelize_module(model, tp_mesh, lora_tp_plan(model, root))
     if loss_parallel:
         model.register_forward_hook(_local_loss)
 

@@ -28,6 +28,11 @@ evaluation); see `loss_context`.
 A Hugging Face model with its own `config.base_model_tp_plan` (LlamaForCausalLM: q/k/v and
 gate/up column-wise, o and down row-wise) is split by that plan, translated into PyTorch's styles
 (`apply_hf_tp`; embeddings and LM head replicated; sequence and loss parallelism do not apply).
+A PEFT model (LoRA: `model.lora` or a factory's `get_peft_model`) is split by its base model's plan (the built-in
+LLaMA's or the Hugging Face one), each entry that names a linear peft wrapped rewritten for the LoRA layer: its base
+linear as planned, lora_B column-wise under a column-wise base, lora_A row-wise under a row-wise one, the other
+adapter replicated (`models/lora_parallel.py`: `lora_tp_plan`). Every plan runs under `keep_frozen`:
+SequenceParallel re-registers a norm's weight as a trainable parameter, which would train a frozen base's norms.
 Users' own models name a function `parallel.tp_plan=pkg.mod:fn`; `fn(model, tp_mesh)` applies its
 own plan (typically one `parallelize_module` call). A model with neither a plan nor a built-in
 one is refused before launch (`tp_problem`). Tied embeddings (`tie_embeddings=true`) are refused:
@@ -46,7 +51,9 @@ from typing import Any
 from torch import nn
 
 from dptrain.config.imports import import_object
+from dptrain.models import lora
 from dptrain.models.llama_parallel import apply_llama_tp, is_builtin_llama
+from dptrain.models.lora_parallel import keep_frozen, lora_tp_plan
 
 TpPlan = Callable[[nn.Module, Any], None]
 
@@ -91,6 +98,7 @@ def apply_hf_tp(model: nn.Module, tp_mesh: Any) -> None:
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    model = lora.base_of(model)  # a PEFT model: the model peft wraps, its LoRA layers in place of the linears
     plan = hf_tp_plan(model)
     assert plan is not None
     base = model.get_submodule(str(model.base_model_prefix))
@@ -99,7 +107,7 @@ def apply_hf_tp(model: nn.Module, tp_mesh: Any) -> None:
     expanded = {n: styles[style]() for pattern, style in plan.items() for n in names if fnmatch.fnmatchcase(n, pattern)}
     if not expanded:
         raise ValueError(f"{type(model).__name__}'s tensor-parallel plan matches none of its modules: {plan}")
-    parallelize_module(base, tp_mesh, expanded)
+    parallelize_module(base, tp_mesh, lora_tp_plan(base, expanded))
 
 
 def load_plan(spec: str) -> TpPlan:
@@ -120,6 +128,7 @@ def tp_problem(
         return None
     if tp_plan is not None:
         return None  # the user's plan decides what it splits
+    model = lora.base_of(model)  # a PEFT model (LoRA): the plans below are its base model's (models/lora_parallel.py)
     if (hf := hf_tp_plan(model)) is not None:
         return _hf_problem(model, hf, tp=tp)
     if not is_builtin_llama(model):
@@ -164,17 +173,20 @@ def apply_tp(
     loss_parallel: bool = False,
 ) -> None:
     """Split `model` in place over `tp_mesh`: the user's plan `tp_plan` (import path of
-    fn(model, tp_mesh)) when given, else the built-in LLaMA plan. Works on the meta device:
+    fn(model, tp_mesh)) when given, else a Hugging Face model's own plan, else the built-in LLaMA plan (for a PEFT
+    model: its base model's plan, rewritten for the LoRA layers). Works on the meta device:
     the parameters become meta DTensors that `materialize` fills later."""
     tp = tp_mesh.size()
     if (why := tp_problem(model, tp=tp, tp_plan=tp_plan, sequence_parallel=sequence_parallel)) is not None:
         raise ValueError(why)
-    if tp_plan is not None:
-        load_plan(tp_plan)(model, tp_mesh)
-    elif hf_tp_plan(model) is not None:
-        apply_hf_tp(model, tp_mesh)
-    else:
-        apply_llama_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    with keep_frozen(model):  # SequenceParallel (a user's plan may use it) would make frozen norms trainable again
+        if tp_plan is not None:
+            load_plan(tp_plan)(model, tp_mesh)
+        elif hf_tp_plan(lora.base_of(model)) is not None:
+            apply_hf_tp(model, tp_mesh)
+        else:
+            apply_llama_tp(lora.base_of(model), tp_mesh, sequence_parallel=sequence_parallel,
+                           loss_parallel=loss_parallel)
 
 
 @contextlib.contextmanager

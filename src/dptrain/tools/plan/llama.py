@@ -98,14 +98,21 @@ def param_counts(cfg: LlamaConfig) -> ParamCounts:
 LORA_DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 
-def lora_block_params(cfg: LlamaConfig, *, rank: int, targets: tuple[str, ...] | None = None) -> int:
-    """Adapter parameters LoRA adds to one block of `LlamaLM(cfg)`: r * (in + out) per targeted linear (A is r x in,
-    B out x r; no bias); `targets` null: every attention and MLP linear (model.lora's default)."""
+LORA_ROWWISE = ("wo", "w2")
+"""The row-parallel linears of the tensor-parallel plan (the rest are column-parallel)."""
+
+
+def lora_block_params(cfg: LlamaConfig, *, rank: int, targets: tuple[str, ...] | None = None, tp: int = 1) -> int:
+    """Adapter parameters LoRA adds to one block of `LlamaLM(cfg)` on one tp rank: r * (in + out) per targeted linear
+    (A is r x in, B out x r; no bias); `targets` null: every attention and MLP linear (model.lora's default). Under
+    tp (models/lora_parallel.py) a column-parallel linear's B is split over its out rows and its A replicated
+    (r * (in + out / tp)); a row-parallel one's A is split over its in columns and its B replicated."""
     assert cfg.n_kv_heads is not None and cfg.ffn_hidden is not None
     d, f = cfg.dim, cfg.ffn_hidden
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w1": (d, f), "w3": (d, f), "w2": (f, d)}
-    return sum(rank * sum(shapes[t]) for t in (targets or LORA_DEFAULT_TARGETS) if t in shapes)
+    per_rank = {t: (i // tp, o) if t in LORA_ROWWISE else (i, o // tp) for t, (i, o) in shapes.items()}
+    return sum(rank * sum(per_rank[t]) for t in (targets or LORA_DEFAULT_TARGETS) if t in per_rank)
 
 
 def _half(precision: str, param_dtype: str | None) -> tuple[bool, bool]:

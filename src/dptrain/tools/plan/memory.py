@@ -213,7 +213,7 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list
                     (c.embedding + c.head) // lay.tp + c.final_norm))
     trained = n  # LoRA: only the adapters have gradients and optimizer state; the frozen base is weights only
     if lay.lora_rank:
-        trained = sum(layers) * lora_block_params(cfg, rank=lay.lora_rank, targets=lay.lora_targets)
+        trained = sum(layers) * lora_block_params(cfg, rank=lay.lora_rank, targets=lay.lora_targets, tp=lay.tp)
         n += trained
     states = model_states(lay, param_bytes=4 * n, grad_bytes=4 * trained, optim_bytes=k * trained, unit_bytes=unit)
     params, grads, optim, temp, host = (states[key] for key in ("params", "grads", "optimizer", "temporary", "host"))

@@ -246,3 +246,44 @@ def test_gpu_check_refuses_without_a_gpu() -> None:
     assert proc.returncode == 1
     assert "gpu_check: no GPU to check" in proc.stderr and "CPU-only build" in proc.stderr
     assert proc.stdout == ""
+
+
+_MALLOC_PROBE = """
+import ctypes, json, sys
+import torch
+from dptrain.config import TrainConfig
+from dptrain.train.backend import apply_malloc_threshold
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                              "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+kib = None if sys.argv[1] == "null" else int(sys.argv[1])
+done = apply_malloc_threshold(TrainConfig(malloc_mmap_threshold_kib=kib))
+big = torch.empty(4 << 20)  # 16 MiB: mapped; freeing it raises glibc's dynamic threshold to 16 MiB
+del big
+before = libc.mallinfo2().hblkhd
+t = torch.empty(1 << 20)  # 4 MiB
+print(json.dumps({"set": done, "mapped": libc.mallinfo2().hblkhd - before}))
+"""
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+def test_the_malloc_threshold_maps_large_host_tensors_on_their_own() -> None:
+    """train.malloc_mmap_threshold_kib (train/backend.py): with it, a 4 MiB host tensor allocated after a 16 MiB one
+    was freed gets its own memory map (returned to the system when freed); with null, glibc's dynamic threshold has
+    risen and the heap serves it (and keeps it). glibc's own counters (mallinfo2) say which, in a fresh process."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    got = {}
+    for kib in ("1024", "null"):
+        out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE, kib], env=env, capture_output=True, text=True,
+                             timeout=50)
+        assert out.returncode == 0, out.stderr
+        got[kib] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["1024"] == {"set": 1024 * 1024, "mapped": got["1024"]["mapped"]} and got["1024"]["mapped"] >= 4 << 20
+    assert got["null"] == {"set": None, "mapped": 0}

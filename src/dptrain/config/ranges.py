@@ -64,6 +64,8 @@ RANGES: dict[str, dict[str, Range]] = {
         "grad_accum_steps": Range(int, 1, optional=True),
         "seed": Range(int, 0, _SEED_MAX),
         "flops_per_token": Range(float, 0, low_open=True, optional=True, note="null: from the model"),
+        "malloc_mmap_threshold_kib": Range(int, 0, 32768, optional=True, note="KiB: glibc's limit is 32 MiB; null: "
+                                           "glibc's dynamic threshold"),
     },
     "optim": {
         "lr": POS_FLOAT,

@@ -47,7 +47,7 @@ from dptrain.parallel import ParallelModel, parallelize_model, unwrap
 from dptrain.parallel.comm_hooks import build_comm_hook
 from dptrain.parallel.materialize import make_materializer
 from dptrain.parallel.nvme_offload import NvmeOptimizerState
-from dptrain.train.backend import apply_backend_flags, compile_backend
+from dptrain.train.backend import apply_backend_flags, apply_malloc_threshold, compile_backend
 from dptrain.train.build import (
     align_labels,
     build_collate,
@@ -87,6 +87,7 @@ class Trainer:
         self.run_dir = Path(out_dir or default_out_dir(cfg))
         self.device = bind_device(self.env, self.res.device)  # before anything that allocates
         apply_backend_flags(cfg.train, self.device)  # CUDA: TF32, cudnn.benchmark (speed.py)
+        apply_malloc_threshold(cfg.train)  # glibc: freed host tensors go back to the system (train/backend.py)
         self.state = TrainState()
         self.log_window = LogWindow()
         self.out = RunOutputs(env=self.env, run_dir=self.run_dir)  # console, metrics.jsonl, monitor, summary, final/

@@ -5,7 +5,7 @@ trained on 2 forked gloo ranks under fsdp through the real `Trainer.fit()`:
 - step 1's loss is the pretrained base's own loss on that batch (the base was loaded, and LoRA starts at B = 0);
 - the checkpoints hold the adapters only and name the base folder;
 - `final/` is PEFT's layout: `PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), final/)` gives the
-  trained model's logits (max |d| <= 1e-5);
+  trained model's logits (max |d| <= 1e-5), and `dptrain ckpt export --merge` equals peft's `merge_and_unload`;
 - the same run resumed from its step-2 checkpoint ends with the same losses and adapters, bit for bit.
 """
 
@@ -99,6 +99,14 @@ def test_lora_on_a_sharded_pretrained_base_under_fsdp(tmp_path: Path) -> None:
         got = tuned.eval()(input_ids=PROBE).logits
     assert (got - r0["logits"]).abs().max().item() <= 1e-5
     assert (got - base.eval()(input_ids=PROBE).logits).abs().max().item() > 1e-4  # the adapters did train
+
+    # the merged export of this run (its base read from the folder) equals peft's own merge_and_unload
+    from dptrain.cli.main import main
+
+    assert main(["ckpt", "export", str(run), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    mine = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).state_dict()
+    theirs = tuned.merge_and_unload().state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
     # resume from step 2: the same losses and adapters, bit for bit
     again = tmp_path / "again"

@@ -11,7 +11,8 @@ from dptrain.checkpoint import storage
 from dptrain.checkpoint.adapters import merge_adapters
 from dptrain.checkpoint.base_identity import base_record, describe, same_base
 from dptrain.config import Config, ConfigError
-from dptrain.train.build import build_model
+from dptrain.parallel.materialize import materialize
+from dptrain.train.build import build_model_meta
 
 __all__ = ["write_merged"]
 
@@ -20,7 +21,9 @@ def write_merged(cfg: Config, *, ckpt: Path, meta: dict[str, Any], out: Path) ->
     """Merge the adapters of checkpoint `ckpt` (its manifest's `meta`) into the base `cfg` builds; write the full
     model into the folder `out`; return what was merged into what, in words. ConfigError: the run has no adapters,
     or its base is not the one the adapters were trained on."""
-    model = build_model(cfg.model, seed=cfg.train.seed)
+    model, eager = build_model_meta(cfg.model, seed=cfg.train.seed)  # as the run built it
+    if eager is None:  # on meta: a pretrained base read from its files, or the seeded init replayed (as eager)
+        materialize(model, device="cpu", seed=cfg.train.seed)
     base = base_record(model, factory=cfg.model.factory, kwargs=cfg.model.kwargs, seed=cfg.train.seed)
     if base is None:
         raise ConfigError(f"ckpt export --merge: the run's model ({cfg.model.factory}) has no LoRA adapters to merge; "

@@ -169,3 +169,21 @@ def test_export_refuses_another_model_and_a_missing_out(tmp_path: Path, capsys) 
     assert "writes the built-in LLaMA" in capsys.readouterr().err
     assert main(["ckpt", "export", str(tmp_path), "--format", "hf"]) == 2
     assert "needs --out DIR" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_pretrained_on_the_default_recipe_takes_the_folders_dimensions(tmp_path: Path) -> None:
+    """`dptrain run model.kwargs.pretrained=DIR` keeps the built-in recipe's other kwargs (dim 128, 4 layers, ...):
+    they are the recipe's, not the user's, so the folder's config.json sets the model; a dimension the user does
+    give that disagrees is still refused, naming it."""
+    from dptrain.config.load import load_config
+    from dptrain.train.build import build_model_meta
+
+    folder = save_hf_llama(tmp_path / "hf")
+    cfg = load_config(None, [f"model.kwargs.pretrained={folder}"])
+    model, reason = build_model_meta(cfg.model, seed=0)
+    config = json.loads((folder / "config.json").read_text())
+    assert reason is None and model.cfg.dim == config["hidden_size"] and model.cfg.n_layers == config[
+        "num_hidden_layers"] and model.cfg.max_seq_len == config["max_position_embeddings"]
+    with pytest.raises(ConfigError, match="model.kwargs.dim=48 contradicts"):
+        build_model_meta(load_config(None, [f"model.kwargs.pretrained={folder}", "model.kwargs.dim=48"]).model, seed=0)

@@ -39,8 +39,12 @@ DEFAULT_BATCH = (32, 8)
 """(global, micro) used when none of the three batch fields is given (the built-in recipe)."""
 
 
+LLAMA_RECIPE_KWARGS: dict[str, Any] = {"dim": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 128}
+"""The built-in recipe's model.kwargs (a pretrained folder's config.json replaces them: dptrain/models/llama.py)."""
+
+
 def _llama_defaults() -> dict[str, Any]:
-    return {"dim": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 128}
+    return dict(LLAMA_RECIPE_KWARGS)
 
 
 def _corpus_defaults() -> dict[str, Any]:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptrain.config.fields import LLAMA_RECIPE_KWARGS
 from dptrain.models.llama_hf import hf_key, llama_kwargs
 from dptrain.models.pretrained import meta_parameters, read_config, read_index, source_for
 
@@ -343,6 +344,8 @@ def llama_config(kwargs: Mapping[str, object]) -> LlamaConfig:
     if kwargs.get("pretrained") is None:
         return LlamaConfig(**given)  # type: ignore[arg-type]
     folder = str(kwargs["pretrained"])
+    # the built-in recipe's dimensions (model.kwargs' defaults) are not the user's: the folder's config.json sets them
+    given = {k: v for k, v in given.items() if k not in LLAMA_RECIPE_KWARGS or LLAMA_RECIPE_KWARGS[k] != v}
     return LlamaConfig(**llama_kwargs(read_config(folder), folder=folder, given=given))
 
 

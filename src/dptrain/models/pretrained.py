@@ -58,11 +58,13 @@ DTYPES = {
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of the files, from its header: the file holding it, its shape and dtype."""
+    """One tensor of the files, from its header: the file holding it, its shape and dtype, and where its bytes
+    start in the file (`offset`; safetensors stores each tensor contiguous, row-major)."""
 
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +123,7 @@ def read_index(folder: str | Path, *, what: str = "model.kwargs.pretrained") -> 
     for path in files:
         if not path.is_file():
             raise ConfigError(f"{what}={str(folder)!r}: {index_file.name} names {path.name}, which is missing")
+        offsets = _data_offsets(path)
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 sl = f.get_slice(key)
@@ -131,8 +134,17 @@ def read_index(folder: str | Path, *, what: str = "model.kwargs.pretrained") -> 
                     raise ConfigError(
                         f"{what}={str(folder)!r}: {key!r} is in both {out[key].file.name} and {path.name}"
                     )
-                out[key] = TensorInfo(path, tuple(sl.get_shape()), dtype)
+                out[key] = TensorInfo(path, tuple(sl.get_shape()), dtype, offsets[key])
     return out
+
+
+def _data_offsets(path: Path) -> dict[str, int]:
+    """Key -> the byte offset of its data in the safetensors file `path` (the format: an 8-byte little-endian header
+    length, the JSON header with each tensor's `data_offsets` relative to the data that follows it)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {k: 8 + size + int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}
 
 
 def read_config(folder: str | Path, *, what: str = "model.kwargs.pretrained") -> dict[str, object]:

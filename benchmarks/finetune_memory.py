@@ -216,8 +216,11 @@ def run_once(a: argparse.Namespace, *, model: Path, data: Path, work: Path, npro
         sampler.done.set()
         sampler.join()
     if sampler.killed:
-        raise SystemExit(f"dptrain run ({tag}) stopped: all its processes together held more than --rss-limit-gb "
-                         f"{a.rss_limit_gb} GB")
+        message = (f"dptrain run ({tag}) stopped: all its processes together held more than --rss-limit-gb "
+                   f"{a.rss_limit_gb} GB")
+        if not sampler._trained():  # before the training steps were done: nothing to report
+            raise SystemExit(message)
+        print(f"{message} after its {a.steps} steps (in the final save): the whole-run column stops there")
     if rc != 0:
         tail = (work / f"{tag}.log").read_text()[-4000:]
         raise SystemExit(f"dptrain run ({tag}) exited {rc}: {' '.join(cmd)}\n{tail}")

@@ -7,7 +7,10 @@ mesh (dp_replicate, dp_shard) FSDP2 shards within a dp_shard group and all-reduc
 replicas: HSDP.
 
 The blocks ("units") are the classes named in the model's `_no_split_modules` (Hugging Face's
-convention) when it has one, else the members of every `nn.ModuleList`. Each is sharded before
+convention) when it has one, else the members of every `nn.ModuleList`; a model that names its input and
+output embeddings (Hugging Face's `get_input_embeddings`/`get_output_embeddings`, also through a PEFT
+wrapper) and does not tie them gets each as a unit of its own, as torchtitan shards its token embedding: then
+the root holds neither, and the two vocabulary-sized tensors are never gathered at the same time. Each is sharded before
 any module that contains it (FSDP2 requires children before parents); a model with no unit is
 sharded at the root only, with a warning, since then every parameter is gathered at once.
 
@@ -49,7 +52,25 @@ def block_units(model: nn.Module) -> list[tuple[int, nn.Module]]:
                 depth = path.count(".") + 2 if path else 1
                 for child in module:
                     found.setdefault(id(child), (depth, child))
+    if found:
+        embeddings = {id(m) for m in _untied_embeddings(model)}
+        for path, module in model.named_modules():
+            if path and id(module) in embeddings:
+                found.setdefault(id(module), (path.count(".") + 1, module))
     return list(found.values())
+
+
+def _untied_embeddings(model: nn.Module) -> list[nn.Module]:
+    """The model's input and output embedding modules when it names both (Hugging Face's getters) and they share
+    no parameter; [] otherwise (a tied pair stays with the root: one parameter cannot be in two units)."""
+    try:
+        pair = [model.get_input_embeddings(), model.get_output_embeddings()]  # type: ignore[operator]
+    except (AttributeError, NotImplementedError, TypeError):
+        return []
+    if not all(isinstance(m, nn.Module) for m in pair):
+        return []
+    first, second = ({id(p) for p in m.parameters()} for m in pair)
+    return [] if first & second or pair[0] is pair[1] else pair
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:

@@ -153,11 +153,10 @@ def test_untied_embeddings_are_fsdp_units_of_their_own(tied: bool) -> None:
     """Under fsdp an untied Hugging Face model's input and output embeddings are each a unit (the two vocabulary-sized
     tensors are never gathered together: 4.79 -> 4.38 GB peak per rank for LoRA on a 1B Llama at 2 ranks); a tied
     pair stays with the root (one parameter cannot be in two units); also through a PEFT wrapper."""
-    from support.pretrained import hf_llama_config
-
     from dptrain.config import LoraConfig
     from dptrain.models.lora import apply_lora
     from dptrain.parallel.fsdp import shard_units
+    from support.pretrained import hf_llama_config
 
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(hf_llama_config(tied=tied))

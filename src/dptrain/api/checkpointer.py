@@ -21,6 +21,7 @@ usual effect.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,9 +29,11 @@ from typing import Any
 import torch
 
 from dptrain.api.setup import plan_of
+from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.manifest import CheckpointError
 from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from dptrain.checkpoint.rundir import move_aside
 from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
 from dptrain.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from dptrain.data import EpochLoader
@@ -85,6 +88,26 @@ class _Position:
             raise ConfigError(str(e)) from None
 
 
+def _start_over(out_dir: Path, root: Path, *, resume: str, is_main: bool) -> None:
+    """`resume="none"`: refused (nothing touched) when `root` holds committed checkpoints, which a save would
+    overwrite and a later `resume="auto"` would continue from; `"overwrite"`: they (and the run's
+    metrics.jsonl) are moved to OUT_DIR/previous/N/ on rank 0, and the run starts at step 0."""
+    committed = [i.path for i in mf.list_checkpoints(root, check_hashes=False) if i.state != "uncommitted"]
+    if not committed:
+        return
+    if resume == "none":
+        raise ConfigError(
+            f"Checkpointer(resume='none'): {root} holds checkpoints of an earlier run ({len(committed)}, newest "
+            f"{committed[-1].name}); saving would overwrite them and a later resume='auto' would continue from them. "
+            "Pass resume='auto' to continue that run, resume='overwrite' to start over (they are moved to "
+            f"{out_dir / 'previous'}/N/, not deleted), or use a new out_dir"
+        )
+    if is_main:
+        moved = move_aside(out_dir, mf.step_dirs(root), names=("metrics.jsonl",))
+        print(f"dptrain: resume='overwrite': the earlier checkpoints ({', '.join(p.name for p in committed)}) were "
+              f"moved to {moved}; starting at step 0", file=sys.stderr, flush=True)
+
+
 class Checkpointer:
     """Save and resume an own loop's whole state; see the module doc.
 
@@ -93,7 +116,9 @@ class Checkpointer:
     object with state_dict/load_state_dict), `loader` (from `prepare_dataloader`: its position is
     saved), `scaler` (a GradScaler or `dptrain.mixed_precision(...)`; only an enabled one is saved).
     `every_steps`: `step()` saves every N steps (0: only on a signal). `keep_last`: committed
-    checkpoints kept (None: all). `resume`: "auto" (the newest valid), "none", or a step folder."""
+    checkpoints kept (None: all). `resume`: "auto" (the newest valid; says so when there is none),
+    "none" (start at step 0; refused when OUT_DIR already holds checkpoints), "overwrite" (start at step 0,
+    the earlier checkpoints moved to OUT_DIR/previous/N/), or a step folder."""
 
     def __init__(
         self,
@@ -119,6 +144,9 @@ class Checkpointer:
             if value is not None and (not isinstance(value, int) or value < (0 if name == "every_steps" else 1)):
                 raise ConfigError(f"Checkpointer({name}={value!r}): must be an integer >= "
                                   f"{0 if name == 'every_steps' else 1}" + (" or None" if name == "keep_last" else ""))
+        if not isinstance(resume, str | os.PathLike):
+            raise ConfigError(f"Checkpointer(resume={resume!r}): pass 'auto', 'none', 'overwrite' or a step folder")
+        resume = os.fspath(resume)
         plan, strategy = plan_of(model)
         if isinstance(model, ParallelModel):
             plan = model
@@ -146,7 +174,14 @@ class Checkpointer:
             checkpoint=CheckpointConfig(every_steps=every_steps, keep_last=keep_last, async_save=async_save),
             parallel=ParallelConfig(strategy=strategy or ("fsdp" if not full else "ddp")),
         )
-        self.manager = CheckpointManager(cfg=cfg, run_dir=self.out_dir, env=DistEnv.from_env(), resume=resume)
+        env = DistEnv.from_env()
+        root = mf.checkpoint_root(cfg.checkpoint, self.out_dir)
+        if resume in ("none", "overwrite"):
+            _start_over(self.out_dir, root, resume=resume, is_main=env.is_main)
+        self.manager = CheckpointManager(
+            cfg=cfg, run_dir=self.out_dir, env=env, resume="none" if resume == "overwrite" else resume,
+            announce_fresh_start=True,
+        )
         self.exit_code = 0
         """143 (SIGTERM) or 130 (Ctrl-C) once `step` returned True; 0 before."""
 

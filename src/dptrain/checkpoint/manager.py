@@ -90,8 +90,12 @@ def check_format_version(path: Path, meta: dict[str, Any]) -> int:
 class CheckpointManager:
     """Saves and restores a run's complete state (a CheckpointState); see the module docstring."""
 
-    def __init__(self, *, cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto", trust: bool = False) -> None:
+    def __init__(
+        self, *, cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto", trust: bool = False,
+        announce_fresh_start: bool = False,
+    ) -> None:
         self.cfg = cfg.checkpoint
+        self.announce_fresh_start = announce_fresh_start  # one line when `auto` finds nothing (the API says so)
         self.root_cfg = cfg
         self.run_dir = run_dir
         self.root = checkpoint_root(cfg.checkpoint, run_dir)
@@ -198,6 +202,8 @@ class CheckpointManager:
                     f"dptrain: no checkpoint to continue from: starting at step 0; the earlier metrics.jsonl "
                     f"was moved to {moved}"
                 )
+            elif self.announce_fresh_start and self.resume == "auto" and not choice.messages:
+                self._say(f"dptrain: no checkpoint in {self.root}: starting at step 0")
             return False
         step = self._load(state, Path(choice.path), choice.meta)
         self.resumed_from = Path(choice.path)

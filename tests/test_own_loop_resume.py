@@ -1,0 +1,86 @@
+"""What a `Checkpointer` resume does, said and kept, in one process (no process group at world size one):
+
+- `resume="auto"` with nothing saved says so in one line; `resume="none"` over committed checkpoints is refused
+  before anything is touched (every file's SHA-256 unchanged), `resume="overwrite"` moves them aside;
+- the caller's own state (`extra=`: JSON values and tensors) comes back with a bitwise resume, is hashed in
+  the manifest, loaded without unpickling code, and listed by `dptrain ckpt ls`;
+- `rng=` saves the RNG as it was when the step's batch was drawn (a nanoGPT-style loop that draws its next batch
+  before saving resumes bitwise with it, shifted by one batch without it).
+
+References: the same loop run without interruption; hashes of the directory taken before the refusal."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import dptrain
+from dptrain.config import ConfigError
+
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
+
+
+def _trio(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(1, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = dptrain.prepare_dataloader(TensorDataset(torch.arange(24)), global_batch_size=4, micro_batch_size=4)
+    return model, opt, loader
+
+
+def _train(model, opt, loader, n: int) -> None:
+    for _, _, (x,) in dptrain.micro_steps(loader, max_steps=loader.step + n):
+        model(x.float()[:, None]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _checkpointer(out: Path, *, seed: int = 0, **kw) -> dptrain.Checkpointer:
+    model, opt, loader = _trio(seed)
+    return dptrain.Checkpointer(out, model, opt, loader=loader, **kw)
+
+
+def _tree_sha256(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_auto_with_nothing_saved_says_it_starts_at_step_zero(tmp_path, capsys):
+    model, opt, loader = _trio()
+    assert dptrain.Checkpointer(tmp_path, model, opt, loader=loader).resume() == 0
+    err = capsys.readouterr().err
+    assert err.count(f"dptrain: no checkpoint in {tmp_path / 'checkpoints'}: starting at step 0") == 1, err
+
+
+def test_none_over_checkpoints_is_refused_with_every_file_unchanged_and_overwrite_moves_them_aside(tmp_path, capsys):
+    model, opt, loader = _trio()
+    ckpt = dptrain.Checkpointer(tmp_path, model, opt, loader=loader)
+    _train(model, opt, loader, 2)
+    ckpt.save(2)
+    _train(model, opt, loader, 2)
+    ckpt.save(4)
+    before = _tree_sha256(tmp_path)
+    assert "checkpoints/step_000004/model.pt" in before and len(before) >= 10
+
+    with pytest.raises(ConfigError) as e:
+        _checkpointer(tmp_path, seed=1, resume="none")
+    msg = str(e.value)
+    assert "Checkpointer(resume='none')" in msg and "step_000004" in msg and "resume='overwrite'" in msg
+    assert _tree_sha256(tmp_path) == before  # nothing touched, not even a folder made
+
+    capsys.readouterr()
+    model2, opt2, loader2 = _trio(seed=1)
+    ckpt2 = dptrain.Checkpointer(tmp_path, model2, opt2, loader=loader2, resume="overwrite")
+    assert "moved to" in capsys.readouterr().err
+    assert ckpt2.resume() == 0 and not (tmp_path / "checkpoints" / "step_000004").exists()
+    moved = tmp_path / "previous" / "1" / "checkpoints"
+    assert _tree_sha256(moved) == {k.removeprefix("checkpoints/"): v for k, v in before.items()}  # kept whole
+    _train(model2, opt2, loader2, 1)
+    ckpt2.save(1)
+    assert _checkpointer(tmp_path, seed=2).resume() == 1  # the new run's, not the old step 4
+    with pytest.raises(ConfigError, match="'auto', 'none', 'overwrite' or a step folder"):
+        _checkpointer(tmp_path, resume=None)

@@ -84,3 +84,48 @@ def test_none_over_checkpoints_is_refused_with_every_file_unchanged_and_overwrit
     assert _checkpointer(tmp_path, seed=2).resume() == 1  # the new run's, not the old step 4
     with pytest.raises(ConfigError, match="'auto', 'none', 'overwrite' or a step folder"):
         _checkpointer(tmp_path, resume=None)
+
+
+def test_extra_state_comes_back_with_a_bitwise_resume_hashed_listed_and_unpickled_by_weights_only(tmp_path, capsys):
+    from dptrain.checkpoint import manifest as mf
+    from dptrain.cli.main import main as cli
+
+    model, opt, loader = _trio()
+    ckpt = dptrain.Checkpointer(tmp_path, model, opt, loader=loader)
+    _train(model, opt, loader, 3)
+    best = model.weight.detach().clone()
+    extra = {"best_val_loss": float("inf"), "iter_num": 3, "model_args": {"n_layer": 2, "bias": True, "name": "gpt"},
+             "best_weight": best, "history": [1.5, None, torch.tensor([2, 3])]}
+    ckpt.save(3, extra=extra)
+    _train(model, opt, loader, 4)
+    ckpt.save(7)  # no extra given: the last one is kept
+    _train(model, opt, loader, 2)
+
+    model2, opt2, loader2 = _trio(seed=1)
+    ckpt2 = dptrain.Checkpointer(tmp_path, model2, opt2, loader=loader2, resume=str(tmp_path / "checkpoints" /
+                                                                                     "step_000003"))
+    assert ckpt2.resume() == 3
+    got = ckpt2.extra
+    assert got["best_val_loss"] == float("inf") and got["iter_num"] == 3
+    assert got["model_args"] == {"n_layer": 2, "bias": True, "name": "gpt"}
+    assert torch.equal(got["best_weight"], best) and got["history"][:2] == [1.5, None]
+    assert torch.equal(got["history"][2], torch.tensor([2, 3]))
+    _train(model2, opt2, loader2, 6)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+
+    step7 = tmp_path / "checkpoints" / "step_000007"
+    assert "extra.pt" in mf.read_manifest(step7)["files"]  # hashed like the other files
+    assert torch.load(step7 / "extra.pt", weights_only=True).keys() == {"0", "1"}
+    assert dptrain.Checkpointer(tmp_path, *_trio()[:2]).resume() == 7  # no loader: the extra still comes back
+    capsys.readouterr()
+    assert cli(["ckpt", "ls", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count("extra: best_val_loss=inf, best_weight=tensor, history=[1.5, None, tensor], iter_num=3, "
+                         "model_args={bias: True, n_layer: 2, name: 'gpt'}") == 2, listing
+    (step7 / "extra.pt").write_bytes(b"not a tensor file")
+    assert cli(["ckpt", "verify", str(step7)]) == 1
+
+    with pytest.raises(ConfigError, match=r"extra\['model'\] is a Linear: .*JSON values"):
+        ckpt.save(9, extra={"model": torch.nn.Linear(1, 1)})
+    with pytest.raises(ConfigError, match="keys are strings"):
+        ckpt.save(9, extra={"a": {1: 2}})

@@ -30,6 +30,8 @@ import torch
 
 from dptrain.api.setup import plan_of
 from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint import storage
+from dptrain.checkpoint.extra import EXTRA_FILE, decode, encode
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.manifest import CheckpointError
 from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
@@ -184,6 +186,9 @@ class Checkpointer:
         )
         self.exit_code = 0
         """143 (SIGTERM) or 130 (Ctrl-C) once `step` returned True; 0 before."""
+        self.extra: dict[str, Any] = {}
+        """Your own state: what the last `save(extra=...)` was given, or what `resume()` restored (rank 0's
+        when it was saved); every save stores it. JSON values and tensors (see checkpoint/extra.py)."""
 
     @property
     def root(self) -> Path:
@@ -199,6 +204,11 @@ class Checkpointer:
         """Load the newest valid checkpoint (per `resume=`) into the model, optimizer, scheduler, scaler,
         loader and every rank's RNG; return its step (0 when there is none: nothing changes). Collective."""
         self.manager.maybe_resume(self.state, preemption=False)
+        path = self.manager.resumed_from
+        if path is not None and self.manager.resumed_from_memory is None:
+            saved = mf.read_manifest(path, require_commit=False)["meta"].get("extra", {})
+            tensors = storage.load_torch(path / EXTRA_FILE) if (path / EXTRA_FILE).is_file() else {}
+            self.extra = decode(saved, tensors)
         return self.train.step
 
     def _at(self, step: int) -> None:
@@ -213,9 +223,20 @@ class Checkpointer:
         self.train.step = step
         self.train.samples_seen = self.loader.step * self.loader.global_batch_size if self.loader is not None else 0
 
-    def save(self, step: int) -> Path:
-        """Save now as step `step` (hashed and committed before it returns); the step folder. Collective."""
+    def _set_extra(self, extra: dict[str, Any] | None) -> None:
+        if extra is not None:
+            self.extra = extra
+        saved, tensors = encode(self.extra)
+        self.state.meta["extra"] = saved
+        self.state.extra_files = {EXTRA_FILE: tensors} if tensors else {}
+
+    def save(self, step: int, *, extra: dict[str, Any] | None = None) -> Path:
+        """Save now as step `step` (hashed and committed before it returns); the step folder. Collective.
+
+        `extra`: your own state (`{"best_val_loss": 1.9, "model_args": {...}}`): JSON values and tensors, rank
+        0's saved, `ckpt.extra` after a resume; None keeps `ckpt.extra` (the last given or resumed)."""
         self._at(step)
+        self._set_extra(extra)
         return self.manager.save(self.state)
 
     def step(self, step: int) -> bool:
@@ -223,6 +244,7 @@ class Checkpointer:
         from the first call on, a SIGTERM or Ctrl-C on any rank is agreed on one step later: that step is
         saved and True is returned (stop; `exit_code` says 143 or 130). Collective."""
         self._at(step)
+        self._set_extra(None)
         stop = self.manager.maybe_save(self.state, step=step)
         if stop:
             self.exit_code = EXIT_INTERRUPTED if self.manager.interrupted else EXIT_PREEMPTED

@@ -337,6 +337,7 @@ class CheckpointManager:
         if self.env.rank == 0:
             scaler = state.scaler.state_dict() if state.scaler is not None else None
             files["train.pt"] = {"scheduler": state.schedule.state_dict(), "scaler": scaler or None}
+            files.update(state.extra_files)
         own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
         files[f"rank_{self.env.rank:05d}.pt"] = own
         return files, shards, version
@@ -362,10 +363,11 @@ class CheckpointManager:
         if self.preemption is not None:
             self.preemption.close(wait=wait)
 
-    def save(self, state: CheckpointState, *, background: bool = False) -> Path:
+    def save(self, state: CheckpointState, *, background: bool = False, rng: dict[str, Any] | None = None) -> Path:
         """Write the checkpoint of the current step, then hash and commit it. Collective. With
         `background`, only the snapshot is taken now; the commit follows at the first step
-        boundary after every rank has finished writing (see `maybe_save`)."""
+        boundary after every rank has finished writing (see `maybe_save`). `rng`: this rank's RNG
+        states to save (`RngState().state_dict()` taken earlier) instead of the current ones."""
         self._finish_pending()  # one save in flight at a time
         meta = self._meta(state)
         step, rank = meta["step"], self.env.rank
@@ -392,7 +394,9 @@ class CheckpointManager:
         if rank == 0:
             scaler = state.scaler.state_dict() if state.scaler is not None else None
             storage.save_torch(path / "train.pt", {"scheduler": state.schedule.state_dict(), "scaler": scaler or None})
-        own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
+            for name, obj in state.extra_files.items():
+                storage.save_torch(path / name, obj)
+        own = {"rng": rng or RngState().state_dict(), **{n: obj.state_dict() for n, obj in state.per_rank.items()}}
         storage.save_torch(path / f"rank_{rank:05d}.pt", own)
         self._pending = (path, written, meta, t0)
         self.last_saved_step = step

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint.extra import describe as describe_extra
 from dptrain.checkpoint.manifest import checkpoint_root
 from dptrain.checkpoint.resume import choose_checkpoint
 from dptrain.cli.ckpt_merge import export_merged
@@ -175,6 +176,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{info.step:>8}  {info.state:<11}  {_size(d):>10}  {meta.get('world_size', '-'):>5}  "
             f"{meta.get('strategy', '-'):<8}  {d}" + (f"\n{'':>10}{info.reason}" if info.reason else "")
         )
+        if meta.get("extra"):  # a dptrain.Checkpointer's save(extra=...)
+            print(f"{'':>10}extra: {describe_extra(meta['extra'])}")
     return 0
 
 

@@ -38,6 +38,8 @@ _EXPORTS = {
     "print0": "dptrain.api",
     "save_model": "dptrain.api",
     "notebook_launch": "dptrain.launch.notebook",
+    "BatchSizeError": "dptrain.config",
+    "CheckpointError": "dptrain.checkpoint.manifest",
     "Config": "dptrain.config",
     "ConfigError": "dptrain.config",
     "load_config": "dptrain.config.load",
@@ -52,6 +54,8 @@ _EXPORTS = {
 
 __all__ = [
     "__version__",
+    "BatchSizeError",
+    "CheckpointError",
     "Checkpointer",
     "Config",
     "ConfigError",
@@ -189,7 +193,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         print0,
         save_model,
     )
-    from dptrain.config import Config, ConfigError
+    from dptrain.checkpoint.manifest import CheckpointError
+    from dptrain.config import BatchSizeError, Config, ConfigError
     from dptrain.config.load import load_config
     from dptrain.launch.notebook import notebook_launch
     from dptrain.parallel import ParallelModel, clip_grad_norm_, full_state_dict, sync_gradients, unwrap

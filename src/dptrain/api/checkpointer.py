@@ -35,6 +35,7 @@ from dptrain.checkpoint.extra import EXTRA_FILE, decode, encode
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.manifest import CheckpointError
 from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from dptrain.checkpoint.resume import API
 from dptrain.checkpoint.rundir import move_aside
 from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
 from dptrain.config import CheckpointConfig, Config, ConfigError, ParallelConfig
@@ -182,7 +183,7 @@ class Checkpointer:
             _start_over(self.out_dir, root, resume=resume, is_main=env.is_main)
         self.manager = CheckpointManager(
             cfg=cfg, run_dir=self.out_dir, env=env, resume="none" if resume == "overwrite" else resume,
-            announce_fresh_start=True,
+            announce_fresh_start=True, words=API,
         )
         self.exit_code = 0
         """143 (SIGTERM) or 130 (Ctrl-C) once `step` returned True; 0 before."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
 
+from dptrain.api.setup import in_callers_words
 from dptrain.config import ConfigError, TrainConfig, resolve_batch
 from dptrain.data import (
     EpochBatchSampler,
@@ -21,6 +22,8 @@ from dptrain.data import (
 )
 from dptrain.distributed import collectives
 from dptrain.parallel import ParallelModel
+
+BATCH_ARGS = ("global_batch_size", "micro_batch_size", "grad_accum_steps")
 
 
 def prepare_dataloader(
@@ -53,12 +56,14 @@ def prepare_dataloader(
     data-parallel rank and size come from `parallel`'s mesh when given, else every rank is one."""
     world = parallel.mesh.dp_size if parallel is not None else collectives.world_size()
     dp_rank = parallel.mesh.dp_rank if parallel is not None else collectives.rank()
-    g, m, a = resolve_batch(
-        TrainConfig(
-            global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps
-        ),
-        dp_world_size=world,
-    )
+    try:
+        g, m, a = resolve_batch(
+            TrainConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                        grad_accum_steps=grad_accum_steps),
+            dp_world_size=world,
+        )
+    except ConfigError as e:  # BatchSizeError stays one
+        raise in_callers_words(e, "prepare_dataloader", "train", BATCH_ARGS) from None
     try:
         sampler = EpochBatchSampler(
             dataset_len=len(dataset),
@@ -72,7 +77,7 @@ def prepare_dataloader(
             start_step=start_step,
         )
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"prepare_dataloader: {e}") from None
     loader = build_dataloader(
         dataset, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn, seed=seed,
         loader_cls=EpochLoader,

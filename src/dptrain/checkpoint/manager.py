@@ -47,7 +47,7 @@ from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-expor
 from dptrain.checkpoint.memory import MemorySnapshots
 from dptrain.checkpoint.memory_recover import MemoryChoice, recover
 from dptrain.checkpoint.preempt import PreemptionFlag
-from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, newest_committed, truncate_metrics
+from dptrain.checkpoint.resume import ResumeChoice, Wording, choose_checkpoint, newest_committed, truncate_metrics
 from dptrain.checkpoint.rundir import move_aside
 from dptrain.checkpoint.state import CheckpointState, RngState
 from dptrain.config import Config, ModelConfig, to_dict
@@ -74,7 +74,7 @@ def model_config_hash(model: ModelConfig) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def check_format_version(path: Path, meta: dict[str, Any]) -> int:
+def check_format_version(path: Path, meta: dict[str, Any], *, fresh: str = "--resume none") -> int:
     """The checkpoint's format version (1 when the manifest has none); CheckpointError naming it
     when this dptrain cannot read it."""
     version = meta.get("format_version", 1)
@@ -82,7 +82,7 @@ def check_format_version(path: Path, meta: dict[str, Any]) -> int:
         raise mf.CheckpointError(
             f"{path}: checkpoint format version {version!r}, but this dptrain ({__version__}) reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}; resume it with the dptrain that wrote it "
-            f"(dptrain_version {meta.get('dptrain_version', 'unknown')}), or start afresh with --resume none"
+            f"(dptrain_version {meta.get('dptrain_version', 'unknown')}), or start afresh with {fresh}"
         )
     return int(version)
 
@@ -92,8 +92,9 @@ class CheckpointManager:
 
     def __init__(
         self, *, cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto", trust: bool = False,
-        announce_fresh_start: bool = False,
+        announce_fresh_start: bool = False, words: Wording = Wording(),
     ) -> None:
+        self.words = words  # how refusals name the caller's argument (`dptrain run`'s --resume by default)
         self.cfg = cfg.checkpoint
         self.announce_fresh_start = announce_fresh_start  # one line when `auto` finds nothing (the API says so)
         self.root_cfg = cfg
@@ -236,7 +237,7 @@ class CheckpointManager:
         return memory, choice
 
     def _choose(self, choice: ResumeChoice) -> ResumeChoice:
-        found = choose_checkpoint(self.resume, root=self.root, trust=self.trust)
+        found = choose_checkpoint(self.resume, root=self.root, trust=self.trust, words=self.words)
         found.messages[:0] = choice.messages
         return found
 
@@ -254,13 +255,13 @@ class CheckpointManager:
 
     def _load(self, state: CheckpointState, path: Path, meta: dict[str, Any]) -> int:
         """Load `path` into `state`; the step it holds."""
-        version = check_format_version(path, meta)
+        version = check_format_version(path, meta, fresh=self.words.fresh)
         saved_base, this_base = meta.get("base_model"), state.meta.get("base_model")
         if not same_base(saved_base, this_base):  # LoRA adapters hold no base weights: they fit only their own base
             raise mf.CheckpointError(
                 f"{path}: its adapters were trained on the base model {describe(saved_base)}, but this run's base is "
                 f"{describe(this_base)}; resume with the same base (model.factory, model.kwargs), or start afresh "
-                "with --resume none"
+                f"with {self.words.fresh}"
             )
         want = model_config_hash(self.root_cfg.model)
         if meta.get("model_config_hash") not in (None, want):

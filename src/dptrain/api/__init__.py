@@ -17,7 +17,7 @@
 
 Modules: `setup` (process group, `parallelize`, `prepare_model` with attribute pass-through),
 `loaders` (training loader with epochs and exact resume, sharded evaluation loader, `micro_steps`,
-`epochs`, `check_loader`), `checkpointer` (`Checkpointer`), `runtime` (`print0`, `barrier`,
+`epochs`, `check_loader`), `checkpointer` (`Checkpointer`), `runtime` (`print0`, `barrier`, `broadcast`,
 `all_reduce_mean`, `gather_for_metrics`, `mixed_precision`, `save_model`), `loop_monitor` (hang watchdog and
 metrics.jsonl). The loop, `loss.backward()` and `optimizer.step()` stay yours; nothing here skips a step.
 """
@@ -36,6 +36,7 @@ from dptrain.api.runtime import (
     MixedPrecision,
     all_reduce_mean,
     barrier,
+    broadcast,
     gather_for_metrics,
     mixed_precision,
     print0,
@@ -50,6 +51,7 @@ __all__ = [
     "Runtime",
     "all_reduce_mean",
     "barrier",
+    "broadcast",
     "check_loader",
     "epochs",
     "gather_for_metrics",

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dptrain.api.setup import plan_of
 from dptrain.checkpoint import manifest as mf
@@ -119,7 +121,10 @@ class Checkpointer:
     object with state_dict/load_state_dict), `loader` (from `prepare_dataloader`: its position is
     saved), `scaler` (a GradScaler or `dptrain.mixed_precision(...)`; only an enabled one is saved).
     `every_steps`: `step()` saves every N steps (0: only on a signal). `keep_last`: committed
-    checkpoints kept (None: all). `resume`: "auto" (the newest valid; says so when there is none),
+    checkpoints kept (None: all). `save_timeout_s`: how long `save` waits for every rank to call it before it
+    refuses (a save called on one rank only would otherwise hang until the process group's timeout).
+    Construct it on every rank (collective: it makes a small gloo group).
+    `resume`: "auto" (the newest valid; says so when there is none),
     "none" (start at step 0; refused when OUT_DIR already holds checkpoints), "overwrite" (start at step 0,
     the earlier checkpoints moved to OUT_DIR/previous/N/), or a step folder."""
 
@@ -136,6 +141,7 @@ class Checkpointer:
         keep_last: int | None = 3,
         resume: str = "auto",
         async_save: bool = False,
+        save_timeout_s: float = 10.0,
     ) -> None:
         if loader is not None and not isinstance(loader, EpochLoader):
             raise ConfigError(
@@ -185,6 +191,11 @@ class Checkpointer:
             cfg=cfg, run_dir=self.out_dir, env=env, resume="none" if resume == "overwrite" else resume,
             announce_fresh_start=True, words=API,
         )
+        if not isinstance(save_timeout_s, int | float) or not 0 < save_timeout_s < float("inf"):
+            raise ConfigError(f"Checkpointer(save_timeout_s={save_timeout_s!r}): must be a number of seconds > 0")
+        self.save_timeout_s = float(save_timeout_s)
+        # `save` first checks that every rank called it, on a gloo group of its own (made here: this is collective)
+        self._arrival = dist.new_group(backend="gloo") if env.world_size > 1 and dist.is_initialized() else None
         self.exit_code = 0
         """143 (SIGTERM) or 130 (Ctrl-C) once `step` returned True; 0 before."""
         self.extra: dict[str, Any] = {}
@@ -238,7 +249,27 @@ class Checkpointer:
         0's saved, `ckpt.extra` after a resume; None keeps `ckpt.extra` (the last given or resumed)."""
         self._at(step)
         self._set_extra(extra)
+        self._all_here(step)
         return self.manager.save(self.state)
+
+    def _all_here(self, step: int) -> None:
+        """Every rank called `save`, or CheckpointError within `save_timeout_s` on the ranks that did (rather
+        than a hang until the process group's timeout): torch's monitored barrier, on the Checkpointer's group."""
+        if self._arrival is None:
+            return
+        try:
+            dist.monitored_barrier(self._arrival, timeout=timedelta(seconds=self.save_timeout_s), wait_all_ranks=True)
+        except RuntimeError as e:
+            rank = dist.get_rank()
+            raise CheckpointError(
+                f"Checkpointer.save({step}) on rank {rank}: not every rank called save within "
+                f"{self.save_timeout_s:g} s "
+                f"({e}). save is collective: call save on every rank. To save only when, e.g., validation improved, "
+                "decide on rank 0 and pass the decision to every rank: `is_best = dptrain.broadcast(val_loss < "
+                "best_val_loss)`, then `if is_best: ckpt.save(step, extra={'best_val_loss': val_loss})` on every "
+                "rank. (A rank that is only late, e.g. still evaluating alone, needs a larger save_timeout_s.) "
+                "Nothing was written"
+            ) from None
 
     def step(self, step: int) -> bool:
         """Call after every optimizer step `step` (1, 2, ...), on every rank. Saves every `every_steps` steps;

@@ -129,3 +129,48 @@ def test_extra_state_comes_back_with_a_bitwise_resume_hashed_listed_and_unpickle
         ckpt.save(9, extra={"model": torch.nn.Linear(1, 1)})
     with pytest.raises(ConfigError, match="keys are strings"):
         ckpt.save(9, extra={"a": {1: 2}})
+
+
+def _nanogpt_style(out: Path, *, steps: int, save_at: int | None = None, capture: bool = True) -> list[str]:
+    """nanoGPT's shape: the first batch drawn before the loop, the next one drawn (from the global RNG) right
+    after the step, before the save point. Returns the per-step losses as float.hex."""
+    data = torch.linspace(-1, 1, 64 * 3).reshape(64, 3)
+
+    def get_batch() -> torch.Tensor:
+        return data[torch.randint(len(data), (4,))]
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ckpt = dptrain.Checkpointer(out, model, opt)
+    start = ckpt.resume()
+    losses = []
+    rng = dptrain.rng_state()
+    x = get_batch()
+    for it in range(start, steps):
+        loss = (model(x) - x.sum(1, keepdim=True)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item().hex())
+        rng = dptrain.rng_state()  # as it is when the next step's batch is drawn
+        x = get_batch()
+        if it + 1 == save_at:
+            ckpt.save(it + 1, rng=rng if capture else None)
+            break
+    return losses
+
+
+def test_rng_taken_when_the_batch_was_drawn_resumes_a_prefetching_loop_bitwise(tmp_path):
+    reference = _nanogpt_style(tmp_path / "ref", steps=8)
+    for capture in (True, False):
+        out = tmp_path / f"capture_{capture}"
+        first = _nanogpt_style(out, steps=8, save_at=5, capture=capture)
+        rest = _nanogpt_style(out, steps=8)
+        assert first == reference[:5] and len(rest) == 3
+        if capture:
+            assert rest == reference[5:]  # bitwise: the resumed run draws the batch the saved one had drawn
+        else:
+            assert rest != reference[5:]  # the current RNG is one batch further: a shifted run
+    with pytest.raises(ConfigError, match=r"rng=\.\.\.\): pass what dptrain.rng_state\(\) returned"):
+        dptrain.Checkpointer(tmp_path / "x", *_trio()[:2]).save(1, rng=torch.get_rng_state())  # type: ignore[arg-type]

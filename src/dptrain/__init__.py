@@ -37,6 +37,7 @@ _EXPORTS = {
     "prepare_eval_dataloader": "dptrain.api",
     "prepare_model": "dptrain.api",
     "print0": "dptrain.api",
+    "rng_state": "dptrain.api",
     "save_model": "dptrain.api",
     "notebook_launch": "dptrain.launch.notebook",
     "BatchSizeError": "dptrain.config",
@@ -85,6 +86,7 @@ __all__ = [
     "prepare_eval_dataloader",
     "prepare_model",
     "print0",
+    "rng_state",
     "save_model",
     "sync_gradients",
     "to_device",
@@ -194,6 +196,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         prepare_eval_dataloader,
         prepare_model,
         print0,
+        rng_state,
         save_model,
     )
     from dptrain.checkpoint.manifest import CheckpointError

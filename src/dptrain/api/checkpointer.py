@@ -38,6 +38,7 @@ from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.manifest import CheckpointError
 from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from dptrain.checkpoint.resume import API
+from dptrain.checkpoint.rng import get_rng_state
 from dptrain.checkpoint.rundir import move_aside
 from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
 from dptrain.config import CheckpointConfig, Config, ConfigError, ParallelConfig
@@ -47,7 +48,7 @@ from dptrain.distributed.exit_marks import mark_exit
 from dptrain.parallel import ParallelModel, is_sharded
 from dptrain.train.state import TrainState
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "rng_state"]
 
 
 class _Optional:
@@ -111,6 +112,19 @@ def _start_over(out_dir: Path, root: Path, *, resume: str, is_main: bool) -> Non
         moved = move_aside(out_dir, mf.step_dirs(root), names=("metrics.jsonl",))
         print(f"dptrain: resume='overwrite': the earlier checkpoints ({', '.join(p.name for p in committed)}) were "
               f"moved to {moved}; starting at step 0", file=sys.stderr, flush=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states now (Python, numpy, torch, CUDA), for `Checkpointer.save(step, rng=...)`:
+    take it right before the loop draws a batch from the global RNG, and save it with the step before."""
+    return get_rng_state()
+
+
+def _check_rng(rng: Any) -> None:
+    if rng is not None and not (isinstance(rng, dict) and {"python", "numpy", "torch"} <= rng.keys()):
+        raise ConfigError(
+            f"Checkpointer.save(rng=...): pass what dptrain.rng_state() returned (got a {type(rng).__name__})"
+        )
 
 
 class Checkpointer:
@@ -242,15 +256,19 @@ class Checkpointer:
         self.state.meta["extra"] = saved
         self.state.extra_files = {EXTRA_FILE: tensors} if tensors else {}
 
-    def save(self, step: int, *, extra: dict[str, Any] | None = None) -> Path:
+    def save(self, step: int, *, extra: dict[str, Any] | None = None, rng: dict[str, Any] | None = None) -> Path:
         """Save now as step `step` (hashed and committed before it returns); the step folder. Collective.
 
         `extra`: your own state (`{"best_val_loss": 1.9, "model_args": {...}}`): JSON values and tensors, rank
-        0's saved, `ckpt.extra` after a resume; None keeps `ckpt.extra` (the last given or resumed)."""
+        0's saved, `ckpt.extra` after a resume; None keeps `ckpt.extra` (the last given or resumed).
+        `rng`: this rank's RNG states to save instead of the current ones, taken with `dptrain.rng_state()`
+        just before the loop drew the batch of the step after `step` (a loop that draws its next batch from
+        the global RNG before it saves, as nanoGPT's does, then resumes with that same batch)."""
         self._at(step)
         self._set_extra(extra)
+        _check_rng(rng)
         self._all_here(step)
-        return self.manager.save(self.state)
+        return self.manager.save(self.state, rng=rng)
 
     def _all_here(self, step: int) -> None:
         """Every rank called `save`, or CheckpointError within `save_timeout_s` on the ranks that did (rather
@@ -271,13 +289,14 @@ class Checkpointer:
                 "Nothing was written"
             ) from None
 
-    def step(self, step: int) -> bool:
+    def step(self, step: int, *, rng: dict[str, Any] | None = None) -> bool:
         """Call after every optimizer step `step` (1, 2, ...), on every rank. Saves every `every_steps` steps;
         from the first call on, a SIGTERM or Ctrl-C on any rank is agreed on one step later: that step is
-        saved and True is returned (stop; `exit_code` says 143 or 130). Collective."""
+        saved and True is returned (stop; `exit_code` says 143 or 130). `rng`: as in `save`. Collective."""
         self._at(step)
         self._set_extra(None)
-        stop = self.manager.maybe_save(self.state, step=step)
+        _check_rng(rng)
+        stop = self.manager.maybe_save(self.state, step=step, rng=rng)
         if stop:
             self.exit_code = EXIT_INTERRUPTED if self.manager.interrupted else EXIT_PREEMPTED
             reason = "interrupt (Ctrl-C)" if self.manager.interrupted else "preemption signal (SIGTERM)"

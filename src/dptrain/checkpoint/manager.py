@@ -293,7 +293,7 @@ class CheckpointManager:
         return int(meta["step"])
 
     # ------------------------------------------------------------------ save
-    def maybe_save(self, state: CheckpointState, *, step: int) -> bool:
+    def maybe_save(self, state: CheckpointState, *, step: int, rng: dict[str, Any] | None = None) -> bool:
         """At the boundary of step `step`: the preemption agreement, committing a finished background
         save, saving when due or when preempted. Collective. Returns True when the run must stop now
         (the checkpoint is committed on every rank by then)."""
@@ -305,7 +305,7 @@ class CheckpointManager:
         if due or stop:
             self.record_progress(step)
         if (due or stop) and self.last_saved_step != step:
-            self.save(state, background=self.cfg.async_save and not stop)
+            self.save(state, background=self.cfg.async_save and not stop, rng=rng)
         if stop:
             if self.progress is not None:
                 self.progress.stopped()

@@ -4,7 +4,10 @@
   within the Checkpointer's `save_timeout_s` (10 s), naming the fix, instead of hanging until the process group's
   timeout; nothing is written, and the other rank, waiting in its next collective, fails on its own once rank 0
   is gone (not left hanging);
-- the "save when validation improved" pattern (rank 0 decides, `dptrain.broadcast` tells every rank) saves.
+- the "save when validation improved" pattern (rank 0 decides, `dptrain.broadcast` tells every rank) saves;
+- a BatchNorm model at world 2 over `prepare_dataloader(rank_split="interleaved")` is bitwise the plain
+  DDP + DistributedSampler script (losses as float.hex, weights and running statistics); the contiguous default
+  is not (BatchNorm normalises over each rank's share).
 
 References: the wall clock; the directory's contents."""
 
@@ -19,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import dptrain
 from support.mp import RankError, in_group, run_ranks
@@ -85,3 +89,57 @@ def test_save_when_validation_improved_decided_on_rank_zero_and_broadcast(tmp_pa
     assert run_ranks(_save_when_improved, 2, tmp_path, timeout=45) == [[1, 2, 4], [1, 2, 4]]
     meta = json.loads((tmp_path / "checkpoints" / "step_000004" / "manifest.json").read_text())["meta"]
     assert meta["extra"] == {"best_val_loss": 1.0}
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def _bn_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 4, generator=g) * torch.tensor([1.0, 3.0, 0.5, 2.0])
+    return TensorDataset(x, x.sum(1, keepdim=True).sin())
+
+
+def _train_bn(model: nn.Module, loader, epochs: int, set_epoch) -> list[str]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for epoch in range(epochs):
+        set_epoch(epoch)
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(dptrain.all_reduce_mean(loss.detach()).item().hex())
+    return losses
+
+
+def _bn_runs(rank: int) -> dict:
+    def body() -> dict:
+        data, out = _bn_data(), {}
+        # the original: torch's DDP, DistributedSampler, per-rank batch 4 (global 8)
+        model = nn.parallel.DistributedDataParallel(_bn_model())
+        sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
+        out["torch"] = _train_bn(model, DataLoader(data, batch_size=4, sampler=sampler), 2, sampler.set_epoch)
+        out["torch_state"] = {k: v.clone() for k, v in model.module.state_dict().items()}
+        for split in ("interleaved", "contiguous"):
+            model = dptrain.prepare_model(_bn_model(), strategy="ddp")
+            loader = dptrain.prepare_dataloader(data, global_batch_size=8, seed=0, rank_split=split)
+            out[split] = _train_bn(model, loader, 2, lambda e: None)
+            out[f"{split}_state"] = {k: v.clone() for k, v in dptrain.unwrap(model).state_dict().items()}
+        del model
+        gc.collect()
+        return out
+
+    return in_group(body)
+
+
+@pytest.mark.timeout(60)
+def test_batchnorm_at_world_two_matches_ddp_with_distributed_sampler_bitwise_through_interleaved():
+    for r in run_ranks(_bn_runs, 2, timeout=45):
+        assert len(r["torch"]) == 10 and r["interleaved"] == r["torch"]  # every step's loss, bit for bit
+        assert r["interleaved_state"].keys() == r["torch_state"].keys()
+        assert all(torch.equal(r["interleaved_state"][k], v) for k, v in r["torch_state"].items())  # + running stats
+        assert r["contiguous"] != r["torch"]  # the same global batches, other per-rank BatchNorm statistics

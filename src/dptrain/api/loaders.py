@@ -39,6 +39,7 @@ def prepare_dataloader(
     pin_memory: bool = False,
     collate_fn: Any = None,
     parallel: ParallelModel | None = None,
+    rank_split: str = "contiguous",
 ) -> EpochLoader:
     """A DataLoader yielding this rank's micro-batches in the world-size-invariant global order
     (reshuffled every epoch from `seed + epoch`, no `set_epoch` needed).
@@ -53,7 +54,12 @@ def prepare_dataloader(
     max_steps=...)` loop over it.
 
     Batch sizes follow global = micro * accum * data-parallel size; any one may be left out. The
-    data-parallel rank and size come from `parallel`'s mesh when given, else every rank is one."""
+    data-parallel rank and size come from `parallel`'s mesh when given, else every rank is one.
+
+    `rank_split`: how each global batch is shared among the ranks: "contiguous" (rank r takes the r-th
+    block) or "interleaved" (every W-th sample from position r: the samples torch's DistributedSampler
+    gives rank r over the same order, so a ported DDP script whose model has BatchNorm sees the same
+    per-rank batches as its original). Either way the global batch of a step is the same samples."""
     world = parallel.mesh.dp_size if parallel is not None else collectives.world_size()
     dp_rank = parallel.mesh.dp_rank if parallel is not None else collectives.rank()
     try:
@@ -75,6 +81,7 @@ def prepare_dataloader(
             seed=seed,
             shuffle=shuffle,
             start_step=start_step,
+            rank_split=rank_split,
         )
     except ValueError as e:
         raise ConfigError(f"prepare_dataloader: {e}") from None

@@ -11,6 +11,7 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dptrain.api.setup import in_callers_words
+from dptrain.api.step_check import watch
 from dptrain.config import ConfigError, TrainConfig, resolve_batch
 from dptrain.data import (
     EpochBatchSampler,
@@ -53,6 +54,9 @@ def prepare_dataloader(
     `loader.epoch` say where it is; `dptrain.epochs(loader, n)` and `dptrain.micro_steps(loader,
     max_steps=...)` loop over it.
 
+    With accumulation, an `optimizer.step()` of any optimizer while the loader stands in the middle of
+    an optimizer step (the loop steps on every micro-batch) is warned about once; the step is taken.
+
     Batch sizes follow global = micro * accum * data-parallel size; any one may be left out. The
     data-parallel rank and size come from `parallel`'s mesh when given, else every rank is one.
 
@@ -90,6 +94,7 @@ def prepare_dataloader(
         loader_cls=EpochLoader,
     )
     assert isinstance(loader, EpochLoader)
+    watch(loader)  # one warning if an optimizer steps in the middle of an accumulation (api/step_check.py)
     return loader
 
 

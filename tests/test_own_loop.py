@@ -249,3 +249,51 @@ def test_checkpointer_in_one_process_restores_everything_and_refuses_a_half_step
     next(it)  # one micro-batch of a two-micro-batch step
     with pytest.raises(ConfigError, match="middle of an optimizer step"):
         ckpt2.save(11)
+
+
+@pytest.mark.parametrize(("world", "accum"), [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_interleaved_rank_split_gives_each_rank_what_distributed_sampler_gives_it(world, accum):
+    """Over the same order (torch.randperm seeded with seed + epoch, both), rank r's micro-batches are the
+    batches of a DataLoader over DistributedSampler(rank=r); the contiguous default is not."""
+    data, m = _ids(48), 2
+    steps = 48 // (m * accum * world)
+    for epoch in range(2):
+        for r in range(world):
+            ds = DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=5, drop_last=True)
+            ds.set_epoch(epoch)
+            theirs = [b[0].tolist() for b in DataLoader(data, batch_size=m, sampler=ds)][: steps * accum]
+            kw = dict(dataset_len=48, global_batch_size=m * accum * world, micro_batch_size=m, grad_accum_steps=accum,
+                      dp_rank=r, dp_world_size=world, seed=5, start_step=epoch * steps)
+            assert list(EpochBatchSampler(**kw, rank_split="interleaved")) == theirs
+            assert list(EpochBatchSampler(**kw)) != theirs  # the default: each rank its own block
+    with pytest.raises(ConfigError, match="rank_split='strided' is not valid; choose one of: contiguous, interleaved"):
+        dptrain.prepare_dataloader(data, global_batch_size=4, rank_split="strided")
+
+
+def test_stepping_on_every_micro_batch_of_an_accumulating_loader_warns_once_and_steps():
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    right = dptrain.prepare_dataloader(_ids(), global_batch_size=8, micro_batch_size=4)  # accum 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # stepping after the last micro-batch: nothing to say
+        for _, micro, (x,) in dptrain.micro_steps(right, max_steps=3):
+            model(x.float()[:, None]).sum().backward()
+            if micro == 1:
+                opt.step()
+                opt.zero_grad()
+    wrong = dptrain.prepare_dataloader(_ids(), global_batch_size=8, micro_batch_size=4)
+    before = model.weight.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for (x,) in wrong:  # the unported loop: a step per batch
+            model(x.float()[:, None]).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    mine = [w for w in caught if "micro-batch" in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in caught]  # once, for 8 steps
+    assert "SGD.step() ran after micro-batch 1 of 2" in str(mine[0].message)
+    assert "grad_accum_steps=2" in str(mine[0].message) and "2x smaller" in str(mine[0].message)
+    assert not torch.equal(model.weight, before)  # the steps were taken, not skipped

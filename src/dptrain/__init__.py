@@ -23,6 +23,7 @@ _EXPORTS = {
     "Runtime": "dptrain.api",
     "all_reduce_mean": "dptrain.api",
     "barrier": "dptrain.api",
+    "broadcast": "dptrain.api",
     "check_loader": "dptrain.api",
     "epochs": "dptrain.api",
     "gather_for_metrics": "dptrain.api",
@@ -36,8 +37,11 @@ _EXPORTS = {
     "prepare_eval_dataloader": "dptrain.api",
     "prepare_model": "dptrain.api",
     "print0": "dptrain.api",
+    "rng_state": "dptrain.api",
     "save_model": "dptrain.api",
     "notebook_launch": "dptrain.launch.notebook",
+    "BatchSizeError": "dptrain.config",
+    "CheckpointError": "dptrain.checkpoint.manifest",
     "Config": "dptrain.config",
     "ConfigError": "dptrain.config",
     "load_config": "dptrain.config.load",
@@ -52,6 +56,8 @@ _EXPORTS = {
 
 __all__ = [
     "__version__",
+    "BatchSizeError",
+    "CheckpointError",
     "Checkpointer",
     "Config",
     "ConfigError",
@@ -62,6 +68,7 @@ __all__ = [
     "Trainer",
     "all_reduce_mean",
     "barrier",
+    "broadcast",
     "check_loader",
     "clip_grad_norm_",
     "epochs",
@@ -79,6 +86,7 @@ __all__ = [
     "prepare_eval_dataloader",
     "prepare_model",
     "print0",
+    "rng_state",
     "save_model",
     "sync_gradients",
     "to_device",
@@ -174,6 +182,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         Runtime,
         all_reduce_mean,
         barrier,
+        broadcast,
         check_loader,
         epochs,
         gather_for_metrics,
@@ -187,9 +196,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         prepare_eval_dataloader,
         prepare_model,
         print0,
+        rng_state,
         save_model,
     )
-    from dptrain.config import Config, ConfigError
+    from dptrain.checkpoint.manifest import CheckpointError
+    from dptrain.config import BatchSizeError, Config, ConfigError
     from dptrain.config.load import load_config
     from dptrain.launch.notebook import notebook_launch
     from dptrain.parallel import ParallelModel, clip_grad_norm_, full_state_dict, sync_gradients, unwrap

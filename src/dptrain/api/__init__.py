@@ -17,12 +17,12 @@
 
 Modules: `setup` (process group, `parallelize`, `prepare_model` with attribute pass-through),
 `loaders` (training loader with epochs and exact resume, sharded evaluation loader, `micro_steps`,
-`epochs`, `check_loader`), `checkpointer` (`Checkpointer`), `runtime` (`print0`, `barrier`,
+`epochs`, `check_loader`), `checkpointer` (`Checkpointer`, `rng_state`), `runtime` (`print0`, `barrier`, `broadcast`,
 `all_reduce_mean`, `gather_for_metrics`, `mixed_precision`, `save_model`), `loop_monitor` (hang watchdog and
 metrics.jsonl). The loop, `loss.backward()` and `optimizer.step()` stay yours; nothing here skips a step.
 """
 
-from dptrain.api.checkpointer import Checkpointer
+from dptrain.api.checkpointer import Checkpointer, rng_state
 from dptrain.api.loaders import (
     check_loader,
     epochs,
@@ -36,6 +36,7 @@ from dptrain.api.runtime import (
     MixedPrecision,
     all_reduce_mean,
     barrier,
+    broadcast,
     gather_for_metrics,
     mixed_precision,
     print0,
@@ -50,6 +51,7 @@ __all__ = [
     "Runtime",
     "all_reduce_mean",
     "barrier",
+    "broadcast",
     "check_loader",
     "epochs",
     "gather_for_metrics",
@@ -64,5 +66,6 @@ __all__ = [
     "prepare_eval_dataloader",
     "prepare_model",
     "print0",
+    "rng_state",
     "save_model",
 ]

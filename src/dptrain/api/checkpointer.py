@@ -21,16 +21,25 @@ usual effect.
 from __future__ import annotations
 
 import os
+import sys
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dptrain.api.setup import plan_of
+from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint import storage
+from dptrain.checkpoint.extra import EXTRA_FILE, decode, encode
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.manifest import CheckpointError
 from dptrain.checkpoint.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from dptrain.checkpoint.resume import API
+from dptrain.checkpoint.rng import get_rng_state
+from dptrain.checkpoint.rundir import move_aside
 from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
 from dptrain.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from dptrain.data import EpochLoader
@@ -39,7 +48,7 @@ from dptrain.distributed.exit_marks import mark_exit
 from dptrain.parallel import ParallelModel, is_sharded
 from dptrain.train.state import TrainState
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "rng_state"]
 
 
 class _Optional:
@@ -85,6 +94,39 @@ class _Position:
             raise ConfigError(str(e)) from None
 
 
+def _start_over(out_dir: Path, root: Path, *, resume: str, is_main: bool) -> None:
+    """`resume="none"`: refused (nothing touched) when `root` holds committed checkpoints, which a save would
+    overwrite and a later `resume="auto"` would continue from; `"overwrite"`: they (and the run's
+    metrics.jsonl) are moved to OUT_DIR/previous/N/ on rank 0, and the run starts at step 0."""
+    committed = [i.path for i in mf.list_checkpoints(root, check_hashes=False) if i.state != "uncommitted"]
+    if not committed:
+        return
+    if resume == "none":
+        raise ConfigError(
+            f"Checkpointer(resume='none'): {root} holds checkpoints of an earlier run ({len(committed)}, newest "
+            f"{committed[-1].name}); saving would overwrite them and a later resume='auto' would continue from them. "
+            "Pass resume='auto' to continue that run, resume='overwrite' to start over (they are moved to "
+            f"{out_dir / 'previous'}/N/, not deleted), or use a new out_dir"
+        )
+    if is_main:
+        moved = move_aside(out_dir, mf.step_dirs(root), names=("metrics.jsonl",))
+        print(f"dptrain: resume='overwrite': the earlier checkpoints ({', '.join(p.name for p in committed)}) were "
+              f"moved to {moved}; starting at step 0", file=sys.stderr, flush=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states now (Python, numpy, torch, CUDA), for `Checkpointer.save(step, rng=...)`:
+    take it right before the loop draws a batch from the global RNG, and save it with the step before."""
+    return get_rng_state()
+
+
+def _check_rng(rng: Any) -> None:
+    if rng is not None and not (isinstance(rng, dict) and {"python", "numpy", "torch"} <= rng.keys()):
+        raise ConfigError(
+            f"Checkpointer.save(rng=...): pass what dptrain.rng_state() returned (got a {type(rng).__name__})"
+        )
+
+
 class Checkpointer:
     """Save and resume an own loop's whole state; see the module doc.
 
@@ -93,7 +135,12 @@ class Checkpointer:
     object with state_dict/load_state_dict), `loader` (from `prepare_dataloader`: its position is
     saved), `scaler` (a GradScaler or `dptrain.mixed_precision(...)`; only an enabled one is saved).
     `every_steps`: `step()` saves every N steps (0: only on a signal). `keep_last`: committed
-    checkpoints kept (None: all). `resume`: "auto" (the newest valid), "none", or a step folder."""
+    checkpoints kept (None: all). `save_timeout_s`: how long `save` waits for every rank to call it before it
+    refuses (a save called on one rank only would otherwise hang until the process group's timeout).
+    Construct it on every rank (collective: it makes a small gloo group).
+    `resume`: "auto" (the newest valid; says so when there is none),
+    "none" (start at step 0; refused when OUT_DIR already holds checkpoints), "overwrite" (start at step 0,
+    the earlier checkpoints moved to OUT_DIR/previous/N/), or a step folder."""
 
     def __init__(
         self,
@@ -108,6 +155,7 @@ class Checkpointer:
         keep_last: int | None = 3,
         resume: str = "auto",
         async_save: bool = False,
+        save_timeout_s: float = 10.0,
     ) -> None:
         if loader is not None and not isinstance(loader, EpochLoader):
             raise ConfigError(
@@ -119,6 +167,9 @@ class Checkpointer:
             if value is not None and (not isinstance(value, int) or value < (0 if name == "every_steps" else 1)):
                 raise ConfigError(f"Checkpointer({name}={value!r}): must be an integer >= "
                                   f"{0 if name == 'every_steps' else 1}" + (" or None" if name == "keep_last" else ""))
+        if not isinstance(resume, str | os.PathLike):
+            raise ConfigError(f"Checkpointer(resume={resume!r}): pass 'auto', 'none', 'overwrite' or a step folder")
+        resume = os.fspath(resume)
         plan, strategy = plan_of(model)
         if isinstance(model, ParallelModel):
             plan = model
@@ -146,9 +197,24 @@ class Checkpointer:
             checkpoint=CheckpointConfig(every_steps=every_steps, keep_last=keep_last, async_save=async_save),
             parallel=ParallelConfig(strategy=strategy or ("fsdp" if not full else "ddp")),
         )
-        self.manager = CheckpointManager(cfg=cfg, run_dir=self.out_dir, env=DistEnv.from_env(), resume=resume)
+        env = DistEnv.from_env()
+        root = mf.checkpoint_root(cfg.checkpoint, self.out_dir)
+        if resume in ("none", "overwrite"):
+            _start_over(self.out_dir, root, resume=resume, is_main=env.is_main)
+        self.manager = CheckpointManager(
+            cfg=cfg, run_dir=self.out_dir, env=env, resume="none" if resume == "overwrite" else resume,
+            announce_fresh_start=True, words=API,
+        )
+        if not isinstance(save_timeout_s, int | float) or not 0 < save_timeout_s < float("inf"):
+            raise ConfigError(f"Checkpointer(save_timeout_s={save_timeout_s!r}): must be a number of seconds > 0")
+        self.save_timeout_s = float(save_timeout_s)
+        # `save` first checks that every rank called it, on a gloo group of its own (made here: this is collective)
+        self._arrival = dist.new_group(backend="gloo") if env.world_size > 1 and dist.is_initialized() else None
         self.exit_code = 0
         """143 (SIGTERM) or 130 (Ctrl-C) once `step` returned True; 0 before."""
+        self.extra: dict[str, Any] = {}
+        """Your own state: what the last `save(extra=...)` was given, or what `resume()` restored (rank 0's
+        when it was saved); every save stores it. JSON values and tensors (see checkpoint/extra.py)."""
 
     @property
     def root(self) -> Path:
@@ -164,6 +230,11 @@ class Checkpointer:
         """Load the newest valid checkpoint (per `resume=`) into the model, optimizer, scheduler, scaler,
         loader and every rank's RNG; return its step (0 when there is none: nothing changes). Collective."""
         self.manager.maybe_resume(self.state, preemption=False)
+        path = self.manager.resumed_from
+        if path is not None and self.manager.resumed_from_memory is None:
+            saved = mf.read_manifest(path, require_commit=False)["meta"].get("extra", {})
+            tensors = storage.load_torch(path / EXTRA_FILE) if (path / EXTRA_FILE).is_file() else {}
+            self.extra = decode(saved, tensors)
         return self.train.step
 
     def _at(self, step: int) -> None:
@@ -178,17 +249,54 @@ class Checkpointer:
         self.train.step = step
         self.train.samples_seen = self.loader.step * self.loader.global_batch_size if self.loader is not None else 0
 
-    def save(self, step: int) -> Path:
-        """Save now as step `step` (hashed and committed before it returns); the step folder. Collective."""
-        self._at(step)
-        return self.manager.save(self.state)
+    def _set_extra(self, extra: dict[str, Any] | None) -> None:
+        if extra is not None:
+            self.extra = extra
+        saved, tensors = encode(self.extra)
+        self.state.meta["extra"] = saved
+        self.state.extra_files = {EXTRA_FILE: tensors} if tensors else {}
 
-    def step(self, step: int) -> bool:
+    def save(self, step: int, *, extra: dict[str, Any] | None = None, rng: dict[str, Any] | None = None) -> Path:
+        """Save now as step `step` (hashed and committed before it returns); the step folder. Collective.
+
+        `extra`: your own state (`{"best_val_loss": 1.9, "model_args": {...}}`): JSON values and tensors, rank
+        0's saved, `ckpt.extra` after a resume; None keeps `ckpt.extra` (the last given or resumed).
+        `rng`: this rank's RNG states to save instead of the current ones, taken with `dptrain.rng_state()`
+        just before the loop drew the batch of the step after `step` (a loop that draws its next batch from
+        the global RNG before it saves, as nanoGPT's does, then resumes with that same batch)."""
+        self._at(step)
+        self._set_extra(extra)
+        _check_rng(rng)
+        self._all_here(step)
+        return self.manager.save(self.state, rng=rng)
+
+    def _all_here(self, step: int) -> None:
+        """Every rank called `save`, or CheckpointError within `save_timeout_s` on the ranks that did (rather
+        than a hang until the process group's timeout): torch's monitored barrier, on the Checkpointer's group."""
+        if self._arrival is None:
+            return
+        try:
+            dist.monitored_barrier(self._arrival, timeout=timedelta(seconds=self.save_timeout_s), wait_all_ranks=True)
+        except RuntimeError as e:
+            rank = dist.get_rank()
+            raise CheckpointError(
+                f"Checkpointer.save({step}) on rank {rank}: not every rank called save within "
+                f"{self.save_timeout_s:g} s "
+                f"({e}). save is collective: call save on every rank. To save only when, e.g., validation improved, "
+                "decide on rank 0 and pass the decision to every rank: `is_best = dptrain.broadcast(val_loss < "
+                "best_val_loss)`, then `if is_best: ckpt.save(step, extra={'best_val_loss': val_loss})` on every "
+                "rank. (A rank that is only late, e.g. still evaluating alone, needs a larger save_timeout_s.) "
+                "Nothing was written"
+            ) from None
+
+    def step(self, step: int, *, rng: dict[str, Any] | None = None) -> bool:
         """Call after every optimizer step `step` (1, 2, ...), on every rank. Saves every `every_steps` steps;
         from the first call on, a SIGTERM or Ctrl-C on any rank is agreed on one step later: that step is
-        saved and True is returned (stop; `exit_code` says 143 or 130). Collective."""
+        saved and True is returned (stop; `exit_code` says 143 or 130). `rng`: as in `save`. Collective."""
         self._at(step)
-        stop = self.manager.maybe_save(self.state, step=step)
+        self._set_extra(None)
+        _check_rng(rng)
+        stop = self.manager.maybe_save(self.state, step=step, rng=rng)
         if stop:
             self.exit_code = EXIT_INTERRUPTED if self.manager.interrupted else EXIT_PREEMPTED
             reason = "interrupt (Ctrl-C)" if self.manager.interrupted else "preemption signal (SIGTERM)"

@@ -10,6 +10,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
 
+from dptrain.api.setup import in_callers_words
+from dptrain.api.step_check import watch
 from dptrain.config import ConfigError, TrainConfig, resolve_batch
 from dptrain.data import (
     EpochBatchSampler,
@@ -21,6 +23,8 @@ from dptrain.data import (
 )
 from dptrain.distributed import collectives
 from dptrain.parallel import ParallelModel
+
+BATCH_ARGS = ("global_batch_size", "micro_batch_size", "grad_accum_steps")
 
 
 def prepare_dataloader(
@@ -36,6 +40,7 @@ def prepare_dataloader(
     pin_memory: bool = False,
     collate_fn: Any = None,
     parallel: ParallelModel | None = None,
+    rank_split: str = "contiguous",
 ) -> EpochLoader:
     """A DataLoader yielding this rank's micro-batches in the world-size-invariant global order
     (reshuffled every epoch from `seed + epoch`, no `set_epoch` needed).
@@ -49,16 +54,26 @@ def prepare_dataloader(
     `loader.epoch` say where it is; `dptrain.epochs(loader, n)` and `dptrain.micro_steps(loader,
     max_steps=...)` loop over it.
 
+    With accumulation, an `optimizer.step()` of any optimizer while the loader stands in the middle of
+    an optimizer step (the loop steps on every micro-batch) is warned about once; the step is taken.
+
     Batch sizes follow global = micro * accum * data-parallel size; any one may be left out. The
-    data-parallel rank and size come from `parallel`'s mesh when given, else every rank is one."""
+    data-parallel rank and size come from `parallel`'s mesh when given, else every rank is one.
+
+    `rank_split`: how each global batch is shared among the ranks: "contiguous" (rank r takes the r-th
+    block) or "interleaved" (every W-th sample from position r: the samples torch's DistributedSampler
+    gives rank r over the same order, so a ported DDP script whose model has BatchNorm sees the same
+    per-rank batches as its original). Either way the global batch of a step is the same samples."""
     world = parallel.mesh.dp_size if parallel is not None else collectives.world_size()
     dp_rank = parallel.mesh.dp_rank if parallel is not None else collectives.rank()
-    g, m, a = resolve_batch(
-        TrainConfig(
-            global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps
-        ),
-        dp_world_size=world,
-    )
+    try:
+        g, m, a = resolve_batch(
+            TrainConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                        grad_accum_steps=grad_accum_steps),
+            dp_world_size=world,
+        )
+    except ConfigError as e:  # BatchSizeError stays one
+        raise in_callers_words(e, "prepare_dataloader", "train", BATCH_ARGS) from None
     try:
         sampler = EpochBatchSampler(
             dataset_len=len(dataset),
@@ -70,14 +85,16 @@ def prepare_dataloader(
             seed=seed,
             shuffle=shuffle,
             start_step=start_step,
+            rank_split=rank_split,
         )
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"prepare_dataloader: {e}") from None
     loader = build_dataloader(
         dataset, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn, seed=seed,
         loader_cls=EpochLoader,
     )
     assert isinstance(loader, EpochLoader)
+    watch(loader)  # one warning if an optimizer steps in the middle of an accumulation (api/step_check.py)
     return loader
 
 

@@ -47,6 +47,20 @@ def all_reduce_mean(x: torch.Tensor | float, *, group: Any = None) -> Any:
     return collectives.all_reduce_mean([float(x)], device=_collective_device(), group=group)[0]
 
 
+def broadcast(value: Any, *, src: int = 0) -> Any:
+    """Rank `src`'s `value` on every rank: a decision one rank made (`is_best = dptrain.broadcast(val_loss <
+    best)`), so that every rank takes the same branch to a collective such as `Checkpointer.save`. A tensor
+    gives a new tensor on its own device (the same shape and dtype on every rank); anything else is sent
+    pickled (keep it small: numbers, strings, flags). Collective; a world of one returns `value`."""
+    if collectives.world_size() == 1:
+        return value
+    if isinstance(value, torch.Tensor):
+        out = value.detach().clone()
+        dist.broadcast(out, src=src)
+        return out
+    return collectives.broadcast_object(value, src=src)
+
+
 def _collective_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

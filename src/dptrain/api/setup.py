@@ -10,6 +10,7 @@ so its attributes are there anyway). Both remember which strategy made the modul
 from __future__ import annotations
 
 import atexit
+import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,14 @@ from dptrain.distributed.env import DistEnv
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.distributed.process_group import bind_device, destroy_process_group, init_process_group
 from dptrain.parallel import ParallelModel, parallelize_model
+
+
+def in_callers_words(e: ConfigError, call: str, section: str, names: tuple[str, ...]) -> ConfigError:
+    """`e` (of the same class) as the API call `call` would say it: the config fields `section.NAME` that
+    are parameters of the call are named as the caller wrote them (`global_batch_size=3`, not
+    `train.global_batch_size=3`)."""
+    text = re.sub(rf"\b{re.escape(section)}\.({'|'.join(map(re.escape, names))})\b", r"\1", str(e))
+    return type(e)(f"{call}: {text}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,11 @@ def pass_through(module: nn.Module) -> nn.Module:
     return module
 
 
+PARALLELIZE_ARGS = ("strategy", "bucket_cap_mb", "cpu_offload", "dp_replicate", "dp_shard", "activation_checkpointing",
+                    "fsdp_param_dtype", "fsdp_reduce_dtype")
+"""`parallelize`'s arguments that are `parallel.*` config fields of the same names."""
+
+
 def parallelize(
     model: nn.Module, *, strategy: str = "ddp", device: torch.device | None = None, dp_replicate: int = 1,
     dp_shard: int = 1, activation_checkpointing: str = "none", bucket_cap_mb: float = 5.0, cpu_offload: bool = False,
@@ -130,7 +144,10 @@ def parallelize(
         fsdp_param_dtype=fsdp_param_dtype,
         fsdp_reduce_dtype=fsdp_reduce_dtype,
     )
-    validate(Config(parallel=cfg))
+    try:
+        validate(Config(parallel=cfg))
+    except ConfigError as e:
+        raise in_callers_words(e, "parallelize", "parallel", PARALLELIZE_ARGS) from None
     if not dist.is_initialized():
         raise RuntimeError(
             "dptrain.parallelize needs the process group: call dptrain.init_distributed() first "
@@ -158,6 +175,11 @@ def prepare_model(
     is your module itself, and `dptrain.save_model(model, path)` saves its plain state dict. zero1 is
     refused: its optimizer must be sharded too, which a module alone cannot carry; use
     `dptrain.parallelize(model, strategy="zero1")` and its `.optimizer(...)`."""
+    try:
+        validate(Config(parallel=ParallelConfig(strategy=strategy, bucket_cap_mb=bucket_cap_mb,
+                                                cpu_offload=cpu_offload)))
+    except ConfigError as e:
+        raise in_callers_words(e, "prepare_model", "parallel", PARALLELIZE_ARGS) from None
     mode = strategy_mode(ParallelConfig(strategy=strategy))
     if mode.shard_optimizer:
         raise ConfigError(

@@ -47,7 +47,7 @@ from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-expor
 from dptrain.checkpoint.memory import MemorySnapshots
 from dptrain.checkpoint.memory_recover import MemoryChoice, recover
 from dptrain.checkpoint.preempt import PreemptionFlag
-from dptrain.checkpoint.resume import ResumeChoice, choose_checkpoint, newest_committed, truncate_metrics
+from dptrain.checkpoint.resume import ResumeChoice, Wording, choose_checkpoint, newest_committed, truncate_metrics
 from dptrain.checkpoint.rundir import move_aside
 from dptrain.checkpoint.state import CheckpointState, RngState
 from dptrain.config import Config, ModelConfig, to_dict
@@ -74,7 +74,7 @@ def model_config_hash(model: ModelConfig) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def check_format_version(path: Path, meta: dict[str, Any]) -> int:
+def check_format_version(path: Path, meta: dict[str, Any], *, fresh: str = "--resume none") -> int:
     """The checkpoint's format version (1 when the manifest has none); CheckpointError naming it
     when this dptrain cannot read it."""
     version = meta.get("format_version", 1)
@@ -82,7 +82,7 @@ def check_format_version(path: Path, meta: dict[str, Any]) -> int:
         raise mf.CheckpointError(
             f"{path}: checkpoint format version {version!r}, but this dptrain ({__version__}) reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}; resume it with the dptrain that wrote it "
-            f"(dptrain_version {meta.get('dptrain_version', 'unknown')}), or start afresh with --resume none"
+            f"(dptrain_version {meta.get('dptrain_version', 'unknown')}), or start afresh with {fresh}"
         )
     return int(version)
 
@@ -90,8 +90,13 @@ def check_format_version(path: Path, meta: dict[str, Any]) -> int:
 class CheckpointManager:
     """Saves and restores a run's complete state (a CheckpointState); see the module docstring."""
 
-    def __init__(self, *, cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto", trust: bool = False) -> None:
+    def __init__(
+        self, *, cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto", trust: bool = False,
+        announce_fresh_start: bool = False, words: Wording = Wording(),
+    ) -> None:
+        self.words = words  # how refusals name the caller's argument (`dptrain run`'s --resume by default)
         self.cfg = cfg.checkpoint
+        self.announce_fresh_start = announce_fresh_start  # one line when `auto` finds nothing (the API says so)
         self.root_cfg = cfg
         self.run_dir = run_dir
         self.root = checkpoint_root(cfg.checkpoint, run_dir)
@@ -198,6 +203,8 @@ class CheckpointManager:
                     f"dptrain: no checkpoint to continue from: starting at step 0; the earlier metrics.jsonl "
                     f"was moved to {moved}"
                 )
+            elif self.announce_fresh_start and self.resume == "auto" and not choice.messages:
+                self._say(f"dptrain: no checkpoint in {self.root}: starting at step 0")
             return False
         step = self._load(state, Path(choice.path), choice.meta)
         self.resumed_from = Path(choice.path)
@@ -230,7 +237,7 @@ class CheckpointManager:
         return memory, choice
 
     def _choose(self, choice: ResumeChoice) -> ResumeChoice:
-        found = choose_checkpoint(self.resume, root=self.root, trust=self.trust)
+        found = choose_checkpoint(self.resume, root=self.root, trust=self.trust, words=self.words)
         found.messages[:0] = choice.messages
         return found
 
@@ -248,13 +255,13 @@ class CheckpointManager:
 
     def _load(self, state: CheckpointState, path: Path, meta: dict[str, Any]) -> int:
         """Load `path` into `state`; the step it holds."""
-        version = check_format_version(path, meta)
+        version = check_format_version(path, meta, fresh=self.words.fresh)
         saved_base, this_base = meta.get("base_model"), state.meta.get("base_model")
         if not same_base(saved_base, this_base):  # LoRA adapters hold no base weights: they fit only their own base
             raise mf.CheckpointError(
                 f"{path}: its adapters were trained on the base model {describe(saved_base)}, but this run's base is "
                 f"{describe(this_base)}; resume with the same base (model.factory, model.kwargs), or start afresh "
-                "with --resume none"
+                f"with {self.words.fresh}"
             )
         want = model_config_hash(self.root_cfg.model)
         if meta.get("model_config_hash") not in (None, want):
@@ -286,7 +293,7 @@ class CheckpointManager:
         return int(meta["step"])
 
     # ------------------------------------------------------------------ save
-    def maybe_save(self, state: CheckpointState, *, step: int) -> bool:
+    def maybe_save(self, state: CheckpointState, *, step: int, rng: dict[str, Any] | None = None) -> bool:
         """At the boundary of step `step`: the preemption agreement, committing a finished background
         save, saving when due or when preempted. Collective. Returns True when the run must stop now
         (the checkpoint is committed on every rank by then)."""
@@ -298,7 +305,7 @@ class CheckpointManager:
         if due or stop:
             self.record_progress(step)
         if (due or stop) and self.last_saved_step != step:
-            self.save(state, background=self.cfg.async_save and not stop)
+            self.save(state, background=self.cfg.async_save and not stop, rng=rng)
         if stop:
             if self.progress is not None:
                 self.progress.stopped()
@@ -331,6 +338,7 @@ class CheckpointManager:
         if self.env.rank == 0:
             scaler = state.scaler.state_dict() if state.scaler is not None else None
             files["train.pt"] = {"scheduler": state.schedule.state_dict(), "scaler": scaler or None}
+            files.update(state.extra_files)
         own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
         files[f"rank_{self.env.rank:05d}.pt"] = own
         return files, shards, version
@@ -356,10 +364,11 @@ class CheckpointManager:
         if self.preemption is not None:
             self.preemption.close(wait=wait)
 
-    def save(self, state: CheckpointState, *, background: bool = False) -> Path:
+    def save(self, state: CheckpointState, *, background: bool = False, rng: dict[str, Any] | None = None) -> Path:
         """Write the checkpoint of the current step, then hash and commit it. Collective. With
         `background`, only the snapshot is taken now; the commit follows at the first step
-        boundary after every rank has finished writing (see `maybe_save`)."""
+        boundary after every rank has finished writing (see `maybe_save`). `rng`: this rank's RNG
+        states to save (`RngState().state_dict()` taken earlier) instead of the current ones."""
         self._finish_pending()  # one save in flight at a time
         meta = self._meta(state)
         step, rank = meta["step"], self.env.rank
@@ -386,7 +395,9 @@ class CheckpointManager:
         if rank == 0:
             scaler = state.scaler.state_dict() if state.scaler is not None else None
             storage.save_torch(path / "train.pt", {"scheduler": state.schedule.state_dict(), "scaler": scaler or None})
-        own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
+            for name, obj in state.extra_files.items():
+                storage.save_torch(path / name, obj)
+        own = {"rng": rng or RngState().state_dict(), **{n: obj.state_dict() for n, obj in state.per_rank.items()}}
         storage.save_torch(path / f"rank_{rank:05d}.pt", own)
         self._pending = (path, written, meta, t0)
         self.last_saved_step = step

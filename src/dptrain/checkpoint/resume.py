@@ -18,6 +18,34 @@ from typing import Any
 from dptrain.checkpoint import manifest as mf
 
 
+@dataclass(frozen=True)
+class Wording:
+    """How a refusal names what its caller passed: `dptrain run`'s options by default (`API`: a
+    `dptrain.Checkpointer`'s `resume=`; `dptrain ckpt` commands: their own argument)."""
+
+    given: str = "--resume {}"
+    """The argument as the caller wrote it; formatted with the value."""
+    trust: str = (
+        "Pass one step folder with --trust-checkpoint to load it without a valid manifest (files are still read "
+        "with torch.load(weights_only=True)), or --resume none"
+    )
+    """What to do about a step folder that does not verify."""
+    fresh: str = "--resume none"
+    """How to start afresh instead."""
+
+
+API = Wording(
+    given="Checkpointer(resume={!r})",
+    trust="Pass another step folder as resume=, or resume='auto' for the newest valid one",
+    fresh="resume='overwrite' (the old checkpoints are moved aside)",
+)
+"""The words of `dptrain.Checkpointer(resume=...)`."""
+
+EXPORT = Wording(given="ckpt export {}", trust="Pass one step folder with --trust-checkpoint to export it unverified",
+                 fresh="another checkpoint")
+"""The words of `dptrain ckpt export RUN_DIR_OR_CKPT`."""
+
+
 @dataclass
 class ResumeChoice:
     """The decision (made on rank 0, broadcast): a step folder or None, what to tell the user,
@@ -59,15 +87,12 @@ def _newest_valid(root: Path) -> ResumeChoice:
     return choice
 
 
-def _explicit(path: Path, *, trust: bool) -> ResumeChoice:
+def _explicit(path: Path, *, trust: bool, words: Wording) -> ResumeChoice:
     info = mf.inspect_dir(path)
     if info.valid:
         return ResumeChoice(path=str(path), meta=info.meta)
     if not trust:
-        return ResumeChoice(error=(
-            f"refusing to resume from {path}: {info.state}: {info.reason}. Pass --trust-checkpoint to load it "
-            "without a valid manifest (files are still read with torch.load(weights_only=True))"
-        ))
+        return ResumeChoice(error=f"{words.given.format(str(path))}: {info.state}: {info.reason}. {words.trust}")
     try:
         meta = json.loads((path / mf.MANIFEST).read_text())["meta"]
     except (OSError, ValueError, KeyError):
@@ -80,17 +105,19 @@ def _explicit(path: Path, *, trust: bool) -> ResumeChoice:
     )
 
 
-def choose_checkpoint(mode: str, *, root: Path, trust: bool = False) -> ResumeChoice:
-    """Apply `--resume MODE` (auto, none, or a path) with checkpoints under `root`."""
+def choose_checkpoint(mode: str, *, root: Path, trust: bool = False, words: Wording = Wording()) -> ResumeChoice:
+    """Apply `--resume MODE` (auto, none, or a path) with checkpoints under `root`; refusals name the
+    argument in the caller's `words`."""
     if mode == "none":
         return ResumeChoice()
     if mode == "auto":
         return _newest_valid(root)
     path = Path(mode)
+    given = words.given.format(mode)
     if not path.exists():
-        return ResumeChoice(error=f"--resume {mode}: no such file or directory")
+        return ResumeChoice(error=f"{given}: no such file or directory")
     if mf.step_of(path) is not None or (path / mf.MANIFEST).exists() or (path / mf.MARKER).exists():
-        return _explicit(path, trust=trust)
+        return _explicit(path, trust=trust, words=words)
     for sub in (path / "checkpoints", path):
         if mf.step_dirs(sub):
             choice = _newest_valid(sub)
@@ -99,12 +126,9 @@ def choose_checkpoint(mode: str, *, root: Path, trust: bool = False) -> ResumeCh
                     f"\n  {d}: {i.state}: {i.reason}"
                     for d, i in ((d, mf.inspect_dir(d)) for d in reversed(mf.step_dirs(sub)))
                 )
-                return ResumeChoice(
-                    error=f"--resume {mode}: no valid checkpoint under {sub}:{why}\nPass one step "
-                    "folder with --trust-checkpoint to load it unverified, or --resume none"
-                )
+                return ResumeChoice(error=f"{given}: no valid checkpoint under {sub}:{why}\n{words.trust}")
             return choice
-    return ResumeChoice(error=f"--resume {mode}: holds no step_NNNNNN checkpoint folders")
+    return ResumeChoice(error=f"{given}: holds no step_NNNNNN checkpoint folders")
 
 
 def truncate_metrics(path: Path, *, step: int) -> float | None:

@@ -205,6 +205,9 @@ class CheckpointState:
     full: bool
     per_rank: dict[str, Stateful] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    extra_files: dict[str, Any] = field(default_factory=dict)
+    """Further files rank 0 writes into the step folder (name -> tensors and plain data, `torch.save`d, read back
+    with `weights_only=True`), hashed like the others: the `Checkpointer`'s `extra.pt`."""
 
     def __post_init__(self) -> None:
         if not self.model_parts or not self.optimizers:

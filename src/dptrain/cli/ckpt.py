@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.checkpoint import manifest as mf
+from dptrain.checkpoint.extra import describe as describe_extra
 from dptrain.checkpoint.manifest import checkpoint_root
-from dptrain.checkpoint.resume import choose_checkpoint
+from dptrain.checkpoint.resume import EXPORT, choose_checkpoint
 from dptrain.cli.ckpt_merge import export_merged
 from dptrain.config import BatchSizeError, Config, ConfigError, resolve, to_dict
 from dptrain.config.load import load_config
@@ -175,6 +176,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{info.step:>8}  {info.state:<11}  {_size(d):>10}  {meta.get('world_size', '-'):>5}  "
             f"{meta.get('strategy', '-'):<8}  {d}" + (f"\n{'':>10}{info.reason}" if info.reason else "")
         )
+        if meta.get("extra"):  # a dptrain.Checkpointer's save(extra=...)
+            print(f"{'':>10}extra: {describe_extra(meta['extra'])}")
     return 0
 
 
@@ -220,7 +223,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     _check_target(args.target)
     check_file_writable(args.out, what="ckpt export --out")
-    choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint)
+    choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint, words=EXPORT)
     if choice.error or choice.path is None:
         raise ConfigError(choice.error or f"no valid checkpoint under {target}")
     for line in choice.messages:
@@ -265,7 +268,7 @@ def _export_hf(args: argparse.Namespace) -> int:
             f"{model.factory!r} (a transformers model's final/ is already a save_pretrained folder)"
         )
     check_dir_writable(out, what="ckpt export --out")
-    choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint)
+    choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint, words=EXPORT)
     if choice.error or choice.path is None:
         raise ConfigError(choice.error or f"no valid checkpoint under {target}")
     for line in choice.messages:

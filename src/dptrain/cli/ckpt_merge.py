@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.checkpoint.resume import choose_checkpoint
+from dptrain.checkpoint.resume import EXPORT, choose_checkpoint
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config
 
@@ -36,7 +36,7 @@ def export_merged(args: argparse.Namespace, *, root: Path) -> int:
         raise ConfigError(f"ckpt export --merge --out {args.out!r} is a file; --merge writes a folder (config.json "
                           "and model.safetensors): name a directory")
     cfg = load_config(run_config_of(target))
-    choice = choose_checkpoint(str(target), root=root, trust=args.trust_checkpoint)
+    choice = choose_checkpoint(str(target), root=root, trust=args.trust_checkpoint, words=EXPORT)
     if choice.error or choice.path is None:
         raise ConfigError(choice.error or f"no valid checkpoint under {target}")
     try:

@@ -15,7 +15,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["GlobalBatchSampler"]
+__all__ = ["RANK_SPLITS", "GlobalBatchSampler"]
+
+RANK_SPLITS = ("contiguous", "interleaved")
+"""How a global batch is shared among the data-parallel ranks (see GlobalBatchSampler)."""
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -25,8 +28,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
     ``seed + e`` (``arange`` when ``shuffle=False``).  Each epoch has
     ``dataset_len // global_batch_size`` steps (the remainder is dropped).  Global step ``s``
     is batch ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``; rank ``r`` takes the
-    contiguous ``[r*G/W, (r+1)*G/W)`` slice of it, and micro-step ``k`` takes
-    ``[k*mb, (k+1)*mb)`` of that slice.  ``__iter__`` yields ``grad_accum_steps`` index lists
+    contiguous ``[r*G/W, (r+1)*G/W)`` slice of it (``rank_split="interleaved"``: every W-th sample
+    from position ``r``, as torch's DistributedSampler over the same order), and micro-step ``k``
+    takes ``[k*mb, (k+1)*mb)`` of that share.  ``__iter__`` yields ``grad_accum_steps`` index lists
     per global step; use it as a DataLoader ``batch_sampler``.  It never ends: the trainer
     decides when to stop.
     """
@@ -43,8 +47,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         shuffle: bool = True,
         start_step: int = 0,
+        rank_split: str = "contiguous",
     ) -> None:
         super().__init__()
+        if rank_split not in RANK_SPLITS:
+            raise ValueError(f"rank_split={rank_split!r} is not valid; choose one of: {', '.join(RANK_SPLITS)}")
+        self.rank_split = rank_split
         for name, v in (
             ("global_batch_size", global_batch_size),
             ("micro_batch_size", micro_batch_size),
@@ -122,8 +130,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def micro_batches(self, step: int) -> list[list[int]]:
         """This rank's ``grad_accum_steps`` micro-batches for global ``step``."""
         batch = self.global_batch_indices(step)
-        per_rank = self.global_batch_size // self.dp_world_size
-        mine = batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        if self.rank_split == "interleaved":  # DistributedSampler's share: every W-th sample from rank r on
+            mine = batch[self.dp_rank :: self.dp_world_size]
+        else:
+            per_rank = self.global_batch_size // self.dp_world_size
+            mine = batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         mb = self.micro_batch_size
         return [mine[k * mb : (k + 1) * mb] for k in range(self.grad_accum_steps)]
 
@@ -187,5 +198,6 @@ class GlobalBatchSampler(Sampler[list[int]]):
             f"{self.global_batch_size}, micro_batch_size={self.micro_batch_size}, "
             f"grad_accum_steps={self.grad_accum_steps}, dp_rank={self.dp_rank}, "
             f"dp_world_size={self.dp_world_size}, seed={self.seed}, shuffle={self.shuffle}, "
+            f"rank_split={self.rank_split!r}, "
             f"start_step={self._start_step})"
         )

@@ -11,8 +11,8 @@ from typing import Any
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint.extra import describe as describe_extra
 from dptrain.checkpoint.manifest import checkpoint_root
-from dptrain.checkpoint.resume import EXPORT, choose_checkpoint
-from dptrain.cli.ckpt_merge import export_merged
+from dptrain.checkpoint.resume import choose_checkpoint
+from dptrain.cli.ckpt_merge import chosen_for_export, export_merged
 from dptrain.config import BatchSizeError, Config, ConfigError, resolve, to_dict
 from dptrain.config.load import load_config
 from dptrain.launch.checks import check_dir_writable, check_file_writable
@@ -223,19 +223,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     _check_target(args.target)
     check_file_writable(args.out, what="ckpt export --out")
-    choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint, words=EXPORT)
-    if choice.error or choice.path is None:
-        raise ConfigError(choice.error or f"no valid checkpoint under {target}")
-    for line in choice.messages:
-        print(line, file=sys.stderr)
+    path, meta = chosen_for_export(target, root=_root_of(target), trust=args.trust_checkpoint)
     try:
-        state = storage.load_full_model_state(Path(choice.path), fmt=choice.meta["format"])
+        state = storage.load_full_model_state(path, fmt=meta["format"])
     except mf.CheckpointError as e:
         print(f"dptrain: error: {e}", file=sys.stderr)
         return 1
     out = Path(args.out)
     storage.save_safetensors(state, out)
-    print(f"exported {len(state)} tensors of {choice.path} (step {choice.meta['step']}) to {out}")
+    print(f"exported {len(state)} tensors of {path} (step {meta['step']}) to {out}")
     return 0
 
 
@@ -268,16 +264,12 @@ def _export_hf(args: argparse.Namespace) -> int:
             f"{model.factory!r} (a transformers model's final/ is already a save_pretrained folder)"
         )
     check_dir_writable(out, what="ckpt export --out")
-    choice = choose_checkpoint(str(target), root=_root_of(target), trust=args.trust_checkpoint, words=EXPORT)
-    if choice.error or choice.path is None:
-        raise ConfigError(choice.error or f"no valid checkpoint under {target}")
-    for line in choice.messages:
-        print(line, file=sys.stderr)
+    path, meta = chosen_for_export(target, root=_root_of(target), trust=args.trust_checkpoint)
     try:
-        written = export_llama_hf(Path(choice.path), fmt=choice.meta["format"], model_kwargs=model.kwargs, out_dir=out)
+        written = export_llama_hf(path, fmt=meta["format"], model_kwargs=model.kwargs, out_dir=out)
     except mf.CheckpointError as e:
         print(f"dptrain: error: {e}", file=sys.stderr)
         return 1
-    print(f"exported {choice.path} (step {choice.meta['step']}) as a Hugging Face Llama folder {out}: "
+    print(f"exported {path} (step {meta['step']}) as a Hugging Face Llama folder {out}: "
           f"{', '.join(written)}")
     return 0

@@ -8,13 +8,25 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint.resume import EXPORT, choose_checkpoint
 from dptrain.config import ConfigError
 from dptrain.config.load import load_config
 
-__all__ = ["export_merged", "run_config_of"]
+__all__ = ["chosen_for_export", "export_merged", "run_config_of"]
+
+
+def chosen_for_export(target: Path, *, root: Path, trust: bool) -> tuple[Path, dict[str, Any]]:
+    """The step folder `ckpt export` reads from `target` (a step folder or a run dir's newest valid one) and its
+    manifest's meta, the choice's messages printed; ConfigError in the command's own words when there is none."""
+    choice = choose_checkpoint(str(target), root=root, trust=trust, words=EXPORT)
+    if choice.error or choice.path is None:
+        raise ConfigError(choice.error or f"no valid checkpoint under {target}")
+    for line in choice.messages:
+        print(line, file=sys.stderr)
+    return Path(choice.path), choice.meta
 
 
 def run_config_of(target: Path) -> Path:
@@ -36,11 +48,9 @@ def export_merged(args: argparse.Namespace, *, root: Path) -> int:
         raise ConfigError(f"ckpt export --merge --out {args.out!r} is a file; --merge writes a folder (config.json "
                           "and model.safetensors): name a directory")
     cfg = load_config(run_config_of(target))
-    choice = choose_checkpoint(str(target), root=root, trust=args.trust_checkpoint, words=EXPORT)
-    if choice.error or choice.path is None:
-        raise ConfigError(choice.error or f"no valid checkpoint under {target}")
+    path, meta = chosen_for_export(target, root=root, trust=args.trust_checkpoint)
     try:
-        what = write_merged(cfg, ckpt=Path(choice.path), meta=choice.meta, out=out)
+        what = write_merged(cfg, ckpt=path, meta=meta, out=out)
     except mf.CheckpointError as e:
         print(f"dptrain: error: {e}", file=sys.stderr)
         return 1

@@ -221,7 +221,7 @@ def run_once(a: argparse.Namespace, *, model: Path, data: Path, work: Path, npro
         if not sampler._trained():  # before the training steps were done: nothing to report
             raise SystemExit(message)
         print(f"{message} after its {a.steps} steps (in the final save): the whole-run column stops there")
-    if rc != 0:
+    elif rc != 0:
         tail = (work / f"{tag}.log").read_text()[-4000:]
         raise SystemExit(f"dptrain run ({tag}) exited {rc}: {' '.join(cmd)}\n{tail}")
     return sampler

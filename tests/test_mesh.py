@@ -230,7 +230,7 @@ def test_prepare_model_refuses_zero1_naming_the_api_that_does_it():
         ConfigError, match=r"cannot shard the optimizer.*dptrain.parallelize\(model, strategy='zero1'\)"
     ):
         dptrain.prepare_model(nn.Linear(2, 2), strategy="zero1")
-    with pytest.raises(ConfigError, match="parallel.strategy='zero9' is not valid"):
+    with pytest.raises(ConfigError, match="prepare_model: strategy='zero9' is not valid"):
         dptrain.prepare_model(nn.Linear(2, 2), strategy="zero9")
 
 

@@ -55,9 +55,9 @@ class RunMeters:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         fixed = FixedBytes()
-        self.comm = CommMeter(group_size=self.mesh.dp_size, device=self.device, fixed=fixed)
-        if custom is None:
-            return self.comm.wrap(self.mesh.dp_group, default_hooks.allreduce_hook, bucket_payload)
+        self.comm = CommMeter(group_size=self.mesh.grad_size, device=self.device, fixed=fixed)
+        if custom is None:  # over dp, or dp x cp (the cp ranks' gradients are of different tokens)
+            return self.comm.wrap(self.mesh.grad_group, default_hooks.allreduce_hook, bucket_payload)
         self.comm.outside = getattr(custom, "sent_outside", None)
         return self.comm.wrap(custom.state, custom.hook, custom.payload_bytes, collective=custom.collective)
 

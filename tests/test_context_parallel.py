@@ -80,6 +80,17 @@ def test_cp2_with_fsdp2_matches_reference(tmp_path):
     cp_case(tmp_path, strategy="fsdp", dp=2, cp=2, accum=2, extra=("parallel.dp_shard=2",))
 
 
+@pytest.mark.timeout(60)
+def test_the_tolerance_catches_gradients_reduced_over_dp_only(tmp_path, monkeypatch):
+    """Guard: the token count and the gradients reduced over dp alone (cp forgotten) fail the parity check."""
+    from dptrain.distributed.mesh import ParallelMesh
+
+    monkeypatch.setattr(ParallelMesh, "grad_group", property(lambda self: self.dp_group))
+    monkeypatch.setattr(ParallelMesh, "grad_size", property(lambda self: self.dp_size))
+    with pytest.raises(AssertionError):
+        cp_case(tmp_path, strategy="ddp", dp=1, cp=2, accum=1)
+
+
 # ------------------------------------------------------------------ the split
 def test_chunks_are_load_balanced_and_cover_the_row_once():
     assert chunk_positions(8, cp=2, rank=0).tolist() == [0, 1, 6, 7]
@@ -102,6 +113,39 @@ def test_shard_refuses_rows_that_do_not_split_and_packed_rows():
     packed = {"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 8), "position_ids": torch.zeros(1, 8)}
     with pytest.raises(ConfigError, match="position_ids"):
         ContextParallel(None, cp=2, rank=0).shard(packed)
+
+
+def _eval_on_cp_ranks(rank: int, cp: int) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    from dptrain.models.llama import build_llama
+    from dptrain.parallel.context import apply_cp
+    from dptrain.train.loss import forward_loss
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(SEED)
+        model = build_llama(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)  # GQA: 2 KV heads travel
+        rows = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(1))
+        labels = rows[:, 1:].clone()
+        labels[0, :11] = -100  # uneven over the chunks: a prompt, then the answer
+        batch = {"input_ids": rows[:, :-1], "labels": labels}
+        with torch.no_grad():
+            whole = float(model(batch))
+        group = dist.new_group(list(range(cp)))
+        apply_cp(model, group=group, cp=cp, rank=rank)
+        split = float(ContextParallel(group, cp=cp, rank=rank).eval_loss(model, batch, loss_fn=forward_loss))
+        return whole, split
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_validation_loss_of_split_rows_is_the_whole_rows_token_mean():
+    from support.mp import run_ranks
+
+    for whole, split in run_ranks(_eval_on_cp_ranks, 2, 2, timeout=50):
+        assert split == pytest.approx(whole, rel=1e-6)
 
 
 # ------------------------------------------------------------------ refusals before launch

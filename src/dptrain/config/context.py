@@ -45,8 +45,8 @@ def validate_context_parallel(cfg: Config, *, dims: ParallelDims, mode: DataPara
         raise ConfigError(f"{where}: train.loss={cfg.train.loss!r} would see only this rank's chunks of each row; drop "
                           "train.loss (the model's own token loss is exact under cp), or use parallel.cp=1")
     if cfg.train.eval_fn is not None:
-        raise ConfigError(f"{where}: train.eval_fn={cfg.train.eval_fn!r} would see only this rank's chunks of each row; "
-                          "drop train.eval_fn (the validation loss is exact under cp), or use parallel.cp=1")
+        raise ConfigError(f"{where}: train.eval_fn={cfg.train.eval_fn!r} would see only this rank's chunks of each "
+                          "row; drop train.eval_fn (the validation loss is exact under cp), or use parallel.cp=1")
     if cfg.parallel.grad_compression != "none":
         raise ConfigError(f"{where}: parallel.grad_compression={cfg.parallel.grad_compression!r} is not supported "
                           "with cp > 1; use parallel.grad_compression=none, or parallel.cp=1")

@@ -6,11 +6,11 @@ state dicts; the trainer calls the same methods whatever the layout.
 
 With pp > 1 the model is first split into pipeline stages (`parallel/pipeline.py`), and steps 1 to 3
 apply to each stage. Order (torchtitan's): 1. tensor parallelism on the tp mesh (parallel/tensor.py),
-2. activation checkpointing per block, 2b. torch.compile per block (train.compile; parallel/compile.py),
 1b. context parallelism (parallel.cp: the built-in LLaMA's attention gathers K/V over the cp ranks;
-parallel/context.py), 3. data parallelism: FSDP2 `fully_shard` on the
-dp_shard dimension (dp_shard x cp under cp) (or the 2-D (dp_replicate, dp_shard) mesh: HSDP), or DDP on the data-parallel
-group, or nothing (single) / nn.DataParallel (dp); ZeRO-1 is DDP plus a sharded optimizer
+parallel/context.py), 2. activation checkpointing per block, 2b. torch.compile per block (train.compile;
+parallel/compile.py), 3. data parallelism: FSDP2 `fully_shard` on the dp_shard dimension (dp_shard x cp
+under cp), or the 2-D (dp_replicate, dp_shard) mesh: HSDP, or DDP on the data-parallel group (dp x cp),
+or nothing (single) / nn.DataParallel (dp); ZeRO-1 is DDP plus a sharded optimizer
 (`ParallelModel.optimizer`). Which of these applies comes from the `DataParallelMode` of the strategy
 (config/layout.py), never from the strategy name.
 """

@@ -1,13 +1,13 @@
 """One device mesh per run: the named parallel dimensions and the groups every part takes from it.
 
-`ParallelDims` (config/dims.py, re-exported here) is plain data: the degrees of the four dimensions, -1
+`ParallelDims` (config/dims.py, re-exported here) is plain data: the degrees of the five dimensions, -1
 resolved from the world size and validated before launch (torchtitan's `ParallelDims`). `ParallelMesh` builds ONE
 torch `DeviceMesh` with the named dimensions `("pp", "dp_replicate", "dp_shard", "cp", "tp")`, plus a
 1-D data-parallel mesh (dp_replicate x dp_shard, flattened into `"dp"` under HSDP) for
 data-parallel collectives, and answers
 the questions the rest of the run asks:
 
-- the data sampler and evaluation: `dp_rank`, `dp_size` (ranks that differ only in tp or pp
+- the data sampler and evaluation: `dp_rank`, `dp_size` (ranks that differ only in cp, tp or pp
   coordinates see the same batch);
 - metric and eval means: `dp_group`; gradients, the token rule's count and the logged loss: `grad_group` (dp x cp);
 - context parallelism: `cp_group`, `cp_rank` (which chunks of each row; parallel/context.py);

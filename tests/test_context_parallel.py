@@ -91,6 +91,32 @@ def test_the_tolerance_catches_gradients_reduced_over_dp_only(tmp_path, monkeypa
         cp_case(tmp_path, strategy="ddp", dp=1, cp=2, accum=1)
 
 
+@pytest.mark.timeout(90)
+def test_resume_across_cp_degrees_cp2_fsdp_then_single_then_cp2_ddp(tmp_path):
+    """One run, SGD with momentum, a checkpoint every step: steps 1-2 on cp 2 (fsdp: DCP shards over dp_shard x cp),
+    step 3 in one process, step 4 on cp 2 under ddp. The data position and the optimizer state carry over: the
+    gradient norms and the final weights are the uninterrupted single-process reference's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from support.mp import run_ranks
+    from support.parity import fit_items
+
+    def items(strategy: str, cp: int, steps: int) -> list[str]:
+        return [*overrides(strategy=strategy, world_size=1, accum=1, model="llama", steps=steps),
+                f"parallel.cp={cp}", "optim.momentum=0.9", "checkpoint.every_steps=1", "train.eval_every_steps=0"]
+
+    for strategy, cp, steps in (("fsdp", 2, 2), ("single", 1, 3), ("ddp", 2, 4)):
+        run_ranks(fit_items, cp, items(strategy, cp, steps), str(tmp_path), timeout=40)
+    want, norms = reference("llama", global_batch=GLOBAL_BATCH[1], momentum=0.9)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r}
+    assert [r["step"] for r in records if "grad_norm" in r] == [1, 2, 3, 4]  # each step once: every run resumed
+    assert [logged[s] for s in range(1, 5)] == pytest.approx(norms, rel=1e-4)
+    assert_weights_close(load_file(str(tmp_path / "final" / "model.safetensors")), want)
+
+
 # ------------------------------------------------------------------ the split
 def test_chunks_are_load_balanced_and_cover_the_row_once():
     assert chunk_positions(8, cp=2, rank=0).tolist() == [0, 1, 6, 7]

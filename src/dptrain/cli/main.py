@@ -262,8 +262,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     print(dump_yaml(cfg, extra=dataclasses.asdict(res)), end="")
     d = res.dims
     print(
-        f"# layout: data-parallel {d.dp_size} (replicate {d.dp_replicate} x shard {d.dp_shard}) x pipeline {d.pp} x "
-        f"tensor {d.tp} = world {d.world_size}\n"
+        f"# layout: data-parallel {d.dp_size} (replicate {d.dp_replicate} x shard {d.dp_shard}) x context {d.cp} x "
+        f"pipeline {d.pp} x tensor {d.tp} = world {d.world_size}\n"
         f"# batch: global {res.global_batch_size} = micro {res.micro_batch_size} x accum {res.grad_accum_steps} "
         f"x dp {res.dp_world_size}"
     )

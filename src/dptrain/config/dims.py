@@ -10,10 +10,11 @@ from dptrain.config.fields import ConfigError
 
 __all__ = ["DIM_NAMES", "ParallelDims"]
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimensions, outermost first: pipeline stages span nodes, tensor parallelism stays innermost
 (fastest links); data-parallel replicas sit outside their shards (HSDP: replicate across nodes,
-shard within a node)."""
+shard within a node); context parallelism (one sequence split over ranks) sits between the shards and
+tp, as in torchtitan."""
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -24,13 +25,15 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1
+    """Context-parallel degree: ranks one sequence is split over (they share their dp rank's rows)."""
 
     @classmethod
     def resolve(cls, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1,
-                world_size: int) -> ParallelDims:
+                cp: int = 1, world_size: int) -> ParallelDims:
         """Resolve at most one -1 from the world size and check the product. Raises ConfigError
         naming every factor and the world size."""
-        factors = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
+        factors = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp}
         for name, v in factors.items():
             if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):
                 raise ConfigError(f"parallel.{name}={v!r} is not valid; use a positive integer, or -1 to infer it "
@@ -53,7 +56,7 @@ class ParallelDims:
         if product != world_size:
             raise ConfigError(
                 f"parallel layout {_show(factors)} = {product} does not match the world size {world_size}: "
-                "the product of dp_replicate, dp_shard, tp and pp must equal the world size "
+                "the product of dp_replicate, dp_shard, cp, tp and pp must equal the world size "
                 "(set one of them to -1 to infer it)"
             )
         return cls(world_size=world_size, **factors)
@@ -64,12 +67,18 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def grad_size(self) -> int:
+        """Ranks whose gradients make one step's (dp x cp): the cp ranks of a dp rank hold different tokens of
+        the same rows, so gradients, token counts and the logged loss are reduced over all of them."""
+        return self.dp_size * self.cp
+
+    @property
     def degrees(self) -> dict[str, int]:
         """The degrees by mesh dimension name, in mesh order."""
         return {name: getattr(self, name) for name in DIM_NAMES}
 
     def describe(self) -> str:
-        """`dp_replicate 2 x dp_shard 2 x tp 1 x pp 1 = world 4`."""
+        """`pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 = world 4`."""
         return " x ".join(f"{n} {v}" for n, v in self.degrees.items()) + f" = world {self.world_size}"
 
 

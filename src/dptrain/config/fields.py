@@ -307,9 +307,14 @@ class ParallelConfig:
     rank."""
     pp: int = 1
     """Pipeline-parallel degree: ranks the model's layers are split over (built-in LLaMA only; see
-    docs/guides/strategies.md, "Pipeline parallelism"); -1 infers it. dp_replicate * dp_shard * tp * pp must equal the
-    world size; at most one of
-    the four may be -1."""
+    docs/guides/strategies.md, "Pipeline parallelism"); -1 infers it. dp_replicate * dp_shard * cp * tp * pp must equal
+    the world size; at most one of them may be -1."""
+    cp: int = 1
+    """Context-parallel degree: ranks each sequence is split over (built-in LLaMA only; docs/guides/long-sequences.md).
+    Each of the cp ranks of a data-parallel rank takes chunks i and 2*cp-1-i of the rows' 2*cp equal chunks (causal load
+    balance); attention all-gathers K/V over the cp ranks, exact. Gradients are averaged over dp x cp. Composes with
+    ddp, zero2 and fsdp (dp_shard: parameters sharded over dp_shard x cp); tp > 1, pp > 1, zero1 and packed rows are
+    refused; the model's input length must be divisible by 2*cp. dp_replicate * dp_shard * cp * tp * pp = world size."""
     pp_schedule: str = "1f1b"
     """pp > 1: the pipeline schedule of torch.distributed.pipelining: gpipe (all forwards, then all backwards), 1f1b
     (one forward, one backward in the steady state; needs pp_microbatches >= pp) or interleaved_1f1b (pp_stages_per_rank

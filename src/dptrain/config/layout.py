@@ -15,7 +15,8 @@ reads the `DataParallelMode` fields and the `ParallelDims` degrees instead.
 With dp_replicate and dp_shard both left at 1, the strategy's own dimension takes the rest of the
 world. zero2/fsdp with dp_replicate > 1 and dp_shard > 1 is HSDP. ddp/zero1 replicate only, so
 dp_shard > 1 with them is refused. Tensor parallelism (tp > 1) composes with every multi-process
-strategy except zero1 (refused: its optimizer cannot hold DTensor parameters).
+strategy except zero1 (refused: its optimizer cannot hold DTensor parameters). Context parallelism (cp > 1)
+composes with ddp, zero2 and fsdp; what it refuses is checked in config/context.py.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def strategy_mode(cfg: ParallelConfig) -> DataParallelMode:
 def resolve_layout(cfg: ParallelConfig, *, world_size: int) -> tuple[ParallelDims, DataParallelMode]:
     """(mesh degrees, mode) for `cfg` at `world_size`. Raises ConfigError before anything launches."""
     mode = strategy_mode(cfg)
-    degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp, "pp": cfg.pp}
+    degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp}
     if mode.single_process:
         if world_size != 1:
             raise ConfigError(
@@ -78,7 +79,7 @@ def resolve_layout(cfg: ParallelConfig, *, world_size: int) -> tuple[ParallelDim
                 "use launch.nproc_per_node=1 (--nproc-per-node 1) or a multi-process strategy (ddp, zero1, zero2, fsdp)"
             )
     elif degrees["dp_replicate"] == 1 and degrees["dp_shard"] == 1 and -1 not in degrees.values():
-        degrees[mode.dp_dim] = -1  # the strategy's own dimension takes the rest of the world (unless tp/pp is -1)
+        degrees[mode.dp_dim] = -1  # the strategy's own dimension takes the rest of the world (unless cp/tp/pp is -1)
     dims = ParallelDims.resolve(**degrees, world_size=world_size)
     if mode.wrapper == "ddp" and dims.dp_shard > 1:
         raise ConfigError(

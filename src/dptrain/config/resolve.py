@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dptrain.config.compression import validate_compression, validate_compression_choice, validate_onebit_adam
+from dptrain.config.context import validate_context_parallel
 from dptrain.config.ds_fields import validate_ds_fields
 from dptrain.config.fields import (
     ACTIVATION_CHECKPOINTING,
@@ -213,6 +214,7 @@ def resolve(cfg: Config, *, world_size: int | None = None, cuda_available: bool 
             "use parallel.strategy=ddp, which also runs on the CPU"
         )
     dims, mode = resolve_layout(cfg.parallel, world_size=world_size)
+    validate_context_parallel(cfg, dims=dims, mode=mode)  # cp > 1: what it composes with (config/context.py)
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"

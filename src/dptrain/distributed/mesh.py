@@ -1,15 +1,16 @@
 """One device mesh per run: the named parallel dimensions and the groups every part takes from it.
 
-`ParallelDims` (config/dims.py, re-exported here) is plain data: the degrees of the four dimensions, -1
+`ParallelDims` (config/dims.py, re-exported here) is plain data: the degrees of the five dimensions, -1
 resolved from the world size and validated before launch (torchtitan's `ParallelDims`). `ParallelMesh` builds ONE
-torch `DeviceMesh` with the named dimensions `("pp", "dp_replicate", "dp_shard", "tp")`, plus a
+torch `DeviceMesh` with the named dimensions `("pp", "dp_replicate", "dp_shard", "cp", "tp")`, plus a
 1-D data-parallel mesh (dp_replicate x dp_shard, flattened into `"dp"` under HSDP) for
 data-parallel collectives, and answers
 the questions the rest of the run asks:
 
-- the data sampler and evaluation: `dp_rank`, `dp_size` (ranks that differ only in tp or pp
+- the data sampler and evaluation: `dp_rank`, `dp_size` (ranks that differ only in cp, tp or pp
   coordinates see the same batch);
-- loss, metric and eval means: `dp_group`;
+- metric and eval means: `dp_group`; gradients, the token rule's count and the logged loss: `grad_group` (dp x cp);
+- context parallelism: `cp_group`, `cp_rank` (which chunks of each row; parallel/context.py);
 - FSDP2: `fsdp_mesh` (1-D dp_shard, or 2-D (dp_replicate, dp_shard) = HSDP);
 - tensor parallelism: `tp_mesh` (the innermost dimension; FSDP2 over a tensor-parallel model
   needs both meshes sliced from this one root mesh);
@@ -45,6 +46,13 @@ def _dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
+def _grad_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """cp > 1: the data-parallel dimensions and cp flattened into `"dp_cp"` (gradients, token counts, the logged
+    loss), after `"dp_shard_cp"` (FSDP2's shard dimension under cp: torchtitan's layout)."""
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+
+
 class ParallelMesh:
     """The run's DeviceMesh and the ranks and groups every part of the run takes from it."""
 
@@ -53,6 +61,8 @@ class ParallelMesh:
         self.mesh = mesh
         self.dp_mesh = dp_mesh
         """The flattened 1-D data-parallel mesh (dp_replicate x dp_shard)."""
+        self.grad_mesh = dp_mesh if dims.cp == 1 else _grad_mesh(mesh, dims)
+        """The 1-D mesh gradients are averaged over: dp_mesh, or with cp > 1 (dp_replicate x) dp_shard x cp."""
 
     @classmethod
     def build(cls, dims: ParallelDims, *, device_type: str) -> ParallelMesh:
@@ -75,7 +85,7 @@ class ParallelMesh:
         `destroy_process_group`: a process-group object that outlives its group, left as garbage,
         may be freed later, in a process forked from this one, where gloo's destructor waits forever
         for threads that only exist in the parent. The object cannot be used afterwards."""
-        self.mesh = self.dp_mesh = None  # type: ignore[assignment]
+        self.mesh = self.dp_mesh = self.grad_mesh = None  # type: ignore[assignment]
 
     # ---------------------------------------------------------------- data parallelism
 
@@ -94,11 +104,39 @@ class ParallelMesh:
         return self.dp_mesh.get_group()
 
     @property
+    def grad_group(self) -> dist.ProcessGroup:
+        """The ranks gradients are averaged over and the token rule counts over: `dp_group`, or with cp > 1 every
+        (dp, cp) rank (the cp ranks of a dp rank hold different tokens of the same rows)."""
+        return self.grad_mesh.get_group()
+
+    @property
+    def grad_size(self) -> int:
+        return self.dims.grad_size
+
+    @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """FSDP2's mesh: dp_shard (1-D), or (dp_replicate, dp_shard) for HSDP."""
+        """FSDP2's mesh: dp_shard (1-D), or (dp_replicate, dp_shard) for HSDP; with cp > 1 the shard dimension is
+        dp_shard x cp (`"dp_shard_cp"`), whose gradients FSDP2 reduce-scatters over the cp ranks too."""
+        shard = "dp_shard" if self.dims.cp == 1 else "dp_shard_cp"
         if self.dims.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
+            return self.mesh["dp_replicate", shard]
+        return self.mesh[shard]
+
+    # ---------------------------------------------------------------- context parallelism
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        """The ranks one sequence is split over (they share a dp rank's rows): K/V are all-gathered over it."""
+        return self.mesh["cp"].get_group()
+
+    @property
+    def cp_rank(self) -> int:
+        """Which chunks of each row this rank takes (chunks cp_rank and 2*cp-1-cp_rank of 2*cp)."""
+        return self.mesh["cp"].get_local_rank()
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
 
     @property
     def tp_mesh(self) -> DeviceMesh:

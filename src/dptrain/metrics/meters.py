@@ -55,9 +55,9 @@ class RunMeters:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         fixed = FixedBytes()
-        self.comm = CommMeter(group_size=self.mesh.dp_size, device=self.device, fixed=fixed)
-        if custom is None:
-            return self.comm.wrap(self.mesh.dp_group, default_hooks.allreduce_hook, bucket_payload)
+        self.comm = CommMeter(group_size=self.mesh.grad_size, device=self.device, fixed=fixed)
+        if custom is None:  # over dp, or dp x cp (the cp ranks' gradients are of different tokens)
+            return self.comm.wrap(self.mesh.grad_group, default_hooks.allreduce_hook, bucket_payload)
         self.comm.outside = getattr(custom, "sent_outside", None)
         return self.comm.wrap(custom.state, custom.hook, custom.payload_bytes, collective=custom.collective)
 
@@ -68,7 +68,7 @@ class RunMeters:
         if self.mode.wrapper == "fsdp" and dims.tp == 1 and dims.pp == 1:
             fixed = fsdp_comm_bytes(
                 model,
-                shard=dims.dp_shard,
+                shard=dims.dp_shard * dims.cp,  # under cp FSDP2 shards over dp_shard x cp
                 replicate=dims.dp_replicate,
                 reshard_after_forward=(
                     self.mode.reshard_after_forward
@@ -78,7 +78,7 @@ class RunMeters:
                 param_dtype=DTYPES[cfg.fsdp_param_dtype] if cfg.fsdp_param_dtype else None,
                 reduce_dtype=DTYPES[rd] if (rd := fsdp_reduce_dtype(cfg)) else None,
             )  # grad_compression fp16/bf16 too
-            self.comm = CommMeter(group_size=dims.dp_size, device=self.device, fixed=fixed, timed=False)
+            self.comm = CommMeter(group_size=dims.grad_size, device=self.device, fixed=fixed, timed=False)
         elif self.comm is not None and self.mode.shard_optimizer:
             self.comm.fixed = FixedBytes(per_step=zero1_broadcast_bytes(model, n=dims.dp_size))
         elif self.comm is None and dims.world_size == 1 and self.mode.wrapper == "none":

@@ -98,6 +98,20 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
+class CoreAttention(nn.Module):
+    """Scaled dot-product attention of rotated ``q`` ``[B, H, T, hd]`` and ``k``/``v`` ``[B, H_kv, T, hd]``: a module
+    of its own (no parameters) so that a parallelism can replace it; context parallelism
+    (dptrain.parallel.context) swaps in one that all-gathers K/V over the ranks holding the rest of the sequence."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if k.size(1) != q.size(1):  # GQA: share each KV head across a group of query heads
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with rotary embeddings and optional grouped KV heads."""
 
@@ -109,6 +123,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core: nn.Module = CoreAttention()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
@@ -124,13 +139,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.size(1) != q.size(1):  # GQA: share each KV head across a group of query heads
-            rep = q.size(1) // k.size(1)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -6,10 +6,11 @@ state dicts; the trainer calls the same methods whatever the layout.
 
 With pp > 1 the model is first split into pipeline stages (`parallel/pipeline.py`), and steps 1 to 3
 apply to each stage. Order (torchtitan's): 1. tensor parallelism on the tp mesh (parallel/tensor.py),
-2. activation checkpointing per block, 2b. torch.compile per block (train.compile; parallel/compile.py),
-3. data parallelism: FSDP2 `fully_shard` on the
-dp_shard dimension (or the 2-D (dp_replicate, dp_shard) mesh: HSDP), or DDP on the data-parallel
-group, or nothing (single) / nn.DataParallel (dp); ZeRO-1 is DDP plus a sharded optimizer
+1b. context parallelism (parallel.cp: the built-in LLaMA's attention gathers K/V over the cp ranks;
+parallel/context.py), 2. activation checkpointing per block, 2b. torch.compile per block (train.compile;
+parallel/compile.py), 3. data parallelism: FSDP2 `fully_shard` on the dp_shard dimension (dp_shard x cp
+under cp), or the 2-D (dp_replicate, dp_shard) mesh: HSDP, or DDP on the data-parallel group (dp x cp),
+or nothing (single) / nn.DataParallel (dp); ZeRO-1 is DDP plus a sharded optimizer
 (`ParallelModel.optimizer`). Which of these applies comes from the `DataParallelMode` of the strategy
 (config/layout.py), never from the strategy name.
 """
@@ -34,6 +35,7 @@ from dptrain.parallel import ddp, fsdp
 from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dptrain.parallel.clip import clip_grad_norm_
 from dptrain.parallel.compile import apply_compile
+from dptrain.parallel.context import ContextParallel, apply_cp
 from dptrain.parallel.dp import apply_dp
 from dptrain.parallel.single import apply_single
 from dptrain.parallel.tensor import apply_tp, loss_context
@@ -107,6 +109,8 @@ class ParallelModel:
 
     pipelined = False
     """True for a `PipelineModel` (parallel/pipeline.py): its stages span the pipeline group."""
+    context: ContextParallel | None = None
+    """parallel.cp > 1: every batch is cut to this rank's chunks of its rows first (parallel/context.py)."""
 
     @property
     def sharded(self) -> bool:
@@ -145,6 +149,8 @@ class ParallelModel:
         `scaler`: the loss scaler (a pass-through unless fp16); `context()`: entered around each
         forward (autocast); `phase(name, **kw)`: the diagnostics' heartbeat."""
         batches = [to_device(b, self.device) for b in micro_batches]
+        if self.context is not None:  # cp > 1: this rank's chunks of every row, with their global positions
+            batches = [self.context.shard(b) for b in batches]
         n_items = count_items(batches) if count_items is not None else None
         accum = len(batches)
         step_loss = torch.zeros((), device=self.device)
@@ -172,6 +178,8 @@ class ParallelModel:
         """The loss of one evaluation batch (moved to this model's device), forward only, under the
         loss context (tensor parallelism's loss_parallel) and `context()` (autocast)."""
         with context(), self.loss_context():
+            if self.context is not None:  # cp > 1: the rows' token mean, reduced over the cp ranks
+                return self.context.eval_loss(self.module, to_device(batch, self.device), loss_fn=loss_fn)
             return loss_fn(self.module, to_device(batch, self.device))
 
     @contextlib.contextmanager
@@ -313,6 +321,10 @@ def parallelize_model(
             sequence_parallel=cfg.sequence_parallel,
             loss_parallel=cfg.loss_parallel,
         )
+    cp = None
+    if mesh.dims.cp > 1:  # 1b. context parallelism: attention over K/V gathered from the cp ranks
+        cp = ContextParallel(mesh.cp_group, cp=mesh.cp_size, rank=mesh.cp_rank)
+        apply_cp(model, group=cp.group, cp=cp.cp, rank=cp.rank)
     apply_activation_checkpointing(model, mode=cfg.activation_checkpointing)  # 2.
     if compile_backend is not None:  # 2b. per block, before the data-parallel wrapper
         apply_compile(model, backend=compile_backend)
@@ -337,7 +349,7 @@ def parallelize_model(
             model,
             device=device,
             bucket_cap_mb=cfg.bucket_cap_mb,
-            process_group=mesh.dp_group,
+            process_group=mesh.grad_group,  # dp, or dp x cp
             materialize=materialize,
             gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             static_graph=cfg.static_graph,
@@ -348,6 +360,7 @@ def parallelize_model(
         module = apply_single(model, device=device, materialize=materialize)
     plan = ParallelModel(module, plain=model, mode=mode, mesh=mesh, loss_parallel=cfg.loss_parallel, device=device,
                          sync_each_micro_step=cfg.sync_each_micro_step)
+    plan.context = cp
     if comm_hook is not None:
         plan.register_comm_hook(*comm_hook)
     return plan

@@ -221,8 +221,8 @@ class Trainer:
             functools.partial(
                 items_per_rank,
                 device=self.device,
-                dp_world_size=res.dp_world_size,
-                group=self.mesh.dp_group,
+                dp_world_size=self.mesh.grad_size,  # dp, or dp x cp: each cp rank counts its own chunks
+                group=self.mesh.grad_group,
             )
             if self.token_loss
             else None
@@ -426,7 +426,7 @@ class Trainer:
         window, state = self.log_window, self.state
         local = self.parallel.reduce_loss(window.loss_sum / window.steps)  # a pipeline's lives on its last stage
         self.last_loss = last_loss = collectives.all_reduce_mean(
-            [local.item()], device=self.device, group=self.mesh.dp_group
+            [local.item()], device=self.device, group=self.mesh.grad_group  # dp (x cp): each rank's share
         )[0]
         window_steps = window.steps
         self.out.log(

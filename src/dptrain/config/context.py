@@ -1,0 +1,63 @@
+"""`parallel.cp` (context parallelism): what it composes with, checked before any process starts (plain data, no
+torch). The split itself is parallel/context.py; docs/guides/long-sequences.md says what works and what is refused."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dptrain.config.fields import ConfigError
+
+if TYPE_CHECKING:
+    from dptrain.config.dims import ParallelDims
+    from dptrain.config.fields import Config
+    from dptrain.config.layout import DataParallelMode
+
+CP_MODEL = "dptrain.models.llama:build_llama"
+"""The one model whose attention context parallelism knows how to split."""
+
+PACKED_DATA = "dptrain.data.packed:build_packed"
+CORPUS_DATA = "dptrain.data.corpus:build_stdlib_lm"
+
+
+def validate_context_parallel(cfg: Config, *, dims: ParallelDims, mode: DataParallelMode) -> None:
+    """Refuse what cp > 1 does not support, naming the value and the fix (nothing to check at cp 1)."""
+    cp = dims.cp
+    if cp == 1:
+        return
+    where = f"parallel.cp={cp} ({dims.describe()})"
+    if dims.pp > 1:
+        raise ConfigError(f"{where}: context parallelism with pipeline parallelism (pp={dims.pp}) is not supported; "
+                          "use parallel.pp=1, or parallel.cp=1")
+    if dims.tp > 1:
+        raise ConfigError(f"{where}: context parallelism with tensor parallelism (tp={dims.tp}) is not supported; "
+                          "use parallel.tp=1 (give the ranks to cp or dp), or parallel.cp=1")
+    if mode.shard_optimizer:
+        raise ConfigError(f"{where}: parallel.strategy={cfg.parallel.strategy!r} is not supported with cp > 1; use "
+                          "parallel.strategy=ddp, zero2 or fsdp")
+    if cfg.model.factory != CP_MODEL or cfg.model.kwargs.get("pretrained") is not None:
+        raise ConfigError(f"{where}: model.factory={cfg.model.factory!r} cannot be split over the sequence; context "
+                          f"parallelism supports the built-in LLaMA ({CP_MODEL}, no pretrained folder) only: use it, "
+                          "or parallel.cp=1")
+    if cfg.data.factory == PACKED_DATA:
+        raise ConfigError(f"{where}: data.factory={PACKED_DATA!r} (packed rows with document masks) is not supported "
+                          "with cp > 1 yet; use unpacked rows, or parallel.cp=1")
+    if cfg.train.loss is not None:
+        raise ConfigError(f"{where}: train.loss={cfg.train.loss!r} would see only this rank's chunks of each row; drop "
+                          "train.loss (the model's own token loss is exact under cp), or use parallel.cp=1")
+    if cfg.train.eval_fn is not None:
+        raise ConfigError(f"{where}: train.eval_fn={cfg.train.eval_fn!r} would see only this rank's chunks of each "
+                          "row; drop train.eval_fn (the validation loss is exact under cp), or use parallel.cp=1")
+    if cfg.parallel.grad_compression != "none":
+        raise ConfigError(f"{where}: parallel.grad_compression={cfg.parallel.grad_compression!r} is not supported "
+                          "with cp > 1; use parallel.grad_compression=none, or parallel.cp=1")
+    seq = cfg.data.kwargs.get("seq_len")  # the built-in corpus's rows: seq_len inputs (other data: checked per batch)
+    if cfg.data.factory == CORPUS_DATA and isinstance(seq, int) and seq % (2 * cp):
+        raise ConfigError(f"{where}: data.kwargs.seq_len={seq} is not divisible by 2*cp={2 * cp} (each cp rank takes "
+                          f"two of 2*cp equal chunks); use a seq_len that is a multiple of {2 * cp}")
+
+
+def check_seq_len(*, seq_len: int | None, cp: int) -> None:
+    """A row's input length must split into 2*cp equal chunks (ConfigError naming both); None: not known yet."""
+    if seq_len is not None and seq_len % (2 * cp):
+        raise ConfigError(f"a row of {seq_len} input tokens cannot be split into 2*cp={2 * cp} equal chunks "
+                          f"(parallel.cp={cp}); make the model's input length a multiple of {2 * cp}")

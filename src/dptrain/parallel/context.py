@@ -1,0 +1,136 @@
+"""Context parallelism (`parallel.cp`): one sequence split over the cp ranks of a data-parallel rank, attention exact.
+
+- **The split** (`ContextParallel.shard`): each row of ``T`` input tokens is cut into ``2*cp`` equal chunks; cp rank
+  ``r`` takes chunks ``r`` and ``2*cp-1-r`` (torchtitan's and Megatron's causal load balance: under a causal mask the
+  early chunks attend to little and the late ones to much, so every rank gets one of each). Its labels are split the
+  same way, and its ``position_ids`` are the global positions of its tokens, so rotary embeddings rotate by where each
+  token is in the whole row.
+- **Attention** (`GatheredKVAttention`, swapped in for the built-in LLaMA's `CoreAttention` by `apply_cp`): K and V
+  (after rotary, before GQA's repeat) are all-gathered over the cp group with torch's autograd-aware functional
+  collective `all_gather_single_autograd` (its backward sends each rank the sum of the gradients of its K/V), and
+  every local query attends to the gathered keys at global positions not after its own: exactly the causal attention of
+  the whole row. This is ring attention's result with one all-gather instead of cp-1 ring steps (Megatron's
+  all-gather CP); it runs on gloo and on any SDPA kernel. torch's `context_parallel` (torch.distributed.tensor.
+  experimental) is not used: it dispatches on the flash/efficient SDPA kernels and fails on the MATH kernel, the only
+  one on a CPU in float32 (pytorch/pytorch#147793).
+- **Loss and gradients**: the token rule counts every token once (each token is on one cp rank) over the dp x cp ranks
+  (`ParallelMesh.grad_group`), DDP all-reduces and FSDP2 reduce-scatters gradients over the same ranks, so the step's
+  gradient is the global batch's token mean (train/loss.py).
+
+The cp ranks of a dp rank load the same rows (the sampler takes the dp rank) and each keeps its chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dptrain.config import ConfigError
+from dptrain.config.context import check_seq_len
+from dptrain.distributed import collectives
+from dptrain.models.llama import Attention
+
+__all__ = ["ContextParallel", "GatheredKVAttention", "apply_cp", "chunk_positions"]
+
+
+def chunk_positions(seq_len: int, *, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global positions cp rank `rank` holds of a row of `seq_len` tokens: chunks rank and 2*cp-1-rank of 2*cp."""
+    check_seq_len(seq_len=seq_len, cp=cp)
+    size = seq_len // (2 * cp)
+    first, second = rank * size, (2 * cp - 1 - rank) * size
+    return torch.cat([torch.arange(first, first + size, device=device),
+                      torch.arange(second, second + size, device=device)])
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_mask(local_len: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    """``[local_len, cp*local_len]`` bool: True where this rank's query may see a gathered key (keys in rank order)."""
+    seq_len = local_len * cp
+    mine = chunk_positions(seq_len, cp=cp, rank=rank, device=device)
+    keys = torch.cat([chunk_positions(seq_len, cp=cp, rank=r, device=device) for r in range(cp)])
+    return keys[None, :] <= mine[:, None]
+
+
+class GatheredKVAttention(nn.Module):
+    """Attention of this rank's query chunks against the K/V of the whole row, all-gathered over the cp group."""
+
+    def __init__(self, group: Any, *, cp: int, rank: int) -> None:
+        super().__init__()
+        self.group, self.cp, self.rank = group, cp, rank
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        # `mask` is the model's own, built from this rank's positions alone (chunks look like separate documents to
+        # it); packed rows are refused under cp, so the causal mask over the global positions replaces it.
+        k, v = _gather_seq(k, self.group), _gather_seq(v, self.group)  # [B, H_kv, cp*T_local, hd]
+        if k.size(1) != q.size(1):  # GQA: repeat after the exchange (the fewer heads travel)
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        allowed = _causal_mask(q.size(2), self.cp, self.rank, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+def _gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """`x` ``[B, H, T_local, hd]`` of every cp rank, concatenated along the sequence in rank order; autograd sends
+    each rank the gradient of its own slice summed over the ranks (a reduce-scatter). torch's functional collective,
+    whose autograd is exact on gloo; `torch.distributed.nn.functional.all_gather` (deprecated) gave wrong K/V
+    gradients here on gloo. It gathers along dim 0 only, hence the sequence moved to the front and back."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+
+    gathered = all_gather_single_autograd(x.movedim(2, 0).contiguous(), gather_dim=0, group=group)
+    return gathered.movedim(0, 2)
+
+
+def apply_cp(model: nn.Module, *, group: Any, cp: int, rank: int) -> int:
+    """Swap every built-in LLaMA attention's core for `GatheredKVAttention` (in place); returns how many. A model
+    without one is refused (config/context.py refuses it before launch; this catches a factory that hides it)."""
+    swapped = 0
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.core = GatheredKVAttention(group, cp=cp, rank=rank)
+            swapped += 1
+    if not swapped:
+        raise ConfigError(f"parallel.cp={cp}: the model ({type(model).__name__}) has no built-in LLaMA attention to "
+                          "split over the sequence; use dptrain.models.llama:build_llama, or parallel.cp=1")
+    return swapped
+
+
+class ContextParallel:
+    """This rank's share of every batch (`shard`) and the validation loss of a split row (`eval_loss`)."""
+
+    def __init__(self, group: Any, *, cp: int, rank: int) -> None:
+        self.group, self.cp, self.rank = group, cp, rank
+
+    def shard(self, batch: Any) -> dict[str, torch.Tensor]:
+        """`{input_ids, labels, position_ids}` of this rank's chunks of a batch: a LongTensor ``[B, T+1]`` (inputs
+        ``[:, :-1]``, targets ``[:, 1:]``), an ``(input_ids, labels)`` pair or a mapping with those keys."""
+        if isinstance(batch, Mapping):
+            extra = sorted(set(batch) - {"input_ids", "labels"})
+            if extra:
+                raise ConfigError(f"parallel.cp={self.cp}: a batch with {extra} (packed rows, padding masks) cannot "
+                                  "be split over the sequence yet; use rows of input_ids and labels, or parallel.cp=1")
+            idx, labels = batch["input_ids"], batch["labels"]
+        elif isinstance(batch, torch.Tensor):
+            idx, labels = batch[:, :-1], batch[:, 1:]
+        elif isinstance(batch, Sequence) and len(batch) == 2:
+            idx, labels = batch
+        else:
+            raise ConfigError(f"parallel.cp={self.cp}: cannot split a {type(batch).__name__} batch over the sequence; "
+                              "give a [B, T+1] LongTensor, an (input_ids, labels) pair or a mapping with those keys")
+        pos = chunk_positions(idx.size(1), cp=self.cp, rank=self.rank, device=idx.device)
+        return {"input_ids": idx[:, pos], "labels": labels[:, pos], "position_ids": pos.expand(idx.size(0), -1)}
+
+    @torch.no_grad()
+    def eval_loss(self, module: nn.Module, batch: Any, *, loss_fn: Any) -> torch.Tensor:
+        """The token mean over the whole rows of `batch`, the same on every cp rank: each rank's summed token losses
+        divided by the rows' count of valid targets, summed over the cp group."""
+        mine = self.shard(batch)
+        count = (mine["labels"] != -100).sum().to(torch.float32)
+        collectives.all_reduce_sum_(count, group=self.group)
+        loss = loss_fn(module, mine, num_items_in_batch=count.clamp_min(1)).detach().clone()
+        collectives.all_reduce_sum_(loss, group=self.group)
+        return loss

@@ -1,0 +1,204 @@
+"""Context parallelism (parallel.cp, parallel/context.py): the built-in LLaMA trained with each row split over cp
+ranks equals one plain process (the parity ladder's reference and tolerance), and what cp does not support is refused
+before launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from dptrain.config import ConfigError, resolve
+from dptrain.config.load import load_config
+from dptrain.data import GlobalBatchSampler
+from dptrain.parallel.context import ContextParallel, chunk_positions
+from support.parity import (
+    GLOBAL_BATCH,
+    LR,
+    MODELS,
+    SEED,
+    STEPS,
+    assert_weights_close,
+    max_abs_diff,
+    overrides,
+    reference,
+    train,
+)
+
+
+def reference_losses(*, global_batch: int, steps: int = STEPS) -> list[float]:
+    """The plain single-process run of `reference("llama")`, recording each step's loss (the global batch's mean)."""
+    spec = MODELS["llama"]
+    ds = spec["data"](**spec["data_kwargs"])
+    torch.manual_seed(SEED)
+    net = spec["build"](**spec["kwargs"])
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    order = GlobalBatchSampler(dataset_len=len(ds), global_batch_size=global_batch, micro_batch_size=global_batch,
+                               grad_accum_steps=1, dp_rank=0, dp_world_size=1, seed=SEED, shuffle=True)
+    losses = []
+    for step in range(steps):
+        loss = net(default_collate([ds[i] for i in order.global_batch_indices(step)]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def cp_case(tmp_path, *, strategy: str, dp: int, cp: int, accum: int, extra: tuple[str, ...] = ()) -> float:
+    """Train the tiny LLaMA on dp x cp gloo ranks; assert losses, gradient norms and weights equal the reference."""
+    g = GLOBAL_BATCH[dp]
+    items = overrides(strategy=strategy, world_size=dp, accum=accum, model="llama") + [f"parallel.cp={cp}", *extra]
+    got, records = train(items, dp * cp, tmp_path, timeout=50)
+    want, norms = reference("llama", global_batch=g)
+    logged = [r["loss"] for r in records if "loss" in r]
+    assert logged == pytest.approx(reference_losses(global_batch=g), rel=1e-5)
+    assert [r["grad_norm"] for r in records if "grad_norm" in r] == pytest.approx(norms, rel=1e-4)
+    assert_weights_close(got, want)
+    return max_abs_diff(got, want)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("accum", [1, 2])
+def test_cp2_matches_reference(accum, tmp_path):
+    cp_case(tmp_path, strategy="ddp", dp=1, cp=2, accum=accum)
+
+
+@pytest.mark.timeout(60)
+def test_cp4_matches_reference(tmp_path):
+    cp_case(tmp_path, strategy="ddp", dp=1, cp=4, accum=1)
+
+
+@pytest.mark.timeout(60)
+def test_cp2_with_ddp2_matches_reference(tmp_path):
+    cp_case(tmp_path, strategy="ddp", dp=2, cp=2, accum=1)
+
+
+@pytest.mark.timeout(60)
+def test_cp2_with_fsdp2_matches_reference(tmp_path):
+    """FSDP2 shards parameters over dp_shard x cp (4 ranks) and reduce-scatters gradients over all of them."""
+    cp_case(tmp_path, strategy="fsdp", dp=2, cp=2, accum=2, extra=("parallel.dp_shard=2",))
+
+
+@pytest.mark.timeout(60)
+def test_the_tolerance_catches_gradients_reduced_over_dp_only(tmp_path, monkeypatch):
+    """Guard: the token count and the gradients reduced over dp alone (cp forgotten) fail the parity check."""
+    from dptrain.distributed.mesh import ParallelMesh
+
+    monkeypatch.setattr(ParallelMesh, "grad_group", property(lambda self: self.dp_group))
+    monkeypatch.setattr(ParallelMesh, "grad_size", property(lambda self: self.dp_size))
+    with pytest.raises(AssertionError):
+        cp_case(tmp_path, strategy="ddp", dp=1, cp=2, accum=1)
+
+
+@pytest.mark.timeout(90)
+def test_resume_across_cp_degrees_cp2_fsdp_then_single_then_cp2_ddp(tmp_path):
+    """One run, SGD with momentum, a checkpoint every step: steps 1-2 on cp 2 (fsdp: DCP shards over dp_shard x cp),
+    step 3 in one process, step 4 on cp 2 under ddp. The data position and the optimizer state carry over: the
+    gradient norms and the final weights are the uninterrupted single-process reference's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from support.mp import run_ranks
+    from support.parity import fit_items
+
+    def items(strategy: str, cp: int, steps: int) -> list[str]:
+        return [*overrides(strategy=strategy, world_size=1, accum=1, model="llama", steps=steps),
+                f"parallel.cp={cp}", "optim.momentum=0.9", "checkpoint.every_steps=1", "train.eval_every_steps=0"]
+
+    for strategy, cp, steps in (("fsdp", 2, 2), ("single", 1, 3), ("ddp", 2, 4)):
+        run_ranks(fit_items, cp, items(strategy, cp, steps), str(tmp_path), timeout=40)
+    want, norms = reference("llama", global_batch=GLOBAL_BATCH[1], momentum=0.9)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r}
+    assert [r["step"] for r in records if "grad_norm" in r] == [1, 2, 3, 4]  # each step once: every run resumed
+    assert [logged[s] for s in range(1, 5)] == pytest.approx(norms, rel=1e-4)
+    assert_weights_close(load_file(str(tmp_path / "final" / "model.safetensors")), want)
+
+
+# ------------------------------------------------------------------ the split
+def test_chunks_are_load_balanced_and_cover_the_row_once():
+    assert chunk_positions(8, cp=2, rank=0).tolist() == [0, 1, 6, 7]
+    assert chunk_positions(8, cp=2, rank=1).tolist() == [2, 3, 4, 5]
+    every = torch.cat([chunk_positions(16, cp=4, rank=r) for r in range(4)])
+    assert sorted(every.tolist()) == list(range(16))
+
+
+def test_shard_takes_the_rows_chunks_with_their_global_positions():
+    rows = torch.arange(2 * 9).view(2, 9)  # [B, T+1]: 8 inputs
+    mine = ContextParallel(None, cp=2, rank=1).shard(rows)
+    assert mine["input_ids"].tolist() == [[2, 3, 4, 5], [11, 12, 13, 14]]
+    assert mine["labels"].tolist() == [[3, 4, 5, 6], [12, 13, 14, 15]]
+    assert mine["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
+
+
+def test_shard_refuses_rows_that_do_not_split_and_packed_rows():
+    with pytest.raises(ConfigError, match=r"7 input tokens cannot be split into 2\*cp=4"):
+        ContextParallel(None, cp=2, rank=0).shard(torch.zeros(2, 8, dtype=torch.long))
+    packed = {"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 8), "position_ids": torch.zeros(1, 8)}
+    with pytest.raises(ConfigError, match="position_ids"):
+        ContextParallel(None, cp=2, rank=0).shard(packed)
+
+
+def _eval_on_cp_ranks(rank: int, cp: int) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    from dptrain.models.llama import build_llama
+    from dptrain.parallel.context import apply_cp
+    from dptrain.train.loss import forward_loss
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(SEED)
+        model = build_llama(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)  # GQA: 2 KV heads travel
+        rows = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(1))
+        labels = rows[:, 1:].clone()
+        labels[0, :11] = -100  # uneven over the chunks: a prompt, then the answer
+        batch = {"input_ids": rows[:, :-1], "labels": labels}
+        with torch.no_grad():
+            whole = float(model(batch))
+        group = dist.new_group(list(range(cp)))
+        apply_cp(model, group=group, cp=cp, rank=rank)
+        split = float(ContextParallel(group, cp=cp, rank=rank).eval_loss(model, batch, loss_fn=forward_loss))
+        return whole, split
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_validation_loss_of_split_rows_is_the_whole_rows_token_mean():
+    from support.mp import run_ranks
+
+    for whole, split in run_ranks(_eval_on_cp_ranks, 2, 2, timeout=50):
+        assert split == pytest.approx(whole, rel=1e-6)
+
+
+# ------------------------------------------------------------------ refusals before launch
+BASE = ["parallel.device=cpu", "parallel.cp=2"]
+
+
+@pytest.mark.parametrize(
+    "extra,world,match",
+    [
+        (["parallel.strategy=ddp", "parallel.tp=2"], 4, r"parallel.cp=2 .*tensor parallelism \(tp=2\).*parallel.tp=1"),
+        (["parallel.strategy=ddp", "parallel.pp=2"], 4, r"pipeline parallelism \(pp=2\).*parallel.pp=1"),
+        (["parallel.strategy=zero1"], 4, r"parallel.strategy='zero1' is not supported with cp > 1"),
+        (["model.factory=dptrain.models.hf:build_hf_causal_lm"], 2, r"model.factory=.*built-in LLaMA"),
+        (["model.kwargs.pretrained=/some/folder"], 2, r"no pretrained folder"),
+        (["data.factory=dptrain.data.packed:build_packed"], 2, r"packed rows"),
+        (["data.kwargs.seq_len=126"], 2, r"data.kwargs.seq_len=126 is not divisible by 2\*cp=4"),
+        (["train.loss=support.parity:tiny_tokens"], 2, r"train.loss="),
+        (["train.eval_fn=support.parity:tiny_tokens"], 2, r"train.eval_fn="),
+        (["parallel.grad_compression=fp16"], 2, r"grad_compression='fp16'"),
+        ([], 3, r"world size 3 is not divisible .*cp=2"),
+    ],
+)
+def test_what_cp_does_not_support_is_refused_before_launch(extra, world, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(load_config(None, [*BASE, *extra]), world_size=world)
+
+
+def test_cp_layout_resolves_with_fsdp():
+    res = resolve(load_config(None, [*BASE, "parallel.strategy=fsdp"]), world_size=4)
+    assert (res.dims.dp_shard, res.dims.cp, res.dims.grad_size, res.dp_world_size) == (2, 2, 4, 2)

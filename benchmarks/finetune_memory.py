@@ -141,8 +141,10 @@ class Sampler(threading.Thread):
                 rank = p.environ().get("RANK")
             except (psutil.Error, OSError):
                 rank = None
-            self.labels[p.pid] = ("launcher" if p.pid == self.root else f"rank {rank}" if rank is not None
-                                 else f"other {p.pid}")
+            label = "launcher" if p.pid == self.root else f"rank {rank}" if rank is not None else None
+            if label is None:  # not known yet (a worker still starting): asked again at the next sample
+                return f"other {p.pid}"
+            self.labels[p.pid] = label
         return self.labels[p.pid]
 
     def _trained(self) -> bool:

@@ -166,3 +166,32 @@ def test_untied_embeddings_are_fsdp_units_of_their_own(tied: bool) -> None:
         embeddings = [base.model.embed_tokens, base.lm_head]
         assert [any(u is e for u in units) for e in embeddings] == [not tied, not tied]
         assert sum(type(u).__name__ == "LlamaDecoderLayer" for u in units) == base.config.num_hidden_layers
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_a_training_forward_keeps_no_generation_cache() -> None:
+    """The default loss passes `use_cache=False` to a model whose config keeps a key/value cache (Hugging Face's
+    `use_cache`, also through PEFT): under activation checkpointing the recomputed forward appended its keys and values
+    to the same cache again and failed with a shape error on dynamically padded rows; other models get nothing."""
+    from dptrain.config import LoraConfig
+    from dptrain.models.lora import apply_lora
+    from dptrain.train.loss import forward_loss
+    from support.pretrained import hf_llama_config
+
+    seen: list[dict] = []
+    for model in (transformers.LlamaForCausalLM(hf_llama_config()),):
+        peft_model = apply_lora(transformers.LlamaForCausalLM(hf_llama_config()), LoraConfig(enabled=True, rank=2))
+        for m in (model, peft_model):
+            real = m.forward
+            m.forward = lambda *a, _real=real, **kw: (seen.append(kw), _real(*a, **kw))[1]  # type: ignore[method-assign]
+            forward_loss(m, {"input_ids": PROBE, "labels": PROBE})
+    assert [kw.get("use_cache") for kw in seen] == [False, False]
+
+    class Plain(torch.nn.Module):
+        def forward(self, **kw):
+            seen.append(kw)
+            return kw["x"].sum()
+
+    forward_loss(Plain(), {"x": torch.ones(2)})
+    assert "use_cache" not in seen[-1]

@@ -49,7 +49,11 @@ def forward_loss(model: nn.Module, batch: Any, *, num_items_in_batch: torch.Tens
     (`input_ids`, `labels`, `attention_mask`, ...); anything else as one argument, `model(batch)`.
     `num_items_in_batch` (token rule) is passed on as a keyword argument.
     nn.DataParallel gathers one loss per GPU: their mean is the batch mean for equal splits."""
-    extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+    extra: dict[str, Any] = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+    if isinstance(batch, Mapping) and _keeps_a_cache(model) and "use_cache" not in batch:
+        # a training forward never reads the cache back; under activation checkpointing the recomputed forward would
+        # append its keys and values to the same cache again (a shape error, or silently more memory)
+        extra["use_cache"] = False
     out = model(**batch, **extra) if isinstance(batch, Mapping) else model(batch, **extra)
     loss = getattr(out, "loss", out)
     if not isinstance(loss, torch.Tensor):
@@ -58,6 +62,14 @@ def forward_loss(model: nn.Module, batch: Any, *, num_items_in_batch: torch.Tens
             "return the loss, an object with .loss, or set train.loss=pkg.mod:fn"
         )
     return check_scalar(loss, model=model, source="the model's forward")
+
+
+def _keeps_a_cache(model: nn.Module) -> bool:
+    """Whether `model` (wrapped by DDP or not; a PEFT model looks at its base) keeps a generation cache of keys and
+    values by default: Hugging Face's `config.use_cache`."""
+    plain = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    config = getattr(base_of(getattr(plain, "_orig_mod", plain)), "config", None)
+    return bool(getattr(config, "use_cache", False))
 
 
 def check_scalar(loss: torch.Tensor, *, model: nn.Module, source: str) -> torch.Tensor:

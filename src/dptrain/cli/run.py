@@ -175,12 +175,14 @@ def check_factories(cfg: Config, *, tp: int = 1) -> Any:
     model can be split. Returns the train set."""
     # lazy: torch: loaded when the command runs, never for --help
     from dptrain.data.loader import split_train_val
-    from dptrain.train.build import align_labels
 
     if cfg.train.loss:
         import_object(cfg.train.loss)  # a typo in an import path fails here, not in every worker
     check_hosted(cfg)  # optim.factory, scheduler_factory, eval_fn, collate (+ kwargs): import and bind
     model = check_model(cfg.model)
+    # lazy: it loads the distributed stack (DTensor, FSDP2), which a refusal of the model above must not wait for
+    from dptrain.train.build import align_labels
+
     data = align_labels(cfg.data, model)  # the labels the model expects; a `shift` against it is refused now
     data_fn = import_object(data.factory)
     check_signature(data_fn, data.kwargs, key="data.factory", spec=data.factory)

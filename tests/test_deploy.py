@@ -7,6 +7,7 @@ The Slurm script is tested against a real Slurm in tests/test_slurm.py."""
 from __future__ import annotations
 
 import json
+import random
 import shlex
 import shutil
 import socket
@@ -264,9 +265,18 @@ def test_operator_environment_edge_cases():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768 and up): the kernel's own pick for port 0 is an ephemeral port
+    that an outgoing connection of another test may take before the launcher binds it."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 @pytest.mark.slow

@@ -7,15 +7,14 @@ has OMP_NUM_THREADS=1. benchmarks/ports.py measures more (world 2 for all three,
 from __future__ import annotations
 
 import difflib
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support import ROOT, subprocess_env
+from support import ROOT
+from support.ports import run_script
 
 PORTS = ROOT / "examples" / "ports"
 ARGS = {
@@ -33,10 +32,7 @@ def _run(script: str, args: list[str], tmp: Path, *, nproc: int = 0) -> dict[str
     extra = {"mnist_dptrain.py": ["--out", str(tmp / f"ckpt{nproc}")]}.get(script, [])
     if script.startswith("word_lm"):
         extra = ["--save", str(tmp / f"{script}.{nproc}.pt")]
-    r = subprocess.run([*head, *args, *extra, "--losses", str(out)], cwd=tmp, capture_output=True, text=True,
-                       env=subprocess_env(tests=False, OMP_NUM_THREADS="1"), timeout=120)
-    assert r.returncode == 0, f"{script} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    return run_script([*head, *args, *extra, "--losses", str(out)], out, tmp, timeout=120)[0]
 
 
 @pytest.mark.timeout(120)

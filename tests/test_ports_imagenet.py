@@ -8,16 +8,15 @@ guide shows the whole diff."""
 from __future__ import annotations
 
 import difflib
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support import ROOT, subprocess_env
+from support import ROOT
 from support.mp import find_free_port
+from support.ports import run_script
 
 PORTS = ROOT / "examples" / "ports"
 
@@ -27,11 +26,9 @@ def _run(script: str, tmp: Path, *args: str, nproc: int = 0, out: str = "out") -
     head = [sys.executable, str(PORTS / script)]
     if nproc:
         head = [sys.executable, "-m", "dptrain", "launch", "--nproc-per-node", str(nproc), str(PORTS / script)]
-    r = subprocess.run([*head, *args, "--out", str(tmp / out), "--losses", str(losses)], cwd=tmp,
-                       capture_output=True, text=True, env=subprocess_env(tests=False, OMP_NUM_THREADS="1"),
-                       timeout=90)
-    assert r.returncode == 0, f"{script} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    return json.loads(losses.read_text())
+    record, _ = run_script([*head, *args, "--out", str(tmp / out), "--losses", str(losses)], losses, tmp,
+                           original=script.endswith("_base.py"))
+    return record
 
 
 def _original(tmp: Path, world: int) -> dict[str, Any]:
@@ -39,7 +36,7 @@ def _original(tmp: Path, world: int) -> dict[str, Any]:
                 f"tcp://127.0.0.1:{find_free_port()}", out=f"base{world}")
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_imagenet_port_is_its_ddp_original_bit_for_bit_with_batchnorm(tmp_path, world):
     original = _original(tmp_path, world)

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import difflib
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support import ROOT, subprocess_env
+from support import ROOT
 from support.mp import find_free_port
+from support.ports import run_script
 
 PORTS = ROOT / "examples" / "ports"
 ARGS = ["--max_iters", "10"]  # evaluations at 0, 4, 8 (the original evaluates on rank 0 only)
@@ -30,14 +30,11 @@ def _run(script: str, tmp: Path, *args: str, launcher: str = "", out: str = "out
                 str(find_free_port()), str(PORTS / script)]
     elif launcher == "dptrain":
         head = [sys.executable, "-m", "dptrain", "launch", "--nproc-per-node", "2", str(PORTS / script)]
-    r = subprocess.run([*head, *ARGS, *args, "--out_dir", str(tmp / out), "--losses", str(losses)], cwd=tmp,
-                       capture_output=True, text=True, env=subprocess_env(tests=False, OMP_NUM_THREADS="1"),
-                       timeout=90)
-    assert r.returncode == 0, f"{script} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    return json.loads(losses.read_text()), r.stderr
+    return run_script([*head, *ARGS, *args, "--out_dir", str(tmp / out), "--losses", str(losses)], losses, tmp,
+                      original=script.endswith("_base.py"))
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_nanogpt_port_is_its_original_bit_for_bit(tmp_path, world):
     original, _ = _run("nanogpt_base.py", tmp_path, launcher="torchrun" if world == 2 else "", out="base")

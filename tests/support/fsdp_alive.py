@@ -20,7 +20,11 @@ from dptrain.train.optim import build_optimizer
 
 
 class _Made(TorchDispatchMode):
-    """A weak reference to the newest storage an op created or returned at each address."""
+    """A weak reference to every storage an op created or returned, each once. Keyed by the storage itself (the
+    weak reference keeps its address from being reused), not by its data address: FSDP2 frees its all-gather
+    buffers by resizing their storages to 0, and the data address then freed is reused by later tensors, so a
+    key by data address counted one storage for another depending on the heap's history (glibc's mmap threshold
+    changed the count: train.malloc_mmap_threshold_kib, set by an earlier in-process run)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,9 +34,14 @@ class _Made(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not hasattr(t, "to_local"):
-                s = t.untyped_storage()
-                self.refs[s.data_ptr()] = StorageWeakRef(s)  # an address freed and reused: the newest
+                ref = StorageWeakRef(t.untyped_storage())
+                self.refs.setdefault(ref.cdata, ref)
         return out
+
+    def alive(self, owned: set[int]) -> int:
+        """Bytes of the tracked storages still alive, each at its current size, less those at `owned` addresses."""
+        live = (torch.UntypedStorage._new_with_weak_ptr(ref.cdata) for ref in self.refs.values() if not ref.expired())
+        return sum(s.nbytes() for s in live if s.data_ptr() not in owned)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -77,8 +86,7 @@ def fsdp_llama_memory(model_kwargs: dict, batch: torch.Tensor, *, param_dtype: s
         with track, torch.autocast("cpu", dtype=torch.bfloat16):
             loss = pm.module(batch)
         owned = _param_storages(pm.module) | {loss.untyped_storage().data_ptr()}
-        alive = {ptr: torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-                 for ptr, ref in track.refs.items() if not ref.expired() and ptr not in owned}
+        activations = track.alive(owned)
         loss.backward()
         opt.step()
         params = list(pm.module.parameters())
@@ -86,7 +94,7 @@ def fsdp_llama_memory(model_kwargs: dict, batch: torch.Tensor, *, param_dtype: s
             "params": sum(_nbytes(p) for p in params),
             "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
             "optimizer": sum(_nbytes(v) for s in opt.state.values() for v in s.values() if v.dim() > 0),
-            "activations": sum(alive.values()),
+            "activations": activations,
         }
     finally:
         pm.release()

@@ -7,10 +7,8 @@ The Slurm script is tested against a real Slurm in tests/test_slurm.py."""
 from __future__ import annotations
 
 import json
-import random
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -24,6 +22,7 @@ from dptrain.launch.cluster_env import cluster_launch
 from dptrain.tools.deploy.kubeflow import schema_problems
 from support import ROOT
 from support import overrides as join
+from support.mp import find_free_port
 from support.run_helpers import SLOW_TOY as TOY
 from support.run_helpers import subprocess_env
 
@@ -264,21 +263,6 @@ def test_operator_environment_edge_cases():
     assert load_config(None, found.overrides).launch.nproc_per_node == "auto"
 
 
-def _free_port() -> int:
-    """A free port below Linux's ephemeral range (32768 and up): the kernel's own pick for port 0 is an ephemeral port
-    that an outgoing connection of another test may take before the launcher binds it."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dptrain_run_in_a_simulated_single_replica_pytorchjob_pod(tmp_path):
@@ -287,7 +271,7 @@ def test_dptrain_run_in_a_simulated_single_replica_pytorchjob_pod(tmp_path):
     MASTER_ADDR:MASTER_PORT (here 127.0.0.1: the pod's own name resolves to itself in a cluster)."""
     env = {
         **subprocess_env(),
-        **operator_env(job="demo", replica="Master", index=0, nnodes=1, nproc=2, port=_free_port()),
+        **operator_env(job="demo", replica="Master", index=0, nnodes=1, nproc=2, port=find_free_port()),
     }
     env.update({"MASTER_ADDR": "127.0.0.1", "PET_MASTER_ADDR": "127.0.0.1"})
     out = tmp_path / "run"

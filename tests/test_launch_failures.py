@@ -21,6 +21,7 @@ import pytest
 
 from support import ROOT, subprocess_env
 from support import overrides as join
+from support.mp import find_free_port
 
 TOY = [
     "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
@@ -63,12 +64,6 @@ def dptrain_run(out: Path, *overrides: str, nproc: int = 1, timeout: float = 90)
     return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def no_traceback(output: str) -> None:
     assert "Traceback" not in output and "frame #" not in output, output[-3000:]
 
@@ -83,7 +78,7 @@ def two_nodes(port: int | str, rank: int) -> list[str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rank", [1, 0], ids=["nobody-hosts-it", "the-other-node-never-comes"])
 def test_rendezvous_that_nobody_completes_ends_with_one_line(tmp_path, rank):
-    port = free_port()
+    port = find_free_port()
     code, output, took = dptrain_run(tmp_path / "run", *two_nodes(port, rank))
     assert code == 2, output[-3000:]
     no_traceback(output)

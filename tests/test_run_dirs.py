@@ -21,6 +21,7 @@ import pytest
 from dptrain.checkpoint import manifest as mf
 from support import ROOT
 from support import overrides as join
+from support.mp import find_free_port
 from support.run_helpers import SLOW_TOY as TOY
 from support.run_helpers import dptrain, logged_steps, losses, subprocess_env, wait_for_step, weights
 
@@ -182,11 +183,8 @@ def test_a_loss_that_is_nan_from_the_first_step_is_reported_loudly_with_nonfinit
 # ---------------------------------------------------------------------- waiting for other nodes
 @pytest.mark.timeout(120)
 def test_waiting_for_a_node_that_never_arrives_says_who_is_awaited(tmp_path):
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = find_free_port()
     env = {**subprocess_env(), "DPTRAIN_WAIT_REPORT_S": "2"}
     proc = subprocess.Popen(
         [

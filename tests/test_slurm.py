@@ -24,23 +24,18 @@ from dptrain.config.load import load_config
 from dptrain.tools.deploy.slurm import CONFIG_NAME
 from support import ROOT
 from support import overrides as join
+from support.mp import find_free_port
 from support.run_helpers import SLOW_TOY as TOY
 from support.run_helpers import logged_steps, subprocess_env
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slurm_conf(d: Path, host: str) -> str:
     return f"""ClusterName=dptraintest
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={find_free_port()}
+SlurmdPort={find_free_port()}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={d}/munge.socket

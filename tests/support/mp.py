@@ -19,6 +19,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import random
 import re
 import shutil
 import signal
@@ -53,11 +54,20 @@ class RankError(RuntimeError):
 
 
 def find_free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, picked at random below Linux's ephemeral range (32768 and
+    up): the kernel's own pick for port 0 is an ephemeral port, which an outgoing connection of a test running
+    alongside may take before this one's server binds it (a rendezvous then meets a stranger)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-32000 on 127.0.0.1")
 
 
 def _child(fn: Callable[..., Any], rank: int, args: tuple, env: dict[str, str], workdir: str) -> None:

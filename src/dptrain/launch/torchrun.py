@@ -25,6 +25,7 @@ from dptrain.config import ConfigError, LaunchConfig
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, rdzv_settings, torchrun_nnodes
 from dptrain.config.resolve import parse_endpoint
 from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, final_status, read_exit_marks
+from dptrain.launch.culprit import name_root_cause
 from dptrain.launch.interrupts import EARLY, CtrlC, last_saved, workers_start_with_sigint_blocked
 from dptrain.launch.warm import WarmServer, client_command
 
@@ -171,6 +172,7 @@ def run_torchrun(
         if args.module and args.training_script == "dptrain.launch.record_script" and args.training_script_args:
             e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
         # torchrun's own report first: the root-cause rank, host, exit code, error file, traceback
+        name_root_cause(e)
         print(e.format_msg(), file=sys.stderr)
         print(f"dptrain: worker(s) failed: {failures}", file=sys.stderr)
         return 1
@@ -194,7 +196,7 @@ def _script_failed(e: Any, args: Any, marks: dict[int, dict[str, Any]]) -> int:
     128 + N, as a shell says). When that rank's exit mark says dptrain chose the status (the hang watchdog of an
     own loop: 3), one line says what dptrain did; otherwise torchrun's report, then one line naming the status as
     the script's own (and the other ranks')."""
-    root_rank, root = e.get_first_failure()
+    root_rank, root = name_root_cause(e)
     mark = marks.get(root_rank, {})
     if mark.get("code") == root.exitcode and root.exitcode > 0:
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))

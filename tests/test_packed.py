@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from torch.utils.data import default_collate
 
 from dptrain.cli.generate import generate, run_tokenizer
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, validate
 from dptrain.config.load import load_config
 from dptrain.data.packed import PackedTokens, build_packed
 from dptrain.data.prepare import prepare
@@ -186,6 +186,33 @@ def fit_packed(rank: int, out: Path, source: Path, vocab: int, log: Path, over: 
     ]
     cfg = load_config(None, overrides(TOY, recipe, over))
     return Trainer(cfg, out_dir=out, resume="auto").fit()
+
+
+@pytest.mark.timeout(90)
+def test_rank_split_interleaved_gives_each_rank_distributed_samplers_share_through_the_trainer(tmp_path, corpus):
+    """`data.rank_split=interleaved` reaches `dptrain run`'s sampler: each rank's rows in each step are every 2nd row
+    of the global batch from its rank on (DistributedSampler's share; the sampler's own tests hold that equality),
+    not its contiguous half (the default)."""
+    source = corpus[0]
+    vocab = json.loads((source / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    train, _ = build_packed(source=str(source), seq_len=32)
+    order = GlobalBatchSampler(dataset_len=len(train), global_batch_size=4, micro_batch_size=4, grad_accum_steps=1,
+                               dp_rank=0, dp_world_size=1, seed=load_config(None, []).train.seed)
+    for split in ("interleaved", "contiguous"):
+        log = tmp_path / split
+        log.mkdir()
+        run_ranks(fit_packed, 2, tmp_path / f"run-{split}", source, vocab, log,
+                  ["train.max_steps=3", "checkpoint.every_steps=0", f"data.rank_split={split}"])
+        for rank in range(2):
+            got = [json.loads(line) for line in (log / f"rank{rank}.jsonl").read_text().splitlines()]
+            share = [order.global_batch_indices(s)[rank::2] for s in range(3)]
+            want = [[row_key(train[i]["input_ids"]) for i in rows] for rows in share]
+            assert (got == want) == (split == "interleaved"), (split, rank)
+    with pytest.raises(ConfigError, match="data.rank_split='strided' is not valid; choose one of: contiguous, interl"):
+        validate(load_config(None, ["data.rank_split=strided"]))
+    finetune = ["data.rank_split=interleaved", "data.factory=dptrain.data.finetune:build_finetune"]
+    with pytest.raises(ConfigError, match="rank_split='interleaved' applies to fixed-size global batches; fine-tun"):
+        validate(load_config(None, finetune))
 
 
 @pytest.mark.timeout(90)

@@ -26,6 +26,8 @@ STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "fsdp")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw", "adam", "onebit_adam", "lamb", "onebit_lamb")
 LR_SCALINGS = ("none", "linear", "sqrt")
+RANK_SPLITS = ("contiguous", "interleaved")
+"""How a global batch is shared among the data-parallel ranks (data.rank_split, GlobalBatchSampler)."""
 SCHEDULES = ("cosine", "constant", "linear", "onecycle", "lr_range_test")
 LOSS_SCALERS = ("torch", "deepspeed")
 NONFINITE_POLICIES = ("skip", "error", "off")
@@ -107,6 +109,11 @@ class DataConfig:
     """Pin host memory for faster host-to-GPU copies (ignored without CUDA)."""
     shuffle: bool = True
     """Shuffle the global sample order; it is reshuffled every epoch from `train.seed`."""
+    rank_split: str = "contiguous"
+    """How each global batch is shared among the data-parallel ranks: "contiguous" (rank r takes the r-th slice) or
+    "interleaved" (every W-th sample from position r: torch's DistributedSampler's share of the same order, so a
+    ported DDP script whose per-rank batches matter, as with BatchNorm, matches its original). Fixed-size batches
+    only (not a token-budget data.source). See docs/guides/porting.md."""
     persistent_workers: bool = True
     """With num_workers > 0: keep the worker processes between iterations of the loader (DataLoader's
     persistent_workers). dptrain iterates its training loader once (the sampler is endless), so this only matters to

@@ -23,6 +23,7 @@ from dptrain.config.fields import (
     MP_DTYPES,
     NONFINITE_POLICIES,
     OPTIMIZERS,
+    RANK_SPLITS,
     SCHEDULE_CONVENTIONS,
     SCHEDULES,
     WARMUP_TYPES,
@@ -259,6 +260,10 @@ def validate(cfg: Config) -> None:
     _choice(cfg.optim.schedule_convention, SCHEDULE_CONVENTIONS, "optim.schedule_convention")
     validate_ds_fields(cfg)  # loss scaler, DeepSpeed's OneCycle/LRRangeTest parameters
     _choice(cfg.parallel.device, ("auto", "cpu", "cuda"), "parallel.device")
+    _choice(cfg.data.rank_split, RANK_SPLITS, "data.rank_split")
+    if cfg.data.rank_split != "contiguous" and cfg.data.factory == "dptrain.data.finetune:build_finetune":
+        raise ConfigError(f"data.rank_split={cfg.data.rank_split!r} applies to fixed-size global batches; fine-tuning "
+                          "rows are batched under a token budget (data.source, data.finetune): leave it contiguous")
     _choice(cfg.parallel.backend, ("auto", "gloo", "nccl"), "parallel.backend")
     for name, v, required in (
         ("model.factory", cfg.model.factory, True),

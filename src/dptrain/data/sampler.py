@@ -15,10 +15,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch.utils.data import Sampler
 
+from dptrain.config.fields import RANK_SPLITS
+
 __all__ = ["RANK_SPLITS", "GlobalBatchSampler"]
 
-RANK_SPLITS = ("contiguous", "interleaved")
-"""How a global batch is shared among the data-parallel ranks (see GlobalBatchSampler)."""
 
 
 class GlobalBatchSampler(Sampler[list[int]]):

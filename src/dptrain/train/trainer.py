@@ -31,7 +31,7 @@ from dptrain.checkpoint.base_identity import base_record
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.rundir import write_atomically
 from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, OptimizerState
-from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
+from dptrain.config import Config, ConfigError, Resolved, default_out_dir, resolve, to_dict
 from dptrain.config.layout import strategy_mode
 from dptrain.config.load import dump_yaml
 from dptrain.config.pipeline import settle_pipeline
@@ -246,7 +246,11 @@ class Trainer:
         # A dataset may bring its own world-size-invariant batch sampler (fine-tuning rows: length-grouped
         # batches under a token budget, data/token_batches.py); else fixed-size global batches.
         own = getattr(self.train_ds, "make_batch_sampler", None)
-        self.sampler = own(**order) if own is not None else GlobalBatchSampler(dataset_len=len(self.train_ds), **order)
+        if own is not None and cfg.data.rank_split != "contiguous":
+            raise ConfigError(f"data.rank_split={cfg.data.rank_split!r} applies to fixed-size global batches; this "
+                              f"dataset ({type(self.train_ds).__name__}) brings its own batches: leave it contiguous")
+        self.sampler = (own(**order) if own is not None else
+                        GlobalBatchSampler(dataset_len=len(self.train_ds), rank_split=cfg.data.rank_split, **order))
         self.scheduler_period = scheduler_period(interval=cfg.optim.scheduler_interval,
                                                  steps_per_epoch=self.sampler.steps_per_epoch)
         self.loader = build_dataloader(

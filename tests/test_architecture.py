@@ -9,7 +9,6 @@ contract itself is `lint-imports`, run by .ci/run with pyproject.toml's [tool.im
 from __future__ import annotations
 
 import ast
-import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -50,26 +49,12 @@ def test_the_top_of_the_package_is_only_the_public_face():
     assert (SRC / "api" / "__init__.py").is_file()  # the own-loop API, a package of small modules
 
 
-@pytest.mark.parametrize(("old", "new"), sorted(dptrain.MOVED.items()))
-def test_a_moved_module_still_imports_under_its_old_name(old, new):
-    assert importlib.import_module(old) is importlib.import_module(new)
-
-
 def test_config_import_paths_of_the_built_in_recipe_resolve():
     from dptrain.config import Config
     from dptrain.train.build import import_object
 
     cfg = Config()
     assert callable(import_object(cfg.model.factory)) and callable(import_object(cfg.data.factory))
-    assert import_object("dptrain.loss:forward_loss") is import_object("dptrain.train.loss:forward_loss")
-
-
-@pytest.mark.timeout(60)
-def test_python_m_of_an_old_entry_point_runs_the_new_module():
-    """`python -m dptrain.worker` (what older launch scripts and manifests name) still starts the worker."""
-    out = subprocess.run([sys.executable, "-m", "dptrain.worker", "--help"], capture_output=True, text=True, timeout=60,
-                         cwd=SRC.parents[1])
-    assert out.returncode == 0 and "RUN_DIR" in out.stdout.upper() + out.stderr.upper(), out.stderr
 
 
 def _function_imports(path: Path):

@@ -8,9 +8,6 @@ stacks until something that needs them is touched.
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
-import importlib.util
-import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -92,73 +89,6 @@ __all__ = [
     "to_device",
     "unwrap",
 ]
-
-
-# Modules that moved when the package was laid out by job (issue 20): old name -> new name. Import
-# paths that users store in configs, manifests and scripts (`python -m dptrain.worker`, a loss at
-# `dptrain.loss:...`) keep working: the old name is the same module object as the new one.
-MOVED = {
-    "dptrain.build": "dptrain.train.build",
-    "dptrain.elastic": "dptrain.launch.elastic",
-    "dptrain.evaluation": "dptrain.train.evaluation",
-    "dptrain.generate": "dptrain.cli.generate",
-    "dptrain.launch_checks": "dptrain.launch.checks",
-    "dptrain.loss": "dptrain.train.loss",
-    "dptrain.optim": "dptrain.train.optim",
-    "dptrain.outputs": "dptrain.train.outputs",
-    "dptrain.precision": "dptrain.train.precision",
-    "dptrain.record_script": "dptrain.launch.record_script",
-    "dptrain.speed": "dptrain.train.backend",
-    "dptrain.train_state": "dptrain.train.state",
-    "dptrain.trainer": "dptrain.train.trainer",
-    "dptrain.worker": "dptrain.launch.worker",
-    "dptrain.bench": "dptrain.tools.bench",
-    "dptrain.deploy": "dptrain.tools.deploy",
-    "dptrain.plan": "dptrain.tools.plan",
-    "dptrain.report": "dptrain.tools.report",
-    "dptrain.testing": "dptrain.tools",
-    "dptrain.parallel.plan": "dptrain.parallel.model",
-}
-
-
-class _MovedFinder:  # a meta path finder and its loader (not importlib.abc's: 0.3 s of imports on a loaded machine)
-    """Resolves a moved module's old name (or a name below it) to the module under its new name."""
-
-    @staticmethod
-    def _target(fullname: str) -> str | None:
-        for old, new in MOVED.items():
-            if fullname == old or fullname.startswith(old + "."):
-                return new + fullname[len(old) :]
-        return None
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        new = self._target(fullname)
-        if new is None:
-            return None
-        real = importlib.util.find_spec(new)
-        if real is None:
-            return None
-        spec = importlib.util.spec_from_loader(  # a loader by its methods (create_module, exec_module)
-            fullname, self, origin=real.origin, is_package=real.submodule_search_locations is not None  # type: ignore[arg-type]
-        )
-        spec.loader_state = new  # type: ignore[union-attr]
-        return spec
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return importlib.import_module(spec.loader_state)  # the same module object as the new name
-
-    def exec_module(self, module: Any) -> None:
-        """Nothing to run: the module was executed under its new name."""
-
-    def get_code(self, fullname: str) -> Any:
-        """`python -m OLD_NAME` (runpy asks for the code): the new module's code."""
-        new = self._target(fullname)
-        real = importlib.util.find_spec(new) if new else None
-        loader = getattr(real, "loader", None)
-        return loader.get_code(new) if loader is not None else None
-
-
-sys.meta_path.insert(0, _MovedFinder())  # before the path finder, which would load a second copy
 
 
 def __getattr__(name: str) -> Any:

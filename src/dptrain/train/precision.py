@@ -21,15 +21,9 @@ from dptrain.train.loss_scaler import build_deepspeed_scaler
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def autocast(cfg: PrecisionConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    """The forward-pass context: autocast to the low-precision dtype, or nothing for fp32."""
-    if cfg.dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=_DTYPES[cfg.dtype])
-
-
 def autocast_factory(cfg: PrecisionConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """`autocast(cfg, device)` as a factory of fresh contexts, built once (the step enters one per forward)."""
+    """The forward-pass context as a factory of fresh contexts, built once (the step enters one per forward): autocast
+    to the low-precision dtype, or nothing for fp32."""
     if cfg.dtype == "fp32":
         return contextlib.nullcontext
     return functools.partial(torch.autocast, device_type=device.type, dtype=_DTYPES[cfg.dtype])

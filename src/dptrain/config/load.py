@@ -22,6 +22,8 @@ from typing import Any
 import yaml
 
 from dptrain.config.datasource import resolve_data_source
+from dptrain.config.deepspeed import translate_deepspeed
+from dptrain.config.dotted import has_dotted, set_dotted
 from dptrain.config.fields import Config, ConfigError, to_dict
 from dptrain.config.layout import strategy_mode
 from dptrain.config.ranges import RANGES
@@ -36,7 +38,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         data = load_file(path)
     for item in defaults:
         key, value = parse_override(item)
-        if not _has_dotted(data, key):
+        if not has_dotted(data, key):
             set_dotted(data, key, value)
     for item in overrides:
         key, value = parse_override(item)
@@ -79,9 +81,6 @@ def load_file(path: str | Path) -> dict[str, Any]:
     # e.g. a misspelled section, is refused below like YAML's); else DeepSpeed's, translated.
     # `checkpoint` is a section of both.
     if is_json and not set(raw) & (sections - {"checkpoint"}):
-        # lazy: deepspeed.py imports this module
-        from dptrain.config.deepspeed import translate_deepspeed
-
         m = translate_deepspeed(raw)
         for note in m.notes:
             warn(f"{p.name}: {note}")
@@ -214,29 +213,6 @@ def parse_override(item: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = text
     return key, value
-
-
-def _has_dotted(data: dict[str, Any], key: str) -> bool:
-    node: Any = data
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """Set data[a][b][c] = value for key 'a.b.c', creating dicts on the way."""
-    parts = key.split(".")
-    node = data
-    for part in parts[:-1]:
-        nxt = node.get(part)
-        if nxt is None:
-            nxt = node[part] = {}
-        elif not isinstance(nxt, dict):
-            raise ConfigError(f"override {key!r}: {part!r} holds a value, not a section")
-        node = nxt
-    node[parts[-1]] = value
 
 
 def build_config(data: dict[str, Any]) -> Config:

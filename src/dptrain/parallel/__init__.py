@@ -1,7 +1,7 @@
-"""Parallelisation: `parallelize(model, cfg=..., mesh=..., device=...)` returns a `ParallelModel`
+"""Parallelisation: `parallelize_model(model, cfg=..., mesh=..., device=...)` (compose.py) returns a `ParallelModel`
 that owns everything which differs by wrapper (gradient-sync context, clipping, state dicts,
 optimizer sharding, communication hooks). One small file per technique: `ddp`, `fsdp`, `zero`,
-`activation_checkpointing`, `dp`, `single`, `tensor`, `pipeline`; `model` puts them together in a fixed
+`activation_checkpointing`, `dp`, `single`, `tensor`, `pipeline`; `compose` puts them together in a fixed
 order (`parallelize_model`); `clip` (global norm) and `wrapped` (unwrap, full state dict) work on any of them.
 
 The free functions `sync_gradients`, `clip_grad_norm_`, `full_state_dict` and `unwrap` accept a
@@ -21,10 +21,11 @@ from dptrain.config import ParallelConfig
 from dptrain.config.layout import resolve_layout
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.parallel import clip, wrapped
+from dptrain.parallel.compose import parallelize_model
 from dptrain.parallel.ddp import apply_ddp
 from dptrain.parallel.dp import apply_dp
 from dptrain.parallel.fsdp import apply_fsdp
-from dptrain.parallel.model import ParallelModel, gradient_sync, parallelize_model
+from dptrain.parallel.model import ParallelModel, gradient_sync
 from dptrain.parallel.single import apply_single
 from dptrain.parallel.wrapped import is_sharded
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dptrain.config.dotted import set_dotted
 from dptrain.config.fields import ConfigError
-from dptrain.config.load import set_dotted
 
 
 @dataclass

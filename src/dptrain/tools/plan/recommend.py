@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dptrain.config.dotted import set_dotted
 from dptrain.config.fields import DEFAULT_BATCH, ConfigError
 from dptrain.config.load import (
     build_config,
@@ -21,7 +22,6 @@ from dptrain.config.load import (
     load_config,
     load_file,
     parse_override,
-    set_dotted,
 )
 from dptrain.config.resolve import resolve
 from dptrain.launch.checks import check_file_writable

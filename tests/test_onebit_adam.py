@@ -19,7 +19,7 @@ import torch
 from dptrain.config import ConfigError, resolve
 from dptrain.config.deepspeed import from_deepspeed, translate_deepspeed
 from dptrain.config.load import build_config, load_config
-from dptrain.parallel import onebit_adam as oba
+from dptrain.parallel import momentum_exchange as oba
 from dptrain.train.onebit_adam import OneBitAdam
 from support import overrides
 from support.mp import in_group, run_ranks

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from dptrain.config import ConfigError, resolve
 from dptrain.config.deepspeed import from_deepspeed
 from dptrain.config.load import build_config, load_config
-from dptrain.parallel import onebit_adam as oba
+from dptrain.parallel import momentum_exchange as oba
 from dptrain.train.onebit_lamb import OneBitLamb
 from support import overrides
 from support.mp import run_ranks

@@ -7,7 +7,7 @@ its per-rank state for checkpoints, and the bytes it hands to collectives.
 - powersgd: torch's `powerSGD_hook.powerSGD_hook` with `PowerSGDState` (error feedback and warm
   start on), wrapped only to record the bucket layout and the bytes sent.
 - onebit: `dptrain/parallel/onebit.py`.
-- onebit_adam (`optim.name`, not a grad_compression): `dptrain/parallel/onebit_adam.py`, the
+- onebit_adam (`optim.name`, not a grad_compression): `dptrain/parallel/momentum_exchange.py`, the
   warm-up's all-reduce and, after it, no reduction at all; its optimizer exchanges the momentum.
 
 Where a compression applies and what is refused is checked before launch (config/compression.py).
@@ -30,7 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from dptrain.config.compression import CAST
 from dptrain.config.fields import OptimConfig, ParallelConfig
 from dptrain.config.layout import strategy_mode
-from dptrain.parallel import onebit, onebit_adam
+from dptrain.parallel import momentum_exchange, onebit
 from dptrain.parallel.bucket_layout import BucketLayout, Pieces
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -209,8 +209,8 @@ def build_comm_hook(cfg: ParallelConfig, *, process_group: Any, backend: str,
         if cfg.grad_compression != "none":
             raise ValueError(f"optim.name={optim.name!r} compresses the momentum itself; parallel.grad_compression="
                              f"{cfg.grad_compression!r} must be none")
-        ex = onebit_adam.MomentumExchange(process_group, freeze_step=optim.freeze_step)
-        hook = _stateful_hook("onebit_adam", ex, onebit_adam.warmup_hook)
+        ex = momentum_exchange.MomentumExchange(process_group, freeze_step=optim.freeze_step)
+        hook = _stateful_hook("onebit_adam", ex, momentum_exchange.warmup_hook)
         hook.sent_outside = ex.take_sent
         return hook
     name = cfg.grad_compression

@@ -14,7 +14,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from dptrain.config import ConfigError, OptimConfig
 from dptrain.config.imports import import_object
 from dptrain.parallel import ParallelModel
-from dptrain.parallel.onebit_adam import MomentumExchange
+from dptrain.parallel.momentum_exchange import MomentumExchange
 from dptrain.train.optim import build_optimizer, build_scheduler, param_groups
 
 

@@ -9,7 +9,7 @@ Two stages, decided by the optimizer steps taken (`state["step"]`, the same on e
   variance `exp_avg_sq` is frozen as it was after step freeze_step; each rank folds its local
   gradient into the momentum, `exp_avg = beta1 exp_avg + (1 - beta1) g_local`, and the momenta are
   replaced by their 1-bit compressed average with worker and server error feedback
-  (`MomentumExchange.allreduce`, parallel/onebit_adam.py); then
+  (`MomentumExchange.allreduce`, parallel/momentum_exchange.py); then
   `p -= lr / (1 - beta1^t) * exp_avg / (sqrt(exp_avg_sq / (1 - beta2^freeze_step)) + eps)`.
 
 Every rank applies the same update (the exchanged momentum and the frozen variance are equal on
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dptrain.parallel.onebit_adam import MomentumExchange
+from dptrain.parallel.momentum_exchange import MomentumExchange
 
 
 class ExchangingOptimizer(torch.optim.Optimizer):

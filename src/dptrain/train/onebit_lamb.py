@@ -2,7 +2,7 @@
 Large-Batch Training with LAMB's Convergence Speed"; DeepSpeed's `OnebitLamb`,
 `deepspeed/runtime/fp16/onebit/lamb.py`, which DeepSpeed 0.19 no longer ships).
 
-The communication is 1-bit Adam's (`MomentumExchange`, parallel/onebit_adam.py: DDP all-reduces gradients during
+The communication is 1-bit Adam's (`MomentumExchange`, parallel/momentum_exchange.py: DDP all-reduces gradients during
 the warm-up and sends nothing after it; the momenta go through the compressed all-reduce with worker and server
 error feedback). The arithmetic is DeepSpeed's, per parameter tensor p:
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dptrain.parallel.onebit_adam import MomentumExchange
+from dptrain.parallel.momentum_exchange import MomentumExchange
 from dptrain.train.onebit_adam import ExchangingOptimizer
 
 

@@ -11,7 +11,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from dptrain.config import OptimConfig
 from dptrain.parallel import ParallelModel
-from dptrain.parallel.onebit_adam import MomentumExchange
+from dptrain.parallel.momentum_exchange import MomentumExchange
 from dptrain.train.lamb import Lamb
 from dptrain.train.onebit_adam import OneBitAdam
 from dptrain.train.onebit_lamb import OneBitLamb

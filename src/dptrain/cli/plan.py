@@ -210,7 +210,7 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float | 
     lines = [
         f"{param_counts(model).total:,} parameters; {cfg.parallel.strategy}"
         f"{' + cpu_offload' if lay.cpu_offload else ''} on {args.gpus} x {spec.name}: dp_shard {lay.dp_shard}, "
-        f"tp {lay.tp}, pp {lay.pp}; micro-batch {lay.micro_batch} x {seq} tokens, {lay.precision}, "
+        f"tp {lay.tp}, pp {lay.pp}{f', cp {lay.cp}' if lay.cp > 1 else ''}; micro-batch {lay.micro_batch} x {seq} tokens, {lay.precision}, "
         f"{lay.optimizer}, activation checkpointing {lay.checkpointing}",
         f"memory per rank (GB = 1e9 bytes; the worst pipeline stage: {int(mem['stage'])}):",
         *memory_lines(mem, spec),

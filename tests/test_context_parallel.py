@@ -63,7 +63,8 @@ def cp_case(tmp_path, *, strategy: str, dp: int, cp: int, accum: int, extra: tup
     assert [r["grad_norm"] for r in records if "grad_norm" in r] == pytest.approx(norms, rel=1e-4)
     assert_weights_close(got, want)
     diff = max_abs_diff(got, want)
-    print(f"cp {cp} x {strategy} dp {dp}, accumulation {accum}: max |weight difference| after {CP_STEPS} steps {diff:.2g}")
+    print(f"cp {cp} x {strategy} dp {dp}, accumulation {accum}: max |weight difference| after {CP_STEPS} steps "
+          f"{diff:.2g}")
     return diff
 
 

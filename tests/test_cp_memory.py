@@ -80,3 +80,15 @@ def test_fsdp_shards_over_dp_shard_times_cp_and_the_exchange_is_exposed_time():
     assert cp2.time["step"] == pytest.approx(cp2.time["compute"] + cp2.time["exposed_comm"] + cp2.time["cp_comm"])
     # one row per replica either way, split over 2 ranks: half the tokens, half the compute per rank
     assert cp2.time["compute"] == pytest.approx(one.time["compute"] / 2, rel=1e-9)
+
+
+@pytest.mark.fast
+def test_the_plan_report_names_cp_and_the_exchange(capsys):
+    from dptrain.cli.main import main
+
+    assert main(["plan", "--gpus", "4", "--gpu-type", "H100", "--efficiency", "0.5", "parallel.strategy=fsdp",
+                 "parallel.cp=2", "train.global_batch_size=2", "train.micro_batch_size=1",
+                 "train.grad_accum_steps=1"]) == 0
+    out = capsys.readouterr().out
+    assert "dp_shard 4, tp 1, pp 1, cp 2;" in out  # FSDP2 shards over dp_shard 2 x cp 2
+    assert "context-parallel K/V exchange" in out and "not overlapped" in out

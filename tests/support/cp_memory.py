@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from dptrain.config import ParallelConfig
 from dptrain.config.layout import resolve_layout
@@ -96,7 +95,7 @@ def train_step(model_kwargs: dict[str, Any], seq: int, cp: int) -> float:
         loss = pm.module(rank_batch(pm, seq=seq, vocab=model_kwargs.get("vocab_size", 256)))
         loss.backward()
         opt.step()
-        return float(loss)
+        return float(loss.detach())
     finally:
         pm.release()
 

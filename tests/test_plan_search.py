@@ -42,7 +42,7 @@ def test_search_ranks_by_predicted_time_and_lists_layout_memory():
     model = LlamaConfig(**cfg.model.kwargs)
     spec = specs.gpu_spec("A100-40GB")
     result, seq = _search(cfg, model, spec, gpus=4, nodes=2, global_batch=16)
-    everything = list(search.candidates(model, gpus=4, per_node=2, global_batch=16, half="bf16"))
+    everything = list(search.candidates(model, gpus=4, per_node=2, global_batch=16, half="bf16", seq=seq))
     assert len(result.ranked) + len(result.rejected) == len(everything) and len(result.ranked) > 20
     steps = [r.step_s for r in result.ranked]
     assert steps == sorted(steps) and steps[0] < steps[-1]
@@ -214,3 +214,24 @@ def test_the_issues_llama7b_layout_is_accepted_and_reported_as_the_search_ranks_
     r = next(r for r in result.ranked if r.cand == want)
     assert f"{r.memory['total'] / GB:.3f}  of 80 GB: fits" in out
     assert f"step {r.step_s:.4g} s" in out and f"MFU {r.mfu:.1%}" in out
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(120)
+def test_the_recommender_splits_the_sequence_when_a_row_does_not_fit_otherwise():
+    """One layer (no pp) of 3 heads (no tp over 2), rows of 16,384 tokens: in 2.5 GB no layout without cp fits (not
+    even with full checkpointing: the logits and the block recomputed in backward are the whole row's), cp 2 does; in
+    4 GB the fastest layout has no cp (its K/V exchange is not overlapped)."""
+
+    def ranked(memory_gb: float) -> search.SearchResult:
+        cfg = load_config(None, ["model.kwargs.dim=1536", "model.kwargs.n_layers=1", "model.kwargs.n_heads=3",
+                                 "model.kwargs.max_seq_len=16384", "data.kwargs.seq_len=16384", "precision.dtype=bf16"])
+        spec = specs.with_memory(specs.gpu_spec("H100"), memory_gb)
+        return _search(cfg, LlamaConfig(**cfg.model.kwargs), spec, gpus=2, global_batch=2)[0]
+
+    tight = ranked(2.5)
+    assert tight.ranked and all(r.cand.cp == 2 for r in tight.ranked)
+    assert any(r.cand.cp == 1 and r.memory is not None for r in tight.rejected)  # too large without cp
+    assert resolve(tight.ranked[0].cfg, world_size=2, cuda_available=True).dims.cp == 2  # dptrain accepts it
+    roomy = ranked(4.0)
+    assert roomy.ranked[0].cand.cp == 1 and any(r.cand.cp == 2 for r in roomy.ranked)

@@ -210,7 +210,7 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float | 
     lines = [
         f"{param_counts(model).total:,} parameters; {cfg.parallel.strategy}"
         f"{' + cpu_offload' if lay.cpu_offload else ''} on {args.gpus} x {spec.name}: dp_shard {lay.dp_shard}, "
-        f"tp {lay.tp}, pp {lay.pp}; micro-batch {lay.micro_batch} x {seq} tokens, {lay.precision}, "
+        f"tp {lay.tp}, pp {lay.pp}{cp_text(lay.cp)}; micro-batch {lay.micro_batch} x {seq} tokens, {lay.precision}, "
         f"{lay.optimizer}, activation checkpointing {lay.checkpointing}",
         f"memory per rank (GB = 1e9 bytes; the worst pipeline stage: {int(mem['stage'])}):",
         *memory_lines(mem, spec),
@@ -220,6 +220,11 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float | 
     if args.scaling:
         lines += _scaling_lines(args, cfg, comm=comm, efficiency=efficiency[0])
     return "\n".join(lines)
+
+
+def cp_text(cp: int) -> str:
+    """`, cp N` in a layout's headline when the row is split (dp_shard then counts dp_shard x cp: FSDP2's mesh)."""
+    return f", cp {cp}" if cp > 1 else ""
 
 
 def _cluster(args: argparse.Namespace) -> dict[str, Any]:

@@ -92,9 +92,11 @@ def block_gemms(dims: Dims, tp: int) -> list[tuple[float, float]]:
 def micro_batch_time(dims: Dims, spec: GpuSpec, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = True,
                      precision: str = "bf16", attention: str = "flash", checkpointing: str = "none",
                      selective: str = "dptrain", compiled: bool = False, fused_loss: bool = False,
-                     layers: float | None = None, head: bool = True) -> dict[str, float]:
+                     layers: float | None = None, head: bool = True, cp: int = 1) -> dict[str, float]:
     """Seconds of one micro-batch's forward and backward on one rank over `layers` blocks (default all) and, with
-    `head`, the output layer and loss; by part (module docstring)."""
+    `head`, the output layer and loss; by part (module docstring). `cp`: context parallelism, `seq` is this rank's
+    share of a row of cp * seq tokens: its flash attention is 1/cp of the row's (load-balanced chunks), cp times
+    that of `seq` tokens alone."""
     dtype = precision if precision != "fp32" else "tf32"
     peak = spec.peaks.get(dtype) or spec.peaks["fp32"]
     bw = spec.hbm_gbps * 1e9 if spec.hbm_gbps else float("inf")
@@ -105,7 +107,7 @@ def micro_batch_time(dims: Dims, spec: GpuSpec, *, batch: int, seq: int, tp: int
     gemm = 3 * sum(gemms)
     heads_width = dims.q / tp
     if attention == "flash":
-        attn = 7 * batch * seq * seq * heads_width / (peak * attention_efficiency(spec))
+        attn = 7 * batch * seq * (cp * seq) * heads_width / (peak * attention_efficiency(spec))
         attn_recompute = 0.0
     else:  # per head: [T, hd] x [hd, T] scores and [T, T] x [T, hd], forward; backward twice that
         heads = batch * dims.heads / tp

@@ -76,7 +76,7 @@ class Layout:
     """One layout of the built-in LLaMA on `gpus` ranks (the resolved config's numbers)."""
 
     strategy: str
-    dp_shard: int  # ranks the zero1/zero2/fsdp shards span (ddp: 1)
+    dp_shard: int  # ranks the zero1/zero2/fsdp shards span (ddp: 1; zero2/fsdp under cp: dp_shard x cp)
     tp: int
     pp: int
     micro_batch: int  # sequences per rank per micro-step
@@ -100,6 +100,7 @@ class Layout:
     pp_stages_per_rank: int = 1  # interleaved_1f1b: virtual stages per rank (v)
     lora_rank: int = 0  # model.lora: adapters of this rank train, the base is frozen (weights only); 0: no LoRA
     lora_targets: tuple[str, ...] | None = None  # model.lora.target_modules (null: every attention and MLP linear)
+    cp: int = 1  # parallel.cp: each row of `seq` tokens split over cp ranks (seq/cp each, K/V all-gathered)
 
     @property
     def pure_half(self) -> bool:
@@ -128,7 +129,9 @@ def _rank_params(c: ParamCounts, *, layers: int, first: bool, last: bool, tp: in
 def layout_memory(cfg: LlamaConfig, lay: Layout) -> dict[str, float]:
     """Bytes per rank of the worst pipeline rank: model states (GPU and host), activations,
     temporary buffers, the stated overhead and the total on the GPU. A rank holds stages r, r + pp,
-    ... (`pp_stages_per_rank` of them under interleaved_1f1b)."""
+    ... (`pp_stages_per_rank` of them under interleaved_1f1b). Under `cp` a rank's activations are those of its
+    seq/cp tokens plus what the K/V all-gather and the mask keep (plan/llama.py); zero2/fsdp shard over the
+    `dp_shard` the layout gives (dp_shard x cp, as FSDP2's mesh does)."""
     c = param_counts(cfg)
     v = max(1, lay.pp_stages_per_rank)
     stages = stage_layers(cfg.n_layers, lay.pp * v, lay.pp_layers)
@@ -223,10 +226,11 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list
     pdt = lay.param_dtype if lay.pure_half else None
     chunk = sum(layers) / len(layers)  # blocks per stage of this rank (an even split: all the same)
     kept_i, work_i = activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
-                                      checkpointing=lay.checkpointing, n_layers=1, outside=False, param_dtype=pdt)
+                                      checkpointing=lay.checkpointing, n_layers=1, outside=False, param_dtype=pdt,
+                                      cp=lay.cp)
     kept, work = float(kept_i), float(work_i)
     outside = float(activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision, n_layers=0,
-                                     param_dtype=pdt)[0]) if last else 0.0
+                                     param_dtype=pdt, cp=lay.cp)[0]) if last else 0.0
     rep = replicated_block_bytes(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
                                  checkpointing=lay.checkpointing, param_dtype=pdt)
     if lay.tp > 1:  # sequence parallel: all of it on 1/tp of the sequence; else the norms' part replicated
@@ -235,7 +239,7 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list
     # the last stage's outside part (final norm, head, loss) for each of its micro-batches in flight
     acts = in_flight * chunk * kept + work + (min(in_flight, m) * outside if last else 0)
     if last:
-        temp += loss_backward_bytes(cfg, batch=batch, seq=lay.seq)
+        temp += loss_backward_bytes(cfg, batch=batch, seq=lay.seq // lay.cp)
     total = params + grads + optim + acts + temp + lay.overhead
     return {"params": params, "grads": grads, "optimizer": optim, "activations": acts,
             "temporary": temp, "overhead": lay.overhead, "total": total, "host": host,

@@ -38,7 +38,8 @@ def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int, cpu: bool =
     """The `Layout` a resolved config runs (what plan/memory.py and plan/timing.py read)."""
     p, dims = cfg.parallel, resolved.dims
     optimizer = cfg.optim.name if cfg.optim.name != "sgd" or not cfg.optim.momentum else "sgd-momentum"
-    shard = resolved.dp_world_size if p.strategy == "zero1" else dims.dp_shard
+    # zero1 partitions over the data-parallel ranks; FSDP2 shards over dp_shard, and under cp over dp_shard x cp
+    shard = resolved.dp_world_size if p.strategy == "zero1" else dims.dp_shard * dims.cp
     return Layout(strategy=p.strategy, dp_shard=shard, tp=dims.tp, pp=dims.pp,
                   micro_batch=resolved.micro_batch_size, seq=seq, precision=cfg.precision.dtype,
                   optimizer=optimizer, checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload,
@@ -50,7 +51,7 @@ def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int, cpu: bool =
                   sequence_parallel=p.sequence_parallel, pp_stages_per_rank=p.pp_stages_per_rank,
                   overhead=0.0 if cpu else FRAMEWORK_OVERHEAD,
                   lora_rank=cfg.model.lora.rank if cfg.model.lora.enabled else 0,
-                  lora_targets=cfg.model.lora.target_modules)
+                  lora_targets=cfg.model.lora.target_modules, cp=dims.cp)
 
 
 def resolve_for_plan(cfg: Config, *, gpus: int, gpu_type: str) -> Resolved:

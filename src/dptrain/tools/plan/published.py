@@ -40,6 +40,8 @@ class Run:
     accum: int = 1  # micro-steps per optimizer step (no pipeline) / pipeline micro-batches m (pipeline)
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each row split over cp ranks (within the dp ranks: FSDP shards over them too)
+    stages_per_rank: int = 1  # interleaved pipeline: virtual stages per rank (v)
     sp: bool = False
     framework: str = "fsdp"  # fsdp (FSDP2 / PyTorch FSDP full shard) or megatron
     attention: str = "flash"
@@ -59,7 +61,13 @@ class Run:
 
     @property
     def dp(self) -> int:
+        """Ranks per (tp, pp) position: the FSDP shard group (dp x cp under context parallelism)."""
         return self.gpus // (self.tp * self.pp)
+
+    @property
+    def replicas(self) -> int:
+        """Model replicas, each taking its own rows: dp / cp."""
+        return self.dp // self.cp
 
     def flops_per_token(self) -> float:
         """6 * N + 12 * L * d * T: the runs' own MFU convention (Megatron: 72*B*s*L*h^2*(1 + s/6h + V/12hL) / tokens
@@ -69,10 +77,10 @@ class Run:
 
 def _micro(run: Run, layers: float, head: bool) -> float:
     kind = run.selective if run.checkpointing == "selective" else "dptrain"
-    parts = micro_batch_time(run.dims, run.spec, batch=run.micro_batch, seq=run.seq, tp=run.tp,
+    parts = micro_batch_time(run.dims, run.spec, batch=run.micro_batch, seq=run.seq // run.cp, tp=run.tp,
                              sequence_parallel=run.sp, attention=run.attention, checkpointing=run.checkpointing,
                              selective=kind, compiled=run.compiled,
-                             fused_loss=run.framework == "megatron", layers=layers, head=head)
+                             fused_loss=run.framework == "megatron", layers=layers, head=head, cp=run.cp)
     return parts["total"]
 
 
@@ -85,13 +93,13 @@ def step_parts(run: Run, sustained: float = SUSTAINED) -> dict[str, float]:
     nvlink = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False)
     tp_comm = 0.0
     if run.tp > 1:  # 2 all-reduces (or reduce-scatter + all-gather) forward, 2 backward per layer, not overlapped
-        act = 2 * run.micro_batch * run.seq * run.dims.d
+        act = 2 * run.micro_batch * run.seq // run.cp * run.dims.d  # the rank's share of the row under cp
         calls = 4 + (2 if run.checkpointing == "full" else 0)
         tp_comm = calls * layers * all_reduce_time(act, run.tp, nvlink)
-    per_micro = compute + tp_comm
-    if run.pp > 1:  # 1F1B: (m + p - 1) slots of one micro-batch's time
+    per_micro = compute + tp_comm + cp_exchange(run, layers)
+    if run.pp > 1:  # 1F1B: (m + p - 1) slots of one micro-batch's time (interleaved: v * m + p - 1 of 1/v)
         busy = run.accum * per_micro
-        step = busy / (1 - pipeline_bubble(run.pp, run.accum))
+        step = busy / (1 - pipeline_bubble(run.pp, run.accum, run.stages_per_rank))
     else:
         step = run.accum * per_micro
     exposed = 0.0
@@ -103,13 +111,30 @@ def step_parts(run: Run, sustained: float = SUSTAINED) -> dict[str, float]:
     states = run.params / (run.tp * run.pp) / (run.dp if run.framework == "fsdp" else 1)
     optimizer = 28 * states / (spec.hbm_gbps * 1e9)  # fp32 AdamW: read param, grad, m, v; write param, m, v
     total = step + exposed + optimizer
-    return {"compute": run.accum * compute, "tp_comm": run.accum * tp_comm, "bubble": step - run.accum * per_micro,
+    return {"compute": run.accum * compute, "tp_comm": run.accum * tp_comm,
+            "cp_comm": run.accum * cp_exchange(run, layers), "bubble": step - run.accum * per_micro,
             "fsdp_exposed": exposed, "optimizer": optimizer, "step": total}
+
+
+def cp_exchange(run: Run, layers: float) -> float:
+    """Seconds of one micro-batch's K/V exchange under context parallelism, exposed (the all-gather CP of the Llama 3
+    paper and of dptrain; torchtitan's ring overlaps part of it, not modelled): per layer an all-gather of K and of V
+    (bf16, the rank's tp share of the kv heads, the whole row) forward, a reduce-scatter of each backward, and under
+    full checkpointing the gathers once more. The cp ranks sit inside a node while tp * cp fits one (NVLink), else
+    each GPU's own NIC carries its group's traffic."""
+    if run.cp == 1:
+        return 0.0
+    per_node = run.gpus // run.nodes
+    spans = run.tp * run.cp > per_node
+    link = links(run.spec, nodes=2 if spans else 1, interconnect="ib", spans_nodes=spans)
+    nbytes = 2 * run.micro_batch * run.seq * run.dims.kv / run.tp
+    calls = 4 + (2 if run.checkpointing == "full" else 0)
+    return layers * calls * gather_time(nbytes, run.cp, link)
 
 
 def tokens_per_gpu(run: Run, sustained: float = SUSTAINED) -> float:
     """Predicted tokens per second per GPU."""
-    tokens = run.micro_batch * run.seq * run.accum * run.dp  # per optimizer step, all GPUs
+    tokens = run.micro_batch * run.seq * run.accum * run.replicas  # per optimizer step, all GPUs
     return tokens / step_parts(run, sustained)["step"] / run.gpus
 
 

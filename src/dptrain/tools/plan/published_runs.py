@@ -11,6 +11,18 @@
   learned positions, tied embeddings, vocabulary 50368, FlashAttention; PyTorch FSDP FULL_SHARD, amp_bf16;
   "Activation Checkpointing True" is full checkpointing, its HFU = 4/3 MFU): every row but the reference
   (plan/published.py: 7b, 2048, 8 GPUs), tokens/s per GPU as published.
+- torchtitan, the same file, table 2 (long sequences): Llama 3.1 8B, FSDP + CP + torch.compile + Float8, 8 GPUs,
+  local batch 1, full activation checkpointing; FSDP 8 / CP 1 at 32,768 tokens, 4 / 2 at 65,536, 2 / 4 at 131,072,
+  1 / 8 at 262,144: 83.9 / 84.2 / 84.0 / 84.5 GiB and 3,890 / 2,540 / 1,071 / 548 tokens/s/GPU. Memory is checked
+  (Float8 changes it little: table 1, 77.0 vs 76.8 GiB); the throughput is not: Float8 matmuls are not modelled.
+- The Llama 3 Herd of Models (Grattafiori et al. 2024, arXiv:2407.21783) table 4, the long-context row: 405B on
+  16,384 H100 80GB with TP 8, CP 16, PP 16, DP 8, sequence 131,072, batch 16 sequences per DP rank (16M tokens),
+  380 TFLOPs/GPU, 38% BF16 MFU (the same table shows 400 and 430 TFLOPs/GPU at 8,192 tokens with CP 1). Its CP
+  all-gathers K and V and computes the local query chunks' attention (sec. 3.3.2), as dptrain's does. Not published
+  and assumed here: the interleaved pipeline's virtual stages per rank (v = 8, one block per virtual stage: 126 blocks
+  over 16 ranks; v = 1 would idle 48% of the step), full activation checkpointing, Megatron-style tensor-parallel
+  kernels, and 12 * L * d * T attention FLOPs per token in the MFU (the paper does not say whether it halves them
+  for the causal mask).
 - ZeRO (Rajbhandari et al. 2020) figure 1: 7.5B parameters on 64 GPUs, mixed-precision Adam: 120 / 31.4 / 16.6 /
   1.9 GB per GPU at stages 0-3 (plan/memory.py `zero_states`).
 """
@@ -26,6 +38,7 @@ from dptrain.tools.plan.published import GIB, Run, overhead
 TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 MEGATRON = "Megatron-LM README MFU table; Korthikanti et al. 2022 tables 3-4"
 MPT = "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16"
+LLAMA3_PAPER = "The Llama 3 Herd of Models (arXiv:2407.21783) table 4"
 
 LLAMA31_8B = Dims(d=4096, q=4096, kv=1024, f=14336, vocab=128256, layers=32, heads=32)
 LLAMA31_8B_PARAMS = 8_030_261_248
@@ -36,6 +49,25 @@ def _torchtitan(gpus: int, compiled: bool, tokens: float, memory_gib: float, tab
                f"{TORCHTITAN} table {table}", LLAMA31_8B, LLAMA31_8B_PARAMS, "H100-96GB", gpus, 8192, 2,
                checkpointing="selective", selective="torchtitan", compiled=compiled, nodes=gpus // 8,
                tokens_per_gpu=tokens, memory=memory_gib * GIB, memory_what="max reserved")
+
+
+def _torchtitan_cp(cp: int, tokens: float, memory_gib: float) -> Run:
+    """Table 2: FSDP 8/cp x CP cp, 32,768 * cp tokens per row, torch.compile + Float8, full checkpointing."""
+    return Run(f"torchtitan Llama 3.1 8B FSDP {8 // cp} x CP {cp} at {32768 * cp:,} tokens", f"{TORCHTITAN} table 2",
+               LLAMA31_8B, LLAMA31_8B_PARAMS, "H100-96GB", 8, 32768 * cp, 1, cp=cp, checkpointing="full",
+               compiled=True, memory=memory_gib * GIB, memory_what="max reserved",
+               extra={"published_tokens_per_gpu": tokens})
+
+
+LLAMA3_405B = Dims(d=16384, q=16384, kv=1024, f=53248, vocab=128256, layers=126, heads=128)
+LLAMA3_405B_PARAMS = 405_853_388_800
+
+
+def llama3_cp16() -> Run:
+    """The Llama 3 paper's long-context row (module docstring: what is assumed)."""
+    return Run("Llama 3 405B CP 16 at 131,072 tokens on 16,384 H100", LLAMA3_PAPER, LLAMA3_405B, LLAMA3_405B_PARAMS,
+               "H100-SXM", 16384, 131072, 1, accum=16, tp=8, pp=16, cp=16, stages_per_rank=8, sp=True,
+               framework="megatron", checkpointing="full", nodes=2048, mfu=380e12 / 989e12)
 
 
 def _megatron(name: str, h: int, a: int, layers: int, pp: int, batch: int, mfu: float) -> Run:
@@ -98,7 +130,14 @@ def runs() -> list[Run]:
         _megatron("22B", 6144, 64, 48, 1, 4, 0.415), _megatron("175B", 12288, 96, 96, 8, 64, 0.514),
         _megatron("530B", 20480, 128, 105, 35, 280, 0.560), _megatron("1T", 25600, 160, 128, 64, 512, 0.563),
         *[mpt(r) for r in MPT_ROWS],
+        _torchtitan_cp(1, 3890, 83.9), _torchtitan_cp(2, 2540, 84.2), _torchtitan_cp(4, 1071, 84.0),
+        _torchtitan_cp(8, 548, 84.5), llama3_cp16(),
     ]
+
+
+def checked_throughput(run: Run) -> bool:
+    """Whether a row's throughput is held against the prediction (torchtitan's table 2 is not: Float8)."""
+    return run.tokens_per_gpu is not None or run.mfu is not None
 
 
 def torchtitan_memory(run: Run) -> float:
@@ -106,15 +145,19 @@ def torchtitan_memory(run: Run) -> float:
     parameter / dp), every layer's kept activations (plan/gpt.py), the loss's peak, the working set of the block in
     backward (its recomputed tensors and their gradients: one block's whole saved set with bf16 parameters, as
     plan/llama.py counts it), FSDP2's buffers (two gathered bf16 blocks, one fp32 block gradient) and the stated
-    overhead."""
+    overhead. Under CP (FSDP over dp x cp: `run.dp`) all of it at the rank's seq/cp tokens, and the block in backward
+    also holds K and V of the whole row (bf16, kv heads)."""
     d = run.dims
     blk = Block(h=d.d, a=d.heads, layers=d.layers, ffn=d.f, kv=d.kv, vocab=d.vocab)
+    seq = run.seq // run.cp
     states = 16 * run.params / run.dp
-    acts = d.layers * torchtitan_layer_bytes(s=run.seq, b=run.micro_batch, blk=blk, checkpointing=run.checkpointing)
-    loss = torchtitan_loss_bytes(s=run.seq, b=run.micro_batch, blk=blk, compiled=run.compiled)
+    acts = d.layers * torchtitan_layer_bytes(s=seq, b=run.micro_batch, blk=blk, checkpointing=run.checkpointing)
+    loss = torchtitan_loss_bytes(s=seq, b=run.micro_batch, blk=blk, compiled=run.compiled)
     cfg = LlamaConfig(vocab_size=d.vocab, dim=d.d, n_layers=1, n_heads=d.heads, n_kv_heads=d.heads * d.kv // d.q,
-                      ffn_hidden=d.f, max_seq_len=run.seq)
-    working = block_activation_bytes(cfg, batch=run.micro_batch, seq=run.seq, precision="bf16", param_dtype="bf16")
+                      ffn_hidden=d.f, max_seq_len=seq)
+    working = block_activation_bytes(cfg, batch=run.micro_batch, seq=seq, precision="bf16", param_dtype="bf16")
+    if run.cp > 1:
+        working += 2 * 2 * run.micro_batch * run.seq * d.kv
     block_params = 2 * d.d * (d.q + d.kv) + 3 * d.d * d.f
     buffers = 2 * 2 * block_params + 4 * block_params
     return states + acts + loss + working + buffers + overhead()

@@ -189,10 +189,10 @@ def report(args: argparse.Namespace, spec: GpuSpec, cfg: Config, model: LlamaCon
 
 def _examples(items: list[Rejected], k: int = 3) -> list[Rejected]:
     """Up to k of `items`, in order, of different strategy / offload / tp / pp where there are such."""
-    seen: set[tuple[str, bool, int, int]] = set()
+    seen: set[tuple[str, bool, int, int, int]] = set()
     picked: list[Rejected] = []
     for r in items:
-        key = (r.cand.strategy, r.cand.cpu_offload, r.cand.tp, r.cand.pp)
+        key = (r.cand.strategy, r.cand.cpu_offload, r.cand.tp, r.cand.pp, r.cand.cp)
         if key not in seen:
             seen.add(key)
             picked.append(r)

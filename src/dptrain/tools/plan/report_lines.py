@@ -41,6 +41,9 @@ def time_lines(args: argparse.Namespace, t: dict[str, float], *, comm: Any,
              f"  compute {t['compute']:.4g} s, data-parallel comm {t['dp_comm']:.4g} s of which exposed "
              f"{t['exposed_comm']:.4g} s, tensor-parallel comm {t['tp_comm']:.4g} s, pipeline transfers (exposed) "
              f"{t['pp_comm']:.4g} s"]
+    if t.get("cp_comm"):
+        lines.append(f"  context-parallel K/V exchange (all-gathers before attention, reduce-scatters in backward; "
+                     f"not overlapped): {t['cp_comm']:.4g} s")
     rate = f"{t['samples_per_s']:,.1f} samples/s, " if "samples_per_s" in t else ""
     if t["tokens_per_s"]:
         rate += f"{t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s'] / args.gpus:,.0f} per GPU), "

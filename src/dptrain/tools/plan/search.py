@@ -5,7 +5,10 @@ Candidates (for a global batch of G sequences): strategy ddp/zero1/zero2/fsdp, Â
 divisor of the GPUs per node (tensor parallelism stays inside a node); pp a divisor of n_layers with
 tp*pp dividing the GPUs, schedule 1f1b, pp_microbatches any divisor of the micro-batch >= pp; dp =
 gpus / (tp*pp); micro-batch any divisor of G / dp, accumulation the rest; activation checkpointing
-none/selective/full. HSDP (dp_replicate x dp_shard) is not searched.
+none/selective/full. HSDP (dp_replicate x dp_shard) is not searched. Context parallelism (`parallel.cp`) is
+searched where dptrain composes it: cp a divisor (> 1) of the GPUs per node with tp = pp = 1, strategy ddp, zero2
+or fsdp (zero1 is refused with cp), the row splitting into 2*cp chunks; dp = gpus / cp. cp adds its K/V exchange to
+the step (not overlapped), so it ranks below a layout without it unless the row does not fit otherwise.
 
 Each candidate is turned into the Config it stands for and checked by dptrain itself: `resolve()`
 (what `dptrain run` checks before launch) and, with tp > 1, the launcher's tensor-parallel check on
@@ -55,6 +58,7 @@ class Candidate:
     pp_microbatches: int | None
     checkpointing: str
     gather_dtype: str | None = None  # zero2/fsdp: parallel.fsdp_param_dtype (None: the fp32 parameters)
+    cp: int = 1  # parallel.cp: each row split over cp ranks
 
     def label(self) -> str:
         s = (
@@ -64,7 +68,8 @@ class Candidate:
         )
         m = f" m{self.pp_microbatches}" if self.pp > 1 else ""
         mb = "-" if self.micro_batch is None else f"{self.micro_batch}x{self.accum}"
-        return f"{s} dp{self.dp} tp{self.tp} pp{self.pp}{m} mb{mb} ckpt={self.checkpointing}"
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return f"{s} dp{self.dp} tp{self.tp} pp{self.pp}{cp}{m} mb{mb} ckpt={self.checkpointing}"
 
 
 @dataclass(frozen=True)
@@ -124,10 +129,12 @@ def data_parallel_degrees(model: LlamaConfig, *, gpus: int, per_node: int) -> li
 
 
 def candidates(
-    model: LlamaConfig, *, gpus: int, per_node: int, global_batch: int, half: str | None = None
+    model: LlamaConfig, *, gpus: int, per_node: int, global_batch: int, half: str | None = None, seq: int | None = None
 ) -> Iterator[Candidate]:
     """Every layout of the module docstring, in a fixed order. `half` (bf16/fp16 training): zero2/fsdp
-    also gather their parameters in that dtype (`fsdp_param_dtype`)."""
+    also gather their parameters in that dtype (`fsdp_param_dtype`). `seq` given: also the cp layouts whose 2*cp
+    chunks divide it."""
+    cps = [c for c in divisors(per_node) if c > 1 and gpus % c == 0 and seq is not None and seq % (2 * c) == 0]
     for strategy in ("ddp", "zero1", "zero2", "fsdp"):
         fsdp2 = strategy in FSDP2
         for offload, gather in (
@@ -135,30 +142,27 @@ def candidates(
             for o in ((False, True) if fsdp2 else (False,))
             for g in ((None, half) if fsdp2 and half else (None,))
         ):
-            for tp, pp, dp in data_parallel_degrees(model, gpus=gpus, per_node=per_node):
-                base = Candidate(
-                    strategy,
-                    offload,
-                    tp,
-                    pp,
-                    dp,
-                    micro_batch=None,
-                    accum=None,
-                    pp_microbatches=None,
-                    checkpointing="none",
-                    gather_dtype=gather,
-                )
+            degrees = [(tp, pp, dp, 1) for tp, pp, dp in data_parallel_degrees(model, gpus=gpus, per_node=per_node)]
+            if strategy != "zero1":  # cp: tp = pp = 1 (dptrain refuses the rest before launch)
+                degrees += [(1, 1, gpus // cp, cp) for cp in cps]
+            for tp, pp, dp, cp in degrees:
+                base = Candidate(strategy, offload, tp, pp, dp, micro_batch=None, accum=None, pp_microbatches=None,
+                                 checkpointing="none", gather_dtype=gather, cp=cp)
                 if global_batch % dp:
                     yield base  # dptrain refuses it (the batch does not split over dp)
                     continue
-                per_replica = global_batch // dp
-                for mb in divisors(per_replica):
-                    splits: list[int | None] = ([m for m in divisors(mb) if m >= pp] or [pp]) if pp > 1 else [None]
-                    for m in splits:
-                        for ckpt in CHECKPOINTING:
-                            yield dataclasses.replace(
-                                base, micro_batch=mb, accum=per_replica // mb, pp_microbatches=m, checkpointing=ckpt
-                            )
+                yield from _batch_splits(base, global_batch // dp)
+
+
+def _batch_splits(base: Candidate, per_replica: int) -> Iterator[Candidate]:
+    """`base` at every micro-batch (a divisor of the replica's share), pipeline split and checkpointing mode."""
+    pp = base.pp
+    for mb in divisors(per_replica):
+        splits: list[int | None] = ([m for m in divisors(mb) if m >= pp] or [pp]) if pp > 1 else [None]
+        for m in splits:
+            for ckpt in CHECKPOINTING:
+                yield dataclasses.replace(base, micro_batch=mb, accum=per_replica // mb, pp_microbatches=m,
+                                          checkpointing=ckpt)
 
 
 def candidate_config(base: Config, cand: Candidate, *, global_batch: int) -> Config:
@@ -169,6 +173,7 @@ def candidate_config(base: Config, cand: Candidate, *, global_batch: int) -> Con
         cpu_offload=cand.cpu_offload,
         tp=cand.tp,
         pp=cand.pp,
+        cp=cand.cp,
         dp_replicate=1,
         dp_shard=1,
         pp_schedule="1f1b",
@@ -236,7 +241,7 @@ def search(
     ranked: list[Ranked] = []
     rejected: list[Rejected] = []
     half = base.precision.dtype if base.precision.dtype in ("bf16", "fp16") else None
-    for cand in candidates(model, gpus=gpus, per_node=gpus // nodes, global_batch=global_batch, half=half):
+    for cand in candidates(model, gpus=gpus, per_node=gpus // nodes, global_batch=global_batch, half=half, seq=seq):
         cfg = candidate_config(base, cand, global_batch=global_batch)
         resolved, why = checker.refusal(cfg)
         if resolved is None or why is not None:
@@ -260,9 +265,9 @@ def search(
     return SearchResult(ranked, rejected, global_batch, seq)
 
 
-def _rank_key(r: Ranked) -> tuple[float, float, int, bool, int, int]:
+def _rank_key(r: Ranked) -> tuple[float, float, int, bool, int, int, int]:
     c = r.cand
-    return (r.step_s, r.memory["total"], CHECKPOINTING.index(c.checkpointing), c.cpu_offload, c.tp, c.pp)
+    return (r.step_s, r.memory["total"], CHECKPOINTING.index(c.checkpointing), c.cpu_offload, c.tp, c.pp, c.cp)
 
 
 def rejected_groups(rejected: list[Rejected]) -> list[tuple[str, list[Rejected]]]:

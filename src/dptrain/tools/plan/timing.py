@@ -35,6 +35,13 @@
   step: exposed. On the CPU (`--gpu-type cpu`) gloo's collectives need the cores the compute is
   using: nothing overlaps, every collective adds to the step. Tensor-parallel traffic is not
   overlapped.
+- Context parallelism (`parallel.cp`): each of the cp ranks of a model replica computes 1/cp of its tokens' FLOPs
+  (the load-balanced chunks give every rank the same share of the causal attention); gradients are reduced over
+  dp x cp ranks (DDP's group; FSDP2 shards over dp_shard x cp). The K/V exchange (`cp_exchange_time`): per layer and
+  micro-step an all-gather of K and one of V in forward, a reduce-scatter of each gradient in backward, and under
+  activation checkpointing one more all-gather of each in the recompute. parallel/context.py all-gathers before
+  attention and waits for the result, so none of it overlaps with compute: all of it is exposed (a ring that
+  overlaps the exchange with attention, as torchtitan's and Megatron's do, would hide most of it; not built).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from typing import TYPE_CHECKING
 
 from dptrain.metrics.hardware import GpuSpec
 from dptrain.tools.plan.efficiency import SUSTAINED, Dims, modelled_efficiency
-from dptrain.tools.plan.llama import param_counts, param_shapes
+from dptrain.tools.plan.llama import RECOMPUTING, param_counts, param_shapes
 from dptrain.tools.plan.memory import Layout, pipeline_bubble
 
 if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
@@ -231,6 +238,24 @@ def pipeline_p2p_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int
     return accum * 2 * (lay.pp - 1) * (link.alpha + nbytes / link.bandwidth)
 
 
+def cp_exchange_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
+                     accum: int, comm: Link | None = None) -> float:
+    """Exposed seconds per step of context parallelism's K/V exchange (module docstring): K and V are each
+    [micro-batch, seq, kv heads x head dim] in the compute dtype once gathered; per layer and micro-step 2 all-gathers
+    and 2 reduce-scatters of that size over the cp ranks, 2 all-gathers more under activation checkpointing. The cp
+    ranks sit next to each other in the mesh (only tp is inner): one node's link while cp * tp fits a node, else the
+    interconnect (or the measured link `comm`)."""
+    if lay.cp == 1:
+        return 0.0
+    assert cfg.n_kv_heads is not None
+    nbytes = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch * lay.seq * cfg.n_kv_heads * cfg.head_dim
+    per_node = max(1, gpus // nodes)
+    spans = lay.cp * lay.tp > per_node
+    link = comm if comm and spans else links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=spans)
+    calls = 4 + (2 if lay.checkpointing in RECOMPUTING else 0)
+    return accum * cfg.n_layers * calls * gather_time(nbytes, lay.cp, link)
+
+
 def layout_efficiency(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, flops_per_token: float) -> float:
     """The share of the dense peak a micro-batch of the built-in LLaMA reaches on `spec` under `lay`, from
     plan/efficiency.py (GEMM shapes, attention, memory-bound ops) x `SUSTAINED` (plan/published.py)."""
@@ -272,30 +297,33 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
     if not efficiency > 0:  # a calibrated one may exceed 1 slightly (plan/calibrate.py); --efficiency is (0, 1]
         raise ValueError(f"efficiency={efficiency} must be > 0")
     tokens = lay.micro_batch * lay.seq * accum  # per model replica per step
-    compute = tokens * fpt / (lay.tp * lay.pp) / (peak * efficiency)
+    compute = tokens * fpt / (lay.tp * lay.pp * lay.cp) / (peak * efficiency)
     if lay.checkpointing == "full":
         compute *= 4 / 3
     compute *= 1 + recompute_flops_per_token(cfg, lay.checkpointing) / fpt
     m = max(1, lay.pp_microbatches)
     compute /= 1 - pipeline_bubble(lay.pp, m, lay.pp_stages_per_rank)
-    dp = gpus // (lay.tp * lay.pp)
+    dp = gpus // (lay.tp * lay.pp * lay.cp)  # model replicas; gradients are reduced over their dp x cp ranks
+    grad_ranks = dp * lay.cp
     per_node = max(1, gpus // nodes)
     overlap = spec.key != "cpu"
     dp_link = comm or links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=gpus > per_node,
                             per_node=per_node)
     replica = c.total / (lay.tp * lay.pp)  # parameters of one replica's share of the model
     dp_comm, exposed = _dp_comm(lay, params=replica, units=c.n_layers / lay.pp + 1, shapes=param_shapes(cfg),
-                                dp=dp, link=dp_link, compute_micro=compute / accum, accum=accum,
-                                overlap=overlap) if dp > 1 else (0.0, 0.0)
+                                dp=grad_ranks, link=dp_link, compute_micro=compute / accum, accum=accum,
+                                overlap=overlap) if grad_ranks > 1 else (0.0, 0.0)
     act = (2 if lay.precision != "fp32" else 4) * lay.micro_batch * lay.seq * cfg.dim
     tp_link = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False) if lay.tp > 1 else dp_link
     tp_comm = accum * 4 * cfg.n_layers / lay.pp * all_reduce_time(act, lay.tp, tp_link)
     offload = offload_time(replica, lay, spec, accum=accum)
     pp_comm = pipeline_p2p_time(cfg, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect, accum=accum,
                                 comm=comm)
-    step = compute + exposed + tp_comm + offload + pp_comm
+    cp_comm = cp_exchange_time(cfg, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect, accum=accum,
+                               comm=comm)
+    step = compute + exposed + tp_comm + offload + pp_comm + cp_comm
     return {"compute": compute, "dp_comm": dp_comm, "exposed_comm": exposed, "tp_comm": tp_comm, "pp_comm": pp_comm,
-            "offload": offload,
+            "cp_comm": cp_comm, "offload": offload,
             "step": step,
             "tokens_per_s": tokens * dp / step, "flops_per_token": fpt, "mfu": tokens * dp * fpt / step / gpus / peak,
             "efficiency": efficiency}

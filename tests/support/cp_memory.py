@@ -24,8 +24,7 @@ from dptrain.config import ParallelConfig
 from dptrain.config.layout import resolve_layout
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.models.llama import build_llama
-from dptrain.parallel import context
-from dptrain.parallel.model import parallelize_model
+from dptrain.parallel import context, parallelize_model
 from support.fsdp_alive import _Made
 
 STRATEGY = "ddp"

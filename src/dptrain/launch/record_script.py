@@ -15,6 +15,8 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from dptrain.launch.worker import exit_when_orphaned
+
 
 class ScriptErrorHandler(ErrorHandler):
     """torchelastic's error handler, with the traceback cut to start at the script's first frame
@@ -39,6 +41,7 @@ def main() -> None:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]  # the script sees exactly what `python SCRIPT ARGS` gives it
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    exit_when_orphaned()  # the script ends a few seconds after its launcher at most, even hung in a collective
 
     def run() -> None:
         runpy.run_path(script, run_name="__main__")

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import psutil
 import pytest
 
 from support import ROOT, subprocess_env
+from support.run_helpers import start, wait_for_step
 
 HUNG_SCRIPT = """
 import os, signal, sys, time
@@ -33,6 +35,21 @@ if rank == 0:
     dist.all_reduce(t)  # rank 1 skips it: rank 0 waits forever
 time.sleep(3600)
 """
+
+
+def release_file(launcher: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"dptrain-test-orphans-release-{launcher}"
+
+
+def slow_once_orphaned(model, batch):
+    """The toy's loss (after 0.02 s); once the launcher is gone, its steps wait (up to 30 s) for the test to
+    release them: the killed launcher's workers are still there, saving, when the next command starts."""
+    launcher = os.environ["DPTRAIN_LAUNCHER_PID"]
+    deadline = time.monotonic() + 30
+    time.sleep(0.02)
+    while str(os.getppid()) != launcher and not release_file(int(launcher)).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return model(batch)
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -84,9 +101,33 @@ def running(proc: psutil.Process) -> bool:
         return False
 
 
-def run_toy(out: Path, *extra: str) -> subprocess.Popen:
-    from support.run_helpers import SLOW_TOY
+@pytest.mark.timeout(150)
+def test_the_same_command_run_at_once_after_a_sigkilled_launcher_waits_for_its_saving_workers(tmp_path):
+    out = tmp_path / "run"
+    recipe = ("train.max_steps=40", "checkpoint.every_steps=1000", "train.loss=test_orphans:slow_once_orphaned")
+    first = start(out, *recipe)  # only the parent-death save saves
+    try:
+        wait_for_step(first, out, 3)
+        first.send_signal(signal.SIGKILL)  # its workers go on to the next step boundary, save and exit
+        first.wait()
+        second = start(out, *recipe)  # the same command, at once
+        lines = []
+        for line in second.stdout:  # until it says it waits for the workers (or it ends)
+            lines.append(line)
+            if "waiting for them to exit" in line:
+                break
+        release_file(first.pid).touch()  # the orphaned workers may finish their step, save and exit
+        output = "".join(lines) + second.communicate(timeout=120)[0]
+    finally:
+        for proc in (first, *([second] if "second" in locals() else [])):
+            if proc.poll() is None:
+                proc.kill()
+        release_file(first.pid).unlink(missing_ok=True)
+    assert second.returncode == 0, output[-3000:]
+    assert f"launcher pid {first.pid}" not in output, output  # never the dead launcher named as the owner
+    line = next(ln for ln in output.splitlines() if "of a launcher that was killed" in ln)
+    assert f"of a launcher that was killed (pid {first.pid}) are saving their last step (step " in line, line
+    assert "waiting for them to exit" in line, line
+    print(line)
+    assert "they exited after" in output and "resumed from" in output, output[-3000:]
 
-    return subprocess.Popen([sys.executable, "-m", "dptrain", "run", *SLOW_TOY, *extra, "--nproc-per-node", "2",
-                             "--out", str(out)], env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)

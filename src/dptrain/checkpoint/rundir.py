@@ -161,6 +161,9 @@ def write_atomically(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # a full disk: named by the file meant, not the temporary one
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

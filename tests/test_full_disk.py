@@ -105,3 +105,16 @@ def test_an_own_loop_save_on_a_full_disk_raises_one_clear_error_and_keeps_the_la
     assert [p.name for p in mf.step_dirs(fs / "checkpoints")] == [p.name for p in committed(fs / "checkpoints")]
     model2 = torch.nn.Linear(48, 48)
     assert dptrain.Checkpointer(fs, model2, torch.optim.Adam(model2.parameters(), lr=0.1)).resume() == saved[-1]
+
+
+@pytest.mark.timeout(120)
+def test_a_run_directory_too_full_for_its_records_ends_in_one_line_without_a_traceback(tmp_path, small_fs):
+    fs, grow = small_fs
+    grow("20k")  # the launcher's files fit; config.yaml, metrics and console.log soon do not
+    r = run(fs / "run", f"checkpoint.dir={tmp_path / 'ckpt'}")
+    output = r.stdout + r.stderr
+    assert r.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    errors = [ln for ln in output.splitlines() if ln.startswith("dptrain: error:")]
+    assert len(errors) == 1, output[-3000:]
+    assert "could not write" in errors[0] and "No space left on device" in errors[0] and "--out" in errors[0], errors

@@ -95,8 +95,8 @@ def agree(error: BaseException | None, *, path: Path, root: Path, is_main: bool)
 
 
 def explain(path: Path, *, root: Path, error: BaseException | None, partial: int) -> str:
-    """`partial`: the bytes written before the failure plus the space left then. The one line: the folder and its file system's free space, what a checkpoint needs, what would help, and the
-    last good checkpoint."""
+    """The one line: the folder and its file system's free space, what a checkpoint needs, what would help, and the
+    last good checkpoint. `partial`: the bytes written before the failure plus the space left then."""
     last = _newest_committed(root)
     need = folder_bytes(last) or partial  # the last checkpoint's size, else more than the room there was
     free, total = free_bytes(root), _total_bytes(root)

@@ -42,7 +42,7 @@ from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
 from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
 from dptrain.checkpoint.base_identity import describe, same_base
-from dptrain.checkpoint.full_disk import agree, caught
+from dptrain.checkpoint.full_disk import agree, caught, disk_full, run_dir_full
 from dptrain.checkpoint.live_state import LiveState
 from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
 from dptrain.checkpoint.memory import MemorySnapshots
@@ -246,6 +246,10 @@ class CheckpointManager:
         """Note the error this rank is dying with in its progress file (for the restart report)."""
         if self.progress is not None:
             self.progress.error(message)
+
+    def disk_full_line(self, error: BaseException) -> str | None:
+        """The one line for `error` when it is a run record that did not fit on a full disk (None otherwise)."""
+        return run_dir_full(error, self.run_dir, self.root) if disk_full(error, self.run_dir) else None
 
     def record_progress(self, step: int) -> None:
         """Note `step` as this rank's last finished step in its progress file (for the restart report).

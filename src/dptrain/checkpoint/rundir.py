@@ -327,7 +327,8 @@ class Orphans:
     step: int | None
 
     def describe(self, run_dir: Path) -> str:
-        pids = f" (pid{'s' if len(self.workers) > 1 else ''} {', '.join(map(str, self.workers))})" if self.workers else ""
+        plural = "s" if len(self.workers) > 1 else ""
+        pids = f" (pid{plural} {', '.join(map(str, self.workers))})" if self.workers else ""
         at = f" (step {self.step} was under way)" if self.step else ""
         return f"the workers{pids} of a launcher that was killed (pid {self.launcher}) are saving their last step{at}"
 
@@ -374,9 +375,9 @@ def _last_step(run_dir: Path) -> int | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     try:
-        with open(run_dir / "metrics.jsonl", "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-            tail = f.read().decode(errors="replace").splitlines()
+        with open(run_dir / "metrics.jsonl", "rb") as records:
+            records.seek(max(0, records.seek(0, os.SEEK_END) - 4096))
+            tail = records.read().decode(errors="replace").splitlines()
         steps += [int(json.loads(line)["step"]) + 1 for line in tail[-2:] if line.endswith("}") and '"step"' in line]
     except (OSError, ValueError, KeyError, TypeError):
         pass

@@ -4,7 +4,8 @@ reads (TORCHELASTIC_ERROR_FILE) and torchrun's failure report shows the root-cau
 traceback, starting at the script's own frames. `dptrain launch` runs plain `.py` scripts through
 it; with `-m`/`--module`, `--no-python` or `--run-path` the user's command runs as given (decorate
 your own entry point with `torch.distributed.elastic.multiprocessing.errors.record` for the same
-report).
+report). The script never outlives its launcher by more than a few seconds, even hung in a collective
+(launch/worker.py `exit_when_orphaned`).
 """
 
 from __future__ import annotations

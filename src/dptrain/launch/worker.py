@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
 
 def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int:
     # lazy: torch: after the SIGINT handler is installed (main)
-    from dptrain.checkpoint.full_disk import disk_full, run_dir_full
     from dptrain.checkpoint.manifest import CheckpointError
     from dptrain.checkpoint.preempt import EXIT_PREEMPTED
     from dptrain.checkpoint.rundir import RunDirLock
@@ -186,10 +185,10 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
             print(f"dptrain: stopped: {e}; recorded in {run_dir / 'diagnostics.jsonl'}", file=sys.stderr)
         return final(EXIT_NONFINITE, "non-finite policy", detail=str(run_dir / "diagnostics.jsonl"))
     except Exception as e:
-        if disk_full(e, run_dir):  # a record (metrics, config.yaml, final weights) did not fit: one line, exit 2
+        full = trainer.ckpt.disk_full_line(e)
+        if full is not None:  # a record (metrics, config.yaml, final weights) did not fit: one line, exit 2
             trainer.ckpt.record_error(traceback.format_exc())
-            print(f"dptrain: error: rank {trainer.env.rank}: {run_dir_full(e, run_dir, trainer.ckpt.root)}",
-                  file=sys.stderr, flush=True)
+            print(f"dptrain: error: rank {trainer.env.rank}: {full}", file=sys.stderr, flush=True)
             return final(2, "disk full")
         if peer_lost(e):  # another rank died (its own failure is the root cause): one line, not a traceback
             line = f"{type(e).__name__}: {first_line(e)}"

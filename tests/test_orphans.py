@@ -83,8 +83,9 @@ def test_dptrain_launch_workers_hung_in_a_collective_end_seconds_after_a_sigkill
         assert took < 5.0, f"the workers took {took:.1f}s to end after the launcher was killed"
         print(f"workers gone {took:.2f}s after the launcher's SIGKILL ({handler})")
         output = launcher.communicate(timeout=10)[0]
-        if handler == "handler":  # the parent-death SIGTERM reached rank 1's handler; rank 0's never ran
-            assert f"rank 0: the launcher (pid {launcher.pid}) is gone and this worker is stuck at" in output, output
+        if handler == "handler":  # the handlers ran (rank 1, asleep) or could not (rank 0, in its all_reduce)
+            # whichever rank the thread ends first says so; the other may then fail in gloo, having lost its peer
+            assert f": the launcher (pid {launcher.pid}) is gone and this worker is stuck at" in output, output
     finally:
         if launcher.poll() is None:
             launcher.kill()

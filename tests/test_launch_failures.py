@@ -118,6 +118,70 @@ def test_rendezvous_port_taken_by_another_program_is_named(tmp_path, listen):
     assert not (tmp_path / "run" / "config.pending.yaml").exists()
 
 
+SILENT_SERVER = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen()
+print("listening", flush=True)
+held = []
+while True:
+    held.append(s.accept()[0])  # accepts every connection and never answers
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["run", "launch"])
+def test_a_rendezvous_peer_that_accepts_and_never_answers_is_named_within_the_configured_timeout(tmp_path, command):
+    """The endpoint is on another host (a network namespace), so no check before the launch can see its program:
+    torchrun's store client would wait for its answer forever (past join_timeout and read_timeout)."""
+    from dptrain.tools.netns import RDZV_PORT, Cluster, unavailable_reason
+
+    if (reason := unavailable_reason()) is not None:
+        pytest.skip(reason)
+    conf = "join_timeout=15,read_timeout=15" if command == "run" else "join_timeout=15,read_timeout=4"
+    with Cluster() as c:
+        squatter = c.popen(0, [sys.executable, "-c", SILENT_SERVER, str(RDZV_PORT)], stdout=subprocess.PIPE, text=True)
+        assert squatter.stdout.readline().strip() == "listening"
+        if command == "run":
+            argv = [sys.executable, "-m", "dptrain", "run", *TOY, "train.max_steps=3", *c.launch_overrides(1),
+                    f"launch.rdzv_conf={conf}", "--out", str(tmp_path / "run")]
+        else:
+            script = tmp_path / "hello.py"
+            script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n")
+            argv = [sys.executable, "-m", "dptrain", "launch", "--nnodes", "2", "--nproc-per-node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", c.rdzv_endpoint(), "--rdzv-conf", conf, str(script)]
+        t0 = time.monotonic()
+        node = c.popen(1, argv, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+        try:
+            output, started, named = "", None, None
+            for line in node.stdout:  # each line timed as it comes
+                output += line
+                if started is None and ("c10d rendezvous at" in line or "node_rank is only used" in line):
+                    started = time.monotonic()  # the launcher hands over to torchrun
+                if line.startswith("dptrain: error:"):
+                    named = time.monotonic()
+            node.wait(timeout=30)
+        finally:
+            for i in (0, 1):
+                c.kill_node(i)
+    assert node.returncode == 2, output[-3000:]
+    no_traceback(output)
+    line = next(ln for ln in output.splitlines() if ln.startswith("dptrain: error:"))
+    assert f"the rendezvous endpoint {c.rdzv_endpoint()} accepts connections but never answers" in line, line
+    assert "is not a torch.distributed store" in line and conf.replace(",", "s, ") + "s" in line, line
+    assert ("launch.rdzv_endpoint" if command == "run" else "--rdzv-endpoint") in line, line
+    assert named is not None, output[-3000:]
+    read_timeout = int(conf.rsplit("=", 1)[1])
+    print(f"{command}: named {named - t0:.1f}s after the command started"
+          f"{f' ({named - started:.1f}s after torchrun did)' if started else ''}")
+    if started is not None:  # `dptrain run` says when it hands over to torchrun: from there, the configured timeout
+        assert named - started < min(read_timeout, 10) + 3, (named - started, line)
+    assert named - t0 < min(read_timeout, 10) + 20, (named - t0, line)  # start-up (imports) + the timeout
+
+
 # -------------------------------------------------------------------------------- SIGKILL under restarts
 @pytest.mark.timeout(30)
 def test_a_lost_peer_is_told_from_the_gloo_error():

@@ -42,6 +42,7 @@ from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
 from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
 from dptrain.checkpoint.base_identity import describe, same_base
+from dptrain.checkpoint.full_disk import agree, caught, disk_full, run_dir_full
 from dptrain.checkpoint.live_state import LiveState
 from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
 from dptrain.checkpoint.memory import MemorySnapshots
@@ -246,6 +247,10 @@ class CheckpointManager:
         if self.progress is not None:
             self.progress.error(message)
 
+    def disk_full_line(self, error: BaseException) -> str | None:
+        """The one line for `error` when it is a run record that did not fit on a full disk (None otherwise)."""
+        return run_dir_full(error, self.run_dir, self.root) if disk_full(error, self.run_dir) else None
+
     def record_progress(self, step: int) -> None:
         """Note `step` as this rank's last finished step in its progress file (for the restart report).
         Called at log steps (the trainer) and saves (`maybe_save`), not every step: the report's
@@ -374,31 +379,34 @@ class CheckpointManager:
         step, rank = meta["step"], self.env.rank
         path = self.root / mf.step_dir_name(step)
         t0 = time.perf_counter()
+        error = None
         if self.env.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if path.exists():  # overwriting: the marker goes first, then the old data
-                mf.uncommit(path)
-                shutil.rmtree(path)
-            path.mkdir()
-        collectives.barrier()
-        if background:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptrain-ckpt")
-                self._async_group = torch.distributed.new_group(backend="gloo")  # the checkpoint's own collectives
-            written = storage.async_save_model_optim(
-                path, state=state, rank=rank, process_group=self._async_group, executor=self._executor
-            )
-        else:
-            storage.save_model_optim(path, state=state, rank=rank)
-            written = Future()
-            written.set_result(None)
-        if rank == 0:
-            scaler = state.scaler.state_dict() if state.scaler is not None else None
-            storage.save_torch(path / "train.pt", {"scheduler": state.schedule.state_dict(), "scaler": scaler or None})
-            for name, obj in state.extra_files.items():
-                storage.save_torch(path / name, obj)
-        own = {"rng": rng or RngState().state_dict(), **{n: obj.state_dict() for n, obj in state.per_rank.items()}}
-        storage.save_torch(path / f"rank_{rank:05d}.pt", own)
+            error = caught(lambda: self._fresh_folder(path), self.root)
+        self._agree(path, error)  # every rank waits for the folder (a barrier); a full disk stops here
+        written: Future = Future()
+
+        def write() -> None:
+            nonlocal written
+            if background:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptrain-ckpt")
+                    self._async_group = torch.distributed.new_group(backend="gloo")  # the checkpoint's own collectives
+                written = storage.async_save_model_optim(
+                    path, state=state, rank=rank, process_group=self._async_group, executor=self._executor
+                )
+            else:
+                storage.save_model_optim(path, state=state, rank=rank)
+                written.set_result(None)
+            if rank == 0:
+                scaler = state.scaler.state_dict() if state.scaler is not None else None
+                storage.save_torch(path / "train.pt",
+                                   {"scheduler": state.schedule.state_dict(), "scaler": scaler or None})
+                for name, obj in state.extra_files.items():
+                    storage.save_torch(path / name, obj)
+            own = {"rng": rng or RngState().state_dict(), **{n: obj.state_dict() for n, obj in state.per_rank.items()}}
+            storage.save_torch(path / f"rank_{rank:05d}.pt", own)
+
+        self._agree(path, caught(write, self.root))  # a full disk on any rank: the folder goes, every rank stops
         self._pending = (path, written, meta, t0)
         self.last_saved_step = step
         if not background:
@@ -412,15 +420,17 @@ class CheckpointManager:
             return
         path, written, meta, t0 = self._pending
         self._pending = None
-        written.result()  # re-raises a failed background write: never committed then
-        collectives.barrier()
+        # a failed background write re-raises here: never committed then; agreeing is the barrier
+        self._agree(path, caught(written.result, self.root))
         entries = self._hash_files(path, rank=self.env.rank, world=self.env.world_size)
+        error = None
         if self.env.is_main:
-            digest = mf.write_manifest(path, files=entries, meta=meta)
-            mf.commit(path, manifest_sha256=digest)
-            for old in mf.prune(self.root, keep_last=self.cfg.keep_last):
-                self._say(f"dptrain: removed old checkpoint {old}")
-        collectives.barrier()  # nobody moves on (or exits) before the commit
+            error = caught(lambda: mf.commit(path, manifest_sha256=mf.write_manifest(path, files=entries, meta=meta)),
+                           self.root)
+            if error is None:
+                for old in mf.prune(self.root, keep_last=self.cfg.keep_last):
+                    self._say(f"dptrain: removed old checkpoint {old}")
+        self._agree(path, error)  # nobody moves on (or exits) before the commit
         if self.preemption is not None:
             self.preemption.last_saved = f"the last committed checkpoint is {path} (step {meta['step']})"
         self._say(f"dptrain: checkpoint {path} committed ({time.perf_counter() - t0:.2f}s after the save began)")
@@ -434,8 +444,7 @@ class CheckpointManager:
         if world == 1:
             return mine
         share = path / f".hashes.rank{rank}.tmp"
-        share.write_text(json.dumps(mine))
-        collectives.barrier()
+        self._agree(path, caught(lambda: share.write_text(json.dumps(mine)), self.root))  # a barrier
         if rank != 0:
             return {}
         entries: dict[str, dict[str, Any]] = {}
@@ -444,6 +453,18 @@ class CheckpointManager:
             entries.update(json.loads(part.read_text()))
             part.unlink()
         return entries
+
+    def _fresh_folder(self, path: Path) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # overwriting: the marker goes first, then the old data
+            mf.uncommit(path)
+            shutil.rmtree(path)
+        path.mkdir()
+
+    def _agree(self, path: Path, error: BaseException | None) -> None:
+        """A barrier that also agrees whether any rank's write of `path` failed for a full disk (then the folder is
+        removed and CheckpointDiskFull raised on every rank: checkpoint/full_disk.py)."""
+        agree(error, path=path, root=self.root, is_main=self.env.is_main)
 
     def _hashes(self) -> dict[str, str]:
         """The config's hashes, taken at the first checkpoint or snapshot (the config is fixed once training runs;

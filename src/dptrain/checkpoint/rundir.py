@@ -161,11 +161,16 @@ def write_atomically(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # a full disk: named by the file meant, not the temporary one
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
+ORPHANS_WAIT_S = 60.0
+"""How long a launcher waits for the workers of a killed launcher to save their last step and exit."""
 OWNER_FILE = "owner.json"
 """In the run directory's `status/`: which launcher owns the run (pid, host, start time, command)."""
 
@@ -200,20 +205,64 @@ class RunDirLock:
             return os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
-    def acquire(self) -> None:
-        """Take the directory exclusively, or raise RunDirBusy naming who has it."""
+    def acquire(self, *, wait_for_orphans_s: float = ORPHANS_WAIT_S) -> None:
+        """Take the directory exclusively, or raise RunDirBusy naming who has it. When its launcher is dead (killed:
+        its workers still save their last step before they exit), wait up to `wait_for_orphans_s` for them, saying
+        so in one line, then take it."""
         import fcntl
 
         self.fd = self._open()
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
         except BlockingIOError:
-            os.close(self.fd)
-            self.fd = None
+            pass
+        orphans = self.orphaned_by()
+        if orphans is not None and self._wait_for(orphans, timeout=wait_for_orphans_s):
+            return
+        os.close(self.fd)
+        self.fd = None
+        if orphans is not None:
             raise RunDirBusy(
-                f"{self.run_dir} is in use by another dptrain job ({self.owner()}); wait for it to finish, stop "
-                "it, or use another --out"
-            ) from None
+                f"{self.run_dir} is still held by {orphans.describe(self.run_dir)} {wait_for_orphans_s:.0f}s later; "
+                f"retry once they have exited, or stop them ({orphans.kill_hint()})"
+            )
+        raise RunDirBusy(
+            f"{self.run_dir} is in use by another dptrain job ({self.owner()}); wait for it to finish, stop "
+            "it, or use another --out"
+        )
+
+    def _wait_for(self, orphans: Orphans, *, timeout: float) -> bool:
+        """Wait for the workers of a dead launcher to release the directory; True once it is this launcher's."""
+        import fcntl
+        import time
+
+        t0 = time.monotonic()
+        print(f"dptrain: {self.run_dir}: {orphans.describe(self.run_dir)}; waiting for them to exit "
+              f"(up to {timeout:.0f}s)", file=sys.stderr, flush=True)
+        while time.monotonic() - t0 < timeout:
+            time.sleep(0.1)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # type: ignore[arg-type]
+            except BlockingIOError:
+                continue
+            print(f"dptrain: they exited after {time.monotonic() - t0:.1f}s; continuing", file=sys.stderr, flush=True)
+            return True
+        return False
+
+    def orphaned_by(self) -> Orphans | None:
+        """The holders of the directory when its owner, a launcher on this host, is dead (its workers are saving
+        before they exit); None when the owner lives, is on another host, or is unknown."""
+        import json
+
+        try:
+            o = json.loads((self.run_dir / "status" / OWNER_FILE).read_text())
+            pid, host = int(o["pid"]), str(o["host"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if host != socket.gethostname() or _alive(pid, o.get("create_time")):
+            return None
+        return Orphans(launcher=pid, workers=lock_holders(self.path), step=_last_step(self.run_dir))
 
     def owner(self) -> str:
         """Who holds the directory, as its owner file says."""
@@ -232,8 +281,11 @@ class RunDirLock:
         import time
 
         assert self.fd is not None, "acquire() first"
+        import psutil
+
         owner = {
             "pid": os.getpid(),
+            "create_time": psutil.Process().create_time(),  # with the pid: this process, not a later one reusing it
             "host": socket.gethostname(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": command,
@@ -264,3 +316,69 @@ class RunDirLock:
             except OSError:
                 break
         self.created = []
+
+
+@dataclass(frozen=True)
+class Orphans:
+    """The workers of a launcher that was killed, still holding its run directory (they save, then exit)."""
+
+    launcher: int
+    workers: list[int]
+    step: int | None
+
+    def describe(self, run_dir: Path) -> str:
+        plural = "s" if len(self.workers) > 1 else ""
+        pids = f" (pid{plural} {', '.join(map(str, self.workers))})" if self.workers else ""
+        at = f" (step {self.step} was under way)" if self.step else ""
+        return f"the workers{pids} of a launcher that was killed (pid {self.launcher}) are saving their last step{at}"
+
+    def kill_hint(self) -> str:
+        return f"kill {' '.join(map(str, self.workers))}" if self.workers else "their pids are in status/rank*.json"
+
+
+def _alive(pid: int, create_time: float | None) -> bool:
+    """Whether process `pid` runs (not a zombie) and is the one that wrote the owner file (its start time, when
+    recorded, matches: a pid reused by a later process is not the owner)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return create_time is None or abs(proc.create_time() - float(create_time)) < 1.0
+    except (psutil.Error, ValueError, TypeError):
+        return False
+
+
+def lock_holders(path: Path) -> list[int]:
+    """The pids holding a flock on `path` (from /proc/locks; empty where it is not readable)."""
+    try:
+        st = os.stat(path)
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = {int(f[4]) for f in (ln.split() for ln in lines) if len(f) > 5 and f[1] == "FLOCK" and f[5] == inode
+            and f[4].isdigit()}
+    return sorted(pids)
+
+
+def _last_step(run_dir: Path) -> int | None:
+    """The step the workers were training, as their status files (metrics/status.py, rewritten every second) or
+    the step after the last record of metrics.jsonl say, whichever is later."""
+    import json
+
+    steps = []
+    for f in (run_dir / "status").glob("rank*.json"):
+        try:
+            steps.append(int(json.loads(f.read_text())["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as records:
+            records.seek(max(0, records.seek(0, os.SEEK_END) - 4096))
+            tail = records.read().decode(errors="replace").splitlines()
+        steps += [int(json.loads(line)["step"]) + 1 for line in tail[-2:] if line.endswith("}") and '"step"' in line]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return max(steps) if steps else None

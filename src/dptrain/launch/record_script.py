@@ -4,7 +4,8 @@ reads (TORCHELASTIC_ERROR_FILE) and torchrun's failure report shows the root-cau
 traceback, starting at the script's own frames. `dptrain launch` runs plain `.py` scripts through
 it; with `-m`/`--module`, `--no-python` or `--run-path` the user's command runs as given (decorate
 your own entry point with `torch.distributed.elastic.multiprocessing.errors.record` for the same
-report).
+report). The script never outlives its launcher by more than a few seconds, even hung in a collective
+(launch/worker.py `exit_when_orphaned`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import runpy
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+from dptrain.launch.worker import exit_when_orphaned
 
 
 class ScriptErrorHandler(ErrorHandler):
@@ -39,6 +42,7 @@ def main() -> None:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]  # the script sees exactly what `python SCRIPT ARGS` gives it
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    exit_when_orphaned()  # the script ends a few seconds after its launcher at most, even hung in a collective
 
     def run() -> None:
         runpy.run_path(script, run_name="__main__")

@@ -27,6 +27,7 @@ from dptrain.config.resolve import parse_endpoint
 from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, final_status, read_exit_marks
 from dptrain.launch.culprit import name_root_cause
 from dptrain.launch.interrupts import EARLY, CtrlC, last_saved, workers_start_with_sigint_blocked
+from dptrain.launch.rdzv_probe import SilentStoreWatch
 from dptrain.launch.warm import WarmServer, client_command
 
 EXIT_RENDEZVOUS = 2
@@ -129,6 +130,11 @@ def run_torchrun(
     interrupts = CtrlC(ckpt_root)
     waiting = (NodeWait(launch_cfg, abandon=abandon, ignore={server.pid} if server else set())
                if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None)
+    probe = (SilentStoreWatch(args.rdzv_endpoint, conf=args.rdzv_conf, abandon=abandon,
+                              setting="launch.rdzv_endpoint" if launch_cfg is not None else "--rdzv-endpoint",
+                              holder=functools.partial(port_holder, any_program=True),
+                              ignore={server.pid} if server else set())
+             if args.rdzv_backend == "c10d" and args.rdzv_endpoint and not args.standalone else None)
     try:
         with workers_start_with_sigint_blocked(interrupts) if own_workers else contextlib.nullcontext():
             run(args)
@@ -184,6 +190,8 @@ def run_torchrun(
         interrupts.restore()
         if waiting is not None:
             waiting.stop()
+        if probe is not None:
+            probe.stop()
         if server is not None:
             server.stop()
         shutil.rmtree(marks_dir, ignore_errors=True)
@@ -250,10 +258,11 @@ def join_timeout_s(cfg: LaunchConfig | None) -> int:
     return parse_rdzv_conf(cfg.rdzv_conf).get("join_timeout", TORCH_JOIN_TIMEOUT_S)
 
 
-def port_holder(endpoint: str) -> str | None:
+def port_holder(endpoint: str, *, any_program: bool = False) -> str | None:
     """Who listens on the endpoint's port on this machine when it is not this process (a program
     that is not torchrun's store), as 'pid N (command)'; None when nobody or this process does, or
-    when the host is not this machine."""
+    when the host is not this machine. A dptrain or torchrun launcher counts as a store unless
+    `any_program` (the endpoint was seen not to answer as one)."""
     import psutil
 
     host, port = parse_endpoint(endpoint)
@@ -280,7 +289,7 @@ def port_holder(endpoint: str) -> str | None:
             cmd = " ".join(psutil.Process(c.pid).cmdline()) or psutil.Process(c.pid).name()
         except psutil.Error:
             cmd = "?"
-        if "dptrain" in cmd or "torch.distributed.run" in cmd or "torchrun" in cmd:
+        if not any_program and ("dptrain" in cmd or "torch.distributed.run" in cmd or "torchrun" in cmd):
             return None  # another node's launcher on this machine: a real store
         return f"pid {c.pid} ({' '.join(cmd.split())[:120]})"
     if not listeners:  # bound without listening (connections are refused): our own bind tells

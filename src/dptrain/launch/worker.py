@@ -13,11 +13,13 @@ with one line instead of a traceback when this rank only lost a peer (the rank t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -41,6 +43,11 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 """How gloo says that another rank's process is gone (the survivors' collectives fail with it)."""
 LAUNCHER_PID = "DPTRAIN_LAUNCHER_PID"
 """Set by the launcher (launch/torchrun.py) for its workers: the process whose death they must follow."""
+ORPHAN_STUCK_S = 2.0
+"""How long a user's script (`dptrain launch`) whose launcher is gone may stay at one point of its code (a
+collective that can no longer complete) before it ends itself."""
+ORPHAN_MAX_S = 10.0
+"""The most such a script outlives its launcher while it still moves (a SIGTERM handler saving its last step)."""
 
 
 def die_with_launcher() -> None:
@@ -59,6 +66,53 @@ def die_with_launcher() -> None:
     if os.getppid() != int(expected):  # the launcher is already gone: nobody would watch this worker
         os.write(2, b"dptrain: the launcher is gone before this worker started; exiting\n")
         os._exit(EXIT_PREEMPTED)
+
+
+def exit_when_orphaned(*, stuck_s: float = ORPHAN_STUCK_S, max_s: float = ORPHAN_MAX_S,
+                       poll_s: float = 0.25) -> threading.Thread | None:
+    """A user's script under `dptrain launch` never outlives its launcher by more than a few seconds: the
+    parent-death signal (SIGTERM, as `die_with_launcher`) ends a script that keeps SIGTERM's default at once, and a
+    daemon thread ends one whose handler cannot run or does not finish (the main thread blocked in a collective
+    that will never complete): once the launcher is gone, when the main thread has stayed at one point of its code
+    for `stuck_s`, or has kept moving for `max_s`, the process exits (143) with one line saying where it stood. The
+    thread (None without a dptrain launcher) polls os.getppid(), which works while the main thread holds no GIL
+    in a collective."""
+    expected = os.environ.get(LAUNCHER_PID)
+    if expected is None or not expected.isdigit():
+        return None
+    die_with_launcher()
+    watch = threading.Thread(target=_follow, args=(int(expected), stuck_s, max_s, poll_s), daemon=True,
+                             name="dptrain-launcher-watch")
+    watch.start()
+    return watch
+
+
+def _follow(launcher: int, stuck_s: float, max_s: float, poll_s: float) -> None:
+    while os.getppid() == launcher:
+        time.sleep(poll_s)
+    gone = moved = time.monotonic()
+    where = _main_position()
+    while True:
+        time.sleep(poll_s)
+        now, here = time.monotonic(), _main_position()
+        if here != where:
+            where, moved = here, now
+        if now - moved >= stuck_s or now - gone >= max_s:
+            break
+    why = (f"stuck at {where[0]}:{where[1]} for {now - moved:.0f}s" if now - moved >= stuck_s
+           else f"still running {max_s:.0f}s later")
+    with contextlib.suppress(OSError):  # the launcher's end of a pipe may be gone with it
+        os.write(2, f"dptrain: rank {os.environ.get('RANK', '?')}: the launcher (pid {launcher}) is gone and this "
+                    f"worker is {why}; exiting\n".encode())
+    os._exit(EXIT_PREEMPTED)
+
+
+def _main_position() -> tuple[str, int, int]:
+    """Where the main thread is: file, line and instruction of its innermost frame (('?', 0, 0) when it ended)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    if frame is None:
+        return ("?", 0, 0)
+    return (frame.f_code.co_filename, frame.f_lineno or 0, frame.f_lasti)
 
 
 def main(argv: list[str] | None = None, *, keep: list | None = None) -> int:
@@ -131,6 +185,11 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
             print(f"dptrain: stopped: {e}; recorded in {run_dir / 'diagnostics.jsonl'}", file=sys.stderr)
         return final(EXIT_NONFINITE, "non-finite policy", detail=str(run_dir / "diagnostics.jsonl"))
     except Exception as e:
+        full = trainer.ckpt.disk_full_line(e)
+        if full is not None:  # a record (metrics, config.yaml, final weights) did not fit: one line, exit 2
+            trainer.ckpt.record_error(traceback.format_exc())
+            print(f"dptrain: error: rank {trainer.env.rank}: {full}", file=sys.stderr, flush=True)
+            return final(2, "disk full")
         if peer_lost(e):  # another rank died (its own failure is the root cause): one line, not a traceback
             line = f"{type(e).__name__}: {first_line(e)}"
             trainer.ckpt.record_error(f"lost a peer rank: {line}")

@@ -61,9 +61,20 @@ class Tee:
         with self._lock:
             lines = self._cleaner.feed(text)
             if lines and not self._log.closed:
-                self._log.write("".join(line.rstrip() + "\n" for line in lines))
-                self._log.flush()
+                self._copy("".join(line.rstrip() + "\n" for line in lines))
         return n
+
+    def _copy(self, text: str) -> None:
+        """Append to the log; when it cannot be written (a full disk), say so once on the console and stop copying:
+        the console itself never fails for the copy."""
+        try:
+            self._log.write(text)
+            self._log.flush()
+        except OSError as e:
+            with contextlib.suppress(OSError, ValueError):
+                self._log.close()  # closed: no further copy is tried (the buffered rest is lost with it)
+            self._stream.write(f"dptrain: warning: {self._log.name} could not be written ({e.strerror or e}): the "
+                               "console is no longer copied there\n")
 
     def flush(self) -> None:
         self._stream.flush()
@@ -72,8 +83,7 @@ class Tee:
         with self._lock:
             rest = self._cleaner.flush()
             if rest and not self._log.closed:
-                self._log.write(rest[0].rstrip() + "\n")
-                self._log.flush()
+                self._copy(rest[0].rstrip() + "\n")
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the console's
         return getattr(self._stream, name)
@@ -88,13 +98,14 @@ def console_log(run_dir: Path) -> Any:
         return
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
-    with open(Path(run_dir) / NAME, "a", encoding="utf-8", errors="replace") as log:
+    log = open(Path(run_dir) / NAME, "a", encoding="utf-8", errors="replace")  # noqa: SIM115 (closed below)
+    with contextlib.closing(_QuietClose(log)):
         out, err = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = Tee(out, log, lock), Tee(err, log, lock)
         try:
             yield
         except Exception:  # Python prints it after the block, to the console only: keep it in the file too
-            with lock:
+            with lock, contextlib.suppress(OSError, ValueError):
                 log.write(_ANSI.sub("", traceback.format_exc()))
             raise
         finally:
@@ -102,3 +113,14 @@ def console_log(run_dir: Path) -> Any:
                 if isinstance(tee, Tee):
                     tee.finish()
             sys.stdout, sys.stderr = out, err
+
+
+class _QuietClose:
+    """Closes the log at the end; data it could not flush (a full disk) is dropped without an error."""
+
+    def __init__(self, log: TextIO) -> None:
+        self.log = log
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.log.close()

@@ -42,6 +42,7 @@ class Desync:
     summary: str
     details: list[str] = field(default_factory=list)
     key: tuple[str, int] = ("", 0)  # (group, sequence number) of the divergence
+    found_by: str = ""  # how it was found, when not by a rank that waited (the check mode)
 
 
 def _calls(snaps: dict[int, dict[str, Any]]) -> dict[int, list[Call]]:
@@ -66,7 +67,7 @@ def describe_position(s: dict[str, Any]) -> str:
     blocked = s.get("blocked_in")
     how = ("in backward: gradient reduction, e.g. DDP's" if blocked == "backward"
            else f"in {blocked}" if blocked else "not in a collective")
-    phase = f", phase {s['phase']}" if s.get("phase") else ""
+    phase = f", phase {s['phase']}" if s.get("phase") and s.get("step") else ""  # step 0: no heartbeats
     label = f", last dptrain collective: {s['label']}" if s.get("label") else ""
     return f"{s.get('site') or s.get('where') or '?'} ({how}{phase}{label})"
 

@@ -45,6 +45,7 @@ class DesyncWatch:
         self._warned: set[str] = set()
         self._check_step, self._checked_step, self._check_published = 0, 0, 0
         self.last: Desync | None = None  # the last finding, certain or not
+        self.waited = ""  # what this rank waited in when it last compared ("barrier #9, waiting 5.2s")
 
     # ------------------------------------------------------------------ training thread
     def request_check(self, step: int) -> None:
@@ -65,7 +66,7 @@ class DesyncWatch:
                 number = self.store.add(_REQUEST, 1)
                 self._publish(_RING, number)
                 self._answered = max(self._answered, number)
-                self._asked = (number, now, f"{describe_call(oldest)}, waiting {oldest.age_s:.1f}s")
+                self._asked = (number, now, f"{describe_call(oldest)} for {oldest.age_s:.1f}s")
         found = self._verdict(now) if self._asked is not None else None
         if self._check_step > self._checked_step:
             found = found or self._check()
@@ -92,7 +93,7 @@ class DesyncWatch:
         snaps = self._gather(_RING, number)
         if len(snaps) < self.world_size and now - since < 3.0:
             return None  # the others answer at their next tick; a dead or frozen rank never does
-        self._asked, self._next_ask = None, now + self.wait_s
+        self._asked, self._next_ask, self.waited = None, now + self.wait_s, waits_in
         found = find_desync(snaps, wait_s=self.wait_s)
         missing = sorted(set(range(self.world_size)) - set(snaps))
         if found is None and missing:
@@ -123,7 +124,7 @@ class DesyncWatch:
         self._checked_step = step
         found = find_desync(snaps, wait_s=float("inf"))  # mismatches only: nothing has to wait here
         if found is not None:
-            found.summary += f" (found by the check at step {step}, diagnostics.collective_check_every_steps)"
+            found.found_by = f"the collective check at step {step} (diagnostics.collective_check_every_steps)"
             self.last = found
         return found
 

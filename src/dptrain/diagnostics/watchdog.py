@@ -181,10 +181,10 @@ class Watchdog:
                 elif time.monotonic() - self._last_progress > self.timeout_s:
                     self._on_hang(reporter=self.store.add(_FLAG, 1) == 1)
                 elif self.desync is not None and (found := self.desync.tick()) is not None:
-                    self.store.set(_REASON, f"collective desync ({found.kind}) found by rank {self.rank}, "
-                                            f"{time.monotonic() - self._last_progress:.1f}s after its last progress "
-                                            f"(diagnostics.desync_after_s={self.desync_after_s:g}; the job does not "
+                    by = found.found_by or (f"rank {self.rank}, waiting in {self.desync.waited} "
+                                            f"(diagnostics.desync_after_s={self.desync_after_s:g}: the job does not "
                                             "wait for hang_timeout_s when the ranks' collectives disagree)")
+                    self.store.set(_REASON, f"collective desync ({found.kind}) found by {by}")
                     self._on_hang(reporter=self.store.add(_FLAG, 1) == 1)
         except Exception as e:  # noqa: BLE001 - any failure ends hang detection on this rank: report it
             if not self._stop.is_set():  # after stop(): the job is ending, the store may be gone
@@ -216,18 +216,20 @@ class Watchdog:
             if self.run_dir is not None:
                 (self.run_dir / "hang_report.txt").write_text(report)
             print(report, file=sys.stderr, flush=True)
-            self.store.set(_DONE, str(self.rank))
             self._kill_frozen(beats)
-            # the others leave at their next look at _DONE: leaving after them spares their main threads the
-            # "connection closed by peer" a collective raises when this process goes first (a victim's traceback)
-            time.sleep(self.interval_s)
+            self._silence()
+            self.store.set(_DONE, str(self.rank))
         else:
+            self._silence()
             while time.monotonic() < deadline and not self.store.check([_DONE]):
-                time.sleep(self.interval_s / 2)
-        sys.stdout.flush()
+                time.sleep(0.05)
         detail = str(self.run_dir / "hang_report.txt") if self.run_dir is not None else "the report above"
         mark_exit(EXIT_HANG, "hang watchdog", detail=detail)  # for the launcher
         self._on_exit(EXIT_HANG)
+
+    def _silence(self) -> None:
+        if self._on_exit is os._exit:  # not in a test that keeps the process
+            _silence_main_thread()
 
     def _desync_of(self, beats: dict[int, dict[str, Any] | None]) -> Desync | None:
         """The ring comparison of the ranks that answered (their records carry their rings)."""
@@ -260,6 +262,20 @@ class Watchdog:
                     beats[r] = {**json.loads(self.store.get(key)), "answered": answered}
                     break
         return beats
+
+
+def _silence_main_thread() -> None:
+    """This process ends in a moment, and so do its peers: its main thread, blocked in a collective, may see a
+    peer go first and raise "connection closed by peer" before `os._exit` runs. That traceback (on the console and in
+    torchelastic's error file, where torchrun's report would take it for the cause) is noise after the report:
+    stderr goes to /dev/null and the error file's variable is dropped, once this rank's own lines are out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.environ.pop("TORCHELASTIC_ERROR_FILE", None)
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
 
 
 def _describe(b: dict[str, Any]) -> str:

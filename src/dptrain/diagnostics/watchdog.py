@@ -221,8 +221,9 @@ class Watchdog:
             self.store.set(_DONE, str(self.rank))
         else:
             self._silence()
-            while time.monotonic() < deadline and not self.store.check([_DONE]):
-                time.sleep(0.05)
+            with contextlib.suppress(Exception):  # the store's host (rank 0, the reporter) left: the report is out
+                while time.monotonic() < deadline and not self.store.check([_DONE]):
+                    time.sleep(0.05)
         detail = str(self.run_dir / "hang_report.txt") if self.run_dir is not None else "the report above"
         mark_exit(EXIT_HANG, "hang watchdog", detail=detail)  # for the launcher
         self._on_exit(EXIT_HANG)
@@ -291,8 +292,10 @@ def hang_report(beats: dict[int, dict[str, Any] | None], *, timeout_s: float, re
     the report came (default: no progress for timeout_s); `desync`: where the collective rings diverge, which
     then names the suspects (a rank that did not answer is still named first)."""
     suspects, why = find_suspects(beats)
-    if desync is not None and (not suspects or "did not answer" not in why):
+    if desync is not None and desync.certain and "did not answer" not in why:
         suspects, why = desync.ranks, f"collective desync: {desync.summary}"
+    elif desync is not None:  # a rank outside the collective the others wait in: their positions agree on it
+        suspects, why = suspects or desync.ranks, f"{why}. Collectives: {desync.summary}"
     named = ", ".join(f"rank {r}" + (f" ({b['host']}, pid {b['pid']})" if (b := beats[r]) else "") for r in suspects)
     lines = [
         "dptrain hang report",

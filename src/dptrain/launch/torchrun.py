@@ -166,7 +166,8 @@ def run_torchrun(
         if EXIT_NONFINITE in codes and codes <= {EXIT_NONFINITE, -signal.SIGTERM, EXIT_PREEMPTED}:
             return EXIT_NONFINITE  # diagnostics.nonfinite stopped every rank; rank 0 said why (one line, above)
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
-        if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL}:  # a frozen rank is SIGKILLed by the watchdog
+        # a frozen rank is SIGKILLed by the watchdog; torchrun SIGTERMs ranks still leaving when the first exits
+        if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL, -signal.SIGTERM}:
             report = next((m["detail"] for m in marks.values() if m.get("code") == EXIT_HANG and m.get("detail")),
                           "hang_report.txt in the run directory")
             print(f"dptrain: stopped by the hang watchdog: {failures}; see {report}", file=sys.stderr)

@@ -53,7 +53,8 @@ class LoopMonitor:
     def __init__(
         self, out_dir: str | os.PathLike[str], *, hang_timeout_s: float | None = None, log_every_steps: int = 10,
         loader: EpochLoader | None = None, optimizer: torch.optim.Optimizer | None = None,
-        model: nn.Module | None = None, drift_every_steps: int = 0,
+        model: nn.Module | None = None, drift_every_steps: int = 0, desync_after_s: float = 5.0,
+        collective_check_every_steps: int = 0,
     ) -> None:
         if not dist.is_initialized():
             raise ConfigError("dptrain.monitor needs the process group: call dptrain.init_distributed() first")
@@ -63,7 +64,9 @@ class LoopMonitor:
             raise ConfigError("monitor(drift_every_steps=...) compares the model's replicas: pass model=")
         pg_timeout = process_group_timeout()
         cfg = DiagnosticsConfig(hang_timeout_s=hang_timeout_s, preflight=False, straggler_every_steps=0,
-                                drift_every_steps=drift_every_steps, memory_every_steps=0)
+                                drift_every_steps=drift_every_steps, memory_every_steps=0,
+                                desync_after_s=desync_after_s,
+                                collective_check_every_steps=collective_check_every_steps)
         try:
             validate_diagnostics(cfg, pg_timeout_s=pg_timeout)
         except ConfigError as e:
@@ -155,10 +158,13 @@ class LoopMonitor:
 def monitor(
     out_dir: str | os.PathLike[str], *, hang_timeout_s: float | None = None, log_every_steps: int = 10,
     loader: EpochLoader | None = None, optimizer: torch.optim.Optimizer | None = None, model: nn.Module | None = None,
-    drift_every_steps: int = 0,
+    drift_every_steps: int = 0, desync_after_s: float = 5.0, collective_check_every_steps: int = 0,
 ) -> LoopMonitor:
     """Arm the hang watchdog and open metrics.jsonl for an own loop (after `init_distributed`, on every rank).
     `hang_timeout_s`: seconds without progress before the report (default min(300, half the process-group
-    timeout); 0: no watchdog). `drift_every_steps`: compare `model`'s replicas every N steps (0: off)."""
+    timeout); 0: no watchdog). `drift_every_steps`: compare `model`'s replicas every N steps (0: off).
+    `desync_after_s`, `collective_check_every_steps`: as diagnostics.* of `dptrain run` (a collective that waited
+    this long while the ranks' collectives disagree ends the job at once; compare them every N steps)."""
     return LoopMonitor(out_dir, hang_timeout_s=hang_timeout_s, log_every_steps=log_every_steps, loader=loader,
-                       optimizer=optimizer, model=model, drift_every_steps=drift_every_steps)
+                       optimizer=optimizer, model=model, drift_every_steps=drift_every_steps,
+                       desync_after_s=desync_after_s, collective_check_every_steps=collective_check_every_steps)

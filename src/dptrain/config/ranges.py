@@ -123,6 +123,8 @@ RANGES: dict[str, dict[str, Range]] = {
     },
     "diagnostics": {
         "hang_timeout_s": Range(float, 0, _YEAR_S, optional=True, note="seconds; 0 turns the watchdog off"),
+        "desync_after_s": Range(float, 0, _YEAR_S, note="seconds; 0 turns the fast desync verdict off"),
+        "collective_check_every_steps": Range(int, 0, note="0 turns it off"),
         "straggler_every_steps": Range(int, 0, note="0 turns it off"),
         "drift_every_steps": Range(int, 0, note="0 turns it off"),
         "memory_every_steps": Range(int, 0, note="0 turns it off"),

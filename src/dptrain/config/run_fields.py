@@ -88,6 +88,17 @@ class DiagnosticsConfig:
     hang_timeout_s: float | None = None
     """Seconds without progress before the watchdog writes every rank's stack, names the suspect rank(s) and ends the
     job (0: off; default: min(300, parallel.timeout_s / 2)). Must be below parallel.timeout_s."""
+    desync_after_s: float = 5.0
+    """A rank that has waited this many seconds in a collective compares every rank's recent collectives (torch's
+    flight recorder, on by default in dptrain's workers: TORCH_FR_BUFFER_SIZE). When they certainly disagree (another
+    op, shape or dtype at the same collective, or ranks blocked in collectives the others have not called), the
+    watchdog ends the job at once with hang_report.txt naming the ranks, ops and lines; when a rank is merely outside
+    the collective the others wait in, it prints a warning naming that rank and its line, and the job ends only at
+    hang_timeout_s. 0: off (the hang report still compares the rings)."""
+    collective_check_every_steps: int = 0
+    """Compare every rank's recent collectives (op, shapes, dtypes per group and sequence number) every N steps,
+    through the job's store, without waiting for a hang: catches a collective called with different shapes that
+    completed anyway (gloo's broadcast does). A mismatch ends the job with the report. 0: off."""
     check_collectives: bool = False
     """Check that every rank calls the same collective with the same shapes (TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for
     debugging; not with ddp/zero1, whose constructor crashes under it)."""

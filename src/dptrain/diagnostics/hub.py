@@ -33,13 +33,11 @@ from dptrain.diagnostics.nonfinite import NonFiniteGuard
 from dptrain.diagnostics.preflight import run_preflight
 from dptrain.diagnostics.profiler import StepProfiler
 from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, find_stragglers, gather_rows
-from dptrain.diagnostics.watchdog import Watchdog
+from dptrain.diagnostics.watchdog import Watchdog, job_store
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.metrics import strict_json
 from dptrain.parallel import is_sharded, unwrap
-
-STORE_PREFIX = "dptrain/diag/"
 
 
 def apply_collective_checks(cfg: DiagnosticsConfig) -> None:
@@ -53,10 +51,7 @@ def apply_collective_checks(cfg: DiagnosticsConfig) -> None:
 
 
 def _default_store() -> Any:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return dist.PrefixStore(STORE_PREFIX, _get_default_store())
+    return job_store()
 
 
 class Diagnostics:
@@ -125,7 +120,7 @@ class Diagnostics:
         if self.hang_timeout_s > 0:
             self.watchdog = Watchdog(timeout_s=self.hang_timeout_s, store=_default_store(), rank=self.env.rank,
                                      world_size=self.env.world_size, run_dir=self.run_dir,
-                                     on_death=self._watchdog_died)
+                                     on_death=self._watchdog_died, desync_after_s=cfg.desync_after_s)
             self.watchdog.start()
 
     def close(self) -> None:
@@ -206,6 +201,9 @@ class Diagnostics:
             self._check_memory(step)
         if self.profiler is not None:
             self.profiler.step_done(step)
+        every = self.cfg.collective_check_every_steps
+        if every and step % every == 0 and self.watchdog is not None and self.watchdog.desync is not None:
+            self.watchdog.desync.request_check(step)  # the watchdog thread publishes and compares the rings
         self.step = step + 1
 
     def _check_memory(self, step: int) -> None:

@@ -20,59 +20,33 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-import traceback
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from dptrain.diagnostics.collective_ring import format_stacks, snapshot
+from dptrain.diagnostics.desync import Desync, find_desync
+from dptrain.diagnostics.desync_watch import DesyncWatch
 from dptrain.distributed.exit_marks import mark_exit
 
 EXIT_HANG = 3
 """Exit code of every rank after a hang report."""
 
-_FLAG, _DONE = "hang", "hang_reported"
-# Where a rank blocked in a collective waits: c10d calls, FSDP/DDP hooks, the autograd engine
-# (DDP reduces gradients inside backward). The innermost Python frame of such a rank is in one.
-_WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/")
-
-
-def main_thread_position() -> tuple[str, bool]:
-    """("file:line in function" of the main thread's innermost Python frame, whether it is in torch's
-    distributed or autograd code, i.e. most likely waiting for other ranks)."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    if frame is None:
-        return "?", False
-    code = frame.f_code
-    path = code.co_filename.replace("\\", "/")
-    # A DTensor (tensor-parallel) collective waits in torch's op dispatcher (torch/_ops.py), called
-    # from torch/distributed's functional collectives: judge by the first frame outside the dispatcher.
-    caller: types.FrameType | None = frame
-    caller_path = path
-    while caller is not None and caller_path.endswith("torch/_ops.py"):
-        caller = caller.f_back
-        caller_path = caller.f_code.co_filename.replace("\\", "/") if caller is not None else ""
-    return f"{path}:{frame.f_lineno} in {code.co_name}", any(part in caller_path for part in _WAITING_IN)
-
-
-def format_stacks(*, skip_ident: int | None = None) -> str:
-    """The Python stack of every thread in this process, the main thread first."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    main = threading.main_thread().ident
-    frames = sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main)
-    parts = []
-    for ident, frame in frames:
-        if ident == skip_ident:
-            continue
-        parts.append(f"Thread {names.get(ident, '?')} ({ident}), most recent call last:\n")
-        parts.append("".join(traceback.format_stack(frame)))
-    return "".join(parts)
+STORE_PREFIX = "dptrain/diag/"
+_FLAG, _DONE, _REASON = "hang", "hang_reported", "hang_reason"
+_ACTIVE: list[Watchdog] = []  # the watchdogs running in this process (a yielding one steps aside for the others)
+def job_store() -> Any:
+    """The job's store (torch.distributed's default store: torchrun's TCPStore) under the watchdog's prefix."""
+    return dist.PrefixStore(STORE_PREFIX, dist.distributed_c10d._get_default_store())
 
 
 def find_suspects(beats: dict[int, dict[str, Any] | None]) -> tuple[list[int], str]:
@@ -96,6 +70,11 @@ def find_suspects(beats: dict[int, dict[str, Any] | None]) -> tuple[list[int], s
         if 0 < len(outside) < len(pos):
             return outside, ("at the same step and phase as the others but not inside torch.distributed or "
                              "autograd, where the others wait for it")
+        places = {b.get("where") for b in beats.values() if b is not None}
+        if len(places) > 1 and all(b is not None and b.get("in_collective") for b in beats.values()):
+            return [], ("every rank waits inside torch.distributed or autograd, but at different lines: different "
+                        "collectives on different ranks (a collective one rank skipped or called in another order; "
+                        "the table shows each rank's line)")
         return [], ("all ranks are at the same point: the hang is inside that operation or the backend "
                     "(compare the stacks; a collective called with different arguments?)")
     (common, n), = counts.most_common(1)
@@ -112,6 +91,10 @@ class Watchdog:
     set, add, check, get after check). `on_exit` replaces `os._exit` in tests. `on_death(error)` is
     called from the watchdog thread if its loop fails (the store went away, a bug): from then on this
     rank has no hang detection, and the caller should say so loudly (the hub does).
+    `desync_after_s`: a rank waiting this long in a collective compares the ranks' collective rings
+    (diagnostics/desync_watch.py); a certain desync ends the job at once, with the report (0: off).
+    `timeout_s=inf`: no progress timeout, only the desync verdict (the `dptrain launch` shim). `run_dir=None`:
+    the report is printed, no file written. `yielding`: idle while another watchdog runs in this process.
     """
 
     def __init__(
@@ -121,15 +104,23 @@ class Watchdog:
         store: Any,
         rank: int,
         world_size: int,
-        run_dir: Path,
+        run_dir: Path | None,
         interval_s: float | None = None,
         on_exit: Callable[[int], None] = os._exit,
         on_death: Callable[[BaseException], None] | None = None,
+        desync_after_s: float = 0.0,
+        yielding: bool = False,
     ) -> None:
         self.timeout_s = timeout_s
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.run_dir = Path(run_dir)
-        self.interval_s = interval_s or min(1.0, max(0.05, timeout_s / 10))
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.interval_s = interval_s or min(1.0, max(0.05, timeout_s / 10), desync_after_s / 10 or 1.0)
+        self.desync_after_s, self.yielding = desync_after_s, yielding
+        later = (f"if it never does, the watchdog ends the job after diagnostics.hang_timeout_s={timeout_s:g}s"
+                 if math.isfinite(timeout_s) else "dptrain does not end the job for this")
+        self.desync = (DesyncWatch(store=store, rank=rank, world_size=world_size, wait_s=desync_after_s,
+                                   heartbeat=self.heartbeat, later=later)
+                       if world_size > 1 else None)  # wait_s=0: only the hang report and the check mode compare
         self._on_exit = on_exit
         self._on_death = on_death or self._print_death
         self._stop = threading.Event()
@@ -155,13 +146,17 @@ class Watchdog:
         self._last_progress = time.monotonic()
         # Publish once from this thread: a rank that freezes (holding the GIL) before its watchdog
         # thread first runs is still known by host and pid, so the report can name and end it.
-        self.store.set(f"hb/{self.rank}", json.dumps(self.heartbeat()))
-        self._published = self._progress
+        if not self.yielding:
+            self.store.set(f"hb/{self.rank}", json.dumps(self.heartbeat()))
+            self._published = self._progress
+        _ACTIVE.append(self)
         self._thread = threading.Thread(target=self._run, name="dptrain-watchdog", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        with contextlib.suppress(ValueError):
+            _ACTIVE.remove(self)
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval_s + 1)
             self._thread = None
@@ -176,12 +171,20 @@ class Watchdog:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.interval_s):
+                if self.yielding and any(w is not self for w in _ACTIVE):
+                    continue  # dptrain.monitor's watchdog runs in this process: it does this job
                 if self._progress != self._published:
                     self._published = self._progress
                     self.store.set(f"hb/{self.rank}", json.dumps(self.heartbeat()))
                 if self.store.add(_FLAG, 0) > 0:
                     self._on_hang(reporter=False)
                 elif time.monotonic() - self._last_progress > self.timeout_s:
+                    self._on_hang(reporter=self.store.add(_FLAG, 1) == 1)
+                elif self.desync is not None and (found := self.desync.tick()) is not None:
+                    by = found.found_by or (f"rank {self.rank}, waiting in {self.desync.waited} "
+                                            f"(diagnostics.desync_after_s={self.desync_after_s:g}: the job does not "
+                                            "wait for hang_timeout_s when the ranks' collectives disagree)")
+                    self.store.set(_REASON, f"collective desync ({found.kind}) found by {by}")
                     self._on_hang(reporter=self.store.add(_FLAG, 1) == 1)
         except Exception as e:  # noqa: BLE001 - any failure ends hang detection on this rank: report it
             if not self._stop.is_set():  # after stop(): the job is ending, the store may be gone
@@ -192,29 +195,50 @@ class Watchdog:
               "no hang detection on this rank from now on", file=sys.stderr, flush=True)
 
     def _on_hang(self, *, reporter: bool) -> None:
-        where, in_collective = main_thread_position()
-        record = {**self.heartbeat(), "where": where, "in_collective": in_collective}
+        heartbeat = self.heartbeat()
+        record = {**heartbeat, **snapshot(rank=self.rank, heartbeat=heartbeat)}
         stacks = format_stacks(skip_ident=threading.get_ident())
-        path = self.run_dir / "stacks" / f"rank{self.rank}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(_describe(record) + "\n\n" + stacks)
+        written = ""
+        if self.run_dir is not None:
+            path = self.run_dir / "stacks" / f"rank{self.rank}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(_describe(record) + "\n\n" + stacks)
+            written = f"; stacks written to {path}"
         self.store.set(f"stack/{self.rank}", json.dumps({**record, "stacks": stacks}))
-        print(f"dptrain watchdog: rank {self.rank} ({self.host}): {_describe(record)}; stacks written to {path}",
+        print(f"dptrain watchdog: rank {self.rank} ({self.host}): {_describe(record)}{written}",
               file=sys.stderr, flush=True)
         deadline = time.monotonic() + 3 * self.interval_s + 3.0
         if reporter:
             beats = self._collect(deadline)
-            report = hang_report(beats, timeout_s=self.timeout_s, reporter=self.rank, run_dir=self.run_dir)
-            (self.run_dir / "hang_report.txt").write_text(report)
+            reason = self.store.get(_REASON).decode() if self.store.check([_REASON]) else None
+            report = hang_report(beats, timeout_s=self.timeout_s, reporter=self.rank, run_dir=self.run_dir,
+                                 reason=reason, desync=self._desync_of(beats))
+            if self.run_dir is not None:
+                (self.run_dir / "hang_report.txt").write_text(report)
             print(report, file=sys.stderr, flush=True)
-            self.store.set(_DONE, str(self.rank))
             self._kill_frozen(beats)
+            self._silence()
+            self.store.set(_DONE, str(self.rank))
         else:
-            while time.monotonic() < deadline and not self.store.check([_DONE]):
-                time.sleep(self.interval_s / 2)
-        sys.stdout.flush()
-        mark_exit(EXIT_HANG, "hang watchdog", detail=str(self.run_dir / "hang_report.txt"))  # for the launcher
+            self._silence()
+            with contextlib.suppress(Exception):  # the store's host (rank 0, the reporter) left: the report is out
+                while time.monotonic() < deadline and not self.store.check([_DONE]):
+                    time.sleep(0.05)
+        detail = str(self.run_dir / "hang_report.txt") if self.run_dir is not None else "the report above"
+        mark_exit(EXIT_HANG, "hang watchdog", detail=detail)  # for the launcher
         self._on_exit(EXIT_HANG)
+
+    def _silence(self) -> None:
+        if self._on_exit is os._exit:  # not in a test that keeps the process
+            _silence_main_thread()
+
+    def _desync_of(self, beats: dict[int, dict[str, Any] | None]) -> Desync | None:
+        """The ring comparison of the ranks that answered (their records carry their rings)."""
+        snaps = {r: b for r, b in beats.items() if b is not None and b.get("answered") and "ring" in b}
+        found = find_desync(snaps, wait_s=min(self.desync_after_s or 5.0, self.timeout_s))
+        if found is None and self.desync is not None and self.desync.last is not None and self.desync.last.certain:
+            found = self.desync.last  # a mismatch the check mode found in a window the rings no longer hold
+        return found
 
     def _kill_frozen(self, beats: dict[int, dict[str, Any] | None]) -> None:
         """SIGKILL ranks on this host that never answered the alarm: they are frozen holding the GIL,
@@ -241,19 +265,42 @@ class Watchdog:
         return beats
 
 
+def _silence_main_thread() -> None:
+    """This process ends in a moment, and so do its peers: its main thread, blocked in a collective, may see a
+    peer go first and raise "connection closed by peer" before `os._exit` runs. That traceback (on the console and in
+    torchelastic's error file, where torchrun's report would take it for the cause) is noise after the report:
+    stderr goes to /dev/null and the error file's variable is dropped, once this rank's own lines are out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.environ.pop("TORCHELASTIC_ERROR_FILE", None)
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+
 def _describe(b: dict[str, Any]) -> str:
+    if b.get("phase") == "setup" and not b.get("step"):  # no heartbeats (the `dptrain launch` shim's watchdog)
+        return f"main thread at {b.get('site') or b.get('where') or '?'}"
     coll = f", last collective: {b['collective']}" if b.get("collective") else ""
     return f"no progress for {b['idle_s']:.1f}s at step {b['step']}, phase {b['phase']}{coll}"
 
 
-def hang_report(beats: dict[int, dict[str, Any] | None], *, timeout_s: float, reporter: int, run_dir: Path) -> str:
-    """The text of `hang_report.txt`: suspects, a table of every rank's position, suspects' stacks."""
+def hang_report(beats: dict[int, dict[str, Any] | None], *, timeout_s: float, reporter: int, run_dir: Path | None,
+                reason: str | None = None, desync: Desync | None = None) -> str:
+    """The text of `hang_report.txt`: suspects, a table of every rank's position, suspects' stacks. `reason`: why
+    the report came (default: no progress for timeout_s); `desync`: where the collective rings diverge, which
+    then names the suspects (a rank that did not answer is still named first)."""
     suspects, why = find_suspects(beats)
+    if desync is not None and desync.certain and "did not answer" not in why:
+        suspects, why = desync.ranks, f"collective desync: {desync.summary}"
+    elif desync is not None:  # a rank outside the collective the others wait in: their positions agree on it
+        suspects, why = suspects or desync.ranks, f"{why}. Collectives: {desync.summary}"
     named = ", ".join(f"rank {r}" + (f" ({b['host']}, pid {b['pid']})" if (b := beats[r]) else "") for r in suspects)
     lines = [
         "dptrain hang report",
-        f"no progress for {timeout_s:g}s (diagnostics.hang_timeout_s); detected by rank {reporter} at "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S')}",
+        f"{reason or f'no progress for {timeout_s:g}s (diagnostics.hang_timeout_s)'}; detected by rank {reporter} "
+        f"at {time.strftime('%Y-%m-%d %H:%M:%S')}",
         f"suspect rank(s): {named or 'none singled out'} -- {why}",
         "",
         f"{'rank':>4}  {'host':<16} {'pid':>7}  {'step':>6}  {'phase':<12} {'idle s':>7}  last collective",
@@ -266,9 +313,13 @@ def hang_report(beats: dict[int, dict[str, Any] | None], *, timeout_s: float, re
                      f"{b['idle_s']:>7.1f}  {b.get('collective') or '-'}")
         if b.get("where"):
             lines.append(f"{'':>6}at {b['where']}")
+    if desync is not None:
+        lines += ["", f"collectives around #{desync.key[1]} (flight recorder ring; main-thread position):",
+                  *(f"  {line}" for line in desync.details)]
     for r in suspects or sorted(beats):
         stack = (beats.get(r) or {}).get("stacks")
         if stack:
             lines += ["", f"===== rank {r} stacks =====", stack.rstrip()]
-    lines += ["", f"stacks of every rank: {run_dir / 'stacks'}/rank<N>.txt", ""]
-    return "\n".join(lines)
+    if run_dir is not None:
+        lines += ["", f"stacks of every rank: {run_dir / 'stacks'}/rank<N>.txt"]
+    return "\n".join([*lines, ""])

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.distributed.env import DistEnv
+from dptrain.distributed.flight_recorder import enable_by_default
 
 
 def bind_device(env: DistEnv, device: str) -> torch.device:
@@ -31,9 +32,11 @@ def bind_device(env: DistEnv, device: str) -> torch.device:
 
 def init_process_group(env: DistEnv, *, backend: str, device: torch.device, timeout_s: float) -> None:
     """Join the job's process group. Without a launcher, make a world of one over an in-memory store
-    so that DDP/FSDP code paths run unchanged in a single process."""
+    so that DDP/FSDP code paths run unchanged in a single process. torch's flight recorder gets dptrain's
+    default ring size first (distributed/flight_recorder.py)."""
     if dist.is_initialized():
         return
+    enable_by_default()  # the collective ring the desync watchdog compares (a small one, unless the user set one)
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     if env.launched:

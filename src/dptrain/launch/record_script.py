@@ -6,16 +6,30 @@ it; with `-m`/`--module`, `--no-python` or `--run-path` the user's command runs 
 your own entry point with `torch.distributed.elastic.multiprocessing.errors.record` for the same
 report). The script never outlives its launcher by more than a few seconds, even hung in a collective
 (launch/worker.py `exit_when_orphaned`).
+
+The shim also starts the collective desync watchdog (`watch_collectives`) once the script has made its
+process group, so that an own loop without `dptrain.monitor` is not silent for the process-group
+timeout when its ranks call different collectives: a certain desync (another op, shape or dtype at the
+same collective; ranks blocked in collectives the others have not called) ends the job within seconds
+with the report on the console (exit 3); a rank merely outside the collective the others wait in gets
+a warning naming it and its line, and the job goes on. It steps aside while `dptrain.monitor` runs
+its own watchdog, which does the same and more.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import runpy
 import sys
+import threading
+import time
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from dptrain.config import DiagnosticsConfig
+from dptrain.diagnostics.watchdog import Watchdog, job_store
 from dptrain.launch.worker import exit_when_orphaned
 
 
@@ -36,6 +50,27 @@ class ScriptErrorHandler(ErrorHandler):
         super().record_exception(e)
 
 
+def watch_collectives(*, poll_s: float = 0.5,
+                      desync_after_s: float = DiagnosticsConfig.desync_after_s) -> threading.Thread:
+    """A daemon thread that waits for the script's process group, then starts a desync-only watchdog on it."""
+
+    def quiet(error: BaseException) -> None:
+        if dist.is_initialized():  # a destroyed group (the script's end) is no news
+            print(f"dptrain: the collective desync watchdog stopped ({type(error).__name__}: {error})",
+                  file=sys.stderr, flush=True)
+
+    def wait_then_watch() -> None:
+        while not dist.is_initialized():
+            time.sleep(poll_s)
+        if dist.get_world_size() > 1:
+            Watchdog(timeout_s=math.inf, store=job_store(), rank=dist.get_rank(), world_size=dist.get_world_size(),
+                     run_dir=None, desync_after_s=desync_after_s, yielding=True, on_death=quiet).start()
+
+    thread = threading.Thread(target=wait_then_watch, name="dptrain-desync-start", daemon=True)
+    thread.start()
+    return thread
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m dptrain.launch.record_script SCRIPT [ARGS]")
@@ -45,6 +80,7 @@ def main() -> None:
     exit_when_orphaned()  # the script ends a few seconds after its launcher at most, even hung in a collective
 
     def run() -> None:
+        watch_collectives()
         runpy.run_path(script, run_name="__main__")
 
     record(run, error_handler=ScriptErrorHandler(script))()

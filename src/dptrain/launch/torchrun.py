@@ -25,6 +25,7 @@ from dptrain.config import ConfigError, LaunchConfig
 from dptrain.config.nodes import max_nodes, node_range, parse_rdzv_conf, rdzv_settings, torchrun_nnodes
 from dptrain.config.resolve import parse_endpoint
 from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, final_status, read_exit_marks
+from dptrain.distributed.flight_recorder import enable_by_default
 from dptrain.launch.culprit import name_root_cause
 from dptrain.launch.interrupts import EARLY, CtrlC, last_saved, workers_start_with_sigint_blocked
 from dptrain.launch.rdzv_probe import SilentStoreWatch
@@ -112,6 +113,7 @@ def run_torchrun(
     if restarts:
         os.environ.update(RESTART_ENV)
     os.environ["DPTRAIN_LAUNCHER_PID"] = str(os.getpid())  # the workers die with this process (launch/worker.py)
+    enable_by_default()  # every worker's collective ring, for the desync watchdog (a small one unless the user set it)
     if "OMP_NUM_THREADS" not in os.environ:
         # torchrun would pin every worker to 1 thread (with a warning); share the cores instead.
         value = option_value(torchrun_options(argv), "--nproc-per-node", "--nproc_per_node")
@@ -170,7 +172,8 @@ def run_torchrun(
         if EXIT_NONFINITE in codes and codes <= {EXIT_NONFINITE, -signal.SIGTERM, EXIT_PREEMPTED}:
             return EXIT_NONFINITE  # diagnostics.nonfinite stopped every rank; rank 0 said why (one line, above)
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
-        if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL}:  # a frozen rank is SIGKILLed by the watchdog
+        # a frozen rank is SIGKILLed by the watchdog; torchrun SIGTERMs ranks still leaving when the first exits
+        if EXIT_HANG in codes and codes <= {EXIT_HANG, -signal.SIGKILL, -signal.SIGTERM}:
             report = next((m["detail"] for m in marks.values() if m.get("code") == EXIT_HANG and m.get("detail")),
                           "hang_report.txt in the run directory")
             print(f"dptrain: stopped by the hang watchdog: {failures}; see {report}", file=sys.stderr)

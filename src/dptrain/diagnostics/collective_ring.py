@@ -1,0 +1,155 @@
+"""What one rank says about its collectives: the flight recorder's ring plus where its main thread is.
+
+The ring (distributed/flight_recorder.py) gives, per collective, the group, its sequence number, the op,
+the shapes and dtypes, and whether it finished. gloo records no Python line, so `snapshot` adds the
+main thread's position, read from its stack (`sys._current_frames`, no cost until asked): the innermost
+line outside torch, and, when that line is dptrain's own, the user's line that called it
+("checkpointer.py:279 in _all_here, called from train.py:40"); plus the c10d function it waits in
+(`barrier`, `monitored_barrier`, ...) or "backward" when it is inside autograd (DDP reduces gradients
+there). Snapshots are plain JSON; diagnostics/desync.py compares them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from dptrain.distributed.flight_recorder import recorder_size
+
+# Where a rank blocked in a collective waits: c10d calls, FSDP/DDP hooks, the autograd engine
+# (DDP reduces gradients inside backward). The innermost Python frame of such a rank is in one.
+WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/")
+_TORCH_DIR = os.path.dirname(torch.__file__).replace("\\", "/") + "/"
+_DPTRAIN_DIR = str(Path(__file__).resolve().parents[1]).replace("\\", "/") + "/"
+_C10D_FILE = "torch/distributed/distributed_c10d.py"
+
+
+class Call(NamedTuple):
+    """One collective of the ring, JSON-able as a list (`Call(*row)` reads it back)."""
+
+    pg: str  # the process group's name: "0" is the default group; the same on every rank
+    seq: int  # its sequence number in that group (1, 2, ...): one collective has the same number on every rank
+    op: str  # "all_reduce", "barrier", "broadcast", ... (without the backend's "gloo:"/"nccl:")
+    sizes: list[list[int]]
+    dtypes: list[str]
+    done: bool  # finished (retired) on this rank
+    age_s: float  # seconds since this rank issued it
+    p2p: bool = False  # send/recv: no group sequence number to compare
+
+
+def read_calls(now_ns: int | None = None) -> list[Call]:
+    """This process's ring, oldest first (empty when the recorder is off or this torch has no dump)."""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
+    if dump is None or recorder_size() == 0:
+        return []
+    entries = json.loads(dump(True, False)).get("entries", [])
+    now = time.time_ns() if now_ns is None else now_ns
+    return [_call(e, now) for e in entries]
+
+
+def _call(e: dict[str, Any], now_ns: int) -> Call:
+    pg = e.get("process_group") or ["?", ""]
+    age = max(0, now_ns - int(e.get("time_created_ns") or now_ns)) / 1e9
+    return Call(pg=str(pg[0]), seq=int(e.get("collective_seq_id", 0)),
+                op=str(e.get("profiling_name", "?")).split(":", 1)[-1],
+                sizes=[list(s) for s in e.get("input_sizes", [])], dtypes=[str(d) for d in e.get("input_dtypes", [])],
+                done=bool(e.get("retired", False)), age_s=round(age, 3), p2p=bool(e.get("is_p2p", False)))
+
+
+def _path(frame: types.FrameType) -> str:
+    return frame.f_code.co_filename.replace("\\", "/")
+
+
+def _short(frame: types.FrameType) -> str:
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def main_thread_frame() -> types.FrameType | None:
+    return sys._current_frames().get(threading.main_thread().ident or -1)
+
+
+def main_thread_position() -> tuple[str, bool]:
+    """("file:line in function" of the main thread's innermost Python frame, whether it is in torch's
+    distributed or autograd code, i.e. most likely waiting for other ranks)."""
+    frame = main_thread_frame()
+    if frame is None:
+        return "?", False
+    code = frame.f_code
+    path = _path(frame)
+    # A DTensor (tensor-parallel) collective waits in torch's op dispatcher (torch/_ops.py), called
+    # from torch/distributed's functional collectives: judge by the first frame outside the dispatcher.
+    caller: types.FrameType | None = frame
+    caller_path = path
+    while caller is not None and caller_path.endswith("torch/_ops.py"):
+        caller = caller.f_back
+        caller_path = _path(caller) if caller is not None else ""
+    return f"{path}:{frame.f_lineno} in {code.co_name}", any(part in caller_path for part in WAITING_IN)
+
+
+def call_site(frame: types.FrameType | None) -> tuple[str, str | None]:
+    """(where the stack's own code is: "checkpointer.py:279 in _all_here, called from train.py:40", what it
+    waits in: the c10d function (`barrier`, `all_reduce`, ...), "backward" inside autograd, else None)."""
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    # the outermost c10d function: the one the caller called (all_gather_object, not the all_gather inside it)
+    blocked = next((f.f_code.co_name for f in reversed(frames) if _path(f).endswith(_C10D_FILE)), None)
+    if blocked is None and any("torch/autograd/" in _path(f) for f in frames):
+        blocked = "backward"
+    own = [f for f in frames if not _path(f).startswith(_TORCH_DIR)]
+    if not own:
+        return "?", blocked
+    site = _short(own[0])
+    if _path(own[0]).startswith(_DPTRAIN_DIR):
+        user = next((f for f in own if not _path(f).startswith(_DPTRAIN_DIR)), None)
+        if user is not None:
+            site += f", called from {os.path.basename(user.f_code.co_filename)}:{user.f_lineno}"
+    return site, blocked
+
+
+def group_members() -> dict[str, list[int]]:
+    """{process group name: its global ranks} of the groups this rank belongs to."""
+    out: dict[str, list[int]] = {}
+    try:
+        for pg, ranks in list(dist.distributed_c10d._world.pg_group_ranks.items()):
+            out[str(pg.group_name)] = sorted(int(r) for r in ranks)
+    except (AttributeError, RuntimeError):  # a group being made or destroyed right now: no members known
+        pass
+    return out
+
+
+def snapshot(*, rank: int, heartbeat: dict[str, Any] | None = None) -> dict[str, Any]:
+    """This rank's ring and main-thread position, as plain JSON (compared by diagnostics/desync.py)."""
+    frame = main_thread_frame()
+    site, blocked = call_site(frame)
+    where, in_collective = main_thread_position()
+    beat = heartbeat or {}
+    return {"rank": rank, "host": beat.get("host", ""), "pid": beat.get("pid", os.getpid()),
+            "ring": [list(c) for c in read_calls()], "recorder": recorder_size() > 0, "groups": group_members(),
+            "where": where, "site": site, "blocked_in": blocked, "in_collective": in_collective,
+            "step": beat.get("step"), "phase": beat.get("phase"), "label": beat.get("collective") or ""}
+
+
+def format_stacks(*, skip_ident: int | None = None) -> str:
+    """The Python stack of every thread in this process, the main thread first."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    frames = sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main)
+    parts = []
+    for ident, frame in frames:
+        if ident == skip_ident:
+            continue
+        parts.append(f"Thread {names.get(ident, '?')} ({ident}), most recent call last:\n")
+        parts.append("".join(traceback.format_stack(frame)))
+    return "".join(parts)

@@ -229,7 +229,8 @@ def commands(fault: Fault, d: Draw, *, nproc: int, work: Path) -> list[list[str]
     items = [*base(nproc, d.seed), *fault.overrides]
     if fault.name == "stall":
         micro = GLOBAL_BATCH // nproc
-        items[3] = f"data.kwargs={{n: 4096, stall_after_items: {max(1, (d.step - 1) // 2) * micro}}}"
+        items.append(f"data.kwargs={{n: 4096, stall_after_items: {max(1, (d.step - 1) // 2) * micro}}}")
+    items = list({item.split("=", 1)[0]: item for item in items}.values())  # a fault's setting replaces the base's
     if fault.kind == "run":
         return [[*run, *items, "--nproc-per-node", str(nproc), "--out", str(work / "run")]]
     per_node = max(1, nproc // 2)

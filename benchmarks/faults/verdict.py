@@ -24,8 +24,9 @@ RANK = re.compile(r"\branks?\s*(?:\(s\))?\s*:?\s*(\d+(?:\s*(?:,|and)\s*(?:rank\s
 NODE = re.compile(r"\bnode_rank(?:\(s\))?\s*[=:]?\s*(\d+(?:\s*,\s*\d+)*)|\bnode (\d+)\b", re.I)
 LISTING = re.compile(r"worker\(s\) failed:|^Failures:|^\s*\[\d+\]:\s*$")
 WINDOW_S = 5.0
-"""What a claim says is read together with every line that arrived within this many seconds after it (a hang report's
-stacks, the traceback printed next to the error): that is where its op, phase and file:line are looked for."""
+"""What a claim says is read together with the lines its own launcher printed, and the report files' lines, that
+arrived from a second before it to this many seconds after it (a hang report's stacks, the traceback printed next to
+the error): that is where its op, phase and file:line are looked for."""
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,18 @@ def _right(claim: Claim, expect: Expect) -> bool:
     return claim.named[0] in expect.culprits
 
 
+def _launcher(source: str) -> str | None:
+    """Which launcher a line came from ("node1" for "node1:stderr", "" for one launcher); None for a report file."""
+    if source.endswith(("stdout", "stderr")):
+        return source.rpartition(":")[0]
+    return None
+
+
 def _context(events: list[Event], claim: Claim) -> str:
-    return "\n".join(e.text for e in events if claim.t - 1.0 <= e.t <= claim.t + WINDOW_S)
+    """The claim's line with what its own launcher printed around it and the report files written then."""
+    own = _launcher(claim.source)
+    near = [e for e in events if claim.t - 1.0 <= e.t <= claim.t + WINDOW_S]
+    return "\n".join(e.text for e in near if _launcher(e.source) in (own, None))
 
 
 def judge(events: list[Event], expect: Expect, *, injected: float) -> Verdict:

@@ -27,7 +27,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ for _p in (ROOT / "src", HERE):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from faults.report import messages, table  # noqa: E402
 from faults.verdict import Event, Expect, judge  # noqa: E402
 
 from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason  # noqa: E402
@@ -296,50 +296,26 @@ def record(fault: Fault, d: Draw, watch: Watch, procs: list[subprocess.Popen], *
     out: dict[str, Any] = {"fault": fault.name, "title": fault.title, "nproc": nproc, "seed": d.seed,
                            "culprit": d.culprit, "step": d.step, "injected_at": injected,
                            "exit_codes": [p.returncode for p in procs], "timed_out": timed_out,
+                           "run_dirs": [str(d) for d in watch.run_dirs],
                            "deadline_s": deadline, "bounded_by": fault.bounded_by,
                            "expected": {**asdict(expect), "culprits": sorted(expect.culprits)}}
     if injected is None:
         return {**out, "named_right": False, "cell": "fault never injected", "seconds": None,
                 "reads": "(the run ended before the fault)", "lines": [asdict(e) for e in watch.events[-40:]]}
-    v = judge(watch.events, expect, injected=injected)
-    return {**out, "named_right": v.named_right, "cell": v.cell(), "seconds": v.seconds, "reads": v.reads,
+    return verdict({**out, "lines": [asdict(e) for e in watch.events if e.t >= injected - 1]})
+
+
+def verdict(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with the verdict on its recorded lines (also what `--rejudge` redoes on a saved JSON)."""
+    if row["injected_at"] is None:
+        return row
+    e = row["expected"]
+    expect = Expect(frozenset(e["culprits"]), e["what"], e["where"], e["rule"], e["kind"])
+    v = judge([Event(**line) for line in row["lines"]], expect, injected=row["injected_at"])
+    return {**row, "named_right": v.named_right, "cell": v.cell(), "seconds": v.seconds, "reads": v.reads,
             "what_found": v.what_found, "where_found": v.where_found, "wrong_first": v.wrong_first,
             "claim": None if v.claim is None else asdict(v.claim),
-            "first_claim": None if v.first_claim is None else asdict(v.first_claim),
-            "lines": [asdict(e) for e in watch.events if e.t >= injected - 1][:400]}
-
-
-# ----------------------------------------------------------------------------------------------------- the table
-def _cell(text: str, limit: int = 260) -> str:
-    text = " ".join(text.split()).replace("|", "\\|")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| fault | named right | seconds to the name | what the user reads |", "|---|---|---|---|"]
-    for name in dict.fromkeys(r["fault"] for r in rows):
-        runs = [r for r in rows if r["fault"] == name]
-        first = runs[0]
-        right = sum(r["named_right"] for r in runs)
-        named = first["cell"] if len(runs) == 1 else f"{right}/{len(runs)}: {first['cell']}"
-        secs = [r["seconds"] for r in runs if r["seconds"] is not None]
-        if not secs:
-            when = f"none in {first['deadline_s']:g} s" if first["timed_out"] else "none"
-        elif len(secs) == 1:
-            when = f"{secs[0]:.1f}"
-        else:
-            when = f"{statistics.median(secs):.1f} ({min(secs):.1f}–{max(secs):.1f})"
-        codes = ", ".join(str(c) for c in first["exit_codes"])
-        exit_text = f"exit {codes}"
-        if first["timed_out"]:
-            exit_text = f"still running {first['deadline_s']:g} s after the fault"
-        title = first["title"] + (" †" if first["bounded_by"] else "")
-        lines.append(f"| {title} | {named} | {when} | {_cell(first['reads'])} ({exit_text}) |")
-    bounded = {r["fault"]: r["bounded_by"] for r in rows if r["bounded_by"]}
-    if bounded:
-        lines.append("")
-        lines += [f"† {BY_NAME[n].title}: bounded by {b}." for n, b in bounded.items()]
-    return "\n".join(lines)
+            "first_claim": None if v.first_claim is None else asdict(v.first_claim)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,8 +328,13 @@ def main(argv: list[str] | None = None) -> int:
                                                     "(default: per fault, past the timeout that bounds it)")
     ap.add_argument("--port", type=int, default=29631, help="the two-node rendezvous port (the culprit gets +1)")
     ap.add_argument("--json", type=Path, help="write every run's record here")
+    ap.add_argument("--md", type=Path, help="write the table and every fault's lines as the user reads them here")
     ap.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--rejudge", type=Path, help="run nothing: judge the lines a saved --json recorded again")
     args = ap.parse_args(argv)
+    if args.rejudge:
+        rows = [verdict(r) for r in json.loads(args.rejudge.read_text())["rows"]]
+        return report(rows, args)
     if not 2 <= args.nproc <= 4:
         ap.error(f"--nproc {args.nproc}: 2 to 4 ranks")
     names = args.only.split(",") if args.only else list(BY_NAME)
@@ -375,7 +356,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['seconds'] if row['seconds'] is None else round(row['seconds'], 1)} s, "
                       f"exit {row['exit_codes']}", file=sys.stderr, flush=True)
                 rows.append(row)
+    return report(rows, args)
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> int:
     print(table(rows))
+    if args.md:
+        args.md.write_text(f"{table(rows)}\n\n{messages(rows)}")
     if args.json:
         args.json.write_text(json.dumps({"nproc": args.nproc, "seed": args.seed, "rows": rows}, indent=1))
     return 0

@@ -55,6 +55,7 @@ def test_speakers_listings_and_other_failures_are_not_claims_the_root_cause_is()
     lines = ["[rank0]:[E1205 02:49:44.5 ProcessGroupGloo.cpp:2901] [Rank 0]: Rank 1 failed to pass monitoredBarrier",
              "suspect rank(s): rank 1 (vm, pid 32049), rank 3 (vm, pid 32051) -- behind the others",
              "no progress for 3s (diagnostics.hang_timeout_s); detected by rank 0 at 2026-11-29 15:20:34",
+             "dptrain watchdog: rank 0 (vm): no progress for 300.1s at step 4, phase forward",
              "dptrain: waiting 30s at the rendezvous h0:29611: this is node_rank 0; node_rank(s) 1 have not all joined"]
     assert [c.named for c in claims(events(*lines))] == [(1,), (1, 3)]
     assert [c.named for c in claims(events(*lines), kind="node")] == [(1,)]

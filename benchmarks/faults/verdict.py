@@ -6,7 +6,8 @@ line of the launchers' stdout and stderr, and every line of a report file the ru
 `Expect`ation. Torch-free, so the test of the harness can check it on made-up lines.
 
 A claim is a line that names `rank N` (or `node_rank N`, `node N`) other than as its speaker: the `[rankN]:`
-prefix torch puts on a worker's lines, `dptrain: rank N:`, `[Rank N]:` and `this is node_rank N` say who speaks,
+prefix torch puts on a worker's lines, `dptrain: rank N:`, `dptrain watchdog: rank N (host):` (each rank's own
+line), `[Rank N]:`, `detected by rank N` and `this is node_rank N` say who speaks,
 not who is at fault. torchrun's failure report names its "Root Cause" rank (a claim) and lists "Other Failures"
 (not one); dptrain's `worker(s) failed: rank 0 (exit 1), rank 1 (exit -9)` lists every exit (not one either).
 """
@@ -17,7 +18,9 @@ import re
 from dataclasses import dataclass, field
 
 SPEAKERS = re.compile(
-    r"^\[rank\d+\]:\s*|^dptrain: rank \d+:\s*|\[Rank \d+\]:\s*|this is node_rank \d+;?\s*|detected by rank \d+", re.I
+    r"^\[rank\d+\]:\s*|^dptrain: rank \d+:\s*|^dptrain watchdog: rank \d+ \([^)]*\):\s*|\[Rank \d+\]:\s*"
+    r"|this is node_rank \d+;?\s*|detected by rank \d+",
+    re.I,
 )
 LOG_HEADER = re.compile(r"^\[?[WEIC]\d{4} [\d:.]+ \d+ [^\]]+\]\s*")  # torch's glog/c10 prefix: W1205 02:47:26.58 ...]
 RANK = re.compile(r"\branks?\s*(?:\(s\))?\s*:?\s*(\d+(?:\s*(?:,|and)\s*(?:rank\s*)?\d+)*)", re.I)
@@ -169,7 +172,7 @@ def judge(events: list[Event], expect: Expect, *, injected: float) -> Verdict:
     if not right:
         return Verdict(False, False, False, None if expect.where is None else False,
                        None if first is None else first.t - injected, None, first, False,
-                       reads=first.text if first else last_words(after, expect.what))
+                       reads=_with_report(after, first.text if first else last_words(after, expect.what)))
     best = None
     for c in right:  # the first right claim whose context also says the op and the place
         ctx = _context(after, c)
@@ -184,7 +187,16 @@ def judge(events: list[Event], expect: Expect, *, injected: float) -> Verdict:
     claim, what, where = best
     wrong_first = first is not None and not _right(first, expect) and claim.t - first.t > 1.0
     return Verdict(what and where is not False, True, what, where, claim.t - injected, claim, first, wrong_first,
-                   reads=claim.text)
+                   reads=_with_report(after, claim.text))
+
+
+def _with_report(events: list[Event], text: str) -> str:
+    """`text`, after the verdict line of a report file (a hang report's `suspect rank(s): ...`) when it is another."""
+    verdicts = [f"{e.source}: {e.text.strip()}" for e in events if _launcher(e.source) is None
+                and re.match(r"suspect|verdict|culprit|ranks? disagree", e.text.strip(), re.I)]
+    if not verdicts or verdicts[0].partition(": ")[2] in text:
+        return text
+    return f"{verdicts[0]}; {text}"
 
 
 def last_words(events: list[Event], what: str) -> str:

@@ -311,7 +311,10 @@ def verdict(row: dict[str, Any]) -> dict[str, Any]:
         return row
     e = row["expected"]
     expect = Expect(frozenset(e["culprits"]), e["what"], e["where"], e["rule"], e["kind"])
-    v = judge([Event(**line) for line in row["lines"]], expect, injected=row["injected_at"])
+    lines = [Event(**line) for line in row["lines"]]
+    for run_dir in row.get("run_dirs", []):  # a path is no evidence (the run's folder may be named after the fault)
+        lines = [Event(e.t, e.source, e.text.replace(run_dir, "RUN_DIR")) for e in lines]
+    v = judge(lines, expect, injected=row["injected_at"])
     return {**row, "named_right": v.named_right, "cell": v.cell(), "seconds": v.seconds, "reads": v.reads,
             "what_found": v.what_found, "where_found": v.where_found, "wrong_first": v.wrong_first,
             "claim": None if v.claim is None else asdict(v.claim),
@@ -351,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name}: skipped ({why})", file=sys.stderr)
                     continue
                 row = run_fault(fault, nproc=args.nproc, seed=args.seed, repeat=repeat, deadline_s=args.deadline,
-                                work=work / f"{name}-{repeat}", port=args.port)
+                                work=work / f"run{len(rows):02d}", port=args.port)
                 print(f"{name} #{repeat}: culprit rank {row['culprit']} at step {row['step']}: {row['cell']}, "
                       f"{row['seconds'] if row['seconds'] is None else round(row['seconds'], 1)} s, "
                       f"exit {row['exit_codes']}", file=sys.stderr, flush=True)

@@ -21,7 +21,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         runs = [r for r in rows if r["fault"] == name]
         first = runs[0]
         right = sum(r["named_right"] for r in runs)
-        named = first["cell"] if len(runs) == 1 else f"{right}/{len(runs)}: {first['cell']}"
+        named = first["cell"]
+        if len(runs) > 1:
+            others = sorted({r["cell"] for r in runs if not r["named_right"]})
+            named = f"{right}/{len(runs)} right" + (f"; otherwise {', '.join(others)}" if others else "")
         secs = [r["seconds"] for r in runs if r["seconds"] is not None]
         if not secs:
             when = f"none in {first['deadline_s']:g} s" if first["timed_out"] else "none"

@@ -42,7 +42,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     if bounded:
         lines.append("")
         titles = {r["fault"]: r["title"] for r in rows}
-        lines += [f"† {titles[n]}: bounded by {b}." for n, b in bounded.items()]
+        lines += [f"- † {titles[n]}: bounded by {b}." for n, b in bounded.items()]
     return "\n".join(lines)
 
 

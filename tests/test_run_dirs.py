@@ -160,11 +160,13 @@ def test_a_failed_start_leaves_no_config_and_the_corrected_command_runs(tmp_path
 
 @pytest.mark.timeout(150)
 def test_a_loss_that_is_nan_from_the_first_step_is_reported_loudly_with_nonfinite_off(tmp_path):
+    """With no per-step check, the log step's line still names the rank whose data gave the NaN (rank 1 at step 1;
+    from step 2 DDP's averaged gradients have spread it to every rank)."""
     out = tmp_path / "run"
     r = dptrain(
         "run",
         *TOY,
-        "train.loss=support.bad_losses:nan_loss",
+        "train.loss=support.bad_losses:nan_loss_on_rank_1",
         "train.max_steps=3",
         "diagnostics.nonfinite=off",
         "--nproc-per-node",
@@ -173,9 +175,11 @@ def test_a_loss_that_is_nan_from_the_first_step_is_reported_loudly_with_nonfinit
         str(out),
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "WARNING: the loss is nan at step 1" in r.stderr, r.stderr[-3000:]  # log.progress=false: on stderr
+    line = "WARNING: the loss is nan at step 1, mean of the last 1 step(s) over the data-parallel ranks, from the data"
+    assert f"{line} of rank(s) 1;" in r.stderr, r.stderr[-3000:]  # log.progress=false: on stderr
     diag = [json.loads(line) for line in (out / "diagnostics.jsonl").read_text().splitlines()]
-    assert [d["step"] for d in diag if d["kind"] == "nonfinite_loss"] == [1, 2, 3]
+    found = [(d["step"], d["ranks"]) for d in diag if d["kind"] == "nonfinite_loss"]
+    assert found == [(1, [1]), (2, [0, 1]), (3, [0, 1])]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["nonfinite_loss"] == {"first_step": 1, "log_steps": 3}
 

@@ -15,3 +15,11 @@ def per_sample_loss(model, batch):
 def nan_loss(model, batch):
     """NaN from the first step on."""
     return model(batch) * float("nan")
+
+
+def nan_loss_on_rank_1(model, batch):
+    """NaN from the first step on, from rank 1's data only (DDP then spreads it to every rank's weights)."""
+    import torch.distributed as dist
+
+    loss = model(batch)
+    return loss * float("nan") if dist.get_rank() == 1 else loss

@@ -12,11 +12,24 @@ and lowers the scale), so only the loss is checked there.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def nonfinite_ranks(local: float, *, device: torch.device, group: Any = None) -> list[int]:
+    """The global ranks of `group` (default: every rank) whose `local` value is not finite, on every rank of it:
+    one all-reduce of a flag per rank. Collective: every rank of the group calls it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [] if math.isfinite(local) else [dist.get_rank() if dist.is_initialized() else 0]
+    size = dist.get_world_size(group)
+    flags = torch.zeros(size, device=device)
+    flags[dist.get_rank(group)] = 0.0 if math.isfinite(local) else 1.0
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [dist.get_global_rank(group, i) if group is not None else i for i, f in enumerate(flags.tolist()) if f > 0]
 
 
 class NonFiniteError(RuntimeError):

@@ -428,9 +428,9 @@ class Trainer:
     def _log_step(self) -> None:
         """A log line: the one host-device sync of the interval (loss mean over ranks)."""
         window, state = self.log_window, self.state
-        local = self.parallel.reduce_loss(window.loss_sum / window.steps)  # a pipeline's lives on its last stage
+        local = self.parallel.reduce_loss(window.loss_sum / window.steps).item()  # a pipeline's: its last stage's
         self.last_loss = last_loss = collectives.all_reduce_mean(
-            [local.item()], device=self.device, group=self.mesh.grad_group  # dp (x cp): each rank's share
+            [local], device=self.device, group=self.mesh.grad_group  # dp (x cp): each rank's share
         )[0]
         window_steps = window.steps
         self.out.log(
@@ -439,7 +439,8 @@ class Trainer:
             )
         )
         window.reset()
-        self.diag.logged_loss(last_loss, step=state.step, window_steps=window_steps)  # loud if not finite
+        self.diag.logged_loss(last_loss, step=state.step, window_steps=window_steps,  # loud if not finite
+                              local=local, device=self.device, group=self.mesh.grad_group)
         self.records.restart_window()
 
     @property

@@ -98,7 +98,8 @@ def test_a_rank_outside_the_collective_is_only_a_warning_and_agreement_is_nothin
     away = _snap(0, [_c(1)], in_collective=False, site="train.py:50 in evaluate", blocked=None)
     found = find_desync({0: away, 1: waiting}, wait_s=5)
     assert found is not None and not found.certain and found.kind == "absent" and found.ranks == [0]
-    assert "rank(s) 1 wait 6s in all_reduce #2" in found.summary
+    assert found.summary.startswith("rank(s) 0 have not called all_reduce #2")
+    assert "which rank(s) 1 wait in (6s so far, at" in found.summary
     assert "rank 0 is at train.py:50 in evaluate (not in a collective" in found.summary
     # not yet waited wait_s: nothing
     assert find_desync({0: away, 1: _snap(1, [_c(1), _c(2, done=False, age=2)])}, wait_s=5) is None
@@ -183,8 +184,8 @@ def test_a_rank_late_outside_any_collective_is_warned_about_within_seconds_and_t
     err = capfd.readouterr().err
     warning = next((line for line in err.splitlines() if "dptrain watchdog: WARNING" in line), "")
     print("\n" + warning)
-    assert "rank(s) 1 wait" in warning and "in all_reduce #" in warning, err[-3000:]
-    assert (f"rank(s) 0 have not called it: rank 0 is at {HERE}:{_line('rank-0-evaluates-alone')} in body "
+    assert "WARNING: rank(s) 0 have not called all_reduce #" in warning and "which rank(s) 1 wait in (" in warning, err
+    assert (f"): rank 0 is at {HERE}:{_line('rank-0-evaluates-alone')} in body "
             "(not in a collective") in warning, warning
     assert "ends the job after diagnostics.hang_timeout_s=300s" in warning  # the monitor's default
     assert not (tmp_path / "hang_report.txt").exists()
@@ -216,8 +217,8 @@ def test_rank0_only_checkpointer_save_is_named_before_its_own_save_timeout(tmp_p
     err = capfd.readouterr().err
     warning = next((line for line in err.splitlines() if "dptrain watchdog: WARNING" in line), "")
     print("\n" + warning)
-    assert re.search(rf"rank\(s\) 1 wait \d+s in all_reduce #\d+ \(\[\d+\] Float\) at {HERE}:\d+ in body \(in "
-                     r"backward", warning), err[-3000:]
+    assert re.search(rf"rank\(s\) 0 have not called all_reduce #\d+ \(\[\d+\] Float\), which rank\(s\) 1 wait in "
+                     rf"\(\d+s so far, at {HERE}:\d+ in body \(in backward", warning), err[-3000:]
     source = (Path(dptrain.__file__).parent / "api" / "checkpointer.py").read_text().splitlines()
     (barrier,) = [i for i, text in enumerate(source, 1) if "dist.monitored_barrier(" in text]
     assert (f"rank 0 is at checkpointer.py:{barrier} in _all_here, called from {HERE}:{_line('rank-0-ckpt-save')} "

@@ -155,8 +155,10 @@ def _waits(snaps: dict[int, dict[str, Any]], calls: dict[int, list[Call]], wait_
             continue
         who = ", ".join(f"rank {q} is at {describe_position(snaps[q])}" for q in absent)
         waiters = sorted(w for w, c in waiting.items() if c[:2] == p[:2])
-        summary = (f"rank(s) {', '.join(map(str, waiters))} wait {p.age_s:.0f}s in {describe_call(p)} at "
-                   f"{describe_position(snaps[r])}; rank(s) {', '.join(map(str, absent))} have not called it: {who}")
+        # the rank(s) at fault first: a reader (and a log parser) takes the first rank a line names as its subject
+        summary = (f"rank(s) {', '.join(map(str, absent))} have not called {describe_call(p)}, which rank(s) "
+                   f"{', '.join(map(str, waiters))} wait in ({p.age_s:.0f}s so far, at {describe_position(snaps[r])}): "
+                   f"{who}")
         return Desync("absent", False, absent, summary, _ring_lines(snaps, calls, (p.pg, p.seq)), (p.pg, p.seq))
     return None
 

@@ -112,7 +112,8 @@ def call_site(frame: types.FrameType | None) -> tuple[str, str | None]:
         return "?", blocked
     site = _short(own[0])
     if _path(own[0]).startswith(_DPTRAIN_DIR):
-        user = next((f for f in own if not _path(f).startswith(_DPTRAIN_DIR)), None)
+        # the user's code: not dptrain's, and not the interpreter's own (`<frozen runpy>` under `python -m`)
+        user = next((f for f in own if not _path(f).startswith(_DPTRAIN_DIR) and not _path(f).startswith("<")), None)
         if user is not None:
             site += f", called from {os.path.basename(user.f_code.co_filename)}:{user.f_lineno}"
     return site, blocked

@@ -160,14 +160,16 @@ def test_a_failed_start_leaves_no_config_and_the_corrected_command_runs(tmp_path
 
 @pytest.mark.timeout(150)
 def test_a_loss_that_is_nan_from_the_first_step_is_reported_loudly_with_nonfinite_off(tmp_path):
-    """With no per-step check, the log step's line still names the rank whose data gave the NaN (rank 1 at step 1;
-    from step 2 DDP's averaged gradients have spread it to every rank)."""
+    """With no per-step check, a log step whose mean loss is NaN says so loudly and names the rank whose data went
+    non-finite first (rank 1 at step 2), then the rank the averaged gradients spread it to (rank 0, step 3)."""
     out = tmp_path / "run"
     r = dptrain(
         "run",
         *TOY,
-        "train.loss=support.bad_losses:nan_loss_on_rank_1",
-        "train.max_steps=3",
+        "train.loss=support.bad_losses:nan_loss_on_rank_1_from_step_2",
+        "train.micro_batch_size=4",  # no accumulation: a rank's n-th training micro-batch is step n's
+        "train.max_steps=4",
+        "train.log_every_steps=3",
         "diagnostics.nonfinite=off",
         "--nproc-per-node",
         "2",
@@ -175,13 +177,14 @@ def test_a_loss_that_is_nan_from_the_first_step_is_reported_loudly_with_nonfinit
         str(out),
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    line = "WARNING: the loss is nan at step 1, mean of the last 1 step(s) over the data-parallel ranks, from the data"
-    assert f"{line} of rank(s) 1;" in r.stderr, r.stderr[-3000:]  # log.progress=false: on stderr
+    line = "WARNING: the loss is nan at step 3, mean of the last 3 step(s) over the data-parallel ranks"
+    origin = ", first from the data of rank(s) 1 at step 2; then rank 0 (step 3);"
+    assert line + origin in r.stderr, r.stderr[-3000:]  # log.progress=false: on stderr
     diag = [json.loads(line) for line in (out / "diagnostics.jsonl").read_text().splitlines()]
-    found = [(d["step"], d["ranks"]) for d in diag if d["kind"] == "nonfinite_loss"]
-    assert found == [(1, [1]), (2, [0, 1]), (3, [0, 1])]
+    found = [(d["step"], d["first_step"]) for d in diag if d["kind"] == "nonfinite_loss"]
+    assert found == [(3, {"1": 2, "0": 3}), (4, {"0": 4, "1": 4})]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["nonfinite_loss"] == {"first_step": 1, "log_steps": 3}
+    assert summary["nonfinite_loss"] == {"first_step": 3, "log_steps": 2}
 
 
 # ---------------------------------------------------------------------- waiting for other nodes

@@ -17,9 +17,17 @@ def nan_loss(model, batch):
     return model(batch) * float("nan")
 
 
-def nan_loss_on_rank_1(model, batch):
-    """NaN from the first step on, from rank 1's data only (DDP then spreads it to every rank's weights)."""
+_TRAINING_CALLS = [0]
+
+
+def nan_loss_on_rank_1_from_step_2(model, batch):
+    """NaN from rank 1's data at its second training micro-batch (step 2 without accumulation) and after: DDP's
+    averaged gradients then spread it to every rank's weights, so rank 0's loss follows a step later."""
     import torch.distributed as dist
 
     loss = model(batch)
-    return loss * float("nan") if dist.get_rank() == 1 else loss
+    if torch.is_grad_enabled():
+        _TRAINING_CALLS[0] += 1
+        if dist.get_rank() == 1 and _TRAINING_CALLS[0] >= 2:
+            return loss * float("nan")
+    return loss

@@ -23,6 +23,7 @@ out_dir first cuts it back to the resumed step.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -114,7 +115,8 @@ class LoopMonitor:
                 device = torch.device("cuda", torch.cuda.current_device())
             self.last_loss = collectives.all_reduce_mean([local], device=device)[0]
             record["loss"] = self.last_loss
-            self.diag.logged_loss(self.last_loss, step=step, window_steps=window, local=local, device=device)
+            self.diag.logged_loss(self.last_loss, step=step, window_steps=window, device=device,
+                                  first_bad=lambda: None if math.isfinite(local) else step)
             record.update(step_time_s=elapsed / window)
             if self.loader is not None:
                 record.update(samples_per_s=window * self.loader.global_batch_size / max(elapsed, 1e-9),

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,7 +30,7 @@ from dptrain.config import DiagnosticsConfig, hang_timeout
 from dptrain.config.speed_checks import parse_profile_steps
 from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
 from dptrain.diagnostics.memory import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
-from dptrain.diagnostics.nonfinite import NonFiniteGuard, nonfinite_ranks
+from dptrain.diagnostics.nonfinite import NonFiniteGuard, describe_origin, first_nonfinite_steps
 from dptrain.diagnostics.preflight import run_preflight
 from dptrain.diagnostics.profiler import StepProfiler
 from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, find_stragglers, gather_rows
@@ -170,27 +171,29 @@ class Diagnostics:
             out["profile"] = {k: v for k, v in self.profiler.summary.items() if k != "communication_ops"}
         return out
 
-    def logged_loss(self, loss: float, *, step: int, window_steps: int, local: float | None = None,
-                    device: torch.device | None = None, group: Any = None) -> None:
+    def logged_loss(self, loss: float, *, step: int, window_steps: int,
+                    first_bad: Callable[[], int | None] | None = None, device: torch.device | None = None,
+                    group: Any = None) -> None:
         """A log step's loss (mean of its window over the data-parallel ranks). One that is not finite
         is said loudly whatever `nonfinite` is: on the console (stderr without the progress line), as a
-        `nonfinite_loss` record in diagnostics.jsonl, and counted in the summary. With this rank's own window
-        mean (`local`) and the `group` the mean was taken over, the line names the ranks whose data gave it: one
-        more all-reduce, on every rank of the group alike (they all hold the same non-finite mean), and only then."""
+        `nonfinite_loss` record in diagnostics.jsonl, and counted in the summary. With `first_bad` (this rank's
+        first non-finite step of the window, asked only now) and the `group` the mean was taken over, the line names
+        the ranks whose data went non-finite first: one more all-reduce, on every rank of the group alike (they all
+        hold the same non-finite mean), and only then."""
         if math.isfinite(loss):
             return
         policy = self.cfg.nonfinite
         first = self.nonfinite_loss.setdefault("first_step", step)
         self.nonfinite_loss["log_steps"] = self.nonfinite_loss.get("log_steps", 0) + 1
         since = "" if first == step else f" (first at step {first})"
-        ranks = nonfinite_ranks(local, device=device or torch.device("cpu"), group=group) if local is not None else []
-        whose = f", from the data of rank(s) {', '.join(map(str, ranks))}" if ranks else ""
+        origin = (first_nonfinite_steps(first_bad(), device=device or torch.device("cpu"), group=group)
+                  if first_bad is not None else {})
         act = ("training goes on: set diagnostics.nonfinite=skip to skip such steps or =error to stop"
                if policy == "off" else f"diagnostics.nonfinite={policy}")
         self.report("nonfinite_loss", {"step": step, "loss": str(loss), "window_steps": window_steps, "policy": policy,
-                                       "ranks": ranks},
+                                       "ranks": sorted(origin), "first_step": {str(r): s for r, s in origin.items()}},
                     f"dptrain: WARNING: the loss is {loss} at step {step}{since}, mean of the last {window_steps} "
-                    f"step(s) over the data-parallel ranks{whose}; {act}")
+                    f"step(s) over the data-parallel ranks{describe_origin(origin)}; {act}")
 
     def on_step_end(self, step: int) -> None:
         """After optimizer step `step` (1-based): the periodic checks that gather across ranks."""

@@ -20,16 +20,30 @@ import torch
 import torch.distributed as dist
 
 
-def nonfinite_ranks(local: float, *, device: torch.device, group: Any = None) -> list[int]:
-    """The global ranks of `group` (default: every rank) whose `local` value is not finite, on every rank of it:
-    one all-reduce of a flag per rank. Collective: every rank of the group calls it."""
+def first_nonfinite_steps(first: int | None, *, device: torch.device, group: Any = None) -> dict[int, int]:
+    """{global rank: its first non-finite step} over the ranks of `group` (default: every rank), from each rank's
+    own `first` (None: all finite), on every rank of it: one all-reduce. Collective: every rank of the group calls
+    it."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [] if math.isfinite(local) else [dist.get_rank() if dist.is_initialized() else 0]
-    size = dist.get_world_size(group)
-    flags = torch.zeros(size, device=device)
-    flags[dist.get_rank(group)] = 0.0 if math.isfinite(local) else 1.0
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return [dist.get_global_rank(group, i) if group is not None else i for i, f in enumerate(flags.tolist()) if f > 0]
+        return {} if first is None else {dist.get_rank() if dist.is_initialized() else 0: first}
+    steps = torch.full((dist.get_world_size(group),), math.inf, device=device, dtype=torch.float64)
+    if first is not None:
+        steps[dist.get_rank(group)] = first
+    dist.all_reduce(steps, op=dist.ReduceOp.MIN, group=group)
+    return {dist.get_global_rank(group, i) if group is not None else i: int(v)
+            for i, v in enumerate(steps.tolist()) if math.isfinite(v)}
+
+
+def describe_origin(first: dict[int, int]) -> str:
+    """', first from the data of rank(s) 1 at step 6; then rank(s) 0 (step 7)': the ranks that went non-finite
+    first lead (the others follow once averaged gradients spread it); '' when none is known."""
+    if not first:
+        return ""
+    s0 = min(first.values())
+    origin = sorted(r for r, s in first.items() if s == s0)
+    later = sorted((s, r) for r, s in first.items() if s != s0)
+    then = f"; then {', '.join(f'rank {r} (step {s})' for s, r in later)}" if later else ""
+    return f", first from the data of rank(s) {', '.join(map(str, origin))} at step {s0}{then}"
 
 
 class NonFiniteError(RuntimeError):

@@ -67,16 +67,27 @@ class LogWindow:
     def __init__(self) -> None:
         self.loss_sum = torch.zeros(())
         self.steps = 0
+        self.losses: list[torch.Tensor] = []  # the window's step losses: read only when its mean is not finite
 
     def add(self, loss: torch.Tensor) -> None:
         if self.loss_sum.device != loss.device:
             self.loss_sum = self.loss_sum.to(loss.device)
         self.loss_sum += loss
         self.steps += 1
+        self.losses.append(loss.detach())
+
+    def first_nonfinite_step(self, last_step: int) -> int | None:
+        """The global step of this rank's first non-finite loss in the window that ends at `last_step`; None when
+        every loss was finite (or the window began before a resume: then `last_step` if the sum is not finite)."""
+        if len(self.losses) == self.steps and self.losses:
+            bad = (~torch.isfinite(torch.stack(self.losses).float())).nonzero()
+            return last_step - self.steps + 1 + int(bad[0]) if len(bad) else None
+        return None if bool(torch.isfinite(self.loss_sum)) else last_step
 
     def reset(self) -> None:
         self.loss_sum = torch.zeros((), device=self.loss_sum.device)
         self.steps = 0
+        self.losses = []
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss_sum": self.loss_sum.detach().cpu().clone(), "steps": self.steps}

@@ -438,9 +438,10 @@ class Trainer:
                 loss=last_loss, window_steps=window_steps, lr=self.step_lr, grad_norm=self.grad_norm
             )
         )
-        window.reset()
         self.diag.logged_loss(last_loss, step=state.step, window_steps=window_steps,  # loud if not finite
-                              local=local, device=self.device, group=self.mesh.grad_group)
+                              first_bad=lambda: window.first_nonfinite_step(state.step), device=self.device,
+                              group=self.mesh.grad_group)
+        window.reset()
         self.records.restart_window()
 
     @property

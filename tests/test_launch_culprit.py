@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, ProcessFailure
 
-from dptrain.launch.culprit import name_root_cause, root_cause
+from dptrain.launch.culprit import PEER_LOST_MARK, name_root_cause, root_cause
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
@@ -62,3 +62,15 @@ def test_with_only_victims_or_only_causes_the_earliest_is_named(tmp_path, monkey
     causes[0].timestamp, causes[1].timestamp, causes[2].timestamp = 7, 5, 5
     assert root_cause(causes) == 1  # the earliest; a tie goes to the lowest rank, as torchrun's
     assert os.environ.get("TORCHELASTIC_ERROR_FILE")  # (the records above were real error files)
+
+
+def test_a_worker_that_marked_itself_a_victim_is_never_the_root_cause(tmp_path, monkeypatch):
+    """dptrain's own workers say "lost a peer" on the console and exit 1 without an error file; their exit mark
+    (reason PEER_LOST_MARK) is what tells the launcher, when torchrun saw them fail in the same second as the rank
+    that was killed."""
+    failures = {0: _failure(tmp_path, 0, 1, None, monkeypatch),
+                1: _failure(tmp_path, 1, -signal.SIGKILL, None, monkeypatch)}
+    failures[0].timestamp = failures[1].timestamp = 100
+    error = ChildFailedError("dptrain.launch.worker", failures)
+    assert name_root_cause(error)[0] == 0  # unmarked: the tie goes to rank 0
+    assert name_root_cause(error, {0: {"code": 1, "reason": PEER_LOST_MARK}})[0] == 1

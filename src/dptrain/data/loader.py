@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import functools
+import os
 import random
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +34,12 @@ def worker_seed(seed: int, rank: int, worker_id: int) -> int:
     return _mix(seed, rank, worker_id)
 
 
+LOADER_STACKS_ENV = "DPTRAIN_LOADER_STACKS"
+"""A folder: each DataLoader worker writes its threads' stacks to FOLDER/loader-PID.txt on SIGUSR2 (set by the
+diagnostics hub; read by diagnostics/loader_stacks.py when a rank waits for its workers)."""
+_STACK_FILES: list[Any] = []  # kept open for the worker's life: faulthandler writes to them from a signal handler
+
+
 def _seed_worker(worker_id: int, *, seed: int, rank: int) -> None:
     # Module-level function (wrapped in functools.partial) so it pickles under the spawn and
     # forkserver start methods as well as fork.
@@ -38,6 +47,11 @@ def _seed_worker(worker_id: int, *, seed: int, rank: int) -> None:
     random.seed(s)
     np.random.seed(s % 2**32)
     torch.manual_seed(s)
+    folder = os.environ.get(LOADER_STACKS_ENV)
+    if folder and hasattr(signal, "SIGUSR2"):
+        f = open(os.path.join(folder, f"loader-{os.getpid()}.txt"), "w")  # noqa: SIM115 - lives with the worker
+        _STACK_FILES.append(f)
+        faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)
 
 
 def build_dataloader(

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from dptrain.diagnostics.loader_stacks import waits_for_loader, worker_sites
 from dptrain.distributed.flight_recorder import recorder_size
 
 # Where a rank blocked in a collective waits: c10d calls, FSDP/DDP hooks, the autograd engine
@@ -134,6 +135,8 @@ def snapshot(*, rank: int, heartbeat: dict[str, Any] | None = None) -> dict[str,
     """This rank's ring and main-thread position, as plain JSON (compared by diagnostics/desync.py)."""
     frame = main_thread_frame()
     site, blocked = call_site(frame)
+    if blocked is None and waits_for_loader(frame):  # the batch it waits for is a DataLoader worker's to make
+        site += "; waiting for its DataLoader: " + ("; ".join(worker_sites()) or "no worker answered")
     where, in_collective = main_thread_position()
     beat = heartbeat or {}
     return {"rank": rank, "host": beat.get("host", ""), "pid": beat.get("pid", os.getpid()),

@@ -28,6 +28,7 @@ from torch import nn
 
 from dptrain.config import DiagnosticsConfig, hang_timeout
 from dptrain.config.speed_checks import parse_profile_steps
+from dptrain.data.loader import LOADER_STACKS_ENV
 from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
 from dptrain.diagnostics.memory import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
 from dptrain.diagnostics.nonfinite import NonFiniteGuard, describe_origin, first_nonfinite_steps
@@ -62,6 +63,9 @@ class Diagnostics:
                  say: Any = None) -> None:
         self.cfg, self.env, self.run_dir = cfg, env, Path(run_dir)
         self.hang_timeout_s = hang_timeout(cfg, pg_timeout_s=pg_timeout_s)
+        if self.hang_timeout_s > 0:  # DataLoader workers forked from now on answer the watchdog with their stacks
+            (self.run_dir / "stacks").mkdir(parents=True, exist_ok=True)
+            os.environ[LOADER_STACKS_ENV] = str(self.run_dir / "stacks")
         self.device = torch.device("cpu")
         self.step = 0  # the step being trained (1-based), for heartbeats and reports
         self.phase_name = "setup"  # ...and the phase it is in (read by the status file's thread)

@@ -12,7 +12,10 @@ import re
 import signal
 from typing import Any
 
-PEER_LOST = re.compile(
+PEER_LOST_MARK = "lost peer"
+"""The exit mark's reason (distributed/exit_marks.py) of a dptrain worker that stopped because another rank died."""
+
+PEER_LOST_ERRORS = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|"
     r"NCCL communicator was aborted|ProcessGroupNCCL.*(aborted|Watchdog caught collective)|"
     r"Socket Timeout|DistNetworkError|recvBytes|sendBytes",
@@ -33,17 +36,20 @@ def is_victim(failure: Any) -> bool:
     """The rank failed because another did: torchrun terminated it, or its error says that a peer went away."""
     if failure.exitcode == -signal.SIGTERM:
         return True
-    return bool(PEER_LOST.search(message(failure)))
+    return bool(PEER_LOST_ERRORS.search(message(failure)))
 
 
-def root_cause(failures: dict[int, Any]) -> int:
-    """The rank whose failure caused the others' (module docstring)."""
-    causes = [rank for rank, f in failures.items() if not is_victim(f)] or list(failures)
+def root_cause(failures: dict[int, Any], *, victims: set[int] | frozenset[int] = frozenset()) -> int:
+    """The rank whose failure caused the others' (module docstring); `victims`: ranks known to have stopped because
+    another did (a dptrain worker's exit mark says so: PEER_LOST_MARK)."""
+    causes = [rank for rank, f in failures.items() if rank not in victims and not is_victim(f)] or list(failures)
     return min(causes, key=lambda rank: (failures[rank].timestamp, rank))
 
 
-def name_root_cause(error: Any) -> tuple[int, Any]:
-    """Make torchrun's ChildFailedError report (format_msg's 'Root Cause') name `root_cause`; returns it."""
-    rank = root_cause(error.failures)
+def name_root_cause(error: Any, marks: dict[int, dict[str, Any]] | None = None) -> tuple[int, Any]:
+    """Make torchrun's ChildFailedError report (format_msg's 'Root Cause') name `root_cause`; returns it. `marks`:
+    the workers' exit marks (read_exit_marks)."""
+    victims = {rank for rank, mark in (marks or {}).items() if mark.get("reason") == PEER_LOST_MARK}
+    rank = root_cause(error.failures, victims=victims)
     error.get_first_failure = lambda: (rank, error.failures[rank])
     return rank, error.failures[rank]

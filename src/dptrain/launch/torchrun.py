@@ -181,7 +181,7 @@ def run_torchrun(
         if args.module and args.training_script == "dptrain.launch.record_script" and args.training_script_args:
             e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
         # torchrun's own report first: the root-cause rank, host, exit code, error file, traceback
-        name_root_cause(e)
+        name_root_cause(e, marks)
         print(e.format_msg(), file=sys.stderr)
         print(f"dptrain: worker(s) failed: {failures}", file=sys.stderr)
         return 1
@@ -207,7 +207,7 @@ def _script_failed(e: Any, args: Any, marks: dict[int, dict[str, Any]]) -> int:
     128 + N, as a shell says). When that rank's exit mark says dptrain chose the status (the hang watchdog of an
     own loop: 3), one line says what dptrain did; otherwise torchrun's report, then one line naming the status as
     the script's own (and the other ranks')."""
-    root_rank, root = name_root_cause(e)
+    root_rank, root = name_root_cause(e, marks)
     mark = marks.get(root_rank, {})
     if mark.get("code") == root.exitcode and root.exitcode > 0:
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))

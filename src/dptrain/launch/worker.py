@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from dptrain.distributed.exit_marks import clear_exit_mark, mark_exit
+from dptrain.launch.culprit import PEER_LOST_MARK
 from dptrain.launch.warm_client import PARENT_ENV
 
 EXIT_INTERRUPTED = 130  # = dptrain.checkpoint.preempt.EXIT_INTERRUPTED (not imported: it imports torch)
@@ -195,6 +196,7 @@ def _train(args: argparse.Namespace, run_dir: Path, *, keep: list | None) -> int
             trainer.ckpt.record_error(f"lost a peer rank: {line}")
             print(f"dptrain: rank {trainer.env.rank}: lost a peer rank during step {trainer.state.step + 1} ({line})",
                   file=sys.stderr)
+            mark_exit(1, PEER_LOST_MARK)  # a victim: never named as the root cause (launch/culprit.py)
             # Let the rank that failed be the first failure torchrun observes (its report names the root
             # cause by time): torchrun stops this one as soon as it sees that rank gone.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing left to save: torchrun's stop ends the wait

@@ -74,3 +74,19 @@ def test_a_worker_that_marked_itself_a_victim_is_never_the_root_cause(tmp_path, 
     error = ChildFailedError("dptrain.launch.worker", failures)
     assert name_root_cause(error)[0] == 0  # unmarked: the tie goes to rank 0
     assert name_root_cause(error, {0: {"code": 1, "reason": PEER_LOST_MARK}})[0] == 1
+
+
+def test_a_node_whose_rendezvous_endpoint_refuses_connections_says_so_and_names_no_other_node():
+    """The wrong rendezvous port on node_rank 1: torch's store client retries for a minute in silence; the wait line
+    (NodeWait, first at 10 s) says that nothing listens there. node_rank 0 hosts the store: it names who is awaited."""
+    from dptrain.config import LaunchConfig
+    from dptrain.launch.torchrun import refuses_connections, waiting_line
+    from support.mp import find_free_port
+
+    endpoint = f"127.0.0.1:{find_free_port()}"  # nothing listens
+    assert refuses_connections(endpoint)
+    line = waiting_line(LaunchConfig(nnodes=2, node_rank=1, rdzv_endpoint=endpoint), 10)
+    assert f"nothing listens at the rendezvous {endpoint} (job id 'dptrain'): this is node_rank 1" in line, line
+    assert "node_rank(s)" not in line
+    line = waiting_line(LaunchConfig(nnodes=2, node_rank=0, rdzv_endpoint=endpoint), 10)
+    assert "this is node_rank 0; node_rank(s) 1 have not all joined" in line, line

@@ -37,6 +37,8 @@ TORCH_JOIN_TIMEOUT_S = 600
 """torchrun's c10d join_timeout when launch.rdzv_conf sets none."""
 RENDEZVOUS_GRACE_S = 5.0
 """How long past join_timeout the launcher waits for torchrun's own verdict before it gives its own."""
+FIRST_WAIT_LINE_S = 10.0
+"""When a node still waiting at the rendezvous first says who is awaited (then every DPTRAIN_WAIT_REPORT_S)."""
 
 # torchrun with gloo cannot re-rendezvous after a worker dies while the agent shares its TCP
 # store with the workers (pytorch#135712); a separate store per restart round makes it work.
@@ -261,6 +263,32 @@ def join_timeout_s(cfg: LaunchConfig | None) -> int:
     return parse_rdzv_conf(cfg.rdzv_conf).get("join_timeout", TORCH_JOIN_TIMEOUT_S)
 
 
+def waiting_line(cfg: LaunchConfig, waited: float) -> str:
+    """NodeWait's line: who is awaited, or, on a node other than node_rank 0 (which hosts the store), that nothing
+    listens at the endpoint."""
+    where = f"the rendezvous {cfg.rdzv_endpoint} (job id {cfg.rdzv_id!r})"
+    if cfg.node_rank != 0 and cfg.rdzv_endpoint and refuses_connections(cfg.rdzv_endpoint):
+        return (f"dptrain: waiting {waited:.0f}s: nothing listens at {where}: this is node_rank {cfg.node_rank}, and "
+                "its connections are refused. Check launch.rdzv_endpoint on this node (the host and port node_rank 0 "
+                "uses), or start node_rank 0")
+    others = ", ".join(str(r) for r in range(max_nodes(cfg)) if r != cfg.node_rank)
+    return (f"dptrain: waiting {waited:.0f}s at {where} for the other node(s) of launch.nnodes={cfg.nnodes}: this is "
+            f"node_rank {cfg.node_rank}; node_rank(s) {others} have not all joined. Start the same command there with "
+            "launch.node_rank set, the same rdzv_endpoint and rdzv_id")
+
+
+def refuses_connections(endpoint: str) -> bool:
+    """Whether a TCP connection to `endpoint` is refused right now (nothing listens there)."""
+    host, port = parse_endpoint(endpoint)
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # unreachable, timed out, unresolvable: not a plain refusal
+        return False
+
+
 def port_holder(endpoint: str, *, any_program: bool = False) -> str | None:
     """Who listens on the endpoint's port on this machine when it is not this process (a program
     that is not torchrun's store), as 'pid N (command)'; None when nobody or this process does, or
@@ -319,7 +347,9 @@ def check_rdzv_port(endpoint: str | None) -> None:
 
 class NodeWait:
     """While this node's workers have not started (torchrun is still waiting for the other nodes at
-    the rendezvous), print a line every `DPTRAIN_WAIT_REPORT_S` seconds (30) saying who is awaited.
+    the rendezvous), print a line after 10 s, then every `DPTRAIN_WAIT_REPORT_S` seconds (30), saying who is
+    awaited; a node whose rendezvous endpoint refuses connections says that instead (a wrong port or host on
+    this node, or node_rank 0 not started yet): torch's store client would retry for a minute in silence.
     torchrun ends a rendezvous that does not complete at join_timeout (RendezvousTimeoutError), but
     not one stuck connecting to a port that another program holds (its store client waits for an
     answer that never comes): join_timeout + RENDEZVOUS_GRACE_S after the start, with still no
@@ -338,7 +368,7 @@ class NodeWait:
         import psutil
 
         me = psutil.Process()
-        next_line = self.every
+        next_line = min(FIRST_WAIT_LINE_S, self.every)
         while not self._stop.wait(min(1.0, self.every)):
             if {c.pid for c in me.children()} - self.ignore:  # the rendezvous completed: the workers are running
                 return
@@ -347,16 +377,8 @@ class NodeWait:
                 self._give_up(waited)
             if waited < next_line:
                 continue
-            next_line += self.every
-            others = ", ".join(str(r) for r in range(max_nodes(self.cfg)) if r != self.cfg.node_rank)
-            print(
-                f"dptrain: waiting {time.monotonic() - self._t0:.0f}s at the rendezvous {self.cfg.rdzv_endpoint} "
-                f"(job id {self.cfg.rdzv_id!r}) for the other node(s) of launch.nnodes={self.cfg.nnodes}: this is "
-                f"node_rank {self.cfg.node_rank}; node_rank(s) {others} have not all joined. Start the same command "
-                "there with launch.node_rank set, the same rdzv_endpoint and rdzv_id",
-                file=sys.stderr,
-                flush=True,
-            )
+            next_line = waited + self.every
+            print(waiting_line(self.cfg, waited), file=sys.stderr, flush=True)
 
     def _give_up(self, waited: float) -> None:
         endpoint = self.cfg.rdzv_endpoint or "?"

@@ -96,7 +96,7 @@ FAULTS = [
           bounded_by="Checkpointer's save_timeout_s (10 s default)"),
     Fault("stall", "a DataLoader worker that stalls", "run",
           ("data.factory=faults.data:stalling_data", "data.num_workers=2"), what=r"\bdata\b|DataLoader|loader",
-          where=r"dataloader\.py|StallingData|faults/data\.py", deadline_s=330, bounded_by=WATCHDOG),
+          where=r"dataloader\.py|StallingData|faults/data\.py|stall_forever|faults/inject\.py", deadline_s=330, bounded_by=WATCHDOG),
     Fault("straggler", "a 3x straggler (one rank's step 3x slower)", "run",
           ("train.loss=faults.losses:straggler", "train.max_steps=60"), what=r"straggler|compute|slow",
           bounded_by="diagnostics.straggler_every_steps (default 50 steps)"),

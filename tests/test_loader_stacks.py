@@ -38,6 +38,10 @@ def test_innermost_own_line_skips_the_standard_library_and_torch():
             '  File "/home/u/train.py", line 9 in <module>\n')
     assert innermost_own_line(dump) == "data.py:31 in __getitem__"
     assert innermost_own_line("Thread 0x1:\n  <no Python frame>\n") is None
+    idle = (f'  File "{threading.__file__}", line 1 in get\n'
+            '  File "/site/torch/utils/data/_utils/worker.py", line 9 in _worker_loop\n'
+            '  File "/home/u/train.py", line 9 in <module>\n')  # below the loop: the parent's frames, copied by fork
+    assert innermost_own_line(idle) == "idle (waiting for an index)"
 
 
 def test_a_stalled_worker_answers_with_its_line_while_the_main_thread_waits_in_the_dataloader(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ import torch
 from dptrain.data.loader import LOADER_STACKS_ENV
 
 _DATALOADER_FILE = "torch/utils/data/dataloader.py"
+_WORKER_LOOP_FILE = "torch/utils/data/_utils/worker.py"
 _SKIPPED_DIRS = tuple(  # the standard library and torch: where a worker waits, not why
     p.replace("\\", "/") + "/" for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
                                          os.path.dirname(torch.__file__)})
@@ -40,11 +41,17 @@ def waits_for_loader(frame: types.FrameType | None) -> bool:
 
 def innermost_own_line(dump: str) -> str | None:
     """The first line of a faulthandler dump (most recent call first) outside torch and the standard library:
-    "data.py:31 in __getitem__"."""
+    "data.py:31 in __getitem__"; "idle" for a worker waiting for work in torch's worker loop (the frames below it
+    are the parent's, copied by fork)."""
     for line in dump.splitlines():
         m = _FRAME.match(line)
-        if m and not m["path"].replace("\\", "/").startswith(_SKIPPED_DIRS) and not m["path"].startswith("<"):
-            return f"{os.path.basename(m['path'])}:{m['line']} in {m['func']}"
+        if m is None:
+            continue
+        path = m["path"].replace("\\", "/")
+        if path.endswith(_WORKER_LOOP_FILE):
+            return "idle (waiting for an index)"
+        if not path.startswith(_SKIPPED_DIRS) and not path.startswith("<"):
+            return f"{os.path.basename(path)}:{m['line']} in {m['func']}"
     return None
 
 

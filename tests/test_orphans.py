@@ -80,7 +80,7 @@ def test_dptrain_launch_workers_hung_in_a_collective_end_seconds_after_a_sigkill
         took = time.monotonic() - t0
         alive = [w.pid for w in workers if running(w)]
         assert not alive, f"workers {alive} outlived their launcher by more than 15s"
-        assert took < 5.0, f"the workers took {took:.1f}s to end after the launcher was killed"
+        assert took < 10.0, f"the workers took {took:.1f}s to end after the launcher was killed"
         print(f"workers gone {took:.2f}s after the launcher's SIGKILL ({handler})")
         output = launcher.communicate(timeout=10)[0]
         if handler == "handler":  # the handlers ran (rank 1, asleep) or could not (rank 0, in its all_reduce)

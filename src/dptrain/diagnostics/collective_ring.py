@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from dptrain.diagnostics.loader_stacks import waits_for_loader, worker_sites
+from dptrain.diagnostics.loader_stacks import SKIPPED_DIRS, waits_for_loader, worker_sites
 from dptrain.distributed.flight_recorder import recorder_size
 
 # Where a rank blocked in a collective waits: c10d calls, FSDP/DDP hooks, the autograd engine
@@ -108,7 +108,7 @@ def call_site(frame: types.FrameType | None) -> tuple[str, str | None]:
     blocked = next((f.f_code.co_name for f in reversed(frames) if _path(f).endswith(_C10D_FILE)), None)
     if blocked is None and any("torch/autograd/" in _path(f) for f in frames):
         blocked = "backward"
-    own = [f for f in frames if not _path(f).startswith(_TORCH_DIR)]
+    own = [f for f in frames if not _path(f).startswith(SKIPPED_DIRS)]  # not torch's, not the standard library's
     if not own:
         return "?", blocked
     site = _short(own[0])

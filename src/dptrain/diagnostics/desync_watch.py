@@ -120,7 +120,10 @@ class DesyncWatch:
         if self.rank != 0:
             self._checked_step = step
             return None
-        snaps = self._gather(_CHECK, step)
+        # Every rank's newest ring since the last comparison: the ranks' threads tick at their own times, so another
+        # rank's ring is often from a step or two before this one's (the rings overlap: a mismatch at any sequence
+        # number both still hold is found); asking for this very step could wait for ever on a loaded machine.
+        snaps = self._gather(_CHECK, self._checked_step + 1)
         if len(snaps) < self.world_size:
             return None  # the others publish at their next tick
         self._checked_step = step

@@ -24,7 +24,7 @@ from dptrain.data.loader import LOADER_STACKS_ENV
 
 _DATALOADER_FILE = "torch/utils/data/dataloader.py"
 _WORKER_LOOP_FILE = "torch/utils/data/_utils/worker.py"
-_SKIPPED_DIRS = tuple(  # the standard library and torch: where a worker waits, not why
+SKIPPED_DIRS = tuple(  # the standard library and torch: where a process waits, not why
     p.replace("\\", "/") + "/" for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
                                          os.path.dirname(torch.__file__)})
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -50,7 +50,7 @@ def innermost_own_line(dump: str) -> str | None:
         path = m["path"].replace("\\", "/")
         if path.endswith(_WORKER_LOOP_FILE):
             return "idle (waiting for an index)"
-        if not path.startswith(_SKIPPED_DIRS) and not path.startswith("<"):
+        if not path.startswith(SKIPPED_DIRS) and not path.startswith("<"):
             return f"{os.path.basename(path)}:{m['line']} in {m['func']}"
     return None
 
@@ -78,5 +78,6 @@ def worker_sites(*, timeout_s: float = 1.0) -> list[str]:
         with open(path) as f:
             f.seek(before)
             line = innermost_own_line(f.read())
-        out.append(f"worker pid {pid} at {line or 'an unknown line'}")
+        where = line if line and line.startswith("idle") else f"at {line or 'an unknown line'}"
+        out.append(f"worker pid {pid} {where}")
     return out

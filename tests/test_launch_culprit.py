@@ -78,7 +78,7 @@ def test_a_worker_that_marked_itself_a_victim_is_never_the_root_cause(tmp_path, 
 
 def test_a_node_whose_rendezvous_endpoint_refuses_connections_says_so_and_names_no_other_node():
     """The wrong rendezvous port on node_rank 1: torch's store client retries for a minute in silence; the wait line
-    (NodeWait, first at 10 s) says that nothing listens there. node_rank 0 hosts the store: it names who is awaited."""
+    (NodeWait, first at 5 s) says that nothing listens there. node_rank 0 hosts the store: it names who is awaited."""
     from dptrain.config import LaunchConfig
     from dptrain.launch.torchrun import refuses_connections, waiting_line
     from support.mp import find_free_port

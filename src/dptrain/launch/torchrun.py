@@ -37,7 +37,7 @@ TORCH_JOIN_TIMEOUT_S = 600
 """torchrun's c10d join_timeout when launch.rdzv_conf sets none."""
 RENDEZVOUS_GRACE_S = 5.0
 """How long past join_timeout the launcher waits for torchrun's own verdict before it gives its own."""
-FIRST_WAIT_LINE_S = 10.0
+FIRST_WAIT_LINE_S = 5.0
 """When a node still waiting at the rendezvous first says who is awaited (then every DPTRAIN_WAIT_REPORT_S)."""
 
 # torchrun with gloo cannot re-rendezvous after a worker dies while the agent shares its TCP
@@ -347,7 +347,7 @@ def check_rdzv_port(endpoint: str | None) -> None:
 
 class NodeWait:
     """While this node's workers have not started (torchrun is still waiting for the other nodes at
-    the rendezvous), print a line after 10 s, then every `DPTRAIN_WAIT_REPORT_S` seconds (30), saying who is
+    the rendezvous), print a line after 5 s, then every `DPTRAIN_WAIT_REPORT_S` seconds (30), saying who is
     awaited; a node whose rendezvous endpoint refuses connections says that instead (a wrong port or host on
     this node, or node_rank 0 not started yet): torch's store client would retry for a minute in silence.
     torchrun ends a rendezvous that does not complete at join_timeout (RendezvousTimeoutError), but

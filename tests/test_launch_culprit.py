@@ -80,7 +80,7 @@ def test_a_node_whose_rendezvous_endpoint_refuses_connections_says_so_and_names_
     """The wrong rendezvous port on node_rank 1: torch's store client retries for a minute in silence; the wait line
     (NodeWait, first at 5 s) says that nothing listens there. node_rank 0 hosts the store: it names who is awaited."""
     from dptrain.config import LaunchConfig
-    from dptrain.launch.torchrun import refuses_connections, waiting_line
+    from dptrain.launch.rendezvous_wait import refuses_connections, waiting_line
     from support.mp import find_free_port
 
     endpoint = f"127.0.0.1:{find_free_port()}"  # nothing listens

@@ -39,6 +39,7 @@ from dptrain.launch.cluster_env import cluster_launch
 from dptrain.launch.elastic import pin_global_batch
 from dptrain.launch.hosted_checks import check_hosted, check_unnamed_recipe
 from dptrain.launch.interrupts import EARLY
+from dptrain.launch.rendezvous_wait import check_rdzv_port
 from dptrain.launch.warm import warm_workers_on
 from dptrain.launch.worker import main as worker_main
 from dptrain.metrics.console_log import console_log
@@ -75,7 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_workers_fit(local_world_size(cfg.launch))  # `--nproc-per-node 4096`: said before the batch arithmetic
     validate(cfg)  # before anything imports torch: a refusal is instant
     check_rdzv_endpoint(cfg.launch.rdzv_endpoint)  # an unknown host: said now, not after torchrun's retries
-    launch.check_rdzv_port(cfg.launch.rdzv_endpoint)  # a port another program holds: said now, not after join_timeout
+    check_rdzv_port(cfg.launch.rdzv_endpoint)  # a port another program holds: said now, not after join_timeout
     run_dir = Path(default_out_dir(cfg))
     check_dir_writable(run_dir, what="--out" if args.out else "log.out_dir")
     if cfg.checkpoint.dir is not None:

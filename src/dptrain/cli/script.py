@@ -11,6 +11,7 @@ from dptrain.config import (
     local_world_size,
 )
 from dptrain.launch import torchrun as launch
+from dptrain.launch.rendezvous_wait import check_rdzv_port
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -22,7 +23,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     _check_nproc_option(args.argv)
     _check_script(args.argv)
     opts = launch.torchrun_options(args.argv)
-    launch.check_rdzv_port(launch.option_value(opts, "--rdzv-endpoint", "--rdzv_endpoint"))
+    check_rdzv_port(launch.option_value(opts, "--rdzv-endpoint", "--rdzv_endpoint"))
     argv = launch.user_script_args(args.argv, default_nproc=local_world_size(LaunchConfig()))
     argv = launch.record_failures(argv)  # the script's traceback reaches torchrun's failure report
     return launch.run_torchrun(argv, restarts=_wants_restarts(argv), own_workers=False)

@@ -55,8 +55,8 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from dptrain.checkpoint import manifest as mf  # noqa: E402
-from dptrain.checkpoint.memory import DEFAULT_ROOT  # noqa: E402
-from dptrain.checkpoint.memory_folder import run_id  # noqa: E402
+from dptrain.checkpoint.snapshots.folder import run_id  # noqa: E402
+from dptrain.checkpoint.snapshots.store import DEFAULT_ROOT  # noqa: E402
 from dptrain.tools.netns import Cluster, unavailable_reason  # noqa: E402
 
 KINDS = ("worker_kill", "node_loss", "rejoin", "sigterm", "stall", "full_disk", "corrupt")

@@ -55,7 +55,7 @@ def overhead_worker(rounds: int, strategy: str | None = None, nodes: int = 1) ->
     import torch
     import torch.distributed as dist
 
-    from dptrain.checkpoint.memory import snapshot_bytes
+    from dptrain.checkpoint.snapshots.store import snapshot_bytes
     from dptrain.config.load import load_config
     from dptrain.tools.bench.harness import run_step
     from dptrain.train.trainer import Trainer
@@ -157,7 +157,7 @@ def own_snapshots(tr, *, nodes: int, auto: bool) -> None:
     snapshot is also sent to the other rank and its snapshot received, over loopback: the replication's cost."""
     import dataclasses
 
-    from dptrain.checkpoint.memory import MemorySnapshots
+    from dptrain.checkpoint.snapshots.store import MemorySnapshots
 
     old = tr.ckpt.memory
     env = old.env if nodes == 1 else dataclasses.replace(old.env, local_world_size=1, local_rank=0,

@@ -43,13 +43,11 @@ from dptrain.checkpoint import storage
 from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
 from dptrain.checkpoint.base_identity import describe, same_base
 from dptrain.checkpoint.full_disk import agree, caught, disk_full, run_dir_full
-from dptrain.checkpoint.live_state import LiveState
 from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
-from dptrain.checkpoint.memory import MemorySnapshots
-from dptrain.checkpoint.memory_recover import MemoryChoice, recover
 from dptrain.checkpoint.preempt import PreemptionFlag
 from dptrain.checkpoint.resume import ResumeChoice, Wording, choose_checkpoint, newest_committed, truncate_metrics
 from dptrain.checkpoint.rundir import move_aside
+from dptrain.checkpoint.snapshots import LiveState, MemoryChoice, MemorySnapshots, recover, snapshot_files
 from dptrain.checkpoint.state import CheckpointState, RngState
 from dptrain.config import Config, ModelConfig, to_dict
 from dptrain.config.nodes import is_elastic
@@ -327,26 +325,9 @@ class CheckpointManager:
         return False
 
     def _snapshot_files(self, state: CheckpointState) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
-        """This rank's share of a checkpoint, as live state (the in-memory snapshot copies it): its files (full
-        format: rank 0's model and optimizer files; rank 0's train.pt; its rank file), the `dcp` format's model
-        and optimizer shards (None in the full format), and the format version they are in. The state dicts are
-        the module's and optimizer's own once they have matched DCP's (live_state.py). Shards of ranks that all
-        hold the same parameters use DCP's nested optimizer layout (format version 2), which those own state dicts
-        have; pipeline stages need the flattened one (version 3), from DCP's helpers."""
-        version = FORMAT_VERSION
-        files = self._live(state, rank=self.env.rank) if state.full else {}
-        shards = None
-        if not state.full:
-            version = FORMAT_VERSION if self.root_cfg.parallel.pp > 1 else 2
-            with storage.optimizer_layout(state, flat=version >= 3):
-                shards = self._live(state, rank=self.env.rank)
-        if self.env.rank == 0:
-            scaler = state.scaler.state_dict() if state.scaler is not None else None
-            files["train.pt"] = {"scheduler": state.schedule.state_dict(), "scaler": scaler or None}
-            files.update(state.extra_files)
-        own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
-        files[f"rank_{self.env.rank:05d}.pt"] = own
-        return files, shards, version
+        """This rank's share of a checkpoint as live state, its shards and their format version (snapshots/)."""
+        return snapshot_files(state, self._live, rank=self.env.rank, version=FORMAT_VERSION,
+                              pipeline=self.root_cfg.parallel.pp > 1)
 
     def save_final(self, state: CheckpointState) -> None:
         """The end-of-run checkpoint (skipped when this step was just saved); waits for any

@@ -25,7 +25,7 @@ required where the world size never changed, and reported in every case.
 
     python benchmarks/chaos_soak.py --seed 1 --faults 20 --md docs/results/chaos_soak.md
     python benchmarks/chaos_soak.py --plan worker_kill@6,node_loss@14,rejoin@20   # fixed faults
-    python benchmarks/chaos_soak.py --overrides checkpoint.memory_every_steps=0  # disk only (no memory snapshots)
+    python benchmarks/chaos_soak.py --overrides checkpoint.snapshot_every_steps=0  # disk only (no memory snapshots)
 
 Needs root (network namespaces, tmpfs). Exit 0 when the comparison holds, 1 when it does not, 2 when
 the cluster cannot be built or the job failed.

@@ -21,7 +21,7 @@ from dptrain.checkpoint.snapshots.store import MemorySnapshots, snapshot_bytes
 from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
 from dptrain.config import ConfigError, validate
 from dptrain.config.load import load_config
-from dptrain.config.resolve import memory_snapshot_every
+from dptrain.config.resolve import snapshot_every
 from dptrain.distributed.env import DistEnv
 from support.mp import in_group, run_ranks
 
@@ -68,18 +68,18 @@ def test_pack_unpack_round_trip():
 
 @pytest.mark.fast
 def test_memory_every_steps_is_checked_and_accepted_for_every_format():
-    with pytest.raises(ConfigError, match=r"checkpoint.memory_every_steps=-1"):
-        validate(load_config(None, ["checkpoint.memory_every_steps=-1"]))
+    with pytest.raises(ConfigError, match=r"checkpoint.snapshot_every_steps=-1"):
+        validate(load_config(None, ["checkpoint.snapshot_every_steps=-1"]))
     for strategy in ("zero1", "fsdp", "zero2"):
-        validate(load_config(None, ["checkpoint.memory_every_steps=1", f"parallel.strategy={strategy}"]))
+        validate(load_config(None, ["checkpoint.snapshot_every_steps=1", f"parallel.strategy={strategy}"]))
 
 
 @pytest.mark.fast
 def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart():
     def every(*over: str, restarts: int) -> int:
-        return memory_snapshot_every(load_config(None, list(over)), max_restarts=restarts)
+        return snapshot_every(load_config(None, list(over)), max_restarts=restarts)
 
-    assert load_config(None, []).checkpoint.memory_every_steps is None
+    assert load_config(None, []).checkpoint.snapshot_every_steps is None
     assert DistEnv.from_env({"TORCHELASTIC_MAX_RESTARTS": "2"}).max_restarts == 2  # torchrun's budget, per worker
     assert DistEnv.from_env({}).max_restarts == 0
     assert every("parallel.strategy=ddp", restarts=1) == 1
@@ -87,8 +87,8 @@ def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart():
     assert every("parallel.strategy=ddp", restarts=0) == 0  # no restart: nothing would read them
     assert every("parallel.strategy=fsdp", restarts=1) == 1  # DCP shards
     assert every("parallel.strategy=fsdp", restarts=0) == 0
-    assert every("parallel.strategy=ddp", "checkpoint.memory_every_steps=0", restarts=1) == 0
-    assert every("parallel.strategy=ddp", "checkpoint.memory_every_steps=5", restarts=0) == 5
+    assert every("parallel.strategy=ddp", "checkpoint.snapshot_every_steps=0", restarts=1) == 0
+    assert every("parallel.strategy=ddp", "checkpoint.snapshot_every_steps=5", restarts=0) == 5
 
 
 @pytest.mark.fast
@@ -96,7 +96,7 @@ def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart():
 def test_default_snapshots_turn_off_with_a_warning_when_the_tmpfs_cannot_hold_them(tmp_path, monkeypatch, capsys,
                                                                                    failure):
     """A small /dev/shm (a container's 64 MiB) or a write that fails: the default turns itself off, training goes on;
-    an explicit checkpoint.memory_every_steps still fails loudly."""
+    an explicit checkpoint.snapshot_every_steps still fails loudly."""
     env = DistEnv(hostname="h")
     snap = MemorySnapshots(every_steps=1, root=str(tmp_path), run_dir=tmp_path / "run", env=env, auto=True)
     snap.start(fresh=True)

@@ -51,7 +51,7 @@ from dptrain.checkpoint.snapshots import LiveState, MemoryChoice, MemorySnapshot
 from dptrain.checkpoint.state import CheckpointState, RngState
 from dptrain.config import Config, ModelConfig, to_dict
 from dptrain.config.nodes import is_elastic
-from dptrain.config.resolve import memory_snapshot_every
+from dptrain.config.resolve import snapshot_every
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
@@ -114,8 +114,9 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
         self.memory = MemorySnapshots(
-            every_steps=memory_snapshot_every(cfg, max_restarts=env.max_restarts),
-            root=cfg.checkpoint.memory_dir, run_dir=run_dir, env=env, auto=cfg.checkpoint.memory_every_steps is None,
+            every_steps=snapshot_every(cfg, max_restarts=env.max_restarts),
+            root=cfg.checkpoint.snapshot_dir, run_dir=run_dir, env=env,
+            auto=cfg.checkpoint.snapshot_every_steps is None,
         )
         self.resumed_from_memory: MemoryChoice | None = None
         self._live = LiveState()  # the snapshots' state dicts, cheap once checked

@@ -1,5 +1,5 @@
 """In-memory snapshots: the run's state copied into host memory (a tmpfs) at step boundaries, replicated to
-another node, and recovered from after a restart (`checkpoint.memory_every_steps`, `checkpoint.memory_dir`).
+another node, and recovered from after a restart (`checkpoint.snapshot_every_steps`, `checkpoint.snapshot_dir`).
 
 A closed sub-system: the `CheckpointManager` (checkpoint/manager.py) uses it only through the names below.
 

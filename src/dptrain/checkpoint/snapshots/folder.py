@@ -1,6 +1,6 @@
-"""The node's snapshot folder (memory.py): its layout, the parts, and cleaning up.
+"""The node's snapshot folder (store.py): its layout, the parts, and cleaning up.
 
-`<memory_dir>/<run id>/<host>/`: `step_NNNNNN/` (a snapshot's files: this node's ranks' and the replica of the
+`<snapshot_dir>/<run id>/<host>/`: `step_NNNNNN/` (a snapshot's files: this node's ranks' and the replica of the
 previous node's), `parts/step_NNNNNN.rank_RRRRR.json` (one per rank's share of a snapshot, written last: a part
 names only files fully written), `.slots/` (the mapped files the snapshots link, flat.py) and `owner.json`
 (the launcher process that owns the folder; a folder whose owner is gone belongs to a dead run).

@@ -1,9 +1,9 @@
 """In-memory snapshots: the checkpoint format in host memory, with a copy on another node.
 
-Every `checkpoint.memory_every_steps` each rank copies its share of the checkpoint (`full` format:
+Every `checkpoint.snapshot_every_steps` each rank copies its share of the checkpoint (`full` format:
 rank 0 the model, optimizer and `train.pt` files; `dcp` format: every rank its model and optimizer
 shards, rank 0 `train.pt`; every rank its `rank_RRRRR.pt`) at the step boundary straight into files of
-its node's folder `<memory_dir>/<run id>/<host>/` (a tmpfs: `/dev/shm/dptrain` by default, which outlives
+its node's folder `<snapshot_dir>/<run id>/<host>/` (a tmpfs: `/dev/shm/dptrain` by default, which outlives
 the worker process), mapped into the process (flat.py: the copy is the write, a device-to-host
 copy on a GPU). A background thread links them into the snapshot's folder `step_NNNNNN/`, with a small
 skeleton per file, then writes the rank's *part* `parts/step_NNNNNN.rank_RRRRR.json` (every file's size
@@ -19,7 +19,7 @@ At most two snapshots exist at a time: the thread ends each snapshot with an all
 snapshots' group (did any rank fail; the pace's share), so when the step loop starts the next one, every
 rank has finished the previous one, and everything older is deleted, with no collective on the step's
 path. Host memory per rank: 2 x (own files + the replica it holds); see `snapshot_bytes`. The default
-(`memory_every_steps: null`) checks room and time first (pace.py).
+(`snapshot_every_steps: null`) checks room and time first (pace.py).
 
 Recovery (`recover.py`) builds a committed checkpoint folder from the parts the new world holds.
 The run id is a hash of the run directory's absolute path (shared by every node and every restart).
@@ -86,7 +86,7 @@ class MemorySnapshots:
 
     def __init__(self, *, every_steps: int, root: str | None, run_dir: Path, env: DistEnv, auto: bool = False) -> None:
         self.every_steps = every_steps
-        self.auto = auto  # on by default (checkpoint.memory_every_steps: null): turned off, not failing, when it cannot
+        self.auto = auto  # on by default (checkpoint.snapshot_every_steps: null): turned off, not failing, if it cannot
         self.base = Path(root or DEFAULT_ROOT)
         self.run = run_id(run_dir)
         self.node_dir = self.base / self.run / (env.hostname or "localhost")
@@ -182,15 +182,15 @@ class MemorySnapshots:
         if failed:
             self.every_steps = 0  # on every rank alike
             if self.env.is_main:
-                print("dptrain: warning: in-memory snapshots turned off for this run (set checkpoint.memory_dir to "
-                      "a larger tmpfs, or checkpoint.memory_every_steps=0 to silence this)", file=sys.stderr,
+                print("dptrain: warning: in-memory snapshots turned off for this run (set checkpoint.snapshot_dir to "
+                      "a larger tmpfs, or checkpoint.snapshot_every_steps=0 to silence this)", file=sys.stderr,
                       flush=True)
             return False
         if share is not None and interval_for(share) > 1:
             self.every_steps = interval_for(share)
             if self.env.is_main:
                 print(f"dptrain: in-memory snapshots every {self.every_steps} steps: one takes {share:.1%} of a "
-                      "step's time (the default keeps them within 3%; set checkpoint.memory_every_steps to choose)",
+                      "step's time (the default keeps them within 3%; set checkpoint.snapshot_every_steps to choose)",
                       file=sys.stderr, flush=True)
         return True
 

@@ -57,8 +57,8 @@ def parallelize_meta(cfg: ModelConfig, pcfg: ParallelConfig) -> tuple[nn.Module,
     if reason is not None:
         return apply_strategy(model, cfg=pcfg, device=CPU), reason
     hook = make_materializer(device=CPU, seed=SEED)  # with cpu_offload too: the shards live on the CPU
-    plan = parallelize(model, strategy=pcfg.strategy, cpu_offload=pcfg.cpu_offload, device=CPU, materialize=hook)
-    return plan.module, None
+    pmodel = parallelize(model, strategy=pcfg.strategy, cpu_offload=pcfg.cpu_offload, device=CPU, materialize=hook)
+    return pmodel.module, None
 
 
 def mismatches(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:

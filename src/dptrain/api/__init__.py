@@ -42,7 +42,7 @@ from dptrain.api.runtime import (
     print0,
     save_model,
 )
-from dptrain.api.setup import Runtime, init_distributed, parallelize, plan_of, prepare_model
+from dptrain.api.setup import Runtime, init_distributed, parallel_model_of, parallelize, prepare_model
 
 __all__ = [
     "Checkpointer",
@@ -61,7 +61,7 @@ __all__ = [
     "mixed_precision",
     "monitor",
     "parallelize",
-    "plan_of",
+    "parallel_model_of",
     "prepare_dataloader",
     "prepare_eval_dataloader",
     "prepare_model",

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dptrain.api.setup import plan_of
+from dptrain.api.setup import parallel_model_of
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
 from dptrain.checkpoint.extra import EXTRA_FILE, decode, encode
@@ -170,12 +170,12 @@ class Checkpointer:
         if not isinstance(resume, str | os.PathLike):
             raise ConfigError(f"Checkpointer(resume={resume!r}): pass 'auto', 'none', 'overwrite' or a step folder")
         resume = os.fspath(resume)
-        plan, strategy = plan_of(model)
+        pmodel, strategy = parallel_model_of(model)
         if isinstance(model, ParallelModel):
-            plan = model
-        module = plan.module if plan is not None else model
-        full = plan.full_checkpoint if plan is not None else not is_sharded(model)
-        parts = plan.model_parts if plan is not None else [model]
+            pmodel = model
+        module = pmodel.module if pmodel is not None else model
+        full = pmodel.full_checkpoint if pmodel is not None else not is_sharded(model)
+        parts = pmodel.model_parts if pmodel is not None else [model]
         self.out_dir = Path(out_dir)
         self.loader: EpochLoader | None = loader
         self.train = TrainState()

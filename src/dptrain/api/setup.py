@@ -3,7 +3,7 @@
 `init_distributed` joins the job (a world of one without torchrun); `parallelize` returns the whole
 `ParallelModel`; `prepare_model` returns only the module to call, with the user's attributes passed
 through the DDP/DataParallel wrapper (`model.init_hidden(...)` works; FSDP2 shards the module in place,
-so its attributes are there anyway). Both remember which strategy made the module (`plan_of`), so a
+so its attributes are there anyway). Both remember which strategy made the module (`parallel_model_of`), so a
 `Checkpointer` picks the full or the DCP format by itself.
 """
 
@@ -80,14 +80,14 @@ def process_group_timeout() -> float:
     return _SETTINGS["timeout_s"]
 
 
-# Which strategy made a module or plan: a Checkpointer records it and picks full or DCP by it.
-_PLANS: weakref.WeakKeyDictionary[Any, tuple[ParallelModel, str]] = weakref.WeakKeyDictionary()
+# Which strategy made a module or ParallelModel: a Checkpointer records it and picks full or DCP by it.
+_MADE_BY: weakref.WeakKeyDictionary[Any, tuple[ParallelModel, str]] = weakref.WeakKeyDictionary()
 
 
-def plan_of(model: Any) -> tuple[ParallelModel | None, str | None]:
-    """(the `ParallelModel`, its strategy) behind a module from `prepare_model` or a plan from
+def parallel_model_of(model: Any) -> tuple[ParallelModel | None, str | None]:
+    """(the `ParallelModel`, its strategy) behind a module from `prepare_model` or a ParallelModel from
     `parallelize`; (None, None) for a model dptrain did not prepare."""
-    return _PLANS.get(model, (None, None))
+    return _MADE_BY.get(model, (None, None))
 
 
 class _PassThrough:
@@ -156,10 +156,10 @@ def parallelize(
     dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
     device = device or torch.device("cpu")
     mesh = ParallelMesh.build(dims, device_type=device.type)
-    plan = parallelize_model(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
-    pass_through(plan.module)
-    _PLANS[plan] = _PLANS[plan.module] = (plan, strategy)
-    return plan
+    pmodel = parallelize_model(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
+    pass_through(pmodel.module)
+    _MADE_BY[pmodel] = _MADE_BY[pmodel.module] = (pmodel, strategy)
+    return pmodel
 
 
 def prepare_model(
@@ -184,8 +184,8 @@ def prepare_model(
     if mode.shard_optimizer:
         raise ConfigError(
             f"prepare_model(strategy={strategy!r}) cannot shard the optimizer: it returns only the module. Use "
-            f"plan = dptrain.parallelize(model, strategy={strategy!r}); optimizer = plan.optimizer(torch.optim.AdamW, "
-            "lr=...); call plan.module in the loop"
+            f"pmodel = dptrain.parallelize(model, strategy={strategy!r}); "
+            "optimizer = pmodel.optimizer(torch.optim.AdamW, lr=...); call pmodel.module in the loop"
         )
     return parallelize(
         model, strategy=strategy, device=device, bucket_cap_mb=bucket_cap_mb, cpu_offload=cpu_offload

@@ -5,7 +5,7 @@
   one per model-parallel coordinate;
 - FSDP shards a block that nests its own ModuleList (children first) and trains like one process;
 - `materialize` runs after fully_shard under FSDP2 and before DDP's constructor broadcast;
-- zero1 through `dptrain.parallelize` shards the optimizer; `prepare_model` refuses it with the way out.
+- zero1 through `dptrain.parallelize` shards the optimizer (`.optimizer(...)`).
 """
 
 from __future__ import annotations
@@ -223,15 +223,13 @@ def test_zero1_through_parallelize_shards_the_optimizer_and_keeps_replicas_equal
         assert torch.equal(v, results[1]["state"][k]), k
 
 
-def test_prepare_model_refuses_zero1_naming_the_api_that_does_it():
+def test_prepare_model_is_gone_and_parallelize_names_a_bad_strategy_in_its_own_words():
+    """One public way to parallelise: `dptrain.parallelize` (the module-only `prepare_model` went in issue 36)."""
     import dptrain
 
-    with pytest.raises(
-        ConfigError, match=r"cannot shard the optimizer.*dptrain.parallelize\(model, strategy='zero1'\)"
-    ):
-        dptrain.prepare_model(nn.Linear(2, 2), strategy="zero1")
-    with pytest.raises(ConfigError, match="prepare_model: strategy='zero9' is not valid"):
-        dptrain.prepare_model(nn.Linear(2, 2), strategy="zero9")
+    assert not hasattr(dptrain, "prepare_model") and "prepare_model" not in dptrain.__all__
+    with pytest.raises(ConfigError, match="parallelize: strategy='zero9' is not valid"):
+        dptrain.parallelize(nn.Linear(2, 2), strategy="zero9")
 
 
 # ------------------------------------------------------------------ FSDP2 mixed precision policy

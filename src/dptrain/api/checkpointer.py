@@ -130,7 +130,7 @@ def _check_rng(rng: Any) -> None:
 class Checkpointer:
     """Save and resume an own loop's whole state; see the module doc.
 
-    `model`: what `prepare_model` returned (or the `ParallelModel` of `parallelize`; a model dptrain did
+    `model`: the `ParallelModel` of `parallelize` (or its `.module`; a model dptrain did
     not prepare works too, its format chosen by whether it is sharded). `optimizer`, `scheduler` (any
     object with state_dict/load_state_dict), `loader` (from `prepare_dataloader`: its position is
     saved), `scaler` (a GradScaler or `dptrain.mixed_precision(...)`; only an enabled one is saved).

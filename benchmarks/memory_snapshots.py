@@ -284,7 +284,7 @@ def nodeloss(a: argparse.Namespace) -> None:
     print(f"node {host1} killed; {found.group(0)}")
     print(f"membership record: {change[-1] if change else None}")
     print(f"training again {again_s:.2f}s after the kill; steps lost {change[-1]['steps_lost'] if change else '?'}")
-    toy = [s for s in items if not s.startswith(("launch.", "checkpoint.memory", "train.max_steps"))]
+    toy = [s for s in items if not s.startswith(("launch.", "checkpoint.snapshot", "train.max_steps"))]
     run = [sys.executable, "-m", "dptrain", "run", *toy]
     subprocess.run([*run, f"train.max_steps={k}", "--nproc-per-node", "2", "--out", str(tmp / "ref2")],
                    env=env(), cwd=ROOT, check=True, capture_output=True)

@@ -25,7 +25,7 @@ required where the world size never changed, and reported in every case.
 
     python benchmarks/chaos_soak.py --seed 1 --faults 20 --md docs/results/chaos_soak.md
     python benchmarks/chaos_soak.py --plan worker_kill@6,node_loss@14,rejoin@20   # fixed faults
-    python benchmarks/chaos_soak.py --overrides checkpoint.memory_every_steps=0  # disk only (no memory snapshots)
+    python benchmarks/chaos_soak.py --overrides checkpoint.snapshot_every_steps=0  # disk only (no memory snapshots)
 
 Needs root (network namespaces, tmpfs). Exit 0 when the comparison holds, 1 when it does not, 2 when
 the cluster cannot be built or the job failed.
@@ -55,8 +55,8 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from dptrain.checkpoint import manifest as mf  # noqa: E402
-from dptrain.checkpoint.memory import DEFAULT_ROOT  # noqa: E402
-from dptrain.checkpoint.memory_folder import run_id  # noqa: E402
+from dptrain.checkpoint.snapshots.folder import run_id  # noqa: E402
+from dptrain.checkpoint.snapshots.store import DEFAULT_ROOT  # noqa: E402
 from dptrain.tools.netns import Cluster, unavailable_reason  # noqa: E402
 
 KINDS = ("worker_kill", "node_loss", "rejoin", "sigterm", "stall", "full_disk", "corrupt")

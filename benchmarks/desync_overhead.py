@@ -45,7 +45,7 @@ MODELS = {
 }
 MICRO = {"toy": 16, "llama": 8}
 OTHERS_OFF = ["diagnostics.straggler_every_steps=0", "diagnostics.drift_every_steps=0",
-              "diagnostics.memory_every_steps=0", "diagnostics.preflight=false"]
+              "diagnostics.rss_every_steps=0", "diagnostics.preflight=false"]
 
 
 def worker(a: argparse.Namespace) -> None:

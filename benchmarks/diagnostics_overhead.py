@@ -31,7 +31,7 @@ OFF = [
     "diagnostics.hang_timeout_s=0",
     "diagnostics.straggler_every_steps=0",
     "diagnostics.drift_every_steps=0",
-    "diagnostics.memory_every_steps=0",
+    "diagnostics.rss_every_steps=0",
     "diagnostics.nonfinite=off",
     "diagnostics.preflight=false",
 ]
@@ -41,7 +41,7 @@ VARIANTS = {
     "nonfinite=skip": ["diagnostics.nonfinite=skip"],
     "straggler (probe every step)": ["diagnostics.straggler_every_steps=10"],
     "drift check (1 per step)": ["diagnostics.drift_every_steps=1"],
-    "memory sample (1 per step)": ["diagnostics.memory_every_steps=1"],
+    "memory sample (1 per step)": ["diagnostics.rss_every_steps=1"],
     "off (again: the noise)": [],
 }
 MODELS = {

@@ -114,7 +114,7 @@ def plan_memory_rows(root: Path, *, base: list[str], n: int, name: str) -> list[
         for dtype in ("fp32", "bf16"):
             items = [*base, *model_args(LLAMA_300M), f"parallel.strategy={strategy}", f"precision.dtype={dtype}",
                      f"launch.nproc_per_node={n}", "train.max_steps=6", "train.micro_batch_size=4",
-                     "train.grad_accum_steps=1", "diagnostics.memory_every_steps=1"]
+                     "train.grad_accum_steps=1", "diagnostics.rss_every_steps=1"]
             out = root / f"plan-{strategy}-{dtype}"
             r = dptrain_run(out, items, timeout=90)
             diag = out / "diagnostics.jsonl"
@@ -190,7 +190,7 @@ def main(argv: list[str]) -> int:
             f"train.max_steps={steps}",
             "train.micro_batch_size=8",
             "train.grad_accum_steps=1",
-            "diagnostics.memory_every_steps=0",
+            "diagnostics.rss_every_steps=0",
         ],
         timeout=170,
     )

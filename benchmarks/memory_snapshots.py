@@ -1,4 +1,4 @@
-"""In-memory snapshots (`checkpoint.memory_every_steps`): their cost per step, their host memory, and recovery
+"""In-memory snapshots (`checkpoint.snapshot_every_steps`): their cost per step, their host memory, and recovery
 from them after a worker SIGKILL and after a node loss.
 
     python benchmarks/memory_snapshots.py overhead [--rounds 60]   # 2 ranks under torchrun, built-in recipe
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-MEMORY = ["checkpoint.every_steps=1000", "checkpoint.memory_every_steps=1"]
+MEMORY = ["checkpoint.every_steps=1000", "checkpoint.snapshot_every_steps=1"]
 
 
 BLOCK = 4
@@ -55,7 +55,7 @@ def overhead_worker(rounds: int, strategy: str | None = None, nodes: int = 1) ->
     import torch
     import torch.distributed as dist
 
-    from dptrain.checkpoint.memory import snapshot_bytes
+    from dptrain.checkpoint.snapshots.store import snapshot_bytes
     from dptrain.config.load import load_config
     from dptrain.tools.bench.harness import run_step
     from dptrain.train.trainer import Trainer
@@ -157,7 +157,7 @@ def own_snapshots(tr, *, nodes: int, auto: bool) -> None:
     snapshot is also sent to the other rank and its snapshot received, over loopback: the replication's cost."""
     import dataclasses
 
-    from dptrain.checkpoint.memory import MemorySnapshots
+    from dptrain.checkpoint.snapshots.store import MemorySnapshots
 
     old = tr.ckpt.memory
     env = old.env if nodes == 1 else dataclasses.replace(old.env, local_world_size=1, local_rank=0,
@@ -221,7 +221,7 @@ RUN = ["train.log_every_steps=1", "log.progress=false", "train.eval_every_steps=
 def kill(a: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="dptrain-memsnap-kill-"))
     out = tmp / "run"
-    argv = [sys.executable, "-m", "dptrain", "run", *RUN, *MEMORY, f"checkpoint.memory_dir={tmp / 'mem'}",
+    argv = [sys.executable, "-m", "dptrain", "run", *RUN, *MEMORY, f"checkpoint.snapshot_dir={tmp / 'mem'}",
             f"train.max_steps={a.steps}", "--nproc-per-node", "2", "--max-restarts", "1", "--out", str(out)]
     proc = subprocess.Popen(argv, env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait("step reached", lambda: max(metrics_steps(out), default=0) >= a.kill_at, 300)
@@ -250,7 +250,7 @@ def nodeloss(a: argparse.Namespace) -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="dptrain-memsnap-node-"))
     out, mem = tmp / "run", tmp / "mem"
-    items = [*RUN, *MEMORY, f"checkpoint.memory_dir={mem}", f"train.max_steps={a.steps}", "optim.name=sgd",
+    items = [*RUN, *MEMORY, f"checkpoint.snapshot_dir={mem}", f"train.max_steps={a.steps}", "optim.name=sgd",
              "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
              "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
              "train.global_batch_size=8", "train.micro_batch_size=2", "launch.max_restarts=3",
@@ -284,7 +284,7 @@ def nodeloss(a: argparse.Namespace) -> None:
     print(f"node {host1} killed; {found.group(0)}")
     print(f"membership record: {change[-1] if change else None}")
     print(f"training again {again_s:.2f}s after the kill; steps lost {change[-1]['steps_lost'] if change else '?'}")
-    toy = [s for s in items if not s.startswith(("launch.", "checkpoint.memory", "train.max_steps"))]
+    toy = [s for s in items if not s.startswith(("launch.", "checkpoint.snapshot", "train.max_steps"))]
     run = [sys.executable, "-m", "dptrain", "run", *toy]
     subprocess.run([*run, f"train.max_steps={k}", "--nproc-per-node", "2", "--out", str(tmp / "ref2")],
                    env=env(), cwd=ROOT, check=True, capture_output=True)

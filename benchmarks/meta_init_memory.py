@@ -6,7 +6,7 @@ Two torchrun jobs, one per mode, so that memory the allocator kept from one mode
 the other's peak. Every rank resets its peak RSS (Linux `/proc/self/clear_refs`) once the
 process group is up. It then builds the LLaMA-style model with `parallel.strategy` applied:
 
-- eager: `build_model` on the CPU, then `apply_strategy`;
+- eager: `build_model` on the CPU, then `dptrain.parallelize`;
 - meta: `build_model_meta`, then FSDP sharding on meta and `materialize`, or, for DDP,
   `materialize` before wrapping.
 
@@ -52,10 +52,10 @@ def worker(a: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
     from dptrain.api import parallelize
-    from dptrain.config import ModelConfig, ParallelConfig
+    from dptrain.config import ModelConfig
     from dptrain.distributed.env import DistEnv
     from dptrain.distributed.process_group import destroy_process_group, init_process_group
-    from dptrain.parallel import apply_strategy, full_state_dict
+    from dptrain.parallel import full_state_dict
     from dptrain.parallel.materialize import make_materializer
     from dptrain.train.build import build_model, build_model_meta, import_object
 
@@ -64,7 +64,6 @@ def worker(a: argparse.Namespace) -> None:
     init_process_group(env, backend="gloo", device=cpu, timeout_s=600)
     cfg = ModelConfig(factory="dptrain.models.llama:build_llama",
                       kwargs={"vocab_size": a.vocab, "dim": a.dim, "n_layers": a.layers, "n_heads": 8})
-    pcfg = ParallelConfig(strategy=a.strategy)
     import_object(cfg.factory)  # imports are not what is measured
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
@@ -72,7 +71,7 @@ def worker(a: argparse.Namespace) -> None:
     base = _status_mib("VmRSS")
     t0 = time.perf_counter()
     if a.mode == "eager":
-        model = apply_strategy(build_model(cfg, seed=0), cfg=pcfg, device=cpu)
+        model = parallelize(build_model(cfg, seed=0), strategy=a.strategy, device=cpu).module
     else:
         model, reason = build_model_meta(cfg, seed=0)
         assert reason is None, reason

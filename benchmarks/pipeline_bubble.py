@@ -92,12 +92,12 @@ def measure(a: argparse.Namespace, *, schedule: str, m: int) -> tuple[float, flo
     )
     trainer = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="dptrain-bubble-"))
     trainer.setup()
-    plan: Any = trainer.parallel
+    pmodel: Any = trainer.parallel
     busy, inside = [0.0], [0.0]
-    for stage in plan.stages:
+    for stage in pmodel.stages:
         stage.forward_one_chunk = _timed(stage.forward_one_chunk, busy)
         stage.backward_one_chunk = _timed(stage.backward_one_chunk, busy)
-    plan.schedule.step = _timed(plan.schedule.step, inside)
+    pmodel.schedule.step = _timed(pmodel.schedule.step, inside)
     steps, busies, insides = [], [], []
     for i in range(a.steps + a.warmup):
         busy[0] = inside[0] = 0.0

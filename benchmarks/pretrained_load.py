@@ -83,8 +83,8 @@ def _rank(rank: int, world: int, port: int, folder: str, strategy: str, reader: 
         def allocate(module: torch.nn.Module) -> None:
             module.to_empty(device="cpu")
 
-        plan = parallelize_model(model, cfg=cfg, mesh=mesh, device=torch.device("cpu"), materialize=allocate)
-        state = dict(plan.plain.named_parameters())
+        pmodel = parallelize_model(model, cfg=cfg, mesh=mesh, device=torch.device("cpu"), materialize=allocate)
+        state = dict(pmodel.plain.named_parameters())
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(folder))
         read = -1
     dist.barrier()

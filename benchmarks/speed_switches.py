@@ -28,7 +28,7 @@ MODEL = ["model.kwargs.dim=128", "model.kwargs.n_layers=4", "model.kwargs.n_head
          "data.kwargs.seq_len=128", "train.micro_batch_size=4", "train.grad_accum_steps=1",
          "train.global_batch_size=8", "optim.warmup_steps=0", "log.progress=false", "train.log_every_steps=10",
          "train.eval_every_steps=0", "parallel.device=cpu", "diagnostics.straggler_every_steps=0",
-         "diagnostics.drift_every_steps=0", "diagnostics.memory_every_steps=0"]
+         "diagnostics.drift_every_steps=0", "diagnostics.rss_every_steps=0"]
 
 SUITES: dict[str, dict[str, list[str]]] = {
     "compile": {

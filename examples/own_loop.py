@@ -13,7 +13,7 @@ from dptrain.models import build_mlp, build_regression_data
 def main() -> None:
     runtime = dptrain.init_distributed()
     torch.manual_seed(0)
-    model = dptrain.prepare_model(build_mlp(), strategy="ddp", device=runtime.device)
+    model = dptrain.parallelize(build_mlp(), strategy="ddp", device=runtime.device).module
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
     loader = dptrain.prepare_dataloader(build_regression_data(n=1024), global_batch_size=64, micro_batch_size=16)
     accum = dptrain.grad_accum_steps(loader)

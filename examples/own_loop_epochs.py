@@ -25,7 +25,7 @@ def main(out: str = "runs/epochs", epochs: int = 4) -> int:
     runtime = dptrain.init_distributed()
     device = runtime.device
     torch.manual_seed(0)
-    model = dptrain.prepare_model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 2)), device=device)
+    model = dptrain.parallelize(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 2)), device=device).module
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     loader = dptrain.prepare_dataloader(data(1000, 0), global_batch_size=64, micro_batch_size=64 // runtime.world_size)

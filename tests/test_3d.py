@@ -119,11 +119,11 @@ def _materialised_state(rank: int, strategy: str, layout: dict[str, int]) -> dic
         meta, reason = build_model_meta(ModelConfig(kwargs=tp.PP_LLAMA), seed=7)
         assert reason is None
         cfg = ParallelConfig(strategy=strategy, pp=2, tp=2, pp_microbatches=2)
-        plan = parallelize_pipeline(meta, cfg=cfg, mesh=mesh, device=torch.device("cpu"),
+        pmodel = parallelize_pipeline(meta, cfg=cfg, mesh=mesh, device=torch.device("cpu"),
                                     materialize=make_materializer(device="cpu", seed=7))
-        assert any(isinstance(p, torch.distributed.tensor.DTensor) for p in plan.plain.parameters())
-        full = plan.full_state_dict()
-        plan.release()
+        assert any(isinstance(p, torch.distributed.tensor.DTensor) for p in pmodel.plain.parameters())
+        full = pmodel.full_state_dict()
+        pmodel.release()
         mesh.release()
         gc.collect()
         return full

@@ -58,7 +58,7 @@ ONE = ["--nproc-per-node", "1", "parallel.strategy=single"]
     ("optim.grad_clip=-1", "optim.grad_clip=-1.0"),
     ("train.max_steps=0", "train.max_steps=0 is not valid; it must be an integer >= 1"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last=0"),
-    ("diagnostics.memory_leak_mb=-inf", "diagnostics.memory_leak_mb=-inf"),
+    ("diagnostics.rss_leak_mb=-inf", "diagnostics.rss_leak_mb=-inf"),
 ])
 def test_numeric_fields_out_of_range_or_not_finite(capsys, tmp_path, override, named):
     refused(capsys, ["run", "--out", str(tmp_path / "r"), override], named)

@@ -28,7 +28,7 @@ def test_three_faults_recover_and_the_result_is_bit_identical_to_an_undisturbed_
     p = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / "chaos_soak.py"), "--plan", "worker_kill@6:1,stall@9:0,corrupt@13:1",
          "--max-steps", "20", "--keep", str(tmp_path / "work"), "--json", str(out),
-         "--overrides", "checkpoint.memory_every_steps=0"],  # the disk path: the corrupt newest checkpoint is skipped
+         "--overrides", "checkpoint.snapshot_every_steps=0"],  # the disk path: the corrupt newest checkpoint is skipped
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(tests=False), cwd=ROOT,
     )
     try:

@@ -114,7 +114,7 @@ def test_a_restart_that_resumes_from_memory_hashes_no_disk_checkpoint_unless_it_
 
     def restart(run: Path, *extra: str, attempt: int) -> tuple[list[str], list[torch.Tensor], CheckpointManager]:
         env = DistEnv.from_env({"TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": "3"})
-        return plain_run(run, until=7 if attempt == 0 else 8, extra=(f"checkpoint.memory_dir={tmp_path / 'mem'}",
+        return plain_run(run, until=7 if attempt == 0 else 8, extra=(f"checkpoint.snapshot_dir={tmp_path / 'mem'}",
                                                                     *extra), env=env, crash=attempt == 0)
 
     # memory every step, disk every 3: the snapshot of step 7 beats the disk's step 6, whose data is never read
@@ -127,11 +127,11 @@ def test_a_restart_that_resumes_from_memory_hashes_no_disk_checkpoint_unless_it_
     # memory every 2 steps (snapshots 4 and 6 kept), disk at step 7 only: the disk is newer, so it is verified
     for corrupt, want in ((False, ("disk", 7)), (True, ("memory", 6))):
         run = tmp_path / f"b-{corrupt}"
-        restart(run, "checkpoint.memory_every_steps=2", "checkpoint.every_steps=7", attempt=0)
+        restart(run, "checkpoint.snapshot_every_steps=2", "checkpoint.every_steps=7", attempt=0)
         if corrupt:  # the newest disk checkpoint is corrupt: the disk's valid step is 0, the snapshot of 6 wins
             (run / "checkpoints" / "step_000007" / "model.pt").write_bytes(b"garbage")
         hashed.clear()
-        rest, params, mgr = restart(run, "checkpoint.memory_every_steps=2", "checkpoint.every_steps=7", attempt=1)
+        rest, params, mgr = restart(run, "checkpoint.snapshot_every_steps=2", "checkpoint.every_steps=7", attempt=1)
         memory = mgr.resumed_from_memory
         got = ("memory", memory.step) if memory else ("disk", mf.step_of(mgr.resumed_from))
         assert got == want and "step_000007" in hashed

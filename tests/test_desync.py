@@ -114,7 +114,7 @@ def test_a_rank_outside_the_collective_is_only_a_warning_and_agreement_is_nothin
 # ---------------------------------------------------------------------------------------- real ranks
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return dptrain.prepare_model(nn.Linear(4, 1))
+    return dptrain.parallelize(nn.Linear(4, 1)).module
 
 
 def _save_alone(out: Path, mark: Path, model: nn.Module) -> None:

@@ -207,9 +207,9 @@ def test_steady_memory_growth_on_one_rank_is_reported_with_its_slope(tmp_path):
         [
             "train.loss=support.diag_helpers:leaky_loss",
             "train.max_steps=8",
-            "diagnostics.memory_every_steps=1",
-            "diagnostics.memory_window=5",
-            "diagnostics.memory_leak_mb=10",
+            "diagnostics.rss_every_steps=1",
+            "diagnostics.rss_window=5",
+            "diagnostics.rss_leak_mb=10",
         ],
         timeout=60,
         env={"LEAK_RANK": "1"},
@@ -224,7 +224,7 @@ def test_steady_memory_growth_on_one_rank_is_reported_with_its_slope(tmp_path):
 @pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_line_fit_and_stray_context_detection():
-    from dptrain.diagnostics.memory import fit_line, stray_gpu0_contexts
+    from dptrain.diagnostics.rss import fit_line, stray_gpu0_contexts
 
     slope, r2 = fit_line([1, 2, 3, 4], [10, 12, 14, 16])
     assert slope == pytest.approx(2.0) and r2 == pytest.approx(1.0)

@@ -34,7 +34,7 @@ def test_defaults_are_valid_and_the_watchdog_fires_before_the_collective_timeout
             "diagnostics.max_consecutive_skips=0",
             "diagnostics.max_consecutive_skips=0 is not valid; it must be an integer >= 1",
         ),
-        ("diagnostics.memory_window=2", "diagnostics.memory_window=2 is not valid; it must be an integer >= 3"),
+        ("diagnostics.rss_window=2", "diagnostics.rss_window=2 is not valid; it must be an integer >= 3"),
         (
             "diagnostics.straggler_margin=0",
             "diagnostics.straggler_margin=0.0 is not valid; it must be a finite number > 0",

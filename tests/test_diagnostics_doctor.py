@@ -93,7 +93,7 @@ def test_gpu_topology_pcie_width_and_gpu0_contexts_from_nvidia_smi(tmp_path, mon
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    from dptrain.diagnostics.memory import gpu0_pids
+    from dptrain.diagnostics.rss import gpu0_pids
     from dptrain.tools.doctor import check_topology
 
     lines, warnings = check_topology()

@@ -51,7 +51,7 @@ ELASTIC = [
 
 def start(c: Cluster, node: int, out: Path, log: Path, *items: str) -> subprocess.Popen:
     argv = dptrain_argv(
-        [*join(TOY, ELASTIC, [f"checkpoint.memory_dir={out.parent / 'shm'}"], items,  # the test's own, not /dev/shm
+        [*join(TOY, ELASTIC, [f"checkpoint.snapshot_dir={out.parent / 'shm'}"], items,  # the test's own, not /dev/shm
                c.launch_overrides(node, nnodes="1:2")), "--nproc-per-node", "1", "--out", str(out)]
     )
     return c.popen(
@@ -258,8 +258,8 @@ def training_in_generation(out: Path, generation: int) -> bool:
 def test_node_lost_node0_continues_alone_and_matches_a_2_to_1_resume(tmp_path):
     out, logs = tmp_path / "run", [tmp_path / "node0.log", tmp_path / "node1.log"]
     with Cluster(rate="1gbit") as c:
-        # the disk path (tests/test_memory_node_loss.py: the default, from the lost node's replica in memory)
-        procs = [start(c, i, out, logs[i], "train.max_steps=20", "checkpoint.memory_every_steps=0") for i in range(2)]
+        # the disk path (tests/test_snapshots_node_loss.py: the default, from the lost node's replica in memory)
+        procs = [start(c, i, out, logs[i], "train.max_steps=20", "checkpoint.snapshot_every_steps=0") for i in range(2)]
         try:
             wait_until("both nodes past step 7", lambda: last_step(out) >= 7, timeout=90, procs=procs, logs=logs)
             c.kill_node(1)  # the whole node: launcher, torchrun agent and worker, SIGKILL

@@ -90,22 +90,22 @@ def test_builtin_exported_as_hf_loads_with_from_pretrained_and_round_trips(tied:
 
 def _builtin_from(rank: int, folder: str) -> tuple:
     def body() -> tuple:
-        plan, _ = layout_and_load(LLAMA, {"pretrained": folder}, strategy="single")
+        pmodel, _ = layout_and_load(LLAMA, {"pretrained": folder}, strategy="single")
         with torch.no_grad():
-            return plan.plain.cfg, plan.plain.eval().logits(PROBE)
+            return pmodel.plain.cfg, pmodel.plain.eval().logits(PROBE)
 
     return in_group(body)
 
 
 def _hf_into_builtin(rank: int, folder: str, strategy: str, tp: int) -> dict:
     def body() -> dict:
-        plan, mat = layout_and_load(LLAMA, {"pretrained": folder}, strategy=strategy, tp=tp)
+        pmodel, mat = layout_and_load(LLAMA, {"pretrained": folder}, strategy=strategy, tp=tp)
         if strategy == "fsdp":  # logits() is not forward: FSDP2 must all-gather around it too
             from torch.distributed.fsdp import register_fsdp_forward_method
 
-            register_fsdp_forward_method(plan.module, "logits")
+            register_fsdp_forward_method(pmodel.module, "logits")
         with torch.no_grad():
-            logits = plan.module.logits(PROBE)
+            logits = pmodel.module.logits(PROBE)
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
         return {"logits": logits.detach().clone(), "read": mat.reports[0].bytes_read,
                 "total": mat.reports[0].total_bytes}

@@ -108,10 +108,10 @@ def fit(rank: int, items: list[str], out: str, with_logits: bool) -> dict[str, A
     seen: dict[str, Any] = {}
     real = RunOutputs.save_final
 
-    def save_final(self: RunOutputs, plan: Any) -> None:
+    def save_final(self: RunOutputs, pmodel: Any) -> None:
         if with_logits:
-            seen["logits"] = probe_logits(plan.plain)
-        real(self, plan)
+            seen["logits"] = probe_logits(pmodel.plain)
+        real(self, pmodel)
 
     RunOutputs.save_final = save_final  # type: ignore[method-assign]  # a forked rank: patched here only
     t = Trainer(load_config(None, items), out_dir=out)

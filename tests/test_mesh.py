@@ -5,7 +5,7 @@
   one per model-parallel coordinate;
 - FSDP shards a block that nests its own ModuleList (children first) and trains like one process;
 - `materialize` runs after fully_shard under FSDP2 and before DDP's constructor broadcast;
-- zero1 through `dptrain.parallelize` shards the optimizer; `prepare_model` refuses it with the way out.
+- zero1 through `dptrain.parallelize` shards the optimizer (`.optimizer(...)`).
 """
 
 from __future__ import annotations
@@ -84,15 +84,15 @@ def _nested_step(rank: int, strategy: str) -> dict:
         model = Nested()
         cfg = ParallelConfig(strategy=strategy)
         mesh = ParallelMesh.build(ParallelDims.resolve(dp_shard=2, world_size=2), device_type="cpu")
-        plan = parallelize_model(model, cfg=cfg, mesh=mesh, device=CPU)
+        pmodel = parallelize_model(model, cfg=cfg, mesh=mesh, device=CPU)
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        opt = plan.optimizer(torch.optim.SGD, lr=0.5)
+        opt = pmodel.optimizer(torch.optim.SGD, lr=0.5)
         x, y = _nested_data()
         half = slice(rank * 4, rank * 4 + 4)
-        plan.module((x[half], y[half])).backward()
+        pmodel.module((x[half], y[half])).backward()
         opt.step()
-        state = full_state_dict(plan)
-        del plan, opt, model
+        state = full_state_dict(pmodel)
+        del pmodel, opt, model
         mesh.release()
         return {"units": len(units), "state": state, "world": dist.get_world_size()}
 
@@ -145,14 +145,14 @@ def _materialize_order(rank: int, strategy: str) -> dict:
         dims = ParallelDims.resolve(**({"dp_shard": -1} if strategy == "fsdp" else {"dp_replicate": -1}),
                                     world_size=dist.get_world_size())
         mesh = ParallelMesh.build(dims, device_type="cpu")
-        plan = parallelize_model(
+        pmodel = parallelize_model(
             model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=CPU, materialize=materialize
         )
-        local = [(p.to_local() if isinstance(p, DTensor) else p) for p in unwrap(plan).parameters()]
+        local = [(p.to_local() if isinstance(p, DTensor) else p) for p in unwrap(pmodel).parameters()]
         seen["values"] = sorted({float(v) for t in local for v in t.reshape(-1).tolist()})
         seen["on_cpu"] = all(t.device == CPU for t in local)
-        plan.release()
-        del plan
+        pmodel.release()
+        del pmodel
         mesh.release()
         return seen
 
@@ -192,23 +192,23 @@ def _zero1_step(rank: int) -> dict:
 
     def body() -> dict:
         torch.manual_seed(0)
-        plan = dptrain.parallelize(build_mlp(in_dim=4, hidden=8, out_dim=2, depth=2), strategy="zero1", device=CPU)
+        pmodel = dptrain.parallelize(build_mlp(in_dim=4, hidden=8, out_dim=2, depth=2), strategy="zero1", device=CPU)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        plan.register_comm_hook(None, default_hooks.fp16_compress_hook)  # the DDP communication-hook slot
-        opt = plan.optimizer(torch.optim.SGD, lr=0.5)
+        pmodel.register_comm_hook(None, default_hooks.fp16_compress_hook)  # the DDP communication-hook slot
+        opt = pmodel.optimizer(torch.optim.SGD, lr=0.5)
         x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
-        with dptrain.sync_gradients(plan, True):
-            plan.module((x, torch.zeros(4, 2))).backward()
-        norm = dptrain.clip_grad_norm_(plan, None)
+        with dptrain.sync_gradients(pmodel, True):
+            pmodel.module((x, torch.zeros(4, 2))).backward()
+        norm = dptrain.clip_grad_norm_(pmodel, None)
         opt.step()
         out = {
             "zero": isinstance(opt, ZeroRedundancyOptimizer),
             "norm": float(norm),
-            "state": dptrain.full_state_dict(plan),
+            "state": dptrain.full_state_dict(pmodel),
         }
-        plan.release()
-        del plan, opt
+        pmodel.release()
+        del pmodel, opt
         return out
 
     return in_group(body)
@@ -223,15 +223,13 @@ def test_zero1_through_parallelize_shards_the_optimizer_and_keeps_replicas_equal
         assert torch.equal(v, results[1]["state"][k]), k
 
 
-def test_prepare_model_refuses_zero1_naming_the_api_that_does_it():
+def test_prepare_model_is_gone_and_parallelize_names_a_bad_strategy_in_its_own_words():
+    """One public way to parallelise: `dptrain.parallelize` (the module-only `prepare_model` went in issue 36)."""
     import dptrain
 
-    with pytest.raises(
-        ConfigError, match=r"cannot shard the optimizer.*dptrain.parallelize\(model, strategy='zero1'\)"
-    ):
-        dptrain.prepare_model(nn.Linear(2, 2), strategy="zero1")
-    with pytest.raises(ConfigError, match="prepare_model: strategy='zero9' is not valid"):
-        dptrain.prepare_model(nn.Linear(2, 2), strategy="zero9")
+    assert not hasattr(dptrain, "prepare_model") and "prepare_model" not in dptrain.__all__
+    with pytest.raises(ConfigError, match="parallelize: strategy='zero9' is not valid"):
+        dptrain.parallelize(nn.Linear(2, 2), strategy="zero9")
 
 
 # ------------------------------------------------------------------ FSDP2 mixed precision policy
@@ -248,14 +246,14 @@ def _mp_dtypes(rank: int, param_dtype: str | None) -> dict:
         cfg = ParallelConfig(
             strategy="fsdp", fsdp_param_dtype=param_dtype, fsdp_reduce_dtype="fp32" if param_dtype else None
         )
-        plan = parallelize_model(model, cfg=cfg, mesh=mesh, device=CPU)
-        plan.module((torch.randn(4, 4), torch.zeros(4, 2))).backward()
+        pmodel = parallelize_model(model, cfg=cfg, mesh=mesh, device=CPU)
+        pmodel.module((torch.randn(4, 4), torch.zeros(4, 2))).backward()
         out = {
             "compute": seen[0],
-            "params": {p.dtype for p in unwrap(plan).parameters()},
-            "grads": {p.grad.dtype for p in unwrap(plan).parameters()},
+            "params": {p.dtype for p in unwrap(pmodel).parameters()},
+            "grads": {p.grad.dtype for p in unwrap(pmodel).parameters()},
         }
-        del plan, model
+        del pmodel, model
         mesh.release()
         return out
 
@@ -271,32 +269,32 @@ def test_fsdp_mixed_precision_policy_gathers_in_the_param_dtype():
     assert default[0]["compute"] == torch.float32  # no policy: today's behaviour
 
 
-# ------------------------------------------------------------------ state dicts through the plan
+# ------------------------------------------------------------------ state dicts through the ParallelModel
 def _state_round_trip(rank: int, strategy: str) -> dict:
     import dptrain
     from dptrain.models.toy import build_mlp
 
     def body() -> dict:
         torch.manual_seed(0)
-        plan = dptrain.parallelize(build_mlp(in_dim=4, hidden=8, out_dim=2, depth=2), strategy=strategy, device=CPU)
-        opt = plan.optimizer(torch.optim.AdamW, lr=0.1)
+        pmodel = dptrain.parallelize(build_mlp(in_dim=4, hidden=8, out_dim=2, depth=2), strategy=strategy, device=CPU)
+        opt = pmodel.optimizer(torch.optim.AdamW, lr=0.1)
 
-        def step(seed: int, plan=plan, opt=opt) -> None:
+        def step(seed: int, pmodel=pmodel, opt=opt) -> None:
             x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed * 10 + rank))
-            plan.module((x, torch.zeros(4, 2))).backward()
+            pmodel.module((x, torch.zeros(4, 2))).backward()
             opt.step()
             opt.zero_grad()
 
         step(1)
-        msd, osd = plan.state_dict(opt)
+        msd, osd = pmodel.state_dict(opt)
         msd, osd = {k: v.clone() for k, v in msd.items()}, copy.deepcopy(osd)  # the live state keeps changing
         step(2)
-        after_two = dptrain.full_state_dict(plan)
-        plan.load_state_dict(msd, opt, osd)
+        after_two = dptrain.full_state_dict(pmodel)
+        pmodel.load_state_dict(msd, opt, osd)
         step(2)
-        again = dptrain.full_state_dict(plan)
-        plan.release()
-        del plan, opt
+        again = dptrain.full_state_dict(pmodel)
+        pmodel.release()
+        del pmodel, opt
         return {"names": sorted(msd), "after_two": after_two, "again": again}
 
     return in_group(body)
@@ -321,7 +319,7 @@ def test_plan_state_dict_round_trip_replays_the_same_step(strategy):
             assert torch.equal(r["again"][k], v), k
 
 
-# ------------------------------------------------------------------ small abilities of the plan
+# ------------------------------------------------------------------ small abilities of the ParallelModel
 def _no_unit_warning(rank: int) -> list[str]:
     import warnings
 
@@ -350,6 +348,6 @@ def test_comm_hooks_are_refused_outside_ddp():
     from dptrain.parallel import ParallelModel
 
     model = nn.Linear(2, 2)
-    plan = ParallelModel(model, plain=model, mode=STRATEGY_MODES["fsdp"], mesh=None)  # type: ignore[arg-type]
+    pmodel = ParallelModel(model, plain=model, mode=STRATEGY_MODES["fsdp"], mesh=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="communication hooks apply to DDP"):
-        plan.register_comm_hook(None, lambda state, bucket: None)
+        pmodel.register_comm_hook(None, lambda state, bucket: None)

@@ -24,7 +24,7 @@ from dptrain.api import parallelize
 from dptrain.config import ModelConfig, ParallelConfig
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.process_group import destroy_process_group, init_process_group
-from dptrain.parallel import apply_strategy, full_state_dict, unwrap
+from dptrain.parallel import full_state_dict, unwrap
 from dptrain.parallel.materialize import check_init_contract, local_chunk, make_materializer, materialize
 from dptrain.train.build import build_model, build_model_meta
 from support.mp import run_ranks
@@ -55,10 +55,10 @@ def parallelize_meta(cfg: ModelConfig, pcfg: ParallelConfig) -> tuple[nn.Module,
     (zero2/fsdp) or before DDP wraps the model."""
     model, reason = build_model_meta(cfg, seed=SEED)
     if reason is not None:
-        return apply_strategy(model, cfg=pcfg, device=CPU), reason
+        return parallelize(model, strategy=pcfg.strategy, cpu_offload=pcfg.cpu_offload, device=CPU).module, reason
     hook = make_materializer(device=CPU, seed=SEED)  # with cpu_offload too: the shards live on the CPU
-    plan = parallelize(model, strategy=pcfg.strategy, cpu_offload=pcfg.cpu_offload, device=CPU, materialize=hook)
-    return plan.module, None
+    pmodel = parallelize(model, strategy=pcfg.strategy, cpu_offload=pcfg.cpu_offload, device=CPU, materialize=hook)
+    return pmodel.module, None
 
 
 def mismatches(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
@@ -112,7 +112,7 @@ def _one_model(rank: int, key: str, pcfg: ParallelConfig) -> dict:
         eager_sd = eager_model.state_dict()
         out["full_mismatches"] = mismatches(eager_sd, full)
         out["sha"] = (sha256(eager_sd), sha256(full))
-    eager = apply_strategy(eager_model, cfg=pcfg, device=CPU)
+    eager = parallelize(eager_model, strategy=pcfg.strategy, cpu_offload=pcfg.cpu_offload, device=CPU).module
     batch = sample_batch(key)
     out["loss"] = (model(batch).item().hex(), eager(batch).item().hex())
     del model, eager, eager_model

@@ -162,7 +162,7 @@ def _count_fsdp(rank: int, strategy: str) -> dict[str, float]:
         mesh = ParallelMesh.build(ParallelDims.resolve(dp_shard=2, world_size=2), device_type="cpu")
         torch.manual_seed(0)
         model = build_llama(dim=12, n_layers=2, n_heads=2, ffn_hidden=21, vocab_size=31, max_seq_len=8)
-        plan = parallelize_model(model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=torch.device("cpu"))
+        pmodel = parallelize_model(model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=torch.device("cpu"))
         want = comm.fsdp_comm_bytes(model, shard=2, reshard_after_forward=strategy == "fsdp")
         sent = {"gather": 0.0, "scatter": 0.0}
         real_ag, real_rs = dist.all_gather_single, dist.reduce_scatter_single
@@ -177,7 +177,7 @@ def _count_fsdp(rank: int, strategy: str) -> dict[str, float]:
 
         dist.all_gather_single, dist.reduce_scatter_single = ag, rs
         ids = torch.randint(0, 31, (2, 8))
-        plan.module(ids, labels=ids).backward()
+        pmodel.module(ids, labels=ids).backward()
         dist.all_gather_single, dist.reduce_scatter_single = real_ag, real_rs
         return {**sent, "want_gather": want.per_micro, "want_scatter": want.per_sync}
     finally:

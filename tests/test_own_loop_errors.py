@@ -22,8 +22,8 @@ def test_api_calls_name_their_own_parameters():
         str(e.value)
     with pytest.raises(dptrain.ConfigError, match=r"^prepare_dataloader: micro_batch_size=0 is not valid"):
         dptrain.prepare_dataloader(data, micro_batch_size=0)
-    with pytest.raises(dptrain.ConfigError, match=r"^prepare_model: strategy='bogus' is not valid"):
-        dptrain.prepare_model(torch.nn.Linear(1, 1), strategy="bogus")
+    with pytest.raises(dptrain.ConfigError, match=r"^parallelize: strategy='bogus' is not valid"):
+        dptrain.parallelize(torch.nn.Linear(1, 1), strategy="bogus")
     with pytest.raises(dptrain.ConfigError, match=r"^parallelize: activation_checkpointing='x' is not valid"):
         dptrain.parallelize(torch.nn.Linear(1, 1), activation_checkpointing="x")
     assert issubclass(dptrain.BatchSizeError, dptrain.ConfigError)

@@ -31,7 +31,7 @@ from support.mp import RankError, in_group, run_ranks
 def _one_rank_saves(rank: int, out: Path) -> None:
     def body() -> None:
         torch.manual_seed(0)
-        model = dptrain.prepare_model(nn.Linear(2, 1), strategy="ddp")
+        model = dptrain.parallelize(nn.Linear(2, 1), strategy="ddp").module
         ckpt = dptrain.Checkpointer(out, model, torch.optim.SGD(model.parameters(), lr=0.1))
         t0 = time.monotonic()
         try:
@@ -67,7 +67,7 @@ def test_a_save_on_rank_zero_alone_is_refused_within_seconds_naming_the_fix(tmp_
 def _save_when_improved(rank: int, out: Path) -> list[int]:
     def body() -> list[int]:
         torch.manual_seed(0)
-        model = dptrain.prepare_model(nn.Linear(2, 1), strategy="ddp")
+        model = dptrain.parallelize(nn.Linear(2, 1), strategy="ddp").module
         ckpt = dptrain.Checkpointer(out, model, torch.optim.SGD(model.parameters(), lr=0.1))
         best, saved = float("inf"), []
         for step, val_loss in enumerate([3.0, 2.0, 2.5, 1.0], start=1):
@@ -125,7 +125,7 @@ def _bn_runs(rank: int) -> dict:
         out["torch"] = _train_bn(model, DataLoader(data, batch_size=4, sampler=sampler), 2, sampler.set_epoch)
         out["torch_state"] = {k: v.clone() for k, v in model.module.state_dict().items()}
         for split in ("interleaved", "contiguous"):
-            model = dptrain.prepare_model(_bn_model(), strategy="ddp")
+            model = dptrain.parallelize(_bn_model(), strategy="ddp").module
             loader = dptrain.prepare_dataloader(data, global_batch_size=8, seed=0, rank_split=split)
             out[split] = _train_bn(model, loader, 2, lambda e: None)
             out[f"{split}_state"] = {k: v.clone() for k, v in dptrain.unwrap(model).state_dict().items()}

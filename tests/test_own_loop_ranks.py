@@ -5,7 +5,7 @@
   `dptrain ckpt ls/verify/export` read its out_dir;
 - accuracy through `prepare_eval_dataloader` + `gather_for_metrics` on an uneven set (7 samples) is the same
   on 1 and 2 ranks, and equals the single-process computation over the data set;
-- `prepare_model`'s module passes attributes through; `save_model` writes the plain module's state;
+- `parallelize(...).module` passes attributes through; `save_model` writes the plain module's state;
 - `dptrain.monitor` names the rank that is not in the collective when the other waits in it.
 """
 
@@ -47,7 +47,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _train(rank: int, out: Path, strategy: str, stop_by_signal: bool) -> dict:
     torch.manual_seed(0)
-    model = dptrain.prepare_model(build_mlp(), strategy=strategy)
+    model = dptrain.parallelize(build_mlp(), strategy=strategy).module
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     loader = dptrain.prepare_dataloader(build_regression_data(n=N_DATA), global_batch_size=GLOBAL,
@@ -124,7 +124,7 @@ def test_checkpointer_sigterm_mid_epoch_then_resume_at_world_one_is_bit_identica
 def _accuracy(rank: int, batch_size: int) -> dict:
     def body() -> dict:
         torch.manual_seed(0)
-        model = dptrain.prepare_model(nn.Linear(4, 3), strategy="ddp")
+        model = dptrain.parallelize(nn.Linear(4, 3), strategy="ddp").module
         g = torch.Generator().manual_seed(1)
         data = torch.utils.data.TensorDataset(torch.randn(7, 4, generator=g), torch.randint(0, 3, (7,), generator=g))
         loader = dptrain.prepare_eval_dataloader(data, batch_size)
@@ -176,7 +176,7 @@ def _pass_through(rank: int, out: Path) -> dict:
     def body() -> dict:
         torch.manual_seed(0)
         plain = WithHidden()
-        model = dptrain.prepare_model(plain, strategy="ddp")
+        model = dptrain.parallelize(plain, strategy="ddp").module
         h = model.init_hidden(4)  # the user's method, through the DDP wrapper
         model(torch.randn(4, 6, 3), h).sum().backward()
         dptrain.save_model(model, out / "model.pt")
@@ -195,7 +195,7 @@ def _pass_through(rank: int, out: Path) -> dict:
 
 
 @pytest.mark.timeout(60)
-def test_prepare_model_passes_attributes_through_and_save_model_writes_the_plain_state(tmp_path):
+def test_parallelize_module_passes_attributes_through_and_save_model_writes_the_plain_state(tmp_path):
     r = run_ranks(_pass_through, 2, tmp_path, timeout=45)[0]
     assert r["unwrapped"] and r["ddp"] and r["head"]
     _same(torch.load(tmp_path / "model.pt", weights_only=True), r["state"])  # plain names, no "module." prefix

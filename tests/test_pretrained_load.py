@@ -29,10 +29,10 @@ HF = "dptrain.models.hf:causal_lm"
 
 def _load_and_probe(rank: int, folder: str, strategy: str) -> dict:
     def body() -> dict:
-        plan, mat = layout_and_load(HF, {"pretrained": folder}, strategy=strategy)
-        plain = plan.plain
+        pmodel, mat = layout_and_load(HF, {"pretrained": folder}, strategy=strategy)
+        plain = pmodel.plain
         with torch.no_grad():
-            logits = plan.module(input_ids=PROBE).logits.detach().clone()
+            logits = pmodel.module(input_ids=PROBE).logits.detach().clone()
         report = mat.reports[0]
         return {
             "logits": logits, "read": report.bytes_read, "total": report.total_bytes, "files": report.files,

@@ -49,7 +49,7 @@ ITEMS = [
     "log.progress=false",
     "checkpoint.every_steps=10",
     "diagnostics.straggler_every_steps=10",
-    "diagnostics.memory_every_steps=5",
+    "diagnostics.rss_every_steps=5",
 ]
 
 

@@ -1,4 +1,4 @@
-"""Gradient synchronisation through the low-level API (`apply_strategy`, `sync_gradients`,
+"""Gradient synchronisation through the low-level API (`dptrain.parallelize`, `sync_gradients`,
 `clip_grad_norm_`, `unwrap`) on 2 gloo ranks that see DIFFERENT data.
 
 - inside `sync_gradients(model, False)` a backward only accumulates locally: the ranks'
@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch import nn
 
-from dptrain.config import ParallelConfig
+from dptrain.api import parallelize
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.process_group import destroy_process_group, init_process_group
 from dptrain.models.toy import build_mlp, build_regression_data
-from dptrain.parallel import apply_strategy, clip_grad_norm_, is_sharded, sync_gradients, unwrap
+from dptrain.parallel import clip_grad_norm_, is_sharded, sync_gradients, unwrap
 from support.mp import run_ranks
 
 SEED = 7
@@ -92,7 +92,7 @@ def _rank_fn(rank: int, strategy: str, sync_each: bool) -> dict:
     init_process_group(env, backend="gloo", device=CPU, timeout_s=60)
     model = None
     try:
-        model = apply_strategy(fresh_model(), cfg=ParallelConfig(strategy=strategy), device=CPU)
+        model = parallelize(fresh_model(), strategy=strategy, device=CPU).module
         out: dict = {"sharded": is_sharded(model)}
         for k in range(ACCUM):
             sync = sync_each or k == ACCUM - 1

@@ -35,7 +35,7 @@ class FailingStore:
 def _start(tmp_path: Path, monkeypatch, *, rank: int) -> tuple[Diagnostics, list[str]]:
     monkeypatch.setattr(hub, "_default_store", FailingStore)
     said: list[str] = []
-    cfg = DiagnosticsConfig(hang_timeout_s=5, straggler_every_steps=0, drift_every_steps=0, memory_every_steps=0)
+    cfg = DiagnosticsConfig(hang_timeout_s=5, straggler_every_steps=0, drift_every_steps=0, rss_every_steps=0)
     diag = Diagnostics(cfg, env=DistEnv(rank=rank, world_size=2), run_dir=tmp_path, pg_timeout_s=60, say=said.append)
     diag.start(torch.nn.Linear(1, 1), step=6, device=torch.device("cpu"))
     deadline = time.monotonic() + 20
@@ -69,7 +69,7 @@ def test_a_stopped_watchdog_does_not_report(tmp_path, monkeypatch):
     """After close() the store may be gone with the job: that is no death to report."""
     monkeypatch.setattr(hub, "_default_store", FailingStore)
     said: list[str] = []
-    cfg = DiagnosticsConfig(hang_timeout_s=5, straggler_every_steps=0, drift_every_steps=0, memory_every_steps=0)
+    cfg = DiagnosticsConfig(hang_timeout_s=5, straggler_every_steps=0, drift_every_steps=0, rss_every_steps=0)
     diag = Diagnostics(cfg, env=DistEnv(), run_dir=tmp_path, pg_timeout_s=60, say=said.append)
     diag.hang_timeout_s = 1000.0  # interval 1 s: close() comes before the first loop turn
     diag.start(torch.nn.Linear(1, 1), step=0, device=torch.device("cpu"))

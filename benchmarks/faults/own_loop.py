@@ -22,7 +22,7 @@ from faults.inject import fault_step, mark, rank  # noqa: E402
 def main(out_dir: str) -> None:
     runtime = dptrain.init_distributed()
     torch.manual_seed(0)
-    model = dptrain.prepare_model(build_mlp(), strategy="ddp", device=runtime.device)
+    model = dptrain.parallelize(build_mlp(), strategy="ddp", device=runtime.device).module
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = dptrain.prepare_dataloader(build_regression_data(n=4096), global_batch_size=12,
                                         micro_batch_size=12 // runtime.world_size)

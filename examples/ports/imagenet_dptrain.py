@@ -62,7 +62,7 @@ def main_worker(args):
     runtime = dptrain.init_distributed()
     torch.manual_seed(args.seed)
     model = Net()
-    model = dptrain.prepare_model(model, strategy="ddp", device=runtime.device)
+    model = dptrain.parallelize(model, strategy="ddp", device=runtime.device).module
 
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=args.momentum, weight_decay=args.weight_decay)

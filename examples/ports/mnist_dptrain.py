@@ -106,7 +106,7 @@ def main():
     train_loader = dptrain.prepare_dataloader(train_set, global_batch_size=args.batch_size, seed=args.seed)
     test_loader = dptrain.prepare_eval_dataloader(test_set, batch_size=args.test_batch_size)
 
-    model = dptrain.prepare_model(Net(dropout=not args.no_dropout), device=device)
+    model = dptrain.parallelize(Net(dropout=not args.no_dropout), device=device).module
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
 

@@ -87,7 +87,7 @@ best_val_loss = 1e9
 model_args = dict(vocab_size=256, block_size=args.block_size, n_embd=args.n_embd)
 model = TinyGPT(**model_args)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-model = dptrain.prepare_model(model, strategy="ddp")
+model = dptrain.parallelize(model, strategy="ddp").module
 ckpt = dptrain.Checkpointer(args.out_dir, model, optimizer, resume="auto" if args.init_from == "resume" else "none")
 iter_num = ckpt.resume()  # model, optimizer, every rank's RNG
 best_val_loss = ckpt.extra.get("best_val_loss", best_val_loss)

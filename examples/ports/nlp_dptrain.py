@@ -89,7 +89,7 @@ def training_function(config, args):
         pad_token_id=PAD, num_labels=2,
     )
     model = BertForSequenceClassification(model_config)
-    model = dptrain.prepare_model(model, device=device)
+    model = dptrain.parallelize(model, device=device).module
     optimizer = AdamW(params=model.parameters(), lr=lr)
     lr_scheduler = get_linear_schedule_with_warmup(
         optimizer=optimizer,

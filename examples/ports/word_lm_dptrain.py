@@ -130,7 +130,7 @@ class RNNModel(nn.Module):
 
 
 ntokens = len(corpus.dictionary)
-model = dptrain.prepare_model(RNNModel(ntokens, args.emsize, args.nhid, args.nlayers, args.dropout), device=device)
+model = dptrain.parallelize(RNNModel(ntokens, args.emsize, args.nhid, args.nlayers, args.dropout), device=device).module
 criterion = nn.NLLLoss()
 
 ###############################################################################

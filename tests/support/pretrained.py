@@ -47,7 +47,7 @@ def hf_logits(folder: Path, ids: torch.Tensor = PROBE) -> torch.Tensor:
 
 def layout_and_load(factory: str, kwargs: dict[str, Any], *, strategy: str, tp: int = 1) -> tuple[Any, Any]:
     """In a process group: build the model on meta (build_model_meta), lay it out over the world as the Trainer
-    does (parallelize_model), materialize it with dptrain's Materializer. Returns (plan, materializer)."""
+    does (parallelize_model), materialize it with dptrain's Materializer. Returns (pmodel, materializer)."""
     import torch.distributed as dist
 
     from dptrain.config import ModelConfig, ParallelConfig
@@ -63,5 +63,5 @@ def layout_and_load(factory: str, kwargs: dict[str, Any], *, strategy: str, tp: 
     dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
     mesh = ParallelMesh.build(dims, device_type="cpu")
     mat = make_materializer(device="cpu", seed=0)
-    plan = parallelize_model(model, cfg=cfg, mesh=mesh, device=torch.device("cpu"), materialize=mat)
-    return plan, mat
+    pmodel = parallelize_model(model, cfg=cfg, mesh=mesh, device=torch.device("cpu"), materialize=mat)
+    return pmodel, mat

@@ -1,7 +1,7 @@
 """The small explicit API for people who keep their own training loop.
 
     runtime = dptrain.init_distributed()                      # process group + device from torchrun's env
-    model = dptrain.prepare_model(model, strategy="ddp", device=runtime.device)
+    model = dptrain.parallelize(model, strategy="ddp", device=runtime.device).module  # or keep the ParallelModel
     loader = dptrain.prepare_dataloader(dataset, global_batch_size=64, micro_batch_size=64)
     ckpt = dptrain.Checkpointer("runs/x", model, optimizer, scheduler, loader)
     step = ckpt.resume()                                      # 0, or where the last run was saved
@@ -15,7 +15,8 @@
         scheduler.step()
         ckpt.save(step)
 
-Modules: `setup` (process group, `parallelize`, `prepare_model` with attribute pass-through),
+Modules: `setup` (process group, `parallelize`: the one way to parallelise a model, its `.module` passing
+your attributes through),
 `loaders` (training loader with epochs and exact resume, sharded evaluation loader, `micro_steps`,
 `epochs`, `check_loader`), `checkpointer` (`Checkpointer`, `rng_state`), `runtime` (`print0`, `barrier`, `broadcast`,
 `all_reduce_mean`, `gather_for_metrics`, `mixed_precision`, `save_model`), `loop_monitor` (hang watchdog and
@@ -42,7 +43,7 @@ from dptrain.api.runtime import (
     print0,
     save_model,
 )
-from dptrain.api.setup import Runtime, init_distributed, parallelize, plan_of, prepare_model
+from dptrain.api.setup import Runtime, init_distributed, parallel_model_of, parallelize
 
 __all__ = [
     "Checkpointer",
@@ -61,10 +62,9 @@ __all__ = [
     "mixed_precision",
     "monitor",
     "parallelize",
-    "plan_of",
+    "parallel_model_of",
     "prepare_dataloader",
     "prepare_eval_dataloader",
-    "prepare_model",
     "print0",
     "rng_state",
     "save_model",

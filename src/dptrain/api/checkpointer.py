@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dptrain.api.setup import plan_of
+from dptrain.api.setup import parallel_model_of
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
 from dptrain.checkpoint.extra import EXTRA_FILE, decode, encode
@@ -130,7 +130,7 @@ def _check_rng(rng: Any) -> None:
 class Checkpointer:
     """Save and resume an own loop's whole state; see the module doc.
 
-    `model`: what `prepare_model` returned (or the `ParallelModel` of `parallelize`; a model dptrain did
+    `model`: the `ParallelModel` of `parallelize` (or its `.module`; a model dptrain did
     not prepare works too, its format chosen by whether it is sharded). `optimizer`, `scheduler` (any
     object with state_dict/load_state_dict), `loader` (from `prepare_dataloader`: its position is
     saved), `scaler` (a GradScaler or `dptrain.mixed_precision(...)`; only an enabled one is saved).
@@ -170,12 +170,12 @@ class Checkpointer:
         if not isinstance(resume, str | os.PathLike):
             raise ConfigError(f"Checkpointer(resume={resume!r}): pass 'auto', 'none', 'overwrite' or a step folder")
         resume = os.fspath(resume)
-        plan, strategy = plan_of(model)
+        pmodel, strategy = parallel_model_of(model)
         if isinstance(model, ParallelModel):
-            plan = model
-        module = plan.module if plan is not None else model
-        full = plan.full_checkpoint if plan is not None else not is_sharded(model)
-        parts = plan.model_parts if plan is not None else [model]
+            pmodel = model
+        module = pmodel.module if pmodel is not None else model
+        full = pmodel.full_checkpoint if pmodel is not None else not is_sharded(model)
+        parts = pmodel.model_parts if pmodel is not None else [model]
         self.out_dir = Path(out_dir)
         self.loader: EpochLoader | None = loader
         self.train = TrainState()

@@ -65,7 +65,7 @@ class LoopMonitor:
             raise ConfigError("monitor(drift_every_steps=...) compares the model's replicas: pass model=")
         pg_timeout = process_group_timeout()
         cfg = DiagnosticsConfig(hang_timeout_s=hang_timeout_s, preflight=False, straggler_every_steps=0,
-                                drift_every_steps=drift_every_steps, memory_every_steps=0,
+                                drift_every_steps=drift_every_steps, rss_every_steps=0,
                                 desync_after_s=desync_after_s,
                                 collective_check_every_steps=collective_check_every_steps)
         try:

@@ -1,10 +1,10 @@
 """Setting up an own loop: the process group, and a model made data-parallel.
 
-`init_distributed` joins the job (a world of one without torchrun); `parallelize` returns the whole
-`ParallelModel`; `prepare_model` returns only the module to call, with the user's attributes passed
-through the DDP/DataParallel wrapper (`model.init_hidden(...)` works; FSDP2 shards the module in place,
-so its attributes are there anyway). Both remember which strategy made the module (`plan_of`), so a
-`Checkpointer` picks the full or the DCP format by itself.
+`init_distributed` joins the job (a world of one without torchrun); `parallelize` (the one public way to
+parallelise a model) returns the `ParallelModel`, whose `.module` is the module to call, with the user's attributes
+passed through the DDP/DataParallel wrapper (`model.init_hidden(...)` works; FSDP2 shards the module in place, so
+its attributes are there anyway). It remembers which strategy made the ParallelModel and its module
+(`parallel_model_of`), so a `Checkpointer` picks the full or the DCP format by itself.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.config import Config, ConfigError, ParallelConfig, validate
-from dptrain.config.layout import resolve_layout, strategy_mode
+from dptrain.config.layout import resolve_layout
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.distributed.process_group import bind_device, destroy_process_group, init_process_group
@@ -80,14 +80,14 @@ def process_group_timeout() -> float:
     return _SETTINGS["timeout_s"]
 
 
-# Which strategy made a module or plan: a Checkpointer records it and picks full or DCP by it.
-_PLANS: weakref.WeakKeyDictionary[Any, tuple[ParallelModel, str]] = weakref.WeakKeyDictionary()
+# Which strategy made a module or ParallelModel: a Checkpointer records it and picks full or DCP by it.
+_MADE_BY: weakref.WeakKeyDictionary[Any, tuple[ParallelModel, str]] = weakref.WeakKeyDictionary()
 
 
-def plan_of(model: Any) -> tuple[ParallelModel | None, str | None]:
-    """(the `ParallelModel`, its strategy) behind a module from `prepare_model` or a plan from
-    `parallelize`; (None, None) for a model dptrain did not prepare."""
-    return _PLANS.get(model, (None, None))
+def parallel_model_of(model: Any) -> tuple[ParallelModel | None, str | None]:
+    """(the `ParallelModel`, its strategy) behind a ParallelModel from `parallelize` or its `.module`; (None, None)
+    for a model dptrain did not parallelise."""
+    return _MADE_BY.get(model, (None, None))
 
 
 class _PassThrough:
@@ -131,9 +131,10 @@ def parallelize(
     materialize: Callable[[nn.Module], None] | None = None,
 ) -> ParallelModel:
     """Parallelise a plain model over the current world (after `init_distributed`) exactly as the
-    Trainer does, and return the `ParallelModel`: `.module` to call, `.optimizer(cls, **kw)`,
-    `.sync_gradients(sync)`, `.clip_grad_norm_(max_norm)`, `.state_dict()`, `.full_state_dict()`.
-    The layout arguments mean what the `parallel.*` config fields of the same names mean."""
+    Trainer does, and return the `ParallelModel`: `.module` to call (your module's attributes pass through a
+    DDP/DataParallel wrapper; `dptrain.unwrap` is your module), `.optimizer(cls, **kw)` (sharded under zero1: build
+    zero1's optimizer there), `.sync_gradients(sync)`, `.clip_grad_norm_(max_norm)`, `.state_dict()`,
+    `.full_state_dict()`. The layout arguments mean what the `parallel.*` config fields of the same names mean."""
     cfg = ParallelConfig(
         strategy=strategy,
         bucket_cap_mb=bucket_cap_mb,
@@ -156,37 +157,7 @@ def parallelize(
     dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
     device = device or torch.device("cpu")
     mesh = ParallelMesh.build(dims, device_type=device.type)
-    plan = parallelize_model(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
-    pass_through(plan.module)
-    _PLANS[plan] = _PLANS[plan.module] = (plan, strategy)
-    return plan
-
-
-def prepare_model(
-    model: nn.Module,
-    *,
-    strategy: str = "ddp",
-    device: torch.device | None = None,
-    bucket_cap_mb: float = 5.0,
-    cpu_offload: bool = False,
-) -> nn.Module:
-    """Apply a strategy (single, dp, ddp, zero2, fsdp) to a plain model and return the module to call.
-    Attributes of your module are reachable through it (`model.init_hidden(...)`); `dptrain.unwrap(model)`
-    is your module itself, and `dptrain.save_model(model, path)` saves its plain state dict. zero1 is
-    refused: its optimizer must be sharded too, which a module alone cannot carry; use
-    `dptrain.parallelize(model, strategy="zero1")` and its `.optimizer(...)`."""
-    try:
-        validate(Config(parallel=ParallelConfig(strategy=strategy, bucket_cap_mb=bucket_cap_mb,
-                                                cpu_offload=cpu_offload)))
-    except ConfigError as e:
-        raise in_callers_words(e, "prepare_model", "parallel", PARALLELIZE_ARGS) from None
-    mode = strategy_mode(ParallelConfig(strategy=strategy))
-    if mode.shard_optimizer:
-        raise ConfigError(
-            f"prepare_model(strategy={strategy!r}) cannot shard the optimizer: it returns only the module. Use "
-            f"plan = dptrain.parallelize(model, strategy={strategy!r}); optimizer = plan.optimizer(torch.optim.AdamW, "
-            "lr=...); call plan.module in the loop"
-        )
-    return parallelize(
-        model, strategy=strategy, device=device, bucket_cap_mb=bucket_cap_mb, cpu_offload=cpu_offload
-    ).module
+    pmodel = parallelize_model(model, cfg=cfg, mesh=mesh, device=device, materialize=materialize)
+    pass_through(pmodel.module)
+    _MADE_BY[pmodel] = _MADE_BY[pmodel.module] = (pmodel, strategy)
+    return pmodel

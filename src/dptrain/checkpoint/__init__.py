@@ -4,7 +4,8 @@ Modules, one job each: `state` (what a checkpoint holds, as named Stateful objec
 (commit protocol, verification), `storage` (full vs DCP tensors), `safe_dcp` (restricted DCP
 reading), `rng` (per-rank RNG state), `resume` (which checkpoint to load; metrics continuity),
 `preempt` (SIGTERM, agreed without blocking), `attempts` (elastic restart reports), `manager`
-(the CheckpointManager, on a CheckpointState), `cli` (`dptrain ckpt`).
+(the CheckpointManager, on a CheckpointState), `snapshots/` (the in-memory snapshots, a sub-package the
+manager uses through its `__init__`).
 """
 
 from typing import Any

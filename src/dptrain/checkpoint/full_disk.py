@@ -66,15 +66,21 @@ def caught(write: Callable[[], object], where: Path) -> BaseException | None:
     return None
 
 
-def free_bytes(where: Path) -> int:
-    """Free bytes on the file system of `where` (its nearest existing parent); -1 when unknown."""
+def _usage(where: Path) -> tuple[int, int]:
+    """(free, total) bytes of the file system of `where` (its nearest existing parent); (-1, 0) when unknown."""
     for p in (where, *where.parents):
         if p.exists():
             try:
-                return shutil.disk_usage(p).free
+                usage = shutil.disk_usage(p)
             except OSError:
-                return -1
-    return -1
+                return -1, 0
+            return usage.free, usage.total
+    return -1, 0
+
+
+def free_bytes(where: Path) -> int:
+    """Free bytes on the file system of `where` (its nearest existing parent); -1 when unknown."""
+    return _usage(where)[0]
 
 
 def agree(error: BaseException | None, *, path: Path, root: Path, is_main: bool) -> None:
@@ -99,7 +105,7 @@ def explain(path: Path, *, root: Path, error: BaseException | None, partial: int
     last good checkpoint. `partial`: the bytes written before the failure plus the space left then."""
     last = _newest_committed(root)
     need = folder_bytes(last) or partial  # the last checkpoint's size, else more than the room there was
-    free, total = free_bytes(root), _total_bytes(root)
+    free, total = _usage(root)
     need_text = (f"a checkpoint of this run takes {size(need)}" if last is not None
                  else f"the checkpoint needs more than {size(partial)}")
     short = need - max(free, 0)
@@ -117,7 +123,7 @@ def run_dir_full(error: BaseException, run_dir: Path, root: Path) -> str:
     last = _newest_committed(root)
     kept = (f"the last good checkpoint, {last} (step {mf.step_of(last)}), is intact: run the same command to resume "
             "from it once there is room" if last is not None else "no checkpoint of this run was committed")
-    free, total = free_bytes(run_dir), _total_bytes(run_dir)
+    free, total = _usage(run_dir)
     return (f"could not write {name or 'a record of the run'}: {_reason(error)}; "
             f"{size(free) if free >= 0 else 'unknown space'} free of {size(total)} on the file system of {run_dir}. "
             f"Free space there, or use another --out (log.out_dir) on a file system with room; {kept}")
@@ -158,16 +164,6 @@ def folder_bytes(path: Path | None) -> int:
         except OSError:
             continue
     return total
-
-
-def _total_bytes(where: Path) -> int:
-    for p in (where, *where.parents):
-        if p.exists():
-            try:
-                return shutil.disk_usage(p).total
-            except OSError:
-                return 0
-    return 0
 
 
 def size(n: int) -> str:

@@ -15,18 +15,11 @@ A checkpoint folder `step_NNNNNN/` holds:
   samples seen, data position, world size, strategy, format, config hashes, torch/dptrain versions;
 - `COMMITTED`, written last.
 
-`meta.format_version` says how the files are laid out (`FORMAT_VERSION`; a manifest without one
-was written before it existed: version 1). This dptrain reads `READABLE_VERSIONS` and refuses
-any other, naming it. Version 2 keys the full format's `optim.pt` by parameter name (DCP's
-layout) instead of by parameter index; everything else is as in version 1. Version 3 writes the
-dcp format's optimizer state in DCP's flattened layout (hyperparameters keyed by parameter name,
-checkpoint/state.py `_options`), so that ranks holding different parameters (pipeline stages)
-never write the same key; everything else is as in version 2.
+`meta.format_version` says how the files are laid out; restore.py reads the versions this dptrain can.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -41,51 +34,19 @@ from dptrain import __version__
 from dptrain.checkpoint import manifest as mf
 from dptrain.checkpoint import storage
 from dptrain.checkpoint.attempts import ProgressFile, previous_attempt, report_restart
-from dptrain.checkpoint.base_identity import describe, same_base
 from dptrain.checkpoint.full_disk import agree, caught, disk_full, run_dir_full
-from dptrain.checkpoint.live_state import LiveState
 from dptrain.checkpoint.manifest import checkpoint_root  # noqa: F401 - re-exported (torch-free home)
-from dptrain.checkpoint.memory import MemorySnapshots
-from dptrain.checkpoint.memory_recover import MemoryChoice, recover
 from dptrain.checkpoint.preempt import PreemptionFlag
+from dptrain.checkpoint.restore import FORMAT_VERSION, config_hash, load_checkpoint, model_config_hash
 from dptrain.checkpoint.resume import ResumeChoice, Wording, choose_checkpoint, newest_committed, truncate_metrics
 from dptrain.checkpoint.rundir import move_aside
+from dptrain.checkpoint.snapshots import LiveState, MemoryChoice, MemorySnapshots, recover, snapshot_files
 from dptrain.checkpoint.state import CheckpointState, RngState
-from dptrain.config import Config, ModelConfig, to_dict
+from dptrain.config import Config
 from dptrain.config.nodes import is_elastic
-from dptrain.config.resolve import memory_snapshot_every
+from dptrain.config.resolve import snapshot_every
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
-
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
-
-
-def config_hash(section: Any) -> str:
-    """SHA-256 of a config (section) as canonical JSON."""
-    return hashlib.sha256(json.dumps(to_dict(section), sort_keys=True).encode()).hexdigest()
-
-
-def model_config_hash(model: ModelConfig) -> str:
-    """`config_hash` of the model section, leaving out `lora` while it is disabled: a run written before the
-    section existed, or one without LoRA, keeps the hash it was saved with and resumes."""
-    body = to_dict(model)
-    if not model.lora.enabled:
-        body.pop("lora", None)
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def check_format_version(path: Path, meta: dict[str, Any], *, fresh: str = "--resume none") -> int:
-    """The checkpoint's format version (1 when the manifest has none); CheckpointError naming it
-    when this dptrain cannot read it."""
-    version = meta.get("format_version", 1)
-    if version not in READABLE_VERSIONS:
-        raise mf.CheckpointError(
-            f"{path}: checkpoint format version {version!r}, but this dptrain ({__version__}) reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}; resume it with the dptrain that wrote it "
-            f"(dptrain_version {meta.get('dptrain_version', 'unknown')}), or start afresh with {fresh}"
-        )
-    return int(version)
 
 
 class CheckpointManager:
@@ -116,8 +77,9 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
         self.memory = MemorySnapshots(
-            every_steps=memory_snapshot_every(cfg, max_restarts=env.max_restarts),
-            root=cfg.checkpoint.memory_dir, run_dir=run_dir, env=env, auto=cfg.checkpoint.memory_every_steps is None,
+            every_steps=snapshot_every(cfg, max_restarts=env.max_restarts),
+            root=cfg.checkpoint.snapshot_dir, run_dir=run_dir, env=env,
+            auto=cfg.checkpoint.snapshot_every_steps is None,
         )
         self.resumed_from_memory: MemoryChoice | None = None
         self._live = LiveState()  # the snapshots' state dicts, cheap once checked
@@ -259,43 +221,9 @@ class CheckpointManager:
             self.progress.step(step)
 
     def _load(self, state: CheckpointState, path: Path, meta: dict[str, Any]) -> int:
-        """Load `path` into `state`; the step it holds."""
-        version = check_format_version(path, meta, fresh=self.words.fresh)
-        saved_base, this_base = meta.get("base_model"), state.meta.get("base_model")
-        if not same_base(saved_base, this_base):  # LoRA adapters hold no base weights: they fit only their own base
-            raise mf.CheckpointError(
-                f"{path}: its adapters were trained on the base model {describe(saved_base)}, but this run's base is "
-                f"{describe(this_base)}; resume with the same base (model.factory, model.kwargs), or start afresh "
-                f"with {self.words.fresh}"
-            )
-        want = model_config_hash(self.root_cfg.model)
-        if meta.get("model_config_hash") not in (None, want):
-            raise mf.CheckpointError(
-                f"{path}: written for another model config (model section hash {meta['model_config_hash'][:12]}, "
-                f"this run {want[:12]}); resume with the run's own model settings"
-            )
-        storage.load_model_optim(path, fmt=meta["format"], state=state, version=version)
-        train = storage.load_torch(path / "train.pt")
-        state.schedule.load_state_dict(train["scheduler"])
-        if train["scaler"] and state.scaler is not None:
-            state.scaler.load_state_dict(train["scaler"])
-        state.train.load_state_dict(
-            {
-                "step": int(meta["step"]),
-                "samples_seen": int(meta["samples_seen"]),
-                "skipped_steps": int(meta.get("skipped_steps", 0)),
-            }
-        )
-        state.data.load_state_dict(meta["sampler"])
-        own = path / f"rank_{self.env.rank:05d}.pt"
-        if own.is_file():
-            rank_state = storage.load_torch(own)
-            RngState().load_state_dict(rank_state["rng"])
-            if meta["world_size"] == self.env.world_size:  # at a new world size the rest starts afresh
-                for name, obj in state.per_rank.items():
-                    if name in rank_state:  # e.g. a compression hook's state, absent when saved without one
-                        obj.load_state_dict(rank_state[name])
-        return int(meta["step"])
+        """Load `path` into `state`; the step it holds (restore.py)."""
+        return load_checkpoint(state, path, meta, model=self.root_cfg.model, rank=self.env.rank,
+                               world_size=self.env.world_size, fresh=self.words.fresh)
 
     # ------------------------------------------------------------------ save
     def maybe_save(self, state: CheckpointState, *, step: int, rng: dict[str, Any] | None = None) -> bool:
@@ -327,26 +255,9 @@ class CheckpointManager:
         return False
 
     def _snapshot_files(self, state: CheckpointState) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
-        """This rank's share of a checkpoint, as live state (the in-memory snapshot copies it): its files (full
-        format: rank 0's model and optimizer files; rank 0's train.pt; its rank file), the `dcp` format's model
-        and optimizer shards (None in the full format), and the format version they are in. The state dicts are
-        the module's and optimizer's own once they have matched DCP's (live_state.py). Shards of ranks that all
-        hold the same parameters use DCP's nested optimizer layout (format version 2), which those own state dicts
-        have; pipeline stages need the flattened one (version 3), from DCP's helpers."""
-        version = FORMAT_VERSION
-        files = self._live(state, rank=self.env.rank) if state.full else {}
-        shards = None
-        if not state.full:
-            version = FORMAT_VERSION if self.root_cfg.parallel.pp > 1 else 2
-            with storage.optimizer_layout(state, flat=version >= 3):
-                shards = self._live(state, rank=self.env.rank)
-        if self.env.rank == 0:
-            scaler = state.scaler.state_dict() if state.scaler is not None else None
-            files["train.pt"] = {"scheduler": state.schedule.state_dict(), "scaler": scaler or None}
-            files.update(state.extra_files)
-        own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
-        files[f"rank_{self.env.rank:05d}.pt"] = own
-        return files, shards, version
+        """This rank's share of a checkpoint as live state, its shards and their format version (snapshots/)."""
+        return snapshot_files(state, self._live, rank=self.env.rank, version=FORMAT_VERSION,
+                              pipeline=self.root_cfg.parallel.pp > 1)
 
     def save_final(self, state: CheckpointState) -> None:
         """The end-of-run checkpoint (skipped when this step was just saved); waits for any

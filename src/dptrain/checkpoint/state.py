@@ -16,7 +16,7 @@
 - `per_rank`: each rank's own state besides its RNG (which the manager always adds), e.g. the
   logging window; restored only at the same world size.
 
-A parallelisation plan that owns state-dict get/set can stand in for `ModelState` and
+A ParallelModel (or any object) that owns state-dict get/set can stand in for `ModelState` and
 `OptimizerState`: any Stateful works.
 """
 

@@ -88,7 +88,7 @@ def prepare_resume(cfg: Config, *, run_dir: Path, resume: str, trust: bool, worl
     if not meta:
         return cfg
     # lazy: torch: loaded only when a checkpoint is read
-    from dptrain.checkpoint.manager import check_format_version
+    from dptrain.checkpoint.restore import check_format_version
 
     try:
         check_format_version(run_dir if resume == "auto" else Path(resume), meta)

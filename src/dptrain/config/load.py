@@ -23,7 +23,7 @@ import yaml
 
 from dptrain.config.datasource import resolve_data_source
 from dptrain.config.deepspeed import translate_deepspeed
-from dptrain.config.dotted import has_dotted, set_dotted
+from dptrain.config.dotted import current_key, has_dotted, rename_old_keys, set_dotted, tell_renamed
 from dptrain.config.fields import Config, ConfigError, to_dict
 from dptrain.config.layout import strategy_mode
 from dptrain.config.ranges import RANGES
@@ -86,8 +86,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
             warn(f"{p.name}: {note}")
         if m.ignored:
             warn(f"{p.name}: DeepSpeed keys dptrain does not use (ignored): {', '.join(sorted(m.ignored))}")
-        return m.config
-    return raw
+        return rename_old_keys(m.config)
+    return rename_old_keys(raw)
 
 
 def warn(message: str) -> None:
@@ -206,6 +206,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not key or "." not in key:
         raise ConfigError(f"override {item!r}: the key must be dotted, e.g. train.max_steps=100")
+    key = current_key(key)
     if re.search(r"(^|\s)#", text):  # YAML would drop ` #...` as a comment: a shell line means it literally
         return key, text
     try:
@@ -216,8 +217,11 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def build_config(data: dict[str, Any]) -> Config:
-    """Nested dict -> Config; unknown keys raise ConfigError naming the valid keys."""
-    return _build(Config, data, prefix="")
+    """Nested dict -> Config; unknown keys raise ConfigError naming the valid keys. Renamed keys under their old
+    names load, said in one warning line (config/dotted.py `RENAMED`)."""
+    cfg = _build(Config, rename_old_keys(data), prefix="")
+    tell_renamed()
+    return cfg
 
 
 def _build(cls: type, data: dict[str, Any], *, prefix: str) -> Any:

@@ -119,7 +119,7 @@ RANGES: dict[str, dict[str, Range]] = {
     "checkpoint": {
         "every_steps": Range(int, 0, note="0: only at the end"),
         "keep_last": Range(int, 1, optional=True, note="null keeps all"),
-        "memory_every_steps": Range(int, 0, optional=True, note="0 turns the in-memory snapshots off; null: auto"),
+        "snapshot_every_steps": Range(int, 0, optional=True, note="0 turns the in-memory snapshots off; null: auto"),
     },
     "diagnostics": {
         "hang_timeout_s": Range(float, 0, _YEAR_S, optional=True, note="seconds; 0 turns the watchdog off"),
@@ -127,11 +127,11 @@ RANGES: dict[str, dict[str, Range]] = {
         "collective_check_every_steps": Range(int, 0, note="0 turns it off"),
         "straggler_every_steps": Range(int, 0, note="0 turns it off"),
         "drift_every_steps": Range(int, 0, note="0 turns it off"),
-        "memory_every_steps": Range(int, 0, note="0 turns it off"),
+        "rss_every_steps": Range(int, 0, note="0 turns it off"),
         "max_consecutive_skips": POS_INT,
-        "memory_window": Range(int, 3),
+        "rss_window": Range(int, 3),
         "straggler_margin": POS_FLOAT,
-        "memory_leak_mb": POS_FLOAT,
+        "rss_leak_mb": POS_FLOAT,
     },
 }
 

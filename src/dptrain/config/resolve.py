@@ -298,10 +298,10 @@ def validate(cfg: Config) -> None:
         )
 
 
-def memory_snapshot_every(cfg: Config, *, max_restarts: int) -> int:
-    """checkpoint.memory_every_steps as it applies (null: every step when the run can restart; the run itself then
-    widens the interval when a snapshot costs more than its time budget, checkpoint/memory_pace.py)."""
-    n = cfg.checkpoint.memory_every_steps
+def snapshot_every(cfg: Config, *, max_restarts: int) -> int:
+    """checkpoint.snapshot_every_steps as it applies (null: every step when the run can restart; the run itself then
+    widens the interval when a snapshot costs more than its time budget, checkpoint/snapshots/pace.py)."""
+    n = cfg.checkpoint.snapshot_every_steps
     if n is not None:
         return n
     return 1 if max_restarts > 0 else 0

@@ -70,7 +70,7 @@ class CheckpointConfig:
     """Keep only the newest N committed checkpoints (older committed ones are deleted); null keeps all."""
     async_save: bool = False
     """Write checkpoint files in a background thread while training continues; committed only once complete."""
-    memory_every_steps: int | None = None
+    snapshot_every_steps: int | None = None
     """Also snapshot the run's state into host memory (a tmpfs folder that outlives the worker) every N optimizer
     steps, written in the background and copied to a rank of another node; after a restart the run resumes from the
     newest complete snapshot when it is at least as new as the newest disk checkpoint (0: off). Every layout: full
@@ -78,7 +78,7 @@ class CheckpointConfig:
     the run can restart (`launch.max_restarts` > 0) and two snapshots (and a peer's replica) fit the tmpfs, widened
     to every N steps when one costs more than 3% of a step's time (measured by the run: a probe of 8 snapshots
     first); off for good (with one warning) if a snapshot cannot be written."""
-    memory_dir: str | None = None
+    snapshot_dir: str | None = None
     """Folder for the in-memory snapshots (default `/dev/shm/dptrain`); one `<run id>/<host>/` folder per run and
     node, removed when the run ends normally."""
 
@@ -117,11 +117,11 @@ class DiagnosticsConfig:
     per-step check)."""
     max_consecutive_skips: int = 5
     """nonfinite=skip: stop with an error after this many consecutive skipped steps."""
-    memory_every_steps: int = 50
+    rss_every_steps: int = 50
     """Sample host RSS (and CUDA allocated/reserved/peak) on every rank every N steps (0: off)."""
-    memory_window: int = 10
+    rss_window: int = 10
     """Samples in the linear fit that detects steady memory growth."""
-    memory_leak_mb: float = 256.0
+    rss_leak_mb: float = 256.0
     """Report a leak when the fitted growth over the window exceeds this many MiB (and the fit is steady, R^2 >= 0.9).
     """
     profile_steps: str | None = None

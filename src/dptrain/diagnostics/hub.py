@@ -30,10 +30,10 @@ from dptrain.config import DiagnosticsConfig, hang_timeout
 from dptrain.config.speed_checks import parse_profile_steps
 from dptrain.data.loader import LOADER_STACKS_ENV
 from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
-from dptrain.diagnostics.memory import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
 from dptrain.diagnostics.nonfinite import NonFiniteGuard, describe_origin, first_nonfinite_steps
 from dptrain.diagnostics.preflight import run_preflight
 from dptrain.diagnostics.profiler import StepProfiler
+from dptrain.diagnostics.rss import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
 from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, find_stragglers, gather_rows
 from dptrain.diagnostics.watchdog import Watchdog, job_store
 from dptrain.distributed.env import DistEnv
@@ -114,8 +114,8 @@ class Diagnostics:
                 self.replica = unwrap(model)
         elif cfg.drift_every_steps and env.world_size > 1 and not is_sharded(model):
             self.replica = unwrap(model)  # zero2/fsdp: one copy of each shard, nothing to compare
-        if cfg.memory_every_steps:
-            self.memory = MemoryMonitor(device=device, window=cfg.memory_window, leak_mb=cfg.memory_leak_mb)
+        if cfg.rss_every_steps:
+            self.memory = MemoryMonitor(device=device, window=cfg.rss_window, leak_mb=cfg.rss_leak_mb)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._sink = open(self.run_dir / "diagnostics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -210,7 +210,7 @@ class Diagnostics:
                 self.timer.resume()  # a timed stretch begins; the untimed steps before it do not count
         if self.replica is not None and step % self.cfg.drift_every_steps == 0:
             self._check_drift(step)
-        if self.memory is not None and step % self.cfg.memory_every_steps == 0:
+        if self.memory is not None and step % self.cfg.rss_every_steps == 0:
             self._check_memory(step)
         if self.profiler is not None:
             self.profiler.step_done(step)

@@ -1,12 +1,19 @@
-"""Parallelisation: `parallelize_model(model, cfg=..., mesh=..., device=...)` (compose.py) returns a `ParallelModel`
-that owns everything which differs by wrapper (gradient-sync context, clipping, state dicts,
-optimizer sharding, communication hooks). One small file per technique: `ddp`, `fsdp`, `zero`,
-`activation_checkpointing`, `dp`, `single`, `tensor`, `pipeline`; `compose` puts them together in a fixed
-order (`parallelize_model`); `clip` (global norm) and `wrapped` (unwrap, full state dict) work on any of them.
+"""Parallelisation: a plain model made data-, tensor- or pipeline-parallel, behind one `ParallelModel`.
 
-The free functions `sync_gradients`, `clip_grad_norm_`, `full_state_dict` and `unwrap` accept a
-`ParallelModel` (they delegate to it) or the module it returned (for own loops that keep only the
-module), so own loops never branch on the strategy.
+This module's own functions take a `ParallelModel` (they delegate to it) or the module it returned (own loops that
+keep only the module), so own loops never branch on the strategy:
+
+- `unwrap(model)`: the user's plain module (inside a DDP/DataParallel wrapper; FSDP2 shards in place);
+- `sync_gradients(model, sync)`: the context for a micro-step's forward and backward (no reduction with False);
+- `clip_grad_norm_(model, max_norm)`: the global gradient norm over every rank and shard, clipped;
+- `full_state_dict(model)`: the consolidated weights on the CPU (collective under FSDP2).
+
+Re-exported from the files that define them: `ParallelModel` (model.py; the owner of everything that differs by
+wrapper: gradient-sync context, clipping, state dicts, optimizer sharding, communication hooks),
+`parallelize_model` (compose.py: the internal engine, taking a `ParallelConfig` and a mesh, behind the Trainer and
+`dptrain.parallelize`, the one public way to parallelise a model), `is_sharded` (wrapped.py) and the techniques'
+`apply_ddp`, `apply_dp`, `apply_fsdp`, `apply_single` (one small file each, like `tensor`, `pipeline`,
+`activation_checkpointing`, `zero`; compose.py applies them in a fixed order).
 """
 
 from __future__ import annotations
@@ -17,9 +24,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from dptrain.config import ParallelConfig
-from dptrain.config.layout import resolve_layout
-from dptrain.distributed.mesh import ParallelMesh
 from dptrain.parallel import clip, wrapped
 from dptrain.parallel.compose import parallelize_model
 from dptrain.parallel.ddp import apply_ddp
@@ -32,7 +36,6 @@ from dptrain.parallel.wrapped import is_sharded
 __all__ = [
     "ParallelModel",
     "parallelize_model",
-    "apply_strategy",
     "sync_gradients",
     "unwrap",
     "clip_grad_norm_",
@@ -45,18 +48,6 @@ __all__ = [
 ]
 
 Parallelized = nn.Module | ParallelModel
-
-
-def apply_strategy(model: nn.Module, *, cfg: ParallelConfig, device: torch.device) -> nn.Module:
-    """`parallelize` over a mesh of the current world, returning only the module to call.
-    Inside an initialised process group (a world of one is fine). For zero1 the optimizer must come
-    from the plan (`parallelize(...).optimizer(cls, ...)`); this returns only DDP's module."""
-    import torch.distributed as dist
-
-
-    dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
-    mesh = ParallelMesh.build(dims, device_type=device.type)
-    return parallelize_model(model, cfg=cfg, mesh=mesh, device=device).module
 
 
 def unwrap(model: Parallelized) -> nn.Module:

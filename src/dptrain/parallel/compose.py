@@ -101,9 +101,9 @@ def parallelize_model(
         module = apply_dp(apply_single(model, device=device, materialize=materialize), device=device)
     else:
         module = apply_single(model, device=device, materialize=materialize)
-    plan = ParallelModel(module, plain=model, mode=mode, mesh=mesh, loss_parallel=cfg.loss_parallel, device=device,
+    pmodel = ParallelModel(module, plain=model, mode=mode, mesh=mesh, loss_parallel=cfg.loss_parallel, device=device,
                          sync_each_micro_step=cfg.sync_each_micro_step)
-    plan.context = cp
+    pmodel.context = cp
     if comm_hook is not None:
-        plan.register_comm_hook(*comm_hook)
-    return plan
+        pmodel.register_comm_hook(*comm_hook)
+    return pmodel

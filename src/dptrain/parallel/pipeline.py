@@ -345,7 +345,7 @@ def parallelize_pipeline(
     stages: list[Any] = [
         PipelineStage(m, s, n_stages, device, group=mesh.pp_group) for m, s in zip(wrapped, ids, strict=True)
     ]
-    plan = PipelineModel(
+    pmodel = PipelineModel(
         view=RankView(parts),
         parts=parts,
         wrapped=wrapped,
@@ -356,9 +356,9 @@ def parallelize_pipeline(
         device=device,
     )
     m = pipeline_microbatches(cfg)
-    kwargs: dict[str, Any] = {"n_microbatches": m, "loss_fn": plan.loss_fn, "scale_grads": False}
+    kwargs: dict[str, Any] = {"n_microbatches": m, "loss_fn": pmodel.loss_fn, "scale_grads": False}
     if cfg.pp_schedule == "interleaved_1f1b":
-        plan.schedule = ScheduleInterleaved1F1B(stages, **kwargs)
+        pmodel.schedule = ScheduleInterleaved1F1B(stages, **kwargs)
     else:
-        plan.schedule = (ScheduleGPipe if cfg.pp_schedule == "gpipe" else Schedule1F1B)(stages[0], **kwargs)
-    return plan
+        pmodel.schedule = (ScheduleGPipe if cfg.pp_schedule == "gpipe" else Schedule1F1B)(stages[0], **kwargs)
+    return pmodel

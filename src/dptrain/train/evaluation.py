@@ -50,7 +50,7 @@ def shard_indices(n: int, *, dp_rank: int, dp_size: int, micro_batch_size: int) 
 
 @torch.no_grad()
 def evaluate(
-    plan: ParallelModel, val_ds: Any, *, loss_fn: LossFn, collate: Callable[[list[Any]], Any] | None,
+    pmodel: ParallelModel, val_ds: Any, *, loss_fn: LossFn, collate: Callable[[list[Any]], Any] | None,
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, eval_batches: int,
     micro_batch_size: int, dp_world_size: int, mesh: ParallelMesh, device: torch.device, phase: Callable[[str], None],
     eval_fn: EvalFn | None = None, eval_samples: int | None = None,
@@ -69,7 +69,7 @@ def evaluate(
         batches, n_batches = shard_indices(n, dp_rank=mesh.dp_rank, dp_size=world, micro_batch_size=mb)
     if n_batches == 0:
         return None
-    model = plan.module
+    model = pmodel.module
     model.eval()
     count = torch.zeros((), device=device, dtype=torch.float64)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -81,9 +81,9 @@ def evaluate(
         weight = len(idx) if idx else 0  # 0: this rank's shard ran out; its forward keeps FSDP's collectives aligned
         batch = make([val_ds[i] for i in (idx or (batches[-1] if batches else range(1)))])
         count += weight
-        loss_sum += plan.eval_loss(batch, loss_fn=loss_fn, context=context).double() * weight
+        loss_sum += pmodel.eval_loss(batch, loss_fn=loss_fn, context=context).double() * weight
         if eval_fn is not None:
-            out = plan.eval_loss(batch, loss_fn=cast(LossFn, eval_fn), context=context)
+            out = pmodel.eval_loss(batch, loss_fn=cast(LossFn, eval_fn), context=context)
             for name, value in _metrics(out).items():
                 sums[name] = sums.get(name, torch.zeros((), device=device, dtype=torch.float64)) + value * weight
     model.train()

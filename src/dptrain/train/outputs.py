@@ -91,20 +91,20 @@ class RunOutputs:
         self.console.message(f"step {step}: val loss {val:.4f}" + (f"  ({bpb:.3f} bits/byte)" if bpb else "")
                              + "".join(f"  {k} {v:.4f}" for k, v in extra.items()))
 
-    def save_final(self, plan: ParallelModel) -> None:
+    def save_final(self, pmodel: ParallelModel) -> None:
         """Consolidated weights under the plain module's names, whatever the strategy; for a Hugging Face
         model also its config, so that final/ loads with `from_pretrained` (checkpoint/hf.py). A PEFT model (LoRA):
         PEFT's adapter_model.safetensors + adapter_config.json (checkpoint/adapters.py)."""
 
-        if lora.is_peft_model(unwrap(plan.module)):  # LoRA: PEFT's adapter files, the base never gathered
-            adapters = adapter_state(plan.module)  # collective under FSDP: every rank calls it
+        if lora.is_peft_model(unwrap(pmodel.module)):  # LoRA: PEFT's adapter files, the base never gathered
+            adapters = adapter_state(pmodel.module)  # collective under FSDP: every rank calls it
             if self.env.is_main:
-                save_adapters(plan.module, adapters, self.run_dir / "final")
+                save_adapters(pmodel.module, adapters, self.run_dir / "final")
             return
-        state = plan.full_state_dict()  # collective under FSDP: every rank calls it
+        state = pmodel.full_state_dict()  # collective under FSDP: every rank calls it
         if self.env.is_main:
             save_safetensors(state, self.run_dir / "final" / "model.safetensors")
-            save_pretrained_config(unwrap(plan.module), state, self.run_dir / "final")  # HF models: + config.json
+            save_pretrained_config(unwrap(pmodel.module), state, self.run_dir / "final")  # HF models: + config.json
 
     def close(self, *, finished: bool) -> None:
         """Stop the monitoring sinks (their threads and servers); `finished`: the run completed."""

@@ -57,8 +57,8 @@ from dptrain.train.build import (
     import_object,
 )
 from dptrain.train.evaluation import evaluate, summarize
-from dptrain.train.hosted import make_optimizer, make_scheduler, scheduler_period
 from dptrain.train.loss import CountItems, items_per_rank, takes_num_items
+from dptrain.train.optim import make_optimizer, make_scheduler, scheduler_period
 from dptrain.train.outputs import RunOutputs
 from dptrain.train.precision import autocast_factory, build_grad_scaler
 from dptrain.train.state import LogWindow, TrainState
@@ -200,7 +200,7 @@ class Trainer:
             comm_hook=self.meters.ddp_comm_hook(self.comm_hook),
         )
         self.model: nn.Module = self.parallel.module  # what to call
-        # dptrain's SGD/Adam/AdamW/1-bit Adam + warmup/decay, or optim.factory / scheduler_factory (train/hosted.py)
+        # dptrain's SGD/Adam/AdamW/1-bit Adam + warmup/decay, or optim.factory / scheduler_factory (train/optim.py)
         exchange = self.comm_hook.state if self.comm_hook is not None and self.comm_hook.name == "onebit_adam" else None
         self.optimizer = make_optimizer(self.parallel, cfg=cfg.optim, lr=res.lr, exchange=exchange)  # zero1: sharded
         nvme = cfg.parallel.nvme_offload_dir  # the optimizer state in files on a drive (DeepSpeed's NVMe offload)

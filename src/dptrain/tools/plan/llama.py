@@ -82,11 +82,6 @@ class ParamCounts:
     def total(self) -> int:
         return self.embedding + self.n_layers * self.block + self.final_norm + self.head
 
-    @property
-    def largest_unit(self) -> int:
-        """The largest FSDP unit (a block, or the root's embedding + norm + head)."""
-        return max(self.block, self.embedding + self.final_norm + self.head)
-
 
 def param_counts(cfg: LlamaConfig) -> ParamCounts:
     """Exact parameter counts of `LlamaLM(cfg)` (no bias anywhere; RMSNorm has one d-vector)."""

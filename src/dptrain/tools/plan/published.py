@@ -159,7 +159,3 @@ def sustained_from(run: Run) -> float:
 def overhead() -> float:
     """The stated allowance for the CUDA context, workspaces and NCCL buffers (plan/memory.py)."""
     return FRAMEWORK_OVERHEAD
-
-
-def gib(nbytes: float) -> float:
-    return nbytes / GIB

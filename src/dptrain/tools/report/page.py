@@ -26,7 +26,7 @@ SECTIONS = {
                   "world size > 1 and diagnostics.straggler_every_steps > 0 (not under pipeline parallelism), and "
                   "writes one record at the end of each window"),
     "split": ("Data / compute / wait per rank", "no step_split record in diagnostics.jsonl (see above)"),
-    "memory": ("Memory per rank", "no memory record in diagnostics.jsonl: set diagnostics.memory_every_steps > 0"),
+    "memory": ("Memory per rank", "no memory record in diagnostics.jsonl: set diagnostics.rss_every_steps > 0"),
     "events": ("Events", "no events: no checkpoint, restart, straggler, skipped step or other finding"),
 }
 SUMMARY_ROWS = ("strategy", "world_size", "precision", "steps", "global_batch_size", "final_loss", "initial_val_loss",

@@ -11,7 +11,7 @@ Sources and what the report takes from them:
   present, `skipped_steps` (fp16), and the validation records (`val_loss`);
 - diagnostics.jsonl (rank 0): `step_split` (every rank's data/compute/wait/other seconds per
   step, averaged over the last steps of each straggler window), `memory` (every rank's RSS and
-  CUDA memory at `memory_every_steps`), and the events: `straggler`, `nonfinite`, `nonfinite_loss`,
+  CUDA memory at `diagnostics.rss_every_steps`), and the events: `straggler`, `nonfinite`, `nonfinite_loss`,
   `memory_leak`, `drift`, `watchdog_died`, `gpu0_context`;
 - attempts.jsonl: elastic restarts; checkpoints/step_*/manifest.json (+ COMMITTED): saves;
 - summary.json and config.yaml: the run's totals and settings.

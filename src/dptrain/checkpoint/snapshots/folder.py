@@ -1,8 +1,8 @@
-"""The node's snapshot folder (memory.py): its layout, the parts, and cleaning up.
+"""The node's snapshot folder (store.py): its layout, the parts, and cleaning up.
 
-`<memory_dir>/<run id>/<host>/`: `step_NNNNNN/` (a snapshot's files: this node's ranks' and the replica of the
+`<snapshot_dir>/<run id>/<host>/`: `step_NNNNNN/` (a snapshot's files: this node's ranks' and the replica of the
 previous node's), `parts/step_NNNNNN.rank_RRRRR.json` (one per rank's share of a snapshot, written last: a part
-names only files fully written), `.slots/` (the mapped files the snapshots link, memory_flat.py) and `owner.json`
+names only files fully written), `.slots/` (the mapped files the snapshots link, flat.py) and `owner.json`
 (the launcher process that owns the folder; a folder whose owner is gone belongs to a dead run).
 """
 
@@ -91,7 +91,7 @@ def holdings(node_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
 
 def drop_steps(node_dir: Path, *, keep: set[int]) -> None:
     """Delete every snapshot of the node except the steps in `keep` (parts first, then the step folders: a slot
-    they link lives on in its pair, memory_flat.py)."""
+    they link lives on in its pair, flat.py)."""
     parts = node_dir / PARTS
     for name in os.listdir(parts) if parts.is_dir() else []:
         step = mf.step_of(Path(name.split(".")[0]))

@@ -1,7 +1,7 @@
 """Replication of a snapshot to the next node: each rank sends its part and files to its peer and receives its
 source's, over the snapshots' own gloo group (a ring: every rank does both).
 
-The raw files go as they are, from the sender's slots (memory_flat.py) to the receiver's: the receiver maps a
+The raw files go as they are, from the sender's slots (flat.py) to the receiver's: the receiver maps a
 pair of slots per source file and receives straight into one, so a replica costs no copy on either side besides
 the wire. The small files (skeletons, DCP shard files) travel together in one message. Every message has its
 own tag, so the order in which gloo matches them does not matter; all sends are posted before the first receive,
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.checkpoint import memory_flat
-from dptrain.checkpoint.memory_flat import Pair, Slot
+from dptrain.checkpoint.snapshots import flat
+from dptrain.checkpoint.snapshots.flat import Pair, Slot
 
 HEADER_SIZE, HEADER, SMALL, FIRST_BIG = 0, 1, 2, 3  # message tags
 
@@ -69,7 +69,7 @@ def receive(node_dir: Path, pairs: dict[str, Pair], *, source: int, group: Any, 
         if error is None:
             try:
                 if name not in pairs:
-                    pairs[name] = Pair(node_dir / memory_flat.SLOTS / f"from_{source:05d}" / name)
+                    pairs[name] = Pair(node_dir / flat.SLOTS / f"from_{source:05d}" / name)
                 slot, held = pairs[name].take(size, avoid=avoid)
                 if held is not None:
                     release(held)
@@ -87,7 +87,7 @@ def receive(node_dir: Path, pairs: dict[str, Pair], *, source: int, group: Any, 
     step_dir = node_dir / mf.step_dir_name(part["step"])
     step_dir.mkdir(parents=True, exist_ok=True)
     for name, slot in slots.items():
-        memory_flat.link(slot.path, step_dir / name)
+        flat.link(slot.path, step_dir / name)
     view, at, small = memoryview(blob.numpy()), 0, {}  # type: ignore[arg-type]
     for name, size in header["small"]:
         small[name], at = view[at : at + size], at + size

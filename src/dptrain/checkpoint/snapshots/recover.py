@@ -6,7 +6,7 @@ for which a part of every rank of the world that wrote it exists on some node of
 Nodes that lack parts receive them from a holder (`plan_transfers`: the lowest rank of a holding node
 sends to the lowest rank of a lacking node, point to point, in one order on every rank). Each node then
 has the whole snapshot; its first rank checks every snapshot file's size and checksum against its part,
-rebuilds the checkpoint files from them (memory_format.py) into `step_NNNNNN/checkpoint/` and writes
+rebuilds the checkpoint files from them (rebuild.py) into `step_NNNNNN/checkpoint/` and writes
 `manifest.json` (their SHA-256) and `COMMITTED` there, so that folder is an ordinary committed checkpoint and
 loads through the same path as a disk one (another world size included). A snapshot that fails
 verification anywhere is not used: the run falls back to disk.
@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.checkpoint import memory_flat, memory_format, storage
-from dptrain.checkpoint.memory import MemorySnapshots
-from dptrain.checkpoint.memory_folder import drop_steps, holdings, pack, read_part_files, store_part, unpack
+from dptrain.checkpoint import storage
+from dptrain.checkpoint.snapshots import flat, rebuild
+from dptrain.checkpoint.snapshots.folder import drop_steps, holdings, pack, read_part_files, store_part, unpack
+from dptrain.checkpoint.snapshots.store import MemorySnapshots
 from dptrain.distributed import collectives
 
 CHECKPOINT = "checkpoint"  # the rebuilt checkpoint folder inside a snapshot's step folder
@@ -120,13 +121,13 @@ def recover(
                     check(snapshot / name, entry)
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir()
-            names = [n for p in parts.values() for n in memory_format.logical_names(p["files"])]
-            shards = [n for n in names if n.startswith(memory_format.SHARDS)]
+            names = [n for p in parts.values() for n in rebuild.logical_names(p["files"])]
+            shards = [n for n in names if n.startswith(rebuild.SHARDS)]
             files = [n for n in names if n not in shards]
             for name in files:
-                memory_format.materialize(snapshot, name, path / name)
+                rebuild.materialize(snapshot, name, path / name)
             if shards:
-                files += memory_format.materialize_shards(snapshot, shards, path / storage.DCP_DIR)
+                files += rebuild.materialize_shards(snapshot, shards, path / storage.DCP_DIR)
             digest = mf.write_manifest(path, files={n: mf.file_entry(path / n) for n in files}, meta=parts[0]["meta"])
             mf.commit(path, manifest_sha256=digest)
         except (OSError, mf.CheckpointError) as e:
@@ -152,7 +153,7 @@ def check(path: Path, entry: dict[str, Any]) -> None:
         data = path.read_bytes()
     except FileNotFoundError:
         raise mf.CheckpointError(f"{path}: missing (listed in its rank's part)") from None
-    got, want = memory_flat.digest(data), entry.get("xxh3")
+    got, want = flat.digest(data), entry.get("xxh3")
     if len(data) != entry["size"] or got != want:
         raise mf.CheckpointError(
             f"{path}: {len(data)} bytes with xxh3 {got:016x}, its part says {entry['size']} bytes with xxh3 "

@@ -1,4 +1,4 @@
-"""In-memory snapshots (checkpoint/memory.py, memory_recover.py): selection, transfer plan, wire format,
+"""In-memory snapshots (checkpoint/snapshots/store.py, recover.py): selection, transfer plan, wire format,
 the folder's life cycle, recovery on one process and replication + recovery across two fake hosts."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.checkpoint import memory as memory_module
-from dptrain.checkpoint import memory_flat, memory_format, storage
-from dptrain.checkpoint.live_state import LiveState, same_tree
-from dptrain.checkpoint.memory import MemorySnapshots, snapshot_bytes
-from dptrain.checkpoint.memory_folder import holdings, pack, remove_dead_runs, run_id, unpack
-from dptrain.checkpoint.memory_recover import choose, describe, plan_transfers, recover
+from dptrain.checkpoint import storage
+from dptrain.checkpoint.snapshots import flat, rebuild, store
+from dptrain.checkpoint.snapshots.folder import holdings, pack, remove_dead_runs, run_id, unpack
+from dptrain.checkpoint.snapshots.live_state import LiveState, same_tree
+from dptrain.checkpoint.snapshots.recover import choose, describe, plan_transfers, recover
+from dptrain.checkpoint.snapshots.store import MemorySnapshots, snapshot_bytes
 from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
 from dptrain.config import ConfigError, validate
 from dptrain.config.load import load_config
-from dptrain.config.resolve import memory_snapshot_every
+from dptrain.config.resolve import snapshot_every
 from dptrain.distributed.env import DistEnv
 from support.mp import in_group, run_ranks
 
@@ -68,18 +68,18 @@ def test_pack_unpack_round_trip():
 
 @pytest.mark.fast
 def test_memory_every_steps_is_checked_and_accepted_for_every_format():
-    with pytest.raises(ConfigError, match=r"checkpoint.memory_every_steps=-1"):
-        validate(load_config(None, ["checkpoint.memory_every_steps=-1"]))
+    with pytest.raises(ConfigError, match=r"checkpoint.snapshot_every_steps=-1"):
+        validate(load_config(None, ["checkpoint.snapshot_every_steps=-1"]))
     for strategy in ("zero1", "fsdp", "zero2"):
-        validate(load_config(None, ["checkpoint.memory_every_steps=1", f"parallel.strategy={strategy}"]))
+        validate(load_config(None, ["checkpoint.snapshot_every_steps=1", f"parallel.strategy={strategy}"]))
 
 
 @pytest.mark.fast
 def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart():
     def every(*over: str, restarts: int) -> int:
-        return memory_snapshot_every(load_config(None, list(over)), max_restarts=restarts)
+        return snapshot_every(load_config(None, list(over)), max_restarts=restarts)
 
-    assert load_config(None, []).checkpoint.memory_every_steps is None
+    assert load_config(None, []).checkpoint.snapshot_every_steps is None
     assert DistEnv.from_env({"TORCHELASTIC_MAX_RESTARTS": "2"}).max_restarts == 2  # torchrun's budget, per worker
     assert DistEnv.from_env({}).max_restarts == 0
     assert every("parallel.strategy=ddp", restarts=1) == 1
@@ -87,8 +87,8 @@ def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart():
     assert every("parallel.strategy=ddp", restarts=0) == 0  # no restart: nothing would read them
     assert every("parallel.strategy=fsdp", restarts=1) == 1  # DCP shards
     assert every("parallel.strategy=fsdp", restarts=0) == 0
-    assert every("parallel.strategy=ddp", "checkpoint.memory_every_steps=0", restarts=1) == 0
-    assert every("parallel.strategy=ddp", "checkpoint.memory_every_steps=5", restarts=0) == 5
+    assert every("parallel.strategy=ddp", "checkpoint.snapshot_every_steps=0", restarts=1) == 0
+    assert every("parallel.strategy=ddp", "checkpoint.snapshot_every_steps=5", restarts=0) == 5
 
 
 @pytest.mark.fast
@@ -96,17 +96,17 @@ def test_by_default_snapshots_are_on_every_step_when_the_run_can_restart():
 def test_default_snapshots_turn_off_with_a_warning_when_the_tmpfs_cannot_hold_them(tmp_path, monkeypatch, capsys,
                                                                                    failure):
     """A small /dev/shm (a container's 64 MiB) or a write that fails: the default turns itself off, training goes on;
-    an explicit checkpoint.memory_every_steps still fails loudly."""
+    an explicit checkpoint.snapshot_every_steps still fails loudly."""
     env = DistEnv(hostname="h")
     snap = MemorySnapshots(every_steps=1, root=str(tmp_path), run_dir=tmp_path / "run", env=env, auto=True)
     snap.start(fresh=True)
     if failure == "no room":
-        monkeypatch.setattr(memory_module.shutil, "disk_usage", lambda _: type("U", (), {"free": 1 << 10})())
+        monkeypatch.setattr(store.shutil, "disk_usage", lambda _: type("U", (), {"free": 1 << 10})())
     else:
         def full(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(memory_flat, "commit", full)
+        monkeypatch.setattr(flat, "commit", full)
     snap.snapshot(step=1, files=snapshot_files(1, 0), meta={"step": 1, "world_size": 1})
     snap.snapshot(step=2, files=snapshot_files(2, 0), meta={"step": 2, "world_size": 1})
     assert not snap.enabled and not snap.due(3)
@@ -227,17 +227,17 @@ def test_the_raw_snapshot_format_rebuilds_the_file_torch_save_would_write(tmp_pa
         "wide": torch.arange(5, dtype=torch.float64), "rng": (3, tuple(range(625)), None), "extra": extra,
     }
     torch.save(tree, tmp_path / "want.pt")
-    pair = memory_flat.Pair(tmp_path / "slots" / "optim.pt.raw")
-    staged = memory_flat.stage(pair, tree, step=1, avoid=None, release=lambda step: None)
+    pair = flat.Pair(tmp_path / "slots" / "optim.pt.raw")
+    staged = flat.stage(pair, tree, step=1, avoid=None, release=lambda step: None)
     assert staged.plain is (extra is None)
     tree["state"][0]["exp_avg"].add_(1.0)  # the live state moves on: the snapshot holds the copy taken at stage()
     step_dir = tmp_path / "step_000001"
     step_dir.mkdir()
-    entries, _ = memory_flat.commit(step_dir, "optim.pt", staged)
+    entries, _ = flat.commit(step_dir, "optim.pt", staged)
     assert sorted(entries) == ["optim.pt.raw", "optim.pt.skel"]
     assert os.path.samefile(step_dir / "optim.pt.raw", staged.slot.path)  # the slot is the file: linked, not copied
-    assert memory_format.logical_names(entries) == ["optim.pt"]
-    memory_format.materialize(step_dir, "optim.pt", tmp_path / "optim.pt")
+    assert rebuild.logical_names(entries) == ["optim.pt"]
+    rebuild.materialize(step_dir, "optim.pt", tmp_path / "optim.pt")
     got = storage.load_torch(tmp_path / "optim.pt")
     want = storage.load_torch(tmp_path / "want.pt")
     assert got["param_groups"] == want["param_groups"] and got["n"] is None and got["rng"] == want["rng"]
@@ -255,26 +255,26 @@ def test_slots_alternate_never_overwrite_the_newest_complete_snapshot_and_releas
     """Two slots per file: a snapshot writes into the one not holding the newest complete snapshot, tells which
     step that slot held (its part is deleted before the bytes change), and a slot a step folder still links keeps
     its bytes when the pair is remade (a new file, as after a restart)."""
-    pair = memory_flat.Pair(tmp_path / "slots" / "m.pt.raw")
+    pair = flat.Pair(tmp_path / "slots" / "m.pt.raw")
     released = []
     live = {"w": torch.zeros(4)}
     held = {}
     for step in (1, 2, 3, 4):
         live["w"].fill_(step)
-        staged = memory_flat.stage(pair, live, step=step, avoid=step - 1 if step > 1 else None, release=released.append)
+        staged = flat.stage(pair, live, step=step, avoid=step - 1 if step > 1 else None, release=released.append)
         held[step] = staged.slot
     assert released == [1, 2]  # step 3 overwrote step 1's slot, step 4 step 2's; never the newest complete
     assert held[1] is held[3] and held[2] is held[4] and held[3] is not held[4]
     assert held[4].views[0].tolist() == [4.0] * 4 and held[3].views[0].tolist() == [3.0] * 4
     step_dir = tmp_path / "step_000004"
     step_dir.mkdir()
-    memory_flat.commit(step_dir, "m.pt", memory_flat.Staged(held[4], {"w": (memory_flat.TENSOR, 0)}, [0], True))
+    flat.commit(step_dir, "m.pt", flat.Staged(held[4], {"w": (flat.TENSOR, 0)}, [0], True))
     pair.close()
-    again = memory_flat.Pair(tmp_path / "slots" / "m.pt.raw")  # a new process: new files under the same names
+    again = flat.Pair(tmp_path / "slots" / "m.pt.raw")  # a new process: new files under the same names
     live["w"].fill_(9)
-    memory_flat.stage(again, live, step=5, avoid=4, release=released.append)
-    memory_flat.stage(again, live, step=6, avoid=5, release=released.append)
-    assert memory_flat.materialize_raw(step_dir, "m.pt")["w"].tolist() == [4.0] * 4
+    flat.stage(again, live, step=5, avoid=4, release=released.append)
+    flat.stage(again, live, step=6, avoid=5, release=released.append)
+    assert flat.materialize_raw(step_dir, "m.pt")["w"].tolist() == [4.0] * 4
 
 
 @pytest.mark.fast
@@ -286,9 +286,9 @@ def test_a_skeleton_names_no_global_unless_torch_save_wrote_it():
             return (os.system, ("true",))
 
     with pytest.raises(pickle.UnpicklingError, match="posix.system|nt.system"):
-        memory_flat.load_skeleton(pickle.dumps({"skeleton": Evil()}))
+        flat.load_skeleton(pickle.dumps({"skeleton": Evil()}))
     plain = {"a": (1, 2.5, "x"), 3: [None, True]}
-    assert memory_flat.load_skeleton(memory_flat.dump_skeleton(plain, plain=True)) == plain
+    assert flat.load_skeleton(flat.dump_skeleton(plain, plain=True)) == plain
 
 
 def sharded_two_hosts(rank: int, root: str, run_dir: str) -> tuple:
@@ -349,7 +349,7 @@ def test_sharded_snapshots_replicate_dcp_shards_and_recover_the_full_model(tmp_p
 
 @pytest.mark.fast
 def test_the_sharded_memory_formula_and_the_room_rule():
-    from dptrain.checkpoint.memory_pace import interval_for, room_needed, room_problem
+    from dptrain.checkpoint.snapshots.pace import interval_for, room_needed, room_problem
 
     got = snapshot_bytes(param_bytes=400, optim_bytes=800, rank_file_bytes=10, world=4, local_world=2, sharded=True)
     assert got == 2 * 2 * (10 + 1200 / 4) * 2  # 2 snapshots x 2 local ranks x (rank file + 1/4 of state) x replica
@@ -365,12 +365,12 @@ def test_the_default_widens_the_interval_when_a_snapshot_costs_more_than_its_bud
     """A fake clock: a step takes 100 ms, each snapshot holds the loop 10 ms and its background write spends 20 ms of
     CPU: 30% of a step. The default probes at every step, then snapshots every 10 steps (30% / 3%); an explicit
     interval is never changed, and a cheap snapshot stays at every step."""
-    from dptrain.checkpoint import memory_pace
+    from dptrain.checkpoint.snapshots import pace
 
     now, cpu = [0.0], [0.0]
-    monkeypatch.setattr(memory_pace.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(memory_pace.time, "thread_time", lambda: cpu[0])
-    real_start, real_write = memory_module.in_background, MemorySnapshots._write
+    monkeypatch.setattr(pace.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(pace.time, "thread_time", lambda: cpu[0])
+    real_start, real_write = store.in_background, MemorySnapshots._write
     costs = {"hold": 0.01, "write": 0.02}
 
     def slow_start(*args):
@@ -381,7 +381,7 @@ def test_the_default_widens_the_interval_when_a_snapshot_costs_more_than_its_bud
         cpu[0] += costs["write"]  # the background write's CPU time
         return real_write(self, *args)
 
-    monkeypatch.setattr(memory_module, "in_background", slow_start)
+    monkeypatch.setattr(store, "in_background", slow_start)
     monkeypatch.setattr(MemorySnapshots, "_write", slow_write)
     env = DistEnv(hostname="h")
     for auto, hold, want in ((True, 0.01, 10), (False, 0.01, 1), (True, 0.001, 1)):
@@ -414,7 +414,7 @@ def failing_write(rank: int, root: str, run_dir: str, auto: bool, where: str) ->
         env = DistEnv(rank=rank, world_size=2, local_world_size=1, hostname="ab"[rank])
         snap = MemorySnapshots(every_steps=1, root=root, run_dir=Path(run_dir), env=env, auto=auto)
         snap.start(fresh=True)
-        real_commit, real_fallocate = memory_flat.commit, memory_flat.os.posix_fallocate
+        real_commit, real_fallocate = flat.commit, flat.os.posix_fallocate
         full = OSError(28, "No space left on device")
 
         def commit(step_dir, name, staged):
@@ -427,8 +427,8 @@ def failing_write(rank: int, root: str, run_dir: str, auto: bool, where: str) ->
                 raise full
             return real_fallocate(fd, offset, size)
 
-        memory_flat.commit = commit
-        memory_flat.os.posix_fallocate = fallocate
+        flat.commit = commit
+        flat.os.posix_fallocate = fallocate
         step, error = [0], None
         try:
             for step[0] in (1, 2, 3, 4):
@@ -441,7 +441,7 @@ def failing_write(rank: int, root: str, run_dir: str, auto: bool, where: str) ->
         except (OSError, RuntimeError) as e:
             error = f"{type(e).__name__}: {e}"
         finally:
-            memory_flat.commit, memory_flat.os.posix_fallocate = real_commit, real_fallocate
+            flat.commit, flat.os.posix_fallocate = real_commit, real_fallocate
         return snap.enabled, snap.last_complete, error
 
     return in_group(body)
@@ -520,12 +520,12 @@ def test_shards_are_put_together_across_ranks_and_a_gap_is_refused():
     """Recovery's merge: pipeline stages' different keys are united, a shard held by two ranks (a replicated mesh
     dimension) counts once, plain values come from the first rank; shards that leave a gap are refused, named."""
     w = torch.arange(12.0).reshape(4, 3)
-    piece = lambda rows, at: memory_flat.Chunk(shape=[4, 3], offsets=[at, 0], tensor=w[rows].clone())  # noqa: E731
+    piece = lambda rows, at: flat.Chunk(shape=[4, 3], offsets=[at, 0], tensor=w[rows].clone())  # noqa: E731
     rank0 = {"model": {"a.w": piece(slice(0, 2), 0)}, "optim": {"lr": 0.1}}
     rank1 = {"model": {"a.w": piece(slice(2, 4), 2), "b.w": torch.ones(2)}, "optim": {"lr": 0.2}}
     replica = {"model": {"a.w": piece(slice(0, 2), 0)}}
-    whole = memory_format.merge([rank0, rank1, replica], where=[])
+    whole = rebuild.merge([rank0, rank1, replica], where=[])
     assert torch.equal(whole["model"]["a.w"], w) and torch.equal(whole["model"]["b.w"], torch.ones(2))
     assert whole["optim"] == {"lr": 0.1}
     with pytest.raises(mf.CheckpointError, match=r"model.a.w: the snapshot's shards cover 6 of its 12 elements"):
-        memory_format.merge([rank0, replica], where=[])
+        rebuild.merge([rank0, replica], where=[])

@@ -1,4 +1,4 @@
-"""What the default in-memory snapshots (`checkpoint.memory_every_steps: null`) may cost: room and time.
+"""What the default in-memory snapshots (`checkpoint.snapshot_every_steps: null`) may cost: room and time.
 
 Room: before the first snapshot every rank reports the bytes of its share; a node holds its own ranks'
 shares plus, on more than one node, the previous node's as the replica, twice (the newest complete

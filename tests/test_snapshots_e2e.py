@@ -24,8 +24,8 @@ from support.run_helpers import SLOW_TOY, dptrain, losses, start, wait_for_step,
 @pytest.mark.timeout(150)
 def test_sigkill_resumes_from_memory_without_the_disk_bit_identical(slow_toy_reference: Path, tmp_path):
     out, mem = tmp_path / "run", tmp_path / "mem"
-    proc = start(out, "checkpoint.every_steps=1000", "checkpoint.memory_every_steps=1",
-                 f"checkpoint.memory_dir={mem}", flags=("--max-restarts", "1"))
+    proc = start(out, "checkpoint.every_steps=1000", "checkpoint.snapshot_every_steps=1",
+                 f"checkpoint.snapshot_dir={mem}", flags=("--max-restarts", "1"))
     wait_for_step(proc, out, 12)
     assert mf.step_dirs(out / "checkpoints") == []  # nothing on disk to resume from
     worker(proc, 1).send_signal(signal.SIGKILL)
@@ -57,7 +57,7 @@ def test_sigkill_under_fsdp_resumes_from_the_memory_shards_bit_identical(tmp_pat
     ref = dptrain("run", *SLOW_TOY, *fsdp, "--nproc-per-node", "2", "--out", str(tmp_path / "ref"), timeout=150)
     assert ref.returncode == 0, ref.stderr[-3000:]
     out, mem = tmp_path / "run", tmp_path / "mem"
-    proc = start(out, *fsdp, "checkpoint.memory_every_steps=1", f"checkpoint.memory_dir={mem}",
+    proc = start(out, *fsdp, "checkpoint.snapshot_every_steps=1", f"checkpoint.snapshot_dir={mem}",
                  flags=("--max-restarts", "1"))
     wait_for_step(proc, out, 8)
     worker(proc, 0).send_signal(signal.SIGKILL)

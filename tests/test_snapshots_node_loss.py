@@ -1,5 +1,5 @@
 """Node loss on the two-namespace cluster with in-memory snapshots (`launch.nnodes=1:2`,
-`checkpoint.memory_every_steps=1`, no disk checkpoint before the end): node 1 is killed (every
+`checkpoint.snapshot_every_steps=1`, no disk checkpoint before the end): node 1 is killed (every
 process in its namespace); node 0 resumes at world size 1 from the memory snapshot built with node 1's
 files from the replica node 0 holds, and ends with the final weights of a reference that switched
 from 2 ranks to 1 at the same step through `--resume` (the disk path). Needs root."""
@@ -79,7 +79,7 @@ def reference(tmp_path: Path, k: int) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(420)
 def test_node_lost_the_survivor_resumes_from_the_lost_nodes_replica_in_memory(tmp_path):
     out, mem, logs = tmp_path / "run", tmp_path / "mem", [tmp_path / "node0.log", tmp_path / "node1.log"]
-    items = [*TOY, *ELASTIC, "checkpoint.memory_every_steps=1", f"checkpoint.memory_dir={mem}"]
+    items = [*TOY, *ELASTIC, "checkpoint.snapshot_every_steps=1", f"checkpoint.snapshot_dir={mem}"]
     with Cluster(rate="1gbit") as c:
         procs = [
             c.popen(i, dptrain_argv([*join(items, c.launch_overrides(i, nnodes="1:2")), "--nproc-per-node", "1",

@@ -16,8 +16,8 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState
-from dptrain.checkpoint.storage import dcp_state, full_state_dicts, optim_name
+from dptrain.checkpoint.state import CheckpointState, ModelState, OptimizerState, RngState
+from dptrain.checkpoint.storage import dcp_state, full_state_dicts, optim_name, optimizer_layout
 from dptrain.distributed import collectives
 
 
@@ -75,3 +75,27 @@ def same_tree(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
+
+
+def snapshot_files(state: CheckpointState, live: LiveState, *, rank: int, version: int,
+                   pipeline: bool) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+    """This rank's share of a checkpoint, as live state (the in-memory snapshot copies it): its files (full
+    format: rank 0's model and optimizer files; rank 0's train.pt; its rank file), the `dcp` format's model
+    and optimizer shards (None in the full format), and the format version they are in (`version`: the
+    manager's current one). The state dicts are the module's and optimizer's own once they have matched DCP's
+    (`live`). Shards of ranks that all hold the same parameters use DCP's nested optimizer layout (format
+    version 2), which those own state dicts have; pipeline stages need the flattened one (version 3), from DCP's
+    helpers."""
+    files = live(state, rank=rank) if state.full else {}
+    shards = None
+    if not state.full:
+        version = version if pipeline else 2
+        with optimizer_layout(state, flat=version >= 3):
+            shards = live(state, rank=rank)
+    if rank == 0:
+        scaler = state.scaler.state_dict() if state.scaler is not None else None
+        files["train.pt"] = {"scheduler": state.schedule.state_dict(), "scaler": scaler or None}
+        files.update(state.extra_files)
+    own = {"rng": RngState().state_dict(), **{name: obj.state_dict() for name, obj in state.per_rank.items()}}
+    files[f"rank_{rank:05d}.pt"] = own
+    return files, shards, version

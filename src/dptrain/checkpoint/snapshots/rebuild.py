@@ -1,7 +1,7 @@
 """How an in-memory snapshot stores a checkpoint: raw tensor bytes plus a small skeleton per file, and shards.
 
 While training, a checkpoint file's state tree (e.g. `optim.pt`'s) is two files: `NAME.raw`, every tensor's
-bytes (a slot the step boundary copied them into, memory_flat.py), and `NAME.skel`, the tree without its
+bytes (a slot the step boundary copied them into, flat.py), and `NAME.skel`, the tree without its
 tensors plus every tensor's dtype, shape and offset. Only at recovery is the checkpoint file itself rebuilt
 (`materialize`) and written with `torch.save`, so the recovered folder is an ordinary checkpoint.
 
@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dptrain.checkpoint import memory_flat, storage
+from dptrain.checkpoint import storage
 from dptrain.checkpoint.manifest import CheckpointError
-from dptrain.checkpoint.memory_flat import RAW, SKEL
+from dptrain.checkpoint.snapshots import flat
+from dptrain.checkpoint.snapshots.flat import RAW, SKEL
 
 SHARDS = "shards_"
 
@@ -38,14 +39,14 @@ def logical_names(files: dict[str, Any]) -> list[str]:
 
 def materialize(step_dir: Path, name: str, dest: Path) -> None:
     """Rebuild checkpoint file `name` from its snapshot files in `step_dir` and `torch.save` it to `dest`."""
-    storage.save_torch(dest, memory_flat.materialize_raw(step_dir, name))
+    storage.save_torch(dest, flat.materialize_raw(step_dir, name))
 
 
 def materialize_shards(step_dir: Path, names: list[str], dest: Path) -> list[str]:
     """Put every rank's shards (`names`: their snapshot files in `step_dir`) together into whole tensors and save
     them with DCP, in one process, as the checkpoint's `dcp/` folder `dest` (DCP reshards it to any world on load);
     the files written, relative to dest's parent. CheckpointError when the shards do not cover a tensor."""
-    trees = [memory_flat.materialize_raw(step_dir, name) for name in sorted(names)]
+    trees = [flat.materialize_raw(step_dir, name) for name in sorted(names)]
     whole = merge(trees, where=[])
     dcp.save(whole, storage_writer=dcp.FileSystemWriter(dest, sync_files=True), no_dist=True)
     return sorted(p.relative_to(dest.parent).as_posix() for p in dest.rglob("*") if p.is_file())
@@ -55,7 +56,7 @@ def merge(trees: list[Any], *, where: list[str]) -> Any:
     """One tree from every rank's: dict keys united (pipeline stages hold different ones), shards (`Chunk`s) put
     together into the whole tensor, anything else (replicated) taken from the first rank that has it."""
     first = trees[0]
-    if isinstance(first, memory_flat.Chunk):
+    if isinstance(first, flat.Chunk):
         return assemble(trees, where=".".join(where))
     if isinstance(first, dict):
         keys = list(dict.fromkeys(k for t in trees if isinstance(t, dict) for k in t))

@@ -1,10 +1,10 @@
 """In-memory snapshots: the checkpoint format in host memory, with a copy on another node.
 
-Every `checkpoint.memory_every_steps` each rank copies its share of the checkpoint (`full` format:
+Every `checkpoint.snapshot_every_steps` each rank copies its share of the checkpoint (`full` format:
 rank 0 the model, optimizer and `train.pt` files; `dcp` format: every rank its model and optimizer
 shards, rank 0 `train.pt`; every rank its `rank_RRRRR.pt`) at the step boundary straight into files of
-its node's folder `<memory_dir>/<run id>/<host>/` (a tmpfs: `/dev/shm/dptrain` by default, which outlives
-the worker process), mapped into the process (memory_flat.py: the copy is the write, a device-to-host
+its node's folder `<snapshot_dir>/<run id>/<host>/` (a tmpfs: `/dev/shm/dptrain` by default, which outlives
+the worker process), mapped into the process (flat.py: the copy is the write, a device-to-host
 copy on a GPU). A background thread links them into the snapshot's folder `step_NNNNNN/`, with a small
 skeleton per file, then writes the rank's *part* `parts/step_NNNNNN.rank_RRRRR.json` (every file's size
 and xxh3-64, and the checkpoint's meta), last: a part names only files fully written. The SHA-256 of the
@@ -13,15 +13,15 @@ commit protocol is computed at recovery, from bytes checked against the part.
 Replication: when the run spans nodes, the same thread sends the rank's files and part to its peer
 `(rank + local_world_size) % world_size` (a rank of the next node) over a gloo group of its own, and
 receives those of `(rank - local_world_size) % world_size` straight into files of its own node's folder
-(memory_replica.py): every node holds its own ranks' parts and the previous node's.
+(replica.py): every node holds its own ranks' parts and the previous node's.
 
 At most two snapshots exist at a time: the thread ends each snapshot with an all-reduce over the
 snapshots' group (did any rank fail; the pace's share), so when the step loop starts the next one, every
 rank has finished the previous one, and everything older is deleted, with no collective on the step's
 path. Host memory per rank: 2 x (own files + the replica it holds); see `snapshot_bytes`. The default
-(`memory_every_steps: null`) checks room and time first (memory_pace.py).
+(`snapshot_every_steps: null`) checks room and time first (pace.py).
 
-Recovery (`memory_recover.py`) builds a committed checkpoint folder from the parts the new world holds.
+Recovery (`recover.py`) builds a committed checkpoint folder from the parts the new world holds.
 The run id is a hash of the run directory's absolute path (shared by every node and every restart).
 A node's folder is removed when the run ends normally (`finish`); at a fresh start (no restart) the
 run's own stale folder is cleared, and folders of other runs on this host whose owning launcher
@@ -45,9 +45,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dptrain.checkpoint import manifest as mf
-from dptrain.checkpoint import memory_flat, memory_format, memory_replica
-from dptrain.checkpoint.memory_flat import Pair
-from dptrain.checkpoint.memory_folder import (
+from dptrain.checkpoint.snapshots import flat, rebuild, replica
+from dptrain.checkpoint.snapshots.flat import Pair
+from dptrain.checkpoint.snapshots.folder import (
     OWNER,
     PARTS,
     drop_steps,
@@ -57,7 +57,7 @@ from dptrain.checkpoint.memory_folder import (
     store_part,
     write_file,
 )
-from dptrain.checkpoint.memory_pace import Pace, cpu_clock, interval_for, room_problem
+from dptrain.checkpoint.snapshots.pace import Pace, cpu_clock, interval_for, room_problem
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 
@@ -77,8 +77,8 @@ def snapshot_bytes(*, param_bytes: int, optim_bytes: int, rank_file_bytes: int, 
         per_rank = rank_file_bytes + model / world
         return int(2 * local_world * per_rank * (2 if nodes > 1 else 1))
     own = local_world * rank_file_bytes
-    replica = local_world * rank_file_bytes if nodes > 1 else 0
-    return 2 * (own + replica + model)
+    replica_bytes = local_world * rank_file_bytes if nodes > 1 else 0
+    return 2 * (own + replica_bytes + model)
 
 
 class MemorySnapshots:
@@ -86,7 +86,7 @@ class MemorySnapshots:
 
     def __init__(self, *, every_steps: int, root: str | None, run_dir: Path, env: DistEnv, auto: bool = False) -> None:
         self.every_steps = every_steps
-        self.auto = auto  # on by default (checkpoint.memory_every_steps: null): turned off, not failing, when it cannot
+        self.auto = auto  # on by default (checkpoint.snapshot_every_steps: null): turned off, not failing, if it cannot
         self.base = Path(root or DEFAULT_ROOT)
         self.run = run_id(run_dir)
         self.node_dir = self.base / self.run / (env.hostname or "localhost")
@@ -98,7 +98,7 @@ class MemorySnapshots:
         self._pace = Pace()
         self._pending: tuple[int, Future] | None = None
         self.last_complete: int | None = None  # the newest snapshot every rank has finished
-        self._pairs: dict[str, Pair] = {}  # this rank's slots, per file (memory_flat.py)
+        self._pairs: dict[str, Pair] = {}  # this rank's slots, per file (flat.py)
         self._replica_pairs: dict[str, Pair] = {}  # the source's, per file
         self.sharded = False  # the run's state is DCP shards (set by the first snapshot)
 
@@ -113,7 +113,7 @@ class MemorySnapshots:
 
     def due(self, step: int) -> bool:
         """Whether to snapshot at the boundary of `step` (called at every boundary). The default's probe
-        (memory_pace.py) snapshots every step until it has chosen the interval."""
+        (pace.py) snapshots every step until it has chosen the interval."""
         if not self.enabled:
             return False
         if self.auto and self._pace.probing:
@@ -123,13 +123,13 @@ class MemorySnapshots:
 
     def start(self, *, fresh: bool) -> None:
         """At setup, before recovery: own the node's folder; a `fresh` start (no restart) clears the run's
-        own stale snapshots; the slots of the node's earlier processes are let go (memory_flat.py: the snapshots
+        own stale snapshots; the slots of the node's earlier processes are let go (flat.py: the snapshots
         that link them keep them). Every node's first local rank does the work; then a barrier."""
         if self.node_main:
             self.node_dir.mkdir(parents=True, exist_ok=True)
             if fresh:
                 drop_steps(self.node_dir, keep=set())
-            shutil.rmtree(self.node_dir / memory_flat.SLOTS, ignore_errors=True)  # the names, not what snapshots link
+            shutil.rmtree(self.node_dir / flat.SLOTS, ignore_errors=True)  # the names, not what snapshots link
             remove_dead_runs(self.base, host=self.node_dir.name, own=self.run)
             owner = os.getppid() if self.env.launched else os.getpid()  # torchrun's agent outlives restarts
             write_file(self.node_dir / OWNER, json.dumps({"pid": owner}).encode())
@@ -147,13 +147,13 @@ class MemorySnapshots:
             self._group = torch.distributed.new_group(backend="gloo")  # the snapshots' own group
         if not self._go_on(files, shards):
             return
-        if shards is not None:  # the dcp format: this rank's shards are one more file (memory_format.py)
-            files = {**files, memory_format.shards_name(self.env.rank): shards}
-        slots = self.node_dir / memory_flat.SLOTS / f"rank_{self.env.rank:05d}"
-        staged: dict[str, memory_flat.Staged] | None = {}
+        if shards is not None:  # the dcp format: this rank's shards are one more file (rebuild.py)
+            files = {**files, rebuild.shards_name(self.env.rank): shards}
+        slots = self.node_dir / flat.SLOTS / f"rank_{self.env.rank:05d}"
+        staged: dict[str, flat.Staged] | None = {}
         staging: BaseException | None = None
         try:
-            staged = {name: memory_flat.stage(self._pairs.setdefault(name, Pair(slots / (name + memory_flat.RAW))),
+            staged = {name: flat.stage(self._pairs.setdefault(name, Pair(slots / (name + flat.RAW))),
                                               obj, step=step, avoid=self.last_complete,
                                               release=self._release(self.env.rank))
                       for name, obj in files.items()}
@@ -167,7 +167,7 @@ class MemorySnapshots:
 
     def _go_on(self, files: dict[str, Any], shards: dict[str, Any] | None) -> bool:
         """Wait for the previous snapshot; an explicit interval re-raises a failure (any rank's), the default
-        (memory_pace.py) turns itself off instead, or when two snapshots would not fit the tmpfs (checked before
+        (pace.py) turns itself off instead, or when two snapshots would not fit the tmpfs (checked before
         the first), and takes the interval the ranks agreed on after its probe. False: off for the run."""
         own, failed, share = self._collect()
         if not self.auto:
@@ -182,20 +182,20 @@ class MemorySnapshots:
         if failed:
             self.every_steps = 0  # on every rank alike
             if self.env.is_main:
-                print("dptrain: warning: in-memory snapshots turned off for this run (set checkpoint.memory_dir to "
-                      "a larger tmpfs, or checkpoint.memory_every_steps=0 to silence this)", file=sys.stderr,
+                print("dptrain: warning: in-memory snapshots turned off for this run (set checkpoint.snapshot_dir to "
+                      "a larger tmpfs, or checkpoint.snapshot_every_steps=0 to silence this)", file=sys.stderr,
                       flush=True)
             return False
         if share is not None and interval_for(share) > 1:
             self.every_steps = interval_for(share)
             if self.env.is_main:
                 print(f"dptrain: in-memory snapshots every {self.every_steps} steps: one takes {share:.1%} of a "
-                      "step's time (the default keeps them within 3%; set checkpoint.memory_every_steps to choose)",
+                      "step's time (the default keeps them within 3%; set checkpoint.snapshot_every_steps to choose)",
                       file=sys.stderr, flush=True)
         return True
 
     def _room(self, files: dict[str, Any], shards: dict[str, Any] | None) -> str | None:
-        """Before the first snapshot: why two of them would not fit the tmpfs (None: they fit; memory_pace.py).
+        """Before the first snapshot: why two of them would not fit the tmpfs (None: they fit; pace.py).
         Collective."""
         world = self.env.world_size
         mine = [0.0] * world
@@ -222,7 +222,7 @@ class MemorySnapshots:
         own, failed, _ = self._collect()
         _raise_failure(own, failed)
 
-    def _write_and_agree(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged] | None,
+    def _write_and_agree(self, part: dict[str, Any], staged: dict[str, flat.Staged] | None,
                          newest: int | None, share: float | None, staging: BaseException | None = None
                          ) -> tuple[BaseException | None, bool, float | None, float]:
         """`_write`, then every rank's agreement (one all-reduce on the snapshots' group, in the background): whether
@@ -247,7 +247,7 @@ class MemorySnapshots:
         """What a slot calls before it is overwritten: delete the part of `rank` that names its old bytes."""
         return lambda step: (self.node_dir / PARTS / part_name(step, rank)).unlink(missing_ok=True)
 
-    def _write(self, part: dict[str, Any], staged: dict[str, memory_flat.Staged] | None, newest: int | None) -> float:
+    def _write(self, part: dict[str, Any], staged: dict[str, flat.Staged] | None, newest: int | None) -> float:
         """Write this rank's files and part (`staged` None: its staging failed; `newest`: the newest complete
         snapshot, kept with this one, older ones deleted), then trade replicas with the
         peers; a failure here still sends the peer a part (an empty, failed one) and receives the source's, so that
@@ -266,23 +266,23 @@ class MemorySnapshots:
             step_dir.mkdir(parents=True, exist_ok=True)
             part["files"] = {}
             for name, st in staged.items():
-                entries, skel = memory_flat.commit(step_dir, name, st)
+                entries, skel = flat.commit(step_dir, name, st)
                 part["files"].update(entries)
-                big[name + memory_flat.RAW], small[name + memory_flat.SKEL] = st.slot.data, skel
+                big[name + flat.RAW], small[name + flat.SKEL] = st.slot.data, skel
             store_part(self.node_dir, part, {})
         except Exception as e:  # noqa: BLE001 - raised below, once the peers have their messages
             error, small, big = e, {}, {}
         arrived: list[float] = []
         if self.peer is not None:
             assert self.source is not None  # set with peer
-            sends = memory_replica.send({**part, "failed": error is not None}, small, big, peer=self.peer,
+            sends = replica.send({**part, "failed": error is not None}, small, big, peer=self.peer,
                                         group=self._group)
             try:
-                got = memory_replica.receive(self.node_dir, self._replica_pairs, source=self.source,
+                got = replica.receive(self.node_dir, self._replica_pairs, source=self.source,
                                              group=self._group, avoid=newest,
                                              release=self._release(self.source), arrived=arrived)
             finally:
-                memory_replica.wait_all(sends)
+                replica.wait_all(sends)
             if got is not None and error is None:
                 store_part(self.node_dir, *got)
         if error is not None:

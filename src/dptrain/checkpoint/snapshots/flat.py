@@ -11,7 +11,7 @@ file, no allocation after the first snapshot: the node's folder holds the two sn
 
 A DTensor is stored as this rank's shard plus the whole tensor's shape and the shard's offsets in it (DTensor's
 own `__create_chunk_list__`, which DCP plans with); recovery puts the shards of every rank together and writes
-them with DCP (memory_format.py), which reshards them to the new world on load.
+them with DCP (rebuild.py), which reshards them to the new world on load.
 
 A peer's replica is received the same way: straight into a mapped pair of its own (`.slots/from_RRRRR/`).
 
@@ -41,7 +41,7 @@ import torch
 import xxhash
 from torch.distributed.tensor import DTensor
 
-from dptrain.checkpoint.memory_folder import write_file
+from dptrain.checkpoint.snapshots.folder import write_file
 
 ALIGN = 64
 """Byte alignment of each tensor in a slot (any dtype's view of the bytes needs its element size at least)."""

@@ -223,13 +223,42 @@ def test_zero1_through_parallelize_shards_the_optimizer_and_keeps_replicas_equal
         assert torch.equal(v, results[1]["state"][k]), k
 
 
-def test_prepare_model_is_gone_and_parallelize_names_a_bad_strategy_in_its_own_words():
-    """One public way to parallelise: `dptrain.parallelize` (the module-only `prepare_model` went in issue 36)."""
+def test_prepare_model_is_deprecated_and_parallelize_names_a_bad_strategy_in_its_own_words():
+    """One public way to parallelise: `dptrain.parallelize`. The module-only `prepare_model` of 0.1 still works for
+    the scripts written with it, with one FutureWarning, and is not in `__all__` (issue 36)."""
     import dptrain
 
-    assert not hasattr(dptrain, "prepare_model") and "prepare_model" not in dptrain.__all__
+    assert "prepare_model" not in dptrain.__all__ and "parallelize" in dptrain.__all__
     with pytest.raises(ConfigError, match="parallelize: strategy='zero9' is not valid"):
         dptrain.parallelize(nn.Linear(2, 2), strategy="zero9")
+    with pytest.warns(FutureWarning, match=r"use dptrain.parallelize\(model, ...\).module"), \
+            pytest.raises(ConfigError, match="prepare_model.strategy='zero1'. cannot shard the optimizer"):
+        dptrain.prepare_model(nn.Linear(2, 2), strategy="zero1")
+
+
+def _prepare_model_rank(rank: int) -> dict:  # noqa: ARG001 (run_ranks passes the rank)
+    import warnings
+
+    import dptrain
+
+    def body() -> dict:
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = dptrain.prepare_model(nn.Linear(4, 2), strategy="ddp")
+        module(torch.randn(3, 4)).sum().backward()
+        return {"ddp": isinstance(module, torch.nn.parallel.DistributedDataParallel),
+                "warned": [str(w.message) for w in caught if w.category is FutureWarning],
+                "grad": dptrain.unwrap(module).weight.grad.clone()}
+
+    return in_group(body)
+
+
+@pytest.mark.timeout(60)
+def test_prepare_model_still_returns_the_ddp_module_of_parallelize():
+    results = run_ranks(_prepare_model_rank, 2, timeout=60)
+    assert all(r["ddp"] and len(r["warned"]) == 1 for r in results)
+    assert torch.equal(results[0]["grad"], results[1]["grad"])  # all-reduced
 
 
 # ------------------------------------------------------------------ FSDP2 mixed precision policy

@@ -30,6 +30,7 @@ _EXPORTS = {
     "mixed_precision": "dptrain.api",
     "monitor": "dptrain.api",
     "parallelize": "dptrain.api",
+    "prepare_model": "dptrain.api.setup",  # deprecated: parallelize(...).module; not in __all__
     "prepare_dataloader": "dptrain.api",
     "prepare_eval_dataloader": "dptrain.api",
     "print0": "dptrain.api",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import re
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,3 +162,19 @@ def parallelize(
     pass_through(pmodel.module)
     _MADE_BY[pmodel] = _MADE_BY[pmodel.module] = (pmodel, strategy)
     return pmodel
+
+
+def prepare_model(model: nn.Module, *, strategy: str = "ddp", device: torch.device | None = None,
+                  bucket_cap_mb: float = 5.0, cpu_offload: bool = False) -> nn.Module:
+    """Deprecated: `dptrain.parallelize(model, ...).module`, which it calls (scripts written for 0.1 keep working,
+    with one FutureWarning). zero1 is refused: its optimizer must be sharded too, which a module alone cannot carry."""
+    warnings.warn("dptrain.prepare_model is deprecated: use dptrain.parallelize(model, ...).module (the same module; "
+                  "keep the ParallelModel for .optimizer(...) and .clip_grad_norm_(...))", FutureWarning, stacklevel=2)
+    if strategy == "zero1":
+        raise ConfigError(
+            "prepare_model(strategy='zero1') cannot shard the optimizer: it returns only the module. Use "
+            "pmodel = dptrain.parallelize(model, strategy='zero1'); "
+            "optimizer = pmodel.optimizer(torch.optim.AdamW, lr=...); call pmodel.module in the loop"
+        )
+    return parallelize(model, strategy=strategy, device=device, bucket_cap_mb=bucket_cap_mb,
+                       cpu_offload=cpu_offload).module

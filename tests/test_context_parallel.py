@@ -50,13 +50,13 @@ CP_STEPS = 10
 
 
 def cp_case(tmp_path, *, strategy: str, dp: int, cp: int, accum: int, extra: tuple[str, ...] = (),
-            tp: int = 1) -> float:
-    """Train the tiny LLaMA on dp x cp (x tp) gloo ranks for CP_STEPS SGD steps; assert every step's loss and gradient
-    norm and the final weights equal the reference; return the largest weight difference."""
+            tp: int = 1, pp: int = 1) -> float:
+    """Train the tiny LLaMA on dp x cp (x tp x pp) gloo ranks for CP_STEPS SGD steps; assert every step's loss and
+    gradient norm and the final weights equal the reference; return the largest weight difference."""
     g = GLOBAL_BATCH[dp]
     items = overrides(strategy=strategy, world_size=dp, accum=accum, model="llama", steps=CP_STEPS)
-    items += [f"parallel.cp={cp}", f"parallel.tp={tp}", *extra]
-    got, records = train(items, dp * cp * tp, tmp_path, timeout=50)
+    items += [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.pp={pp}", *extra]
+    got, records = train(items, dp * cp * tp * pp, tmp_path, timeout=50)
     want, norms = reference("llama", global_batch=g, steps=CP_STEPS)
     logged = [r["loss"] for r in records if "loss" in r]
     assert len(logged) == CP_STEPS
@@ -64,8 +64,8 @@ def cp_case(tmp_path, *, strategy: str, dp: int, cp: int, accum: int, extra: tup
     assert [r["grad_norm"] for r in records if "grad_norm" in r] == pytest.approx(norms, rel=1e-4)
     assert_weights_close(got, want)
     diff = max_abs_diff(got, want)
-    print(f"cp {cp} x tp {tp} x {strategy} dp {dp}, accumulation {accum}: max |weight difference| after {CP_STEPS} "
-          f"steps {diff:.2g}")
+    print(f"cp {cp} x tp {tp} x pp {pp} x {strategy} dp {dp}, accumulation {accum}: max |weight difference| after "
+          f"{CP_STEPS} steps {diff:.2g}")
     return diff
 
 
@@ -124,6 +124,61 @@ def test_the_tolerance_catches_cp_x_tp_gradients_not_reduced_over_cp(tmp_path, m
 def test_cp2_with_tp2_and_fsdp2_matches_reference(tmp_path):
     """8 ranks: FSDP2 shards over dp_shard x cp on a (dp_shard_cp, tp) mesh."""
     cp_case(tmp_path, strategy="fsdp", dp=2, cp=2, tp=2, accum=1, extra=("parallel.dp_shard=2",))
+
+
+@pytest.mark.timeout(60)
+def test_cp2_with_pp2_matches_reference(tmp_path):
+    """Each pipeline stage holds the cp split: its attention gathers K/V over the cp ranks of its stage, its rotary
+    tables are read at the rank's global positions; replicate all-reduces each stage's gradients over dp x cp."""
+    cp_case(tmp_path, strategy="ddp", dp=1, cp=2, pp=2, accum=2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy,dp,tp,extra", [("ddp", 1, 2, ()), ("fsdp", 2, 1, ("parallel.dp_shard=2",))])
+def test_cp2_with_pp2_and_tp2_or_fsdp2_matches_reference(strategy, dp, tp, extra, tmp_path):
+    """8 ranks: cp 2 x pp 2 x tp 2 (sequence parallelism within each stage), or x fsdp dp_shard 2 (FSDP2 on each
+    stage over dp_shard x cp)."""
+    cp_case(tmp_path, strategy=strategy, dp=dp, cp=2, tp=tp, pp=2, accum=1, extra=extra)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", ["positions", "reduction"])
+def test_the_tolerance_catches_cp_x_pp_without_global_positions_or_the_cp_reduction(fault, tmp_path, monkeypatch):
+    """Guard: the stages' rotary tables read at 0..T/cp-1 (the chunks' own positions forgotten), or the stages'
+    gradients not all-reduced over the cp ranks, fail the parity check."""
+    from dptrain.parallel import pipeline
+
+    if fault == "positions":
+        monkeypatch.setattr(pipeline, "chunk_positions",
+                            lambda n, *, cp, rank, device=None: torch.arange(n // cp, device=device))
+    else:
+        def no_reduction(part, *, device, mesh, materialize):
+            materialize(part)
+            return part.to(device)
+
+        monkeypatch.setattr(pipeline, "apply_replicate", no_reduction)
+    with pytest.raises(AssertionError):
+        cp_case(tmp_path, strategy="ddp", dp=1, cp=2, pp=2, accum=1)
+
+
+@pytest.mark.timeout(90)
+def test_validation_loss_under_cp2_x_pp2_is_the_single_process_one(tmp_path):
+    """The pipeline's forward-only schedule on split rows: the valid targets counted over the cp ranks, each rank's
+    share summed over its pipeline (last stage) and its cp group."""
+    import json
+
+    def val_losses(cp: int, pp: int, ranks: int) -> list[float]:
+        out = tmp_path / f"cp{cp}pp{pp}"
+        items = overrides(strategy="ddp" if ranks > 1 else "single", world_size=1, accum=1, model="llama", steps=2)
+        items += [f"parallel.cp={cp}", f"parallel.pp={pp}", "data.factory=dptrain.data.corpus:build_stdlib_lm",
+                  "data.kwargs={seq_len: 16}", "train.eval_every_steps=1", "train.eval_batches=2"]
+        train(items, ranks, out, timeout=50)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["val_loss"] for r in records if "val_loss" in r]
+
+    want = val_losses(1, 1, 1)
+    assert len(want) == 3  # before training and after each step
+    assert val_losses(2, 2, 4) == pytest.approx(want, rel=1e-6)
 
 
 @pytest.mark.timeout(60)
@@ -227,8 +282,6 @@ BASE = ["parallel.device=cpu", "parallel.cp=2"]
 @pytest.mark.parametrize(
     "extra,world,match",
     [
-        (["parallel.strategy=ddp", "parallel.pp=2"], 4, r"pipeline parallelism \(pp=2\) is not supported yet.*pp=1"),
-        (["parallel.strategy=ddp", "parallel.tp=2", "parallel.pp=2"], 8, r"pipeline parallelism \(pp=2\)"),
         (["parallel.tp=2", "parallel.tp_plan=support.parity:tiny_tokens"], 4, r"parallel.tp_plan=.*drop parallel.tp"),
         (["parallel.tp=4", "data.kwargs.seq_len=36"], 8,
          r"seq_len=36: .* leaves each of the cp=2 ranks 18, .* over tp=4; .* multiple of 8"),

@@ -25,10 +25,10 @@ LLAMA_8B = ["model.kwargs.dim=4096", "model.kwargs.n_layers=32", "model.kwargs.n
 
 
 def _predict(items: list[str], *, seq: int, cp: int, tp: int, gpus: int | None = None, batch: int = 1,
-             context: int | None = None) -> Any:
+             context: int | None = None, micro: int = 1) -> Any:
     gpus = gpus or cp * tp
     cfg = load_config(None, [*items, f"model.kwargs.max_seq_len={context or seq}", f"data.kwargs.seq_len={seq}",
-                             f"parallel.cp={cp}", f"parallel.tp={tp}", "train.micro_batch_size=1",
+                             f"parallel.cp={cp}", f"parallel.tp={tp}", f"train.micro_batch_size={micro}",
                              "train.grad_accum_steps=1", f"train.global_batch_size={batch}"])
     return predict(cfg, gpus=gpus, nodes=1, gpu_type="H100", interconnect="nvlink", comm=None, efficiency=0.5)
 
@@ -156,3 +156,12 @@ def test_the_recommender_rejects_cp_x_tp_when_sequence_parallelism_cannot_split_
     assert not any(r.cand.cp == 2 and r.cand.tp == 4 for r in result.ranked)
     why = [r.reason for r in result.rejected if r.cand.cp == 2 and r.cand.tp == 4]
     assert why and all("leaves each of the cp=2 ranks 18" in w for w in why)
+
+
+@pytest.mark.fast
+def test_cp_x_pp_plans_the_ranks_share_of_the_row_per_stage_and_between_stages():
+    pp2 = _predict([*LLAMA_8B, "parallel.pp=2"], seq=32768, cp=1, tp=1, gpus=8, batch=8, micro=2)
+    both = _predict([*LLAMA_8B, "parallel.pp=2"], seq=32768, cp=2, tp=1, gpus=8, batch=4, micro=2)
+    assert (both.layout.cp, both.layout.pp) == (2, 2)
+    assert both.time["pp_comm"] == pytest.approx(pp2.time["pp_comm"] / 2, rel=0.02)  # [mb, T/cp, d] per transfer
+    assert both.memory["activations"] < 0.6 * pp2.memory["activations"]

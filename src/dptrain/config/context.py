@@ -26,10 +26,6 @@ def validate_context_parallel(cfg: Config, *, dims: ParallelDims, mode: DataPara
     if cp == 1:
         return
     where = f"parallel.cp={cp} ({dims.describe()})"
-    if dims.pp > 1:
-        raise ConfigError(f"{where}: context parallelism with pipeline parallelism (pp={dims.pp}) is not supported "
-                          "yet (cp composes with ddp, zero2, fsdp and tp); use parallel.pp=1 (give the ranks to tp, "
-                          "cp or dp), or parallel.cp=1")
     if dims.tp > 1 and cfg.parallel.tp_plan is not None:
         raise ConfigError(f"{where}: parallel.tp_plan={cfg.parallel.tp_plan!r} is not supported with cp > 1: context "
                           "parallelism composes with the built-in LLaMA's own tensor-parallel plan (its attention "

@@ -226,14 +226,15 @@ def offload_time(replica_params: float, lay: Layout, spec: GpuSpec, *, accum: in
 def pipeline_p2p_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
                       accum: int, comm: Link | None = None) -> float:
     """Exposed seconds of the activations and their gradients sent between pipeline stages: one
-    [micro-batch / m, seq, dim] tensor in the compute dtype per pipeline micro-batch and boundary,
-    each way. The steady state overlaps with other micro-batches' compute; the fill and the drain do
+    [micro-batch / m, seq / cp, dim] tensor in the compute dtype per pipeline micro-batch and boundary,
+    each way (under cp each stage holds the rank's share of the row). The steady state overlaps with other
+    micro-batches' compute; the fill and the drain do
     not: 2 (pp - 1) transfers per schedule are exposed. The stages sit on one node while tp * pp
     fits one, else the inter-node link carries them."""
     if lay.pp == 1:
         return 0.0
     m = max(1, lay.pp_microbatches)
-    nbytes = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch / m * lay.seq * cfg.dim
+    nbytes = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch / m * (lay.seq // lay.cp) * cfg.dim
     per_node = max(1, gpus // nodes)
     link = comm if comm and lay.tp * lay.pp > per_node else links(
         spec, nodes=nodes, interconnect=interconnect, spans_nodes=lay.tp * lay.pp > per_node)

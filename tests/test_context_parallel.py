@@ -49,13 +49,14 @@ CP_STEPS = 10
 """SGD steps of the parity cases (the issue's 10; the rest of the ladder runs support.parity's STEPS)."""
 
 
-def cp_case(tmp_path, *, strategy: str, dp: int, cp: int, accum: int, extra: tuple[str, ...] = ()) -> float:
-    """Train the tiny LLaMA on dp x cp gloo ranks for CP_STEPS SGD steps; assert every step's loss and gradient norm
-    and the final weights equal the reference; return the largest weight difference."""
+def cp_case(tmp_path, *, strategy: str, dp: int, cp: int, accum: int, extra: tuple[str, ...] = (),
+            tp: int = 1, pp: int = 1) -> float:
+    """Train the tiny LLaMA on dp x cp (x tp x pp) gloo ranks for CP_STEPS SGD steps; assert every step's loss and
+    gradient norm and the final weights equal the reference; return the largest weight difference."""
     g = GLOBAL_BATCH[dp]
     items = overrides(strategy=strategy, world_size=dp, accum=accum, model="llama", steps=CP_STEPS)
-    items += [f"parallel.cp={cp}", *extra]
-    got, records = train(items, dp * cp, tmp_path, timeout=50)
+    items += [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.pp={pp}", *extra]
+    got, records = train(items, dp * cp * tp * pp, tmp_path, timeout=50)
     want, norms = reference("llama", global_batch=g, steps=CP_STEPS)
     logged = [r["loss"] for r in records if "loss" in r]
     assert len(logged) == CP_STEPS
@@ -63,8 +64,8 @@ def cp_case(tmp_path, *, strategy: str, dp: int, cp: int, accum: int, extra: tup
     assert [r["grad_norm"] for r in records if "grad_norm" in r] == pytest.approx(norms, rel=1e-4)
     assert_weights_close(got, want)
     diff = max_abs_diff(got, want)
-    print(f"cp {cp} x {strategy} dp {dp}, accumulation {accum}: max |weight difference| after {CP_STEPS} steps "
-          f"{diff:.2g}")
+    print(f"cp {cp} x tp {tp} x pp {pp} x {strategy} dp {dp}, accumulation {accum}: max |weight difference| after "
+          f"{CP_STEPS} steps {diff:.2g}")
     return diff
 
 
@@ -88,6 +89,96 @@ def test_cp2_with_ddp2_matches_reference(tmp_path):
 def test_cp2_with_fsdp2_matches_reference(tmp_path):
     """FSDP2 shards parameters over dp_shard x cp (4 ranks) and reduce-scatters gradients over all of them."""
     cp_case(tmp_path, strategy="fsdp", dp=2, cp=2, accum=2, extra=("parallel.dp_shard=2",))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sp", [True, False])
+def test_cp2_with_tp2_matches_reference(sp, tmp_path):
+    """tp splits the heads (and under sequence parallelism each cp rank's chunks once more over the tp ranks); cp
+    gathers K/V over the cp ranks only; replicate all-reduces the gradients over dp x cp, DTensor handles tp."""
+    cp_case(tmp_path, strategy="ddp", dp=1, cp=2, tp=2, accum=1,
+            extra=(f"parallel.sequence_parallel={str(sp).lower()}",))
+
+
+@pytest.mark.timeout(60)
+def test_cp2_with_tp2_and_loss_parallel_matches_reference(tmp_path):
+    """The head's logits stay vocabulary-sharded over tp (loss_parallel) while the rows are split over cp."""
+    cp_case(tmp_path, strategy="ddp", dp=1, cp=2, tp=2, accum=2, extra=("parallel.loss_parallel=true",))
+
+
+@pytest.mark.timeout(60)
+def test_the_tolerance_catches_cp_x_tp_gradients_not_reduced_over_cp(tmp_path, monkeypatch):
+    """Guard: under cp x tp the replicas' gradient all-reduce left out (each cp rank steps on its own chunks' gradient,
+    the token count still over dp x cp) fails the parity check."""
+    from dptrain.parallel import ddp
+    from dptrain.parallel.single import apply_single
+
+    monkeypatch.setattr(ddp, "apply_ddp_over_tp",
+                        lambda model, *, device, mesh, materialize=None: apply_single(model, device=device,
+                                                                                      materialize=materialize))
+    with pytest.raises(AssertionError):
+        cp_case(tmp_path, strategy="ddp", dp=1, cp=2, tp=2, accum=1)
+
+
+@pytest.mark.timeout(60)
+def test_cp2_with_tp2_and_fsdp2_matches_reference(tmp_path):
+    """8 ranks: FSDP2 shards over dp_shard x cp on a (dp_shard_cp, tp) mesh."""
+    cp_case(tmp_path, strategy="fsdp", dp=2, cp=2, tp=2, accum=1, extra=("parallel.dp_shard=2",))
+
+
+@pytest.mark.timeout(60)
+def test_cp2_with_pp2_matches_reference(tmp_path):
+    """Each pipeline stage holds the cp split: its attention gathers K/V over the cp ranks of its stage, its rotary
+    tables are read at the rank's global positions; replicate all-reduces each stage's gradients over dp x cp."""
+    cp_case(tmp_path, strategy="ddp", dp=1, cp=2, pp=2, accum=2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy,dp,tp,extra", [("ddp", 1, 2, ()), ("fsdp", 2, 1, ("parallel.dp_shard=2",))])
+def test_cp2_with_pp2_and_tp2_or_fsdp2_matches_reference(strategy, dp, tp, extra, tmp_path):
+    """8 ranks: cp 2 x pp 2 x tp 2 (sequence parallelism within each stage), or x fsdp dp_shard 2 (FSDP2 on each
+    stage over dp_shard x cp)."""
+    cp_case(tmp_path, strategy=strategy, dp=dp, cp=2, tp=tp, pp=2, accum=1, extra=extra)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", ["positions", "reduction"])
+def test_the_tolerance_catches_cp_x_pp_without_global_positions_or_the_cp_reduction(fault, tmp_path, monkeypatch):
+    """Guard: the stages' rotary tables read at 0..T/cp-1 (the chunks' own positions forgotten), or the stages'
+    gradients not all-reduced over the cp ranks, fail the parity check."""
+    from dptrain.parallel import pipeline
+
+    if fault == "positions":
+        monkeypatch.setattr(pipeline, "chunk_positions",
+                            lambda n, *, cp, rank, device=None: torch.arange(n // cp, device=device))
+    else:
+        def no_reduction(part, *, device, mesh, materialize):
+            materialize(part)
+            return part.to(device)
+
+        monkeypatch.setattr(pipeline, "apply_replicate", no_reduction)
+    with pytest.raises(AssertionError):
+        cp_case(tmp_path, strategy="ddp", dp=1, cp=2, pp=2, accum=1)
+
+
+@pytest.mark.timeout(90)
+def test_validation_loss_under_cp2_x_pp2_is_the_single_process_one(tmp_path):
+    """The pipeline's forward-only schedule on split rows: the valid targets counted over the cp ranks, each rank's
+    share summed over its pipeline (last stage) and its cp group."""
+    import json
+
+    def val_losses(cp: int, pp: int, ranks: int) -> list[float]:
+        out = tmp_path / f"cp{cp}pp{pp}"
+        items = overrides(strategy="ddp" if ranks > 1 else "single", world_size=1, accum=1, model="llama", steps=2)
+        items += [f"parallel.cp={cp}", f"parallel.pp={pp}", "data.factory=dptrain.data.corpus:build_stdlib_lm",
+                  "data.kwargs={seq_len: 16}", "train.eval_every_steps=1", "train.eval_batches=2"]
+        train(items, ranks, out, timeout=50)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["val_loss"] for r in records if "val_loss" in r]
+
+    want = val_losses(1, 1, 1)
+    assert len(want) == 3  # before training and after each step
+    assert val_losses(2, 2, 4) == pytest.approx(want, rel=1e-6)
 
 
 @pytest.mark.timeout(60)
@@ -191,8 +282,9 @@ BASE = ["parallel.device=cpu", "parallel.cp=2"]
 @pytest.mark.parametrize(
     "extra,world,match",
     [
-        (["parallel.strategy=ddp", "parallel.tp=2"], 4, r"parallel.cp=2 .*tensor parallelism \(tp=2\).*parallel.tp=1"),
-        (["parallel.strategy=ddp", "parallel.pp=2"], 4, r"pipeline parallelism \(pp=2\).*parallel.pp=1"),
+        (["parallel.tp=2", "parallel.tp_plan=support.parity:tiny_tokens"], 4, r"parallel.tp_plan=.*drop parallel.tp"),
+        (["parallel.tp=4", "data.kwargs.seq_len=36"], 8,
+         r"seq_len=36: .* leaves each of the cp=2 ranks 18, .* over tp=4; .* multiple of 8"),
         (["parallel.strategy=zero1"], 4, r"parallel.strategy='zero1' is not supported with cp > 1"),
         (["model.factory=dptrain.models.hf:build_hf_causal_lm"], 2, r"model.factory=.*built-in LLaMA"),
         (["model.kwargs.pretrained=/some/folder"], 2, r"no pretrained folder"),
@@ -207,6 +299,27 @@ BASE = ["parallel.device=cpu", "parallel.cp=2"]
 def test_what_cp_does_not_support_is_refused_before_launch(extra, world, match):
     with pytest.raises(ConfigError, match=match):
         resolve(load_config(None, [*BASE, *extra]), world_size=world)
+
+
+def test_cp_with_tp_resolves_and_sequence_parallelism_needs_an_even_share():
+    res = resolve(load_config(None, [*BASE, "parallel.strategy=ddp", "parallel.tp=2", "data.kwargs.seq_len=36"]),
+                  world_size=4)
+    assert (res.dims.cp, res.dims.tp, res.dims.grad_size, res.dp_world_size) == (2, 2, 2, 1)
+    off = ["parallel.sequence_parallel=false", "data.kwargs.seq_len=36"]
+    assert resolve(load_config(None, [*BASE, "parallel.tp=4", *off]), world_size=8).dims.tp == 4
+
+
+def test_launch_check_reads_each_cp_ranks_share_of_a_sample():
+    from dptrain.config.fields import ParallelConfig
+    from dptrain.launch.checks import check_tensor_parallel
+    from dptrain.models.llama import build_llama
+
+    with torch.device("meta"):
+        model = build_llama(dim=32, n_layers=1, n_heads=4, max_seq_len=64)
+    sp = ParallelConfig(sequence_parallel=True)
+    check_tensor_parallel(model, parallel=sp, tp=4, cp=2, sample=torch.zeros(33, dtype=torch.long))  # 16 a rank
+    with pytest.raises(ConfigError, match=r"leaves each of the cp=2 ranks 10, .* over tp=4"):
+        check_tensor_parallel(model, parallel=sp, tp=4, cp=2, sample=torch.zeros(21, dtype=torch.long))
 
 
 def test_cp_layout_resolves_with_fsdp():

@@ -119,7 +119,7 @@ def _run_locked(args: argparse.Namespace, cfg: Config, *, run_dir: Path, lock: A
                 "leaves ends the run (each node loss costs the survivors one restart; joins cost none)",
                 file=sys.stderr,
             )
-    train = check_factories(cfg, tp=res.dims.tp)
+    train = check_factories(cfg, tp=res.dims.tp, cp=res.dims.cp)
     own_batches = getattr(train, "make_batch_sampler", None)
     if own_batches is not None:  # its own batches (a token budget): their checks, before any worker
         own_batches(grad_accum_steps=res.grad_accum_steps, dp_rank=0, dp_world_size=res.dp_world_size,
@@ -170,10 +170,10 @@ def _launch(cfg: Config, *, res: Any, nproc: int, run_dir: Path, pending: Path, 
         pending.unlink(missing_ok=True)
 
 
-def check_factories(cfg: Config, *, tp: int = 1) -> Any:
+def check_factories(cfg: Config, *, tp: int = 1, cp: int = 1) -> Any:
     """Import every factory, bind its kwargs, build the model once on the meta device and the data
     once (which warms caches, e.g. the corpus, before ranks race for them); with tp > 1 check the
-    model can be split. Returns the train set."""
+    model can be split (at each cp rank's share of a row). Returns the train set."""
     # lazy: torch: loaded when the command runs, never for --help
     from dptrain.data.loader import split_train_val
 
@@ -189,5 +189,5 @@ def check_factories(cfg: Config, *, tp: int = 1) -> Any:
     check_signature(data_fn, data.kwargs, key="data.factory", spec=data.factory)
     train, _ = split_train_val(call_factory(data_fn, data.kwargs, key="data.factory", spec=data.factory))
     check_vocabulary(model, train)
-    check_tensor_parallel(model, parallel=cfg.parallel, tp=tp, sample=train[0] if len(train) else None)
+    check_tensor_parallel(model, parallel=cfg.parallel, tp=tp, sample=train[0] if len(train) else None, cp=cp)
     return train

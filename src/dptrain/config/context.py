@@ -3,6 +3,7 @@ torch). The split itself is parallel/context.py; docs/guides/long-sequences.md s
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from dptrain.config.fields import ConfigError
@@ -25,12 +26,10 @@ def validate_context_parallel(cfg: Config, *, dims: ParallelDims, mode: DataPara
     if cp == 1:
         return
     where = f"parallel.cp={cp} ({dims.describe()})"
-    if dims.pp > 1:
-        raise ConfigError(f"{where}: context parallelism with pipeline parallelism (pp={dims.pp}) is not supported; "
-                          "use parallel.pp=1, or parallel.cp=1")
-    if dims.tp > 1:
-        raise ConfigError(f"{where}: context parallelism with tensor parallelism (tp={dims.tp}) is not supported; "
-                          "use parallel.tp=1 (give the ranks to cp or dp), or parallel.cp=1")
+    if dims.tp > 1 and cfg.parallel.tp_plan is not None:
+        raise ConfigError(f"{where}: parallel.tp_plan={cfg.parallel.tp_plan!r} is not supported with cp > 1: context "
+                          "parallelism composes with the built-in LLaMA's own tensor-parallel plan (its attention "
+                          "must see plain local heads); drop parallel.tp_plan, or use parallel.cp=1")
     if mode.shard_optimizer:
         raise ConfigError(f"{where}: parallel.strategy={cfg.parallel.strategy!r} is not supported with cp > 1; use "
                           "parallel.strategy=ddp, zero2 or fsdp")
@@ -54,10 +53,24 @@ def validate_context_parallel(cfg: Config, *, dims: ParallelDims, mode: DataPara
     if cfg.data.factory == CORPUS_DATA and isinstance(seq, int) and seq % (2 * cp):
         raise ConfigError(f"{where}: data.kwargs.seq_len={seq} is not divisible by 2*cp={2 * cp} (each cp rank takes "
                           f"two of 2*cp equal chunks); use a seq_len that is a multiple of {2 * cp}")
+    if cfg.data.factory == CORPUS_DATA and isinstance(seq, int) and dims.tp > 1 and cfg.parallel.sequence_parallel:
+        try:  # sequence parallelism splits each cp rank's seq/cp tokens over the tp ranks
+            check_seq_len(seq_len=seq, cp=cp, sp=dims.tp)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: data.kwargs.seq_len={seq}: {e}") from None
 
 
-def check_seq_len(*, seq_len: int | None, cp: int) -> None:
-    """A row's input length must split into 2*cp equal chunks (ConfigError naming both); None: not known yet."""
-    if seq_len is not None and seq_len % (2 * cp):
+def check_seq_len(*, seq_len: int | None, cp: int, sp: int = 1) -> None:
+    """A row's input length must split into 2*cp equal chunks, and under sequence parallelism (`sp` = tp) each cp
+    rank's share (two chunks, seq_len/cp tokens) evenly over the tp ranks (ConfigError naming the numbers); None: not
+    known yet."""
+    if seq_len is None:
+        return
+    if seq_len % (2 * cp):
         raise ConfigError(f"a row of {seq_len} input tokens cannot be split into 2*cp={2 * cp} equal chunks "
                           f"(parallel.cp={cp}); make the model's input length a multiple of {2 * cp}")
+    if sp > 1 and (seq_len // cp) % sp:
+        good = 2 * cp * sp // math.gcd(2, sp)
+        raise ConfigError(f"a row of {seq_len} input tokens leaves each of the cp={cp} ranks {seq_len // cp}, which "
+                          f"sequence parallelism cannot split evenly over tp={sp}; make the model's input length a "
+                          f"multiple of {good}, or set parallel.sequence_parallel=false")

@@ -16,7 +16,7 @@ With dp_replicate and dp_shard both left at 1, the strategy's own dimension take
 world. zero2/fsdp with dp_replicate > 1 and dp_shard > 1 is HSDP. ddp/zero1 replicate only, so
 dp_shard > 1 with them is refused. Tensor parallelism (tp > 1) composes with every multi-process
 strategy except zero1 (refused: its optimizer cannot hold DTensor parameters). Context parallelism (cp > 1)
-composes with ddp, zero2 and fsdp; what it refuses is checked in config/context.py.
+composes with ddp, zero2, fsdp, tp and pp; what it refuses is checked in config/context.py.
 """
 
 from __future__ import annotations

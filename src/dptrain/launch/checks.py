@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.config import ConfigError
+from dptrain.config.context import check_seq_len
 from dptrain.config.imports import import_object
 from dptrain.config.resolve import parse_endpoint
 
@@ -189,10 +190,11 @@ def check_vocabulary(model: Any, train: Any) -> None:
         )
 
 
-def check_tensor_parallel(model: Any, *, parallel: Any, tp: int, sample: Any = None) -> None:
+def check_tensor_parallel(model: Any, *, parallel: Any, tp: int, sample: Any = None, cp: int = 1) -> None:
     """With tp > 1: the (meta-built) model can be split over the tp ranks (a plan exists; heads,
     kv-heads, FFN width and vocabulary divisible by tp; under sequence parallelism the input
-    length too, read off a training `sample`). ConfigError naming the numbers."""
+    length too, read off a training `sample`: with context parallelism (`cp` > 1) each cp rank's share of it).
+    ConfigError naming the numbers."""
     if tp <= 1:
         return
     # lazy: torch: only with tp > 1
@@ -203,12 +205,16 @@ def check_tensor_parallel(model: Any, *, parallel: Any, tp: int, sample: Any = N
             load_plan(parallel.tp_plan)
         except (ImportError, AttributeError, TypeError, ValueError) as e:
             raise ConfigError(f"parallel.tp_plan={parallel.tp_plan!r} cannot be used: {e}") from None
+    seq_len = _input_length(sample)
+    if cp > 1 and seq_len is not None:  # each cp rank feeds its seq_len/cp tokens (config/context.py: check_seq_len)
+        check_seq_len(seq_len=seq_len, cp=cp, sp=tp if parallel.sequence_parallel else 1)
+        seq_len //= cp
     why = tp_problem(
         model,
         tp=tp,
         tp_plan=parallel.tp_plan,
         sequence_parallel=parallel.sequence_parallel,
-        seq_len=_input_length(sample),
+        seq_len=seq_len,
     )
     if why is not None:
         raise ConfigError(why)

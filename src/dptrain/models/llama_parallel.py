@@ -105,6 +105,9 @@ class LlamaStage(nn.Module):
         self.norm = model.norm if last else None
         self.head = model.head if last else None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # not a buffer: stays out of state dicts
+        self.positions: torch.Tensor | None = None
+        """Context parallelism: the global positions of this rank's tokens (set by the pipeline before each schedule);
+        the rotary tables are read at them. None: positions 0..T-1."""
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].device != device:
@@ -121,6 +124,8 @@ class LlamaStage(nn.Module):
         # The whole table: each block's attention takes the first T rows for its (gathered) sequence;
         # x.size(1) here may be a sequence-parallel shard of it (tensor parallelism within the stage).
         cos, sin = self.rope(self.cfg.max_seq_len, x.device)
+        if self.positions is not None:  # cp: row i of the tables is the rank's i-th token's global position
+            cos, sin = cos[self.positions], sin[self.positions]
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if self.head is not None:

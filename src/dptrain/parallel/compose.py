@@ -6,8 +6,9 @@ apply to each stage. Order (torchtitan's): 1. tensor parallelism on the tp mesh 
 1b. context parallelism (parallel.cp: the built-in LLaMA's attention gathers K/V over the cp ranks;
 parallel/context.py), 2. activation checkpointing per block, 2b. torch.compile per block (train.compile;
 parallel/compile.py), 3. data parallelism: FSDP2 `fully_shard` on the dp_shard dimension (dp_shard x cp
-under cp), or the 2-D (dp_replicate, dp_shard) mesh: HSDP, or DDP on the data-parallel group (dp x cp),
-or nothing (single) / nn.DataParallel (dp); ZeRO-1 is DDP plus a sharded optimizer
+under cp), or the 2-D (dp_replicate, dp_shard) mesh: HSDP, or DDP on the data-parallel group (dp x cp; over a
+tensor-parallel model FSDP2's `replicate` on the 1-D dp (x cp) mesh), or nothing (single) / nn.DataParallel (dp);
+ZeRO-1 is DDP plus a sharded optimizer
 (`ParallelModel.optimizer`). Which of these applies comes from the `DataParallelMode` of the strategy
 (config/layout.py), never from the strategy name.
 """
@@ -83,10 +84,10 @@ def parallelize_model(
             materialize=materialize,
             prefetch=(cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch),
         )
-    elif mode.wrapper == "ddp" and tp and mesh.dims.dp_size == 1:
+    elif mode.wrapper == "ddp" and tp and mesh.grad_size == 1:
         module = apply_single(model, device=device, materialize=materialize)  # tp alone: nothing to replicate
-    elif mode.wrapper == "ddp" and tp:
-        module = ddp.apply_ddp_over_tp(model, device=device, mesh=mesh.dp_mesh, materialize=materialize)
+    elif mode.wrapper == "ddp" and tp:  # gradients all-reduced over dp, or dp x cp (the cp ranks' tokens differ)
+        module = ddp.apply_ddp_over_tp(model, device=device, mesh=mesh.grad_mesh, materialize=materialize)
     elif mode.wrapper == "ddp":
         module = ddp.apply_ddp(
             model,

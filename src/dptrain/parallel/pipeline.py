@@ -22,7 +22,11 @@ to its own counterpart; the last stage gathers the logits over the vocabulary fo
 activation checkpointing per block, then data parallelism over
 the data-parallel ranks of that stage: torch's FSDP2-based `replicate` (ddp; see `apply_replicate`
 for why not the DDP wrapper) or FSDP2 `fully_shard` (zero2/fsdp, HSDP), per block and per stage;
-nothing at dp size 1. zero1 is refused before launch (config/pipeline.py).
+nothing at dp size 1. zero1 is refused before launch (config/pipeline.py). Under context parallelism (cp > 1) each
+stage holds the cp split: its attention gathers K/V over the cp ranks (`apply_cp`), every micro-batch is cut to the
+rank's chunks first (`ContextParallel.shard`), the stages read the rotary tables at the rank's global positions
+(`LlamaStage.positions`), the data-parallel wrapper reduces over dp x cp, and evaluation counts and sums over the cp
+group too.
 
 The step (`PipelineModel.forward_backward`, called by the trainer as for any `ParallelModel`): each
 of the step's `grad_accum_steps` micro-batches runs as one schedule, split into `pp_microbatches`
@@ -63,6 +67,7 @@ from dptrain.models.llama_parallel import LlamaStage, split_batch, split_llama
 from dptrain.parallel import fsdp
 from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dptrain.parallel.clip import clip_grads_with_norm_, grad_norm
+from dptrain.parallel.context import ContextParallel, apply_cp, chunk_positions
 from dptrain.parallel.materialize import Materializer
 from dptrain.parallel.model import Context, CountItems, LossFn, ParallelModel, _no_phase, to_device
 from dptrain.parallel.tensor import apply_llama_tp, tp_problem
@@ -142,6 +147,11 @@ class PipelineModel(ParallelModel):
 
     def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
         ids, labels = split_batch(batch)
+        if self.context is not None:  # cp: every stage reads the rotary tables at this rank's global positions
+            cp = self.context
+            pos = chunk_positions(ids.size(1) * cp.cp, cp=cp.cp, rank=cp.rank, device=self.device)
+            for part in self.stage_parts:
+                part.positions = pos
         # The schedule's own `losses` list: loss_fn is also called outside the micro-batches (the
         # stage's shape inference on the first step after an evaluation), so its calls are not counted.
         losses: list[torch.Tensor] = []
@@ -179,7 +189,10 @@ class PipelineModel(ParallelModel):
         if scaler.is_enabled():
             self.loss_scale = scaler.scale
             scaler.scale(torch.zeros((), device=self.device))  # creates the scale on every stage
-        pairs = [split_batch(to_device(b, self.device)) for b in micro_batches]
+        batches = [to_device(b, self.device) for b in micro_batches]
+        if self.context is not None:  # cp > 1: this rank's chunks of every row (parallel/context.py)
+            batches = [self.context.shard(b) for b in batches]
+        pairs = [split_batch(b) for b in batches]
         n = count_items([{"labels": lab} for _, lab in pairs])
         assert n is not None
         self._n_items = n
@@ -197,11 +210,18 @@ class PipelineModel(ParallelModel):
         """The mean token loss of one evaluation batch, on every rank of the pipeline (forward only;
         the schedule's loss, `loss_fn` is unused)."""
         batch = to_device(batch, self.device)
+        if self.context is not None:  # cp: this rank's chunks; the rows' valid targets counted over the cp ranks
+            batch = self.context.shard(batch)
         _, labels = split_batch(batch)
-        self._n_items = (labels != -100).sum().clamp_min(1).float()
+        count = (labels != -100).sum().float()
+        if self.context is not None:
+            collectives.all_reduce_sum_(count, group=self.context.group)
+        self._n_items = count.clamp_min(1)
         with context():
-            loss = self._run(batch, train=False)
-        return self.reduce_loss(loss)
+            loss = self.reduce_loss(self._run(batch, train=False))
+        if self.context is not None:  # each cp rank's share of the rows' token mean
+            collectives.all_reduce_sum_(loss, group=self.context.group)
+        return loss
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on every rank of the pipeline (the other stages hold 0): a sum over pp."""
@@ -321,8 +341,10 @@ def parallelize_pipeline(
         hook = materialize.for_part(model) if isinstance(materialize, Materializer) and on_meta else None
         if tp:  # 1. tensor parallelism on the tp mesh, as parallelize does for the unsplit model
             apply_llama_tp(part, mesh.tp_mesh, sequence_parallel=cfg.sequence_parallel)
+        if mesh.dims.cp > 1:  # 1b. context parallelism: the stage's attention gathers K/V over the cp ranks
+            apply_cp(part, group=mesh.cp_group, cp=mesh.cp_size, rank=mesh.cp_rank)
         apply_activation_checkpointing(part, mode=cfg.activation_checkpointing)  # 2.
-        if mode.wrapper == "fsdp" and mesh.dp_size > 1:
+        if mode.wrapper == "fsdp" and mesh.grad_size > 1:  # over dp_shard (x cp)
             module: nn.Module = fsdp.apply_fsdp(
                 part,
                 device=device,
@@ -335,8 +357,8 @@ def parallelize_pipeline(
                 materialize=hook,
                 prefetch=(cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch),
             )
-        elif mode.wrapper == "ddp" and mesh.dp_size > 1:  # 3. (fsdp above)
-            module = apply_replicate(part, device=device, mesh=mesh.dp_mesh, materialize=hook)
+        elif mode.wrapper == "ddp" and mesh.grad_size > 1:  # 3. (fsdp above); over dp (x cp)
+            module = apply_replicate(part, device=device, mesh=mesh.grad_mesh, materialize=hook)
         else:
             if hook is not None:
                 hook(part)
@@ -355,6 +377,8 @@ def parallelize_pipeline(
         mesh=mesh,
         device=device,
     )
+    if mesh.dims.cp > 1:
+        plan.context = ContextParallel(mesh.cp_group, cp=mesh.cp_size, rank=mesh.cp_rank)
     m = pipeline_microbatches(cfg)
     kwargs: dict[str, Any] = {"n_microbatches": m, "loss_fn": pmodel.loss_fn, "scale_grads": False}
     if cfg.pp_schedule == "interleaved_1f1b":

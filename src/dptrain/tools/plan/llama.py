@@ -214,6 +214,16 @@ def cp_outside_extra(cfg: LlamaConfig, *, batch: int, seq: int, cp: int, precisi
     return ids + rope + mask
 
 
+def tp_whole_outside_bytes(cfg: LlamaConfig, *, batch: int, seq: int, cp: int, precision: str,
+                           loss_parallel: bool) -> int:
+    """Of the bytes saved outside the blocks (`outside_activation_bytes` at seq/cp tokens plus `cp_outside_extra`),
+    what tensor parallelism leaves whole on every tp rank: the fp32 log-softmax [B*seq/cp, V] (the head's output is
+    gathered over the vocabulary, unless `loss_parallel` keeps it sharded), and under cp the rank's own ids, rotary
+    rows and causal mask (`cp_outside_extra`: they belong to the cp rank, not to a tp shard)."""
+    softmax = 0 if loss_parallel else 4 * batch * (seq // cp) * cfg.vocab_size
+    return softmax + cp_outside_extra(cfg, batch=batch, seq=seq, cp=cp, precision=precision)
+
+
 def activation_parts(cfg: LlamaConfig, *, batch: int, seq: int, precision: str, checkpointing: str = "none",
                      n_layers: int | None = None, outside: bool = True,
                      param_dtype: str | None = None, cp: int = 1) -> tuple[int, int]:

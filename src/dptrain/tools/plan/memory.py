@@ -27,6 +27,7 @@ from dptrain.tools.plan.llama import (
     lora_block_params,
     param_counts,
     replicated_block_bytes,
+    tp_whole_outside_bytes,
 )
 
 if TYPE_CHECKING:  # annotations only: the planner imports no torch (`dptrain --help` stays fast)
@@ -101,6 +102,7 @@ class Layout:
     lora_rank: int = 0  # model.lora: adapters of this rank train, the base is frozen (weights only); 0: no LoRA
     lora_targets: tuple[str, ...] | None = None  # model.lora.target_modules (null: every attention and MLP linear)
     cp: int = 1  # parallel.cp: each row of `seq` tokens split over cp ranks (seq/cp each, K/V all-gathered)
+    loss_parallel: bool = False  # tp > 1: the logits stay vocabulary-sharded (else gathered whole on every tp rank)
 
     @property
     def pure_half(self) -> bool:
@@ -231,11 +233,13 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list
     kept, work = float(kept_i), float(work_i)
     outside = float(activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision, n_layers=0,
                                      param_dtype=pdt, cp=lay.cp)[0]) if last else 0.0
-    rep = replicated_block_bytes(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
+    rep = replicated_block_bytes(cfg, batch=batch, seq=lay.seq // lay.cp, precision=lay.precision,
                                  checkpointing=lay.checkpointing, param_dtype=pdt)
     if lay.tp > 1:  # sequence parallel: all of it on 1/tp of the sequence; else the norms' part replicated
         kept = kept / lay.tp if lay.sequence_parallel else rep + (kept - rep) / lay.tp
-        work, outside = work / lay.tp, outside / lay.tp
+        whole = tp_whole_outside_bytes(cfg, batch=batch, seq=lay.seq, cp=lay.cp, precision=lay.precision,
+                                       loss_parallel=lay.loss_parallel) if last else 0
+        work, outside = work / lay.tp, whole + (outside - whole) / lay.tp  # the head's log-softmax, cp's own parts
     # the last stage's outside part (final norm, head, loss) for each of its micro-batches in flight
     acts = in_flight * chunk * kept + work + (min(in_flight, m) * outside if last else 0)
     if last:

@@ -6,9 +6,11 @@ divisor of the GPUs per node (tensor parallelism stays inside a node); pp a divi
 tp*pp dividing the GPUs, schedule 1f1b, pp_microbatches any divisor of the micro-batch >= pp; dp =
 gpus / (tp*pp); micro-batch any divisor of G / dp, accumulation the rest; activation checkpointing
 none/selective/full. HSDP (dp_replicate x dp_shard) is not searched. Context parallelism (`parallel.cp`) is
-searched where dptrain composes it: cp a divisor (> 1) of the GPUs per node with tp = pp = 1, strategy ddp, zero2
-or fsdp (zero1 is refused with cp), the row splitting into 2*cp chunks; dp = gpus / cp. cp adds its K/V exchange to
-the step (not overlapped), so it ranks below a layout without it unless the row does not fit otherwise.
+searched where dptrain composes it: cp a divisor (> 1) of the GPUs per node, alone or with tp (cp * tp dividing the
+GPUs per node: both stay inside a node), pp = 1 (cp x pp is refused), strategy ddp, zero2 or fsdp (zero1 is refused
+with cp), the row splitting into 2*cp chunks (and under sequence parallelism each rank's seq/cp over tp);
+dp = gpus / (cp * tp). cp adds its K/V exchange to the step (not overlapped), so it ranks below a layout without it
+unless the row does not fit otherwise.
 
 Each candidate is turned into the Config it stands for and checked by dptrain itself: `resolve()`
 (what `dptrain run` checks before launch) and, with tp > 1, the launcher's tensor-parallel check on
@@ -143,8 +145,9 @@ def candidates(
             for g in ((None, half) if fsdp2 and half else (None,))
         ):
             degrees = [(tp, pp, dp, 1) for tp, pp, dp in data_parallel_degrees(model, gpus=gpus, per_node=per_node)]
-            if strategy != "zero1":  # cp: tp = pp = 1 (dptrain refuses the rest before launch)
-                degrees += [(1, 1, gpus // cp, cp) for cp in cps]
+            if strategy != "zero1":  # cp, alone or with tp inside a node; pp = 1 (dptrain refuses cp x pp)
+                degrees += [(tp, 1, gpus // (tp * cp), cp) for cp in cps for tp in divisors(per_node // cp)
+                            if gpus % (tp * cp) == 0]
             for tp, pp, dp, cp in degrees:
                 base = Candidate(strategy, offload, tp, pp, dp, micro_batch=None, accum=None, pp_microbatches=None,
                                  checkpointing="none", gather_dtype=gather, cp=cp)
@@ -205,17 +208,17 @@ class Checker:
             resolved = resolve(cfg, world_size=self.gpus, cuda_available=True)
         except ConfigError as e:
             return None, str(e)
-        return resolved, self._tp_refusal(cfg, resolved.dims.tp)
+        return resolved, self._tp_refusal(cfg, resolved.dims.tp, resolved.dims.cp)
 
-    def _tp_refusal(self, cfg: Config, tp: int) -> str | None:
-        key = (tp, cfg.parallel.tp_plan, cfg.parallel.sequence_parallel)
+    def _tp_refusal(self, cfg: Config, tp: int, cp: int = 1) -> str | None:
+        key = (tp, cp, cfg.parallel.tp_plan, cfg.parallel.sequence_parallel)
         if key not in self._tp:
             import torch
 
 
             try:  # the launcher reads the input length off a training sample: a token row of seq + 1
                 check_tensor_parallel(
-                    self.model, parallel=cfg.parallel, tp=tp, sample=torch.zeros(self.seq + 1, dtype=torch.long)
+                    self.model, parallel=cfg.parallel, tp=tp, sample=torch.zeros(self.seq + 1, dtype=torch.long), cp=cp
                 )
                 self._tp[key] = None
             except ConfigError as e:

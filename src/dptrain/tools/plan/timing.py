@@ -42,6 +42,8 @@
   activation checkpointing one more all-gather of each in the recompute. parallel/context.py all-gathers before
   attention and waits for the result, so none of it overlaps with compute: all of it is exposed (a ring that
   overlaps the exchange with attention, as torchtitan's and Megatron's do, would hide most of it; not built).
+  With tp (cp x tp) each rank exchanges its own n_kv_heads/tp heads over its cp group, and the tensor-parallel
+  all-reduces carry the rank's seq/cp tokens.
 """
 
 from __future__ import annotations
@@ -224,14 +226,15 @@ def offload_time(replica_params: float, lay: Layout, spec: GpuSpec, *, accum: in
 def pipeline_p2p_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
                       accum: int, comm: Link | None = None) -> float:
     """Exposed seconds of the activations and their gradients sent between pipeline stages: one
-    [micro-batch / m, seq, dim] tensor in the compute dtype per pipeline micro-batch and boundary,
-    each way. The steady state overlaps with other micro-batches' compute; the fill and the drain do
+    [micro-batch / m, seq / cp, dim] tensor in the compute dtype per pipeline micro-batch and boundary,
+    each way (under cp each stage holds the rank's share of the row). The steady state overlaps with other
+    micro-batches' compute; the fill and the drain do
     not: 2 (pp - 1) transfers per schedule are exposed. The stages sit on one node while tp * pp
     fits one, else the inter-node link carries them."""
     if lay.pp == 1:
         return 0.0
     m = max(1, lay.pp_microbatches)
-    nbytes = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch / m * lay.seq * cfg.dim
+    nbytes = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch / m * (lay.seq // lay.cp) * cfg.dim
     per_node = max(1, gpus // nodes)
     link = comm if comm and lay.tp * lay.pp > per_node else links(
         spec, nodes=nodes, interconnect=interconnect, spans_nodes=lay.tp * lay.pp > per_node)
@@ -241,14 +244,15 @@ def pipeline_p2p_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int
 def cp_exchange_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
                      accum: int, comm: Link | None = None) -> float:
     """Exposed seconds per step of context parallelism's K/V exchange (module docstring): K and V are each
-    [micro-batch, seq, kv heads x head dim] in the compute dtype once gathered; per layer and micro-step 2 all-gathers
+    [micro-batch, seq, kv heads / tp x head dim] in the compute dtype once gathered (under tp each rank exchanges its
+    own heads over its cp group); per layer and micro-step 2 all-gathers
     and 2 reduce-scatters of that size over the cp ranks, 2 all-gathers more under activation checkpointing. The cp
     ranks sit next to each other in the mesh (only tp is inner): one node's link while cp * tp fits a node, else the
     interconnect (or the measured link `comm`)."""
     if lay.cp == 1:
         return 0.0
     assert cfg.n_kv_heads is not None
-    nbytes = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch * lay.seq * cfg.n_kv_heads * cfg.head_dim
+    nbytes = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch * lay.seq * cfg.n_kv_heads * cfg.head_dim / lay.tp
     per_node = max(1, gpus // nodes)
     spans = lay.cp * lay.tp > per_node
     link = comm if comm and spans else links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=spans)
@@ -313,7 +317,7 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
     dp_comm, exposed = _dp_comm(lay, params=replica, units=c.n_layers / lay.pp + 1, shapes=param_shapes(cfg),
                                 dp=grad_ranks, link=dp_link, compute_micro=compute / accum, accum=accum,
                                 overlap=overlap) if grad_ranks > 1 else (0.0, 0.0)
-    act = (2 if lay.precision != "fp32" else 4) * lay.micro_batch * lay.seq * cfg.dim
+    act = (2 if lay.precision != "fp32" else 4) * lay.micro_batch * lay.seq // lay.cp * cfg.dim  # the cp rank's share
     tp_link = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False) if lay.tp > 1 else dp_link
     tp_comm = accum * 4 * cfg.n_layers / lay.pp * all_reduce_time(act, lay.tp, tp_link)
     offload = offload_time(replica, lay, spec, accum=accum)

@@ -378,7 +378,7 @@ def parallelize_pipeline(
         device=device,
     )
     if mesh.dims.cp > 1:
-        plan.context = ContextParallel(mesh.cp_group, cp=mesh.cp_size, rank=mesh.cp_rank)
+        pmodel.context = ContextParallel(mesh.cp_group, cp=mesh.cp_size, rank=mesh.cp_rank)
     m = pipeline_microbatches(cfg)
     kwargs: dict[str, Any] = {"n_microbatches": m, "loss_fn": pmodel.loss_fn, "scale_grads": False}
     if cfg.pp_schedule == "interleaved_1f1b":

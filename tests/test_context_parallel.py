@@ -143,12 +143,24 @@ def test_shard_takes_the_rows_chunks_with_their_global_positions():
     assert mine["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
 
 
-def test_shard_refuses_rows_that_do_not_split_and_packed_rows():
+def test_shard_refuses_rows_that_do_not_split_and_padding_masks():
     with pytest.raises(ConfigError, match=r"7 input tokens cannot be split into 2\*cp=4"):
         ContextParallel(None, cp=2, rank=0).shard(torch.zeros(2, 8, dtype=torch.long))
-    packed = {"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 8), "position_ids": torch.zeros(1, 8)}
-    with pytest.raises(ConfigError, match="position_ids"):
-        ContextParallel(None, cp=2, rank=0).shard(packed)
+    padded = {"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 8), "attention_mask": torch.zeros(1, 8)}
+    with pytest.raises(ConfigError, match="attention_mask"):
+        ContextParallel(None, cp=2, rank=0).shard(padded)
+
+
+def test_shard_of_packed_rows_numbers_documents_on_the_whole_row():
+    """Documents start at positions 0 and 5 of the row: rank 1 (global tokens 2-5) holds the end of the first and
+    the start of the second, which its own positions [2, 3, 4, 0] could not tell apart from a chunk boundary."""
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
+    packed = {"input_ids": torch.arange(8)[None], "labels": torch.arange(1, 9)[None], "position_ids": pos}
+    mine = ContextParallel(None, cp=2, rank=1).shard(packed)
+    assert mine["input_ids"].tolist() == [[2, 3, 4, 5]]
+    assert mine["position_ids"].tolist() == [[2, 3, 4, 0]]  # rotary: positions within the document
+    assert mine["document_ids"].tolist() == [[1, 1, 1, 2]]
+    assert ContextParallel(None, cp=2, rank=0).shard(packed)["document_ids"].tolist() == [[1, 1, 2, 2]]
 
 
 def _eval_on_cp_ranks(rank: int, cp: int) -> tuple[float, float]:
@@ -196,7 +208,8 @@ BASE = ["parallel.device=cpu", "parallel.cp=2"]
         (["parallel.strategy=zero1"], 4, r"parallel.strategy='zero1' is not supported with cp > 1"),
         (["model.factory=dptrain.models.hf:build_hf_causal_lm"], 2, r"model.factory=.*built-in LLaMA"),
         (["model.kwargs.pretrained=/some/folder"], 2, r"no pretrained folder"),
-        (["data.factory=dptrain.data.packed:build_packed"], 2, r"packed rows"),
+        (["data.factory=dptrain.data.packed:build_packed", "data.kwargs.seq_len=126"], 2,
+         r"data.kwargs.seq_len=126 is not divisible by 2\*cp=4"),
         (["data.kwargs.seq_len=126"], 2, r"data.kwargs.seq_len=126 is not divisible by 2\*cp=4"),
         (["train.loss=support.parity:tiny_tokens"], 2, r"train.loss="),
         (["train.eval_fn=support.parity:tiny_tokens"], 2, r"train.eval_fn="),

@@ -101,6 +101,7 @@ class Layout:
     lora_rank: int = 0  # model.lora: adapters of this rank train, the base is frozen (weights only); 0: no LoRA
     lora_targets: tuple[str, ...] | None = None  # model.lora.target_modules (null: every attention and MLP linear)
     cp: int = 1  # parallel.cp: each row of `seq` tokens split over cp ranks (seq/cp each, K/V all-gathered)
+    cp_mask: bool = True  # cp > 1 off the CPU: SDPA with a [T/cp, T] mask; on the CPU blockwise attention, no mask
 
     @property
     def pure_half(self) -> bool:
@@ -130,7 +131,7 @@ def layout_memory(cfg: LlamaConfig, lay: Layout) -> dict[str, float]:
     """Bytes per rank of the worst pipeline rank: model states (GPU and host), activations,
     temporary buffers, the stated overhead and the total on the GPU. A rank holds stages r, r + pp,
     ... (`pp_stages_per_rank` of them under interleaved_1f1b). Under `cp` a rank's activations are those of its
-    seq/cp tokens plus what the K/V all-gather and the mask keep (plan/llama.py); zero2/fsdp shard over the
+    seq/cp tokens plus what the K/V all-gather (and off the CPU the mask) keep (plan/llama.py); zero2/fsdp shard over the
     `dp_shard` the layout gives (dp_shard x cp, as FSDP2's mesh does)."""
     c = param_counts(cfg)
     v = max(1, lay.pp_stages_per_rank)
@@ -227,10 +228,10 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list
     chunk = sum(layers) / len(layers)  # blocks per stage of this rank (an even split: all the same)
     kept_i, work_i = activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
                                       checkpointing=lay.checkpointing, n_layers=1, outside=False, param_dtype=pdt,
-                                      cp=lay.cp)
+                                      cp=lay.cp, cp_mask=lay.cp_mask)
     kept, work = float(kept_i), float(work_i)
     outside = float(activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision, n_layers=0,
-                                     param_dtype=pdt, cp=lay.cp)[0]) if last else 0.0
+                                     param_dtype=pdt, cp=lay.cp, cp_mask=lay.cp_mask)[0]) if last else 0.0
     rep = replicated_block_bytes(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
                                  checkpointing=lay.checkpointing, param_dtype=pdt)
     if lay.tp > 1:  # sequence parallel: all of it on 1/tp of the sequence; else the norms' part replicated

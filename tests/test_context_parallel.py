@@ -90,6 +90,70 @@ def test_cp2_with_fsdp2_matches_reference(tmp_path):
     cp_case(tmp_path, strategy="fsdp", dp=2, cp=2, accum=2, extra=("parallel.dp_shard=2",))
 
 
+def packed_corpus(folder) -> str:
+    """A prepared corpus (byte tokenizer) of short documents, 1-3 words: every packed row of 16 tokens holds several,
+    and documents start inside the cp chunks."""
+    from dptrain.data.prepare import prepare
+    from support.corpora import documents, write_jsonl
+
+    src = write_jsonl(folder / "docs.jsonl", documents(240, seed=5, max_words=3))
+    prepare([str(src)], tokenizer="bytes", out=folder / "prepared", workers=0, shard_docs=256)
+    return str(folder / "prepared")
+
+
+def packed_reference(source: str, *, global_batch: int, steps: int) -> tuple[dict, list[float]]:
+    """One plain process on the packed rows: the model's document mask from the rows' position ids, the token mean
+    over the global batch, SGD; (final weights, each step's loss)."""
+    from dptrain.data.packed import build_packed
+
+    ds, _ = build_packed(source=source, seq_len=16)
+    spec = MODELS["llama"]
+    torch.manual_seed(SEED)
+    net = spec["build"](**spec["kwargs"])
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    order = GlobalBatchSampler(dataset_len=len(ds), global_batch_size=global_batch, micro_batch_size=global_batch,
+                               grad_accum_steps=1, dp_rank=0, dp_world_size=1, seed=SEED, shuffle=True)
+    losses = []
+    for step in range(steps):
+        loss = net(default_collate([ds[i] for i in order.global_batch_indices(step)]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, losses
+
+
+@pytest.mark.timeout(90)
+def test_packed_rows_with_document_masks_on_cp2_match_one_process(tmp_path):
+    """Packed rows (data/packed.py): documents found on the whole row's positions, each rank's queries attend to
+    keys of their own document only, rotary by the position within the document."""
+    packed_case(tmp_path)
+
+
+@pytest.mark.timeout(90)
+def test_the_packed_case_catches_attention_across_documents(tmp_path, monkeypatch):
+    """Guard: every row taken as one document under cp (the document mask lost) fails the packed parity check."""
+    from dptrain.parallel import context
+
+    monkeypatch.setattr(context, "document_ids", lambda pos: torch.ones_like(pos))
+    with pytest.raises(AssertionError):
+        packed_case(tmp_path)
+
+
+def packed_case(tmp_path) -> None:
+    source = packed_corpus(tmp_path / "corpus")
+    g = GLOBAL_BATCH[1]
+    items = [i for i in overrides(strategy="ddp", world_size=1, accum=1, model="llama", steps=CP_STEPS)
+             if not i.startswith("data.")]
+    items += ["data.factory=dptrain.data.packed:build_packed", f"data.kwargs.source={source}",
+              "data.kwargs.seq_len=16", "data.num_workers=0", "parallel.cp=2", "train.eval_every_steps=0"]
+    got, records = train(items, 2, tmp_path / "run", timeout=60)
+    want, losses = packed_reference(source, global_batch=g, steps=CP_STEPS)
+    assert [r["loss"] for r in records if "loss" in r] == pytest.approx(losses, rel=1e-5)
+    assert_weights_close(got, want)
+    print(f"packed rows, cp 2: max |weight difference| after {CP_STEPS} steps {max_abs_diff(got, want):.2g}")
+
+
 @pytest.mark.timeout(60)
 def test_the_tolerance_catches_gradients_reduced_over_dp_only(tmp_path, monkeypatch):
     """Guard: the token count and the gradients reduced over dp alone (cp forgotten) fail the parity check."""

@@ -10,9 +10,16 @@
   collective `all_gather_single_autograd` (its backward sends each rank the sum of the gradients of its K/V), and
   every local query attends to the gathered keys at global positions not after its own: exactly the causal attention of
   the whole row. This is ring attention's result with one all-gather instead of cp-1 ring steps (Megatron's
-  all-gather CP); it runs on gloo and on any SDPA kernel. torch's `context_parallel` (torch.distributed.tensor.
-  experimental) is not used: it dispatches on the flash/efficient SDPA kernels and fails on the MATH kernel, the only
-  one on a CPU in float32 (pytorch/pytorch#147793).
+  all-gather CP); it runs on gloo. On a CPU the attention is blockwise with no mask (parallel/cp_attention.py: per
+  query chunk a call over its fully visible prefix and a causal call over its own block, merged by log-sum-exp);
+  elsewhere (CUDA: the flash/efficient kernels take other arguments, not wired here) SDPA over the gathered keys with a
+  ``[T/cp, T]`` additive mask, one per rank. The path is logged once per process. torch's `context_parallel`
+  (torch.distributed.tensor.experimental) is not used: it dispatches on the flash/efficient SDPA kernels and fails on
+  the MATH kernel, the only one on a CPU in float32 (pytorch/pytorch#147793).
+- **Packed rows** (a batch with ``position_ids``, data/packed.py): the documents are found on the whole row's
+  positions (every cp rank holds the whole row before `shard`), numbered into ``document_ids`` and split like the
+  tokens; `GatheredDocuments` (swapped in for the model's `DocumentMask`) gathers them once per forward, and each
+  query attends to keys of its own document only. Rotary uses the positions within each document, as one process.
 - **Loss and gradients**: the token rule counts every token once (each token is on one cp rank) over the dp x cp ranks
   (`ParallelMesh.grad_group`), DDP all-reduces and FSDP2 reduce-scatters gradients over the same ranks, so the step's
   gradient is the global batch's token mean (train/loss.py).

@@ -92,8 +92,8 @@ class _Blocks:
             qdoc = None if docs is None else docs[:, start:start + c]
             if prefix.numel():
                 idx = prefix.to(k.device)
-                bias, seen = (None, None) if qdoc is None else _doc_bias(qdoc, docs[:, idx], causal=False,
-                                                                       dtype=self.dtype)
+                bias, seen = (None, None) if docs is None or qdoc is None else _doc_bias(qdoc, docs[:, idx],
+                                                                                         causal=False, dtype=self.dtype)
                 yield j, idx, _repeat(k.index_select(2, idx), self.rep), _repeat(v.index_select(2, idx), self.rep), \
                     bias, False, seen
             own = slice(start, start + c)
@@ -107,7 +107,7 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -
     for _, other in parts[1:]:
         lse = torch.logaddexp(lse, other)
     out = sum((torch.exp(l_i - lse).unsqueeze(-1) * o_i.float() for o_i, l_i in parts), torch.zeros(()))
-    return out.to(dtype), lse  # type: ignore[union-attr]
+    return out.to(dtype), lse
 
 
 class _BlockwiseAttention(torch.autograd.Function):
@@ -130,7 +130,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, docs, out, lse = ctx.saved_tensors
         blocks = _Blocks(q, k, v, docs, cp=ctx.cp, rank=ctx.rank)
         c, rep = blocks.c, blocks.rep

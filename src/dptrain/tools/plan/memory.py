@@ -131,8 +131,8 @@ def layout_memory(cfg: LlamaConfig, lay: Layout) -> dict[str, float]:
     """Bytes per rank of the worst pipeline rank: model states (GPU and host), activations,
     temporary buffers, the stated overhead and the total on the GPU. A rank holds stages r, r + pp,
     ... (`pp_stages_per_rank` of them under interleaved_1f1b). Under `cp` a rank's activations are those of its
-    seq/cp tokens plus what the K/V all-gather (and off the CPU the mask) keep (plan/llama.py); zero2/fsdp shard over the
-    `dp_shard` the layout gives (dp_shard x cp, as FSDP2's mesh does)."""
+    seq/cp tokens plus what the K/V all-gather (and off the CPU the mask) keep (plan/llama.py); zero2/fsdp shard over
+    the `dp_shard` the layout gives (dp_shard x cp, as FSDP2's mesh does)."""
     c = param_counts(cfg)
     v = max(1, lay.pp_stages_per_rank)
     stages = stage_layers(cfg.n_layers, lay.pp * v, lay.pp_layers)

@@ -90,6 +90,13 @@ def test_cp2_with_fsdp2_matches_reference(tmp_path):
     cp_case(tmp_path, strategy="fsdp", dp=2, cp=2, accum=2, extra=("parallel.dp_shard=2",))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_cp2_under_activation_checkpointing_matches_reference(mode, tmp_path):
+    """The recompute runs the blockwise attention (and its K/V all-gather) again; selective keeps its kernel's outputs."""
+    cp_case(tmp_path, strategy="ddp", dp=1, cp=2, accum=1, extra=(f"parallel.activation_checkpointing={mode}",))
+
+
 def packed_corpus(folder) -> str:
     """A prepared corpus (byte tokenizer) of short documents, 1-3 words: every packed row of 16 tokens holds several,
     and documents start inside the cp chunks."""

@@ -93,7 +93,7 @@ def test_cp2_with_fsdp2_matches_reference(tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_cp2_under_activation_checkpointing_matches_reference(mode, tmp_path):
-    """The recompute runs the blockwise attention (and its K/V all-gather) again; selective keeps the kernel's outputs."""
+    """The recompute runs the blockwise attention and its K/V all-gather again; selective keeps the kernel's outputs."""
     cp_case(tmp_path, strategy="ddp", dp=1, cp=2, accum=1, extra=(f"parallel.activation_checkpointing={mode}",))
 
 

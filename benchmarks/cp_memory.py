@@ -7,8 +7,9 @@ The built-in LLaMA (dim 128, 2 layers, 4 heads, 2 KV heads, byte vocabulary; fp3
 ranks, each rank a forked process with one thread in a real gloo group (tests/support/mp.py):
 
 1. memory: each rank's activations (tests/support/cp_memory.py: the storages the forward leaves alive for backward,
-   through `dptrain run`'s own parallelisation: ddp over dp x cp, gathered-K/V attention) against the planner's
-   `activations` for the same config (`tools.plan.predict.predict`), at every seq x cp;
+   through `dptrain run`'s own parallelisation: ddp over dp x cp, gathered-K/V attention, on the CPU blockwise with
+   no mask, parallel/cp_attention.py) against the planner's `activations` for the same config on the CPU
+   (`tools.plan.predict.predict`, `--gpu-type cpu`), at every seq x cp;
 2. longest: the longest row (a multiple of 512) whose planned memory per rank (model states, activations,
    temporaries; no CUDA allowance) fits `--budget-mb`, on 1 rank and on 4 cp ranks, then measured: the activations at
    those lengths, and one SGD step at each (it trains);
@@ -37,6 +38,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 from dptrain.config.load import load_config  # noqa: E402
 from dptrain.tools.plan.predict import predict  # noqa: E402
 from dptrain.tools.plan.presets import preset, preset_overrides  # noqa: E402
+from dptrain.tools.plan.timing import Link  # noqa: E402
 from dptrain.train.trainer import Trainer  # noqa: E402
 from support.cp_memory import measure_activations, on_ranks, train_step  # noqa: E402
 from support.mp import run_ranks  # noqa: E402
@@ -53,9 +55,15 @@ def items(seq: int, cp: int, *, model: dict | None = None) -> list[str]:
             "optim.weight_decay=0", "parallel.device=cpu", "log.progress=false", "train.eval_every_steps=0"]
 
 
-def planned(seq: int, cp: int, *, gpu: str = "H100", efficiency: float | None = 0.5, model: dict | None = None):
+CPU_LINK = Link(bandwidth=1e9, alpha=1e-5)
+"""A nominal link for `--gpu-type cpu` plans (it enters only the time, which the memory tables do not use)."""
+
+
+def planned(seq: int, cp: int, *, gpu: str = "cpu", efficiency: float | None = 0.5, model: dict | None = None):
+    """The plan of one row of `seq` tokens on cp ranks; on the CPU by default (the blockwise attention path, the one
+    measured here), on `gpu` for the time table's GPU figures (SDPA with the gathered-K/V mask there)."""
     return predict(load_config(None, items(seq, cp, model=model)), gpus=cp, nodes=1, gpu_type=gpu,
-                   interconnect="nvlink", comm=None, efficiency=efficiency)
+                   interconnect="nvlink", comm=CPU_LINK if gpu == "cpu" else None, efficiency=efficiency)
 
 
 def measured(seq: int, cp: int) -> int:
@@ -65,7 +73,7 @@ def measured(seq: int, cp: int) -> int:
 
 def memory_table(seqs: list[int], cps: list[int]) -> list[str]:
     out = ["activations per rank (MiB), measured on gloo ranks vs `dptrain plan`:", "",
-           "| seq | cp | tokens/rank | measured | predicted | error | of which the mask (planned) |",
+           "| seq | cp | tokens/rank | measured | predicted | error | the SDPA path's mask (GPUs; not kept here) |",
            "|---:|---:|---:|---:|---:|---:|---:|"]
     for seq in seqs:
         for cp in cps:
@@ -128,7 +136,7 @@ def time_table(seq: int, cps: list[int], steps: int) -> list[str]:
     for cp in cps:
         med = statistics.median(step_times(seq, cp, steps))
         base = base or med
-        t = planned(seq, cp, efficiency=None).time
+        t = planned(seq, cp, gpu="H100", efficiency=None).time
         out.append(f"| {cp} | {med:.3f} | {med / base:.2f}x | {t['step']:.3g} | {t['cp_comm']:.2g} |")
         print(out[-1], flush=True)
     return out + ["", *llama8b_lines()]

@@ -182,6 +182,77 @@ def test_validation_loss_under_cp2_x_pp2_is_the_single_process_one(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_cp2_under_activation_checkpointing_matches_reference(mode, tmp_path):
+    """The recompute runs the blockwise attention and its K/V all-gather again; selective keeps the kernel's outputs."""
+    cp_case(tmp_path, strategy="ddp", dp=1, cp=2, accum=1, extra=(f"parallel.activation_checkpointing={mode}",))
+
+
+def packed_corpus(folder) -> str:
+    """A prepared corpus (byte tokenizer) of short documents, 1-3 words: every packed row of 16 tokens holds several,
+    and documents start inside the cp chunks."""
+    from dptrain.data.prepare import prepare
+    from support.corpora import documents, write_jsonl
+
+    src = write_jsonl(folder / "docs.jsonl", documents(240, seed=5, max_words=3))
+    prepare([str(src)], tokenizer="bytes", out=folder / "prepared", workers=0, shard_docs=256)
+    return str(folder / "prepared")
+
+
+def packed_reference(source: str, *, global_batch: int, steps: int) -> tuple[dict, list[float]]:
+    """One plain process on the packed rows: the model's document mask from the rows' position ids, the token mean
+    over the global batch, SGD; (final weights, each step's loss)."""
+    from dptrain.data.packed import build_packed
+
+    ds, _ = build_packed(source=source, seq_len=16)
+    spec = MODELS["llama"]
+    torch.manual_seed(SEED)
+    net = spec["build"](**spec["kwargs"])
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    order = GlobalBatchSampler(dataset_len=len(ds), global_batch_size=global_batch, micro_batch_size=global_batch,
+                               grad_accum_steps=1, dp_rank=0, dp_world_size=1, seed=SEED, shuffle=True)
+    losses = []
+    for step in range(steps):
+        loss = net(default_collate([ds[i] for i in order.global_batch_indices(step)]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, losses
+
+
+@pytest.mark.timeout(90)
+def test_packed_rows_with_document_masks_on_cp2_match_one_process(tmp_path):
+    """Packed rows (data/packed.py): documents found on the whole row's positions, each rank's queries attend to
+    keys of their own document only, rotary by the position within the document."""
+    packed_case(tmp_path)
+
+
+@pytest.mark.timeout(90)
+def test_the_packed_case_catches_attention_across_documents(tmp_path, monkeypatch):
+    """Guard: every row taken as one document under cp (the document mask lost) fails the packed parity check."""
+    from dptrain.parallel import context
+
+    monkeypatch.setattr(context, "document_ids", lambda pos: torch.ones_like(pos))
+    with pytest.raises(AssertionError):
+        packed_case(tmp_path)
+
+
+def packed_case(tmp_path) -> None:
+    source = packed_corpus(tmp_path / "corpus")
+    g = GLOBAL_BATCH[1]
+    items = [i for i in overrides(strategy="ddp", world_size=1, accum=1, model="llama", steps=CP_STEPS)
+             if not i.startswith("data.")]
+    items += ["data.factory=dptrain.data.packed:build_packed", f"data.kwargs.source={source}",
+              "data.kwargs.seq_len=16", "data.num_workers=0", "parallel.cp=2", "train.eval_every_steps=0"]
+    got, records = train(items, 2, tmp_path / "run", timeout=60)
+    want, losses = packed_reference(source, global_batch=g, steps=CP_STEPS)
+    assert [r["loss"] for r in records if "loss" in r] == pytest.approx(losses, rel=1e-5)
+    assert_weights_close(got, want)
+    print(f"packed rows, cp 2: max |weight difference| after {CP_STEPS} steps {max_abs_diff(got, want):.2g}")
+
+
+@pytest.mark.timeout(60)
 def test_the_tolerance_catches_gradients_reduced_over_dp_only(tmp_path, monkeypatch):
     """Guard: the token count and the gradients reduced over dp alone (cp forgotten) fail the parity check."""
     from dptrain.distributed.mesh import ParallelMesh
@@ -234,12 +305,24 @@ def test_shard_takes_the_rows_chunks_with_their_global_positions():
     assert mine["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
 
 
-def test_shard_refuses_rows_that_do_not_split_and_packed_rows():
+def test_shard_refuses_rows_that_do_not_split_and_padding_masks():
     with pytest.raises(ConfigError, match=r"7 input tokens cannot be split into 2\*cp=4"):
         ContextParallel(None, cp=2, rank=0).shard(torch.zeros(2, 8, dtype=torch.long))
-    packed = {"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 8), "position_ids": torch.zeros(1, 8)}
-    with pytest.raises(ConfigError, match="position_ids"):
-        ContextParallel(None, cp=2, rank=0).shard(packed)
+    padded = {"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 8), "attention_mask": torch.zeros(1, 8)}
+    with pytest.raises(ConfigError, match="attention_mask"):
+        ContextParallel(None, cp=2, rank=0).shard(padded)
+
+
+def test_shard_of_packed_rows_numbers_documents_on_the_whole_row():
+    """Documents start at positions 0 and 5 of the row: rank 1 (global tokens 2-5) holds the end of the first and
+    the start of the second, which its own positions [2, 3, 4, 0] could not tell apart from a chunk boundary."""
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
+    packed = {"input_ids": torch.arange(8)[None], "labels": torch.arange(1, 9)[None], "position_ids": pos}
+    mine = ContextParallel(None, cp=2, rank=1).shard(packed)
+    assert mine["input_ids"].tolist() == [[2, 3, 4, 5]]
+    assert mine["position_ids"].tolist() == [[2, 3, 4, 0]]  # rotary: positions within the document
+    assert mine["document_ids"].tolist() == [[1, 1, 1, 2]]
+    assert ContextParallel(None, cp=2, rank=0).shard(packed)["document_ids"].tolist() == [[1, 1, 2, 2]]
 
 
 def _eval_on_cp_ranks(rank: int, cp: int) -> tuple[float, float]:
@@ -288,7 +371,8 @@ BASE = ["parallel.device=cpu", "parallel.cp=2"]
         (["parallel.strategy=zero1"], 4, r"parallel.strategy='zero1' is not supported with cp > 1"),
         (["model.factory=dptrain.models.hf:build_hf_causal_lm"], 2, r"model.factory=.*built-in LLaMA"),
         (["model.kwargs.pretrained=/some/folder"], 2, r"no pretrained folder"),
-        (["data.factory=dptrain.data.packed:build_packed"], 2, r"packed rows"),
+        (["data.factory=dptrain.data.packed:build_packed", "data.kwargs.seq_len=126"], 2,
+         r"data.kwargs.seq_len=126 is not divisible by 2\*cp=4"),
         (["data.kwargs.seq_len=126"], 2, r"data.kwargs.seq_len=126 is not divisible by 2\*cp=4"),
         (["train.loss=support.parity:tiny_tokens"], 2, r"train.loss="),
         (["train.eval_fn=support.parity:tiny_tokens"], 2, r"train.eval_fn="),

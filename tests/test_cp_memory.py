@@ -1,6 +1,7 @@
 """`dptrain plan` under `parallel.cp` against context-parallel ranks on gloo (plan/llama.py's cp terms,
 plan/memory.py, plan/timing.py's K/V exchange): the activation memory of one rank for cp 1, 2 and 4 within 15% of the
-prediction, the K/V all-gather and the shared mask counted, FSDP2's shards over dp_shard x cp, and the exchange in
+prediction (the CPU's blockwise attention: the gathered K/V at the KV heads, no mask; the mask of the SDPA path
+off the CPU counted by formula), FSDP2's shards over dp_shard x cp, and the exchange in
 the time model. benchmarks/cp_memory.py prints the same comparison at 4K-16K tokens."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dptrain.config.load import load_config
 from dptrain.models.llama import LlamaConfig
 from dptrain.tools.plan.llama import activation_parts, cp_block_extra, cp_outside_extra
 from dptrain.tools.plan.predict import predict
+from dptrain.tools.plan.timing import Link
 from support.cp_memory import measure_activations, on_ranks
 from support.mp import run_ranks
 
@@ -24,8 +26,9 @@ def predicted_activations(model: dict, *, seq: int, cp: int, checkpointing: str 
     items += [f"data.kwargs.seq_len={seq}", f"parallel.cp={cp}", "parallel.strategy=ddp",
               "train.micro_batch_size=1", "train.global_batch_size=1", "train.grad_accum_steps=1",
               f"parallel.activation_checkpointing={checkpointing}"]
-    p = predict(load_config(None, items), gpus=cp, nodes=1, gpu_type="H100", interconnect="nvlink", comm=None,
-                efficiency=0.5)
+    # on the CPU (the blockwise attention path, the one measured); the link only enters the time, not compared here
+    p = predict(load_config(None, items), gpus=cp, nodes=1, gpu_type="cpu", interconnect="nvlink",
+                comm=Link(bandwidth=1e9, alpha=1e-5), efficiency=0.5)
     return p.memory["activations"]
 
 
@@ -44,23 +47,38 @@ def test_activation_memory_per_rank_within_15_percent_of_the_plan(cp):
 
 
 @pytest.mark.fast
-def test_the_cp_terms_are_the_gathered_kv_the_split_ids_the_rope_rows_and_one_mask():
+def test_the_cp_terms_are_the_gathered_kv_the_split_ids_the_rope_rows_and_the_mask_off_the_cpu():
     cfg = LlamaConfig(**MODEL, max_seq_len=SEQ)
-    # K and V of the whole row (at the query heads: GQA's repeat is what attention saves), less the local share
-    assert cp_block_extra(cfg, batch=1, seq=SEQ, cp=2, precision="fp32") == 2 * 4 * (SEQ - SEQ // 2) * 64
-    assert cp_block_extra(cfg, batch=1, seq=SEQ, cp=2, precision="bf16") == 2 * 2 * (SEQ - SEQ // 2) * 64
+    h, kv = 4 * 16, 2 * 16  # query and KV widths: 4 and 2 heads of 16
+    # blockwise (the CPU): K and V of the whole row at the KV heads instead of the local k and v at the query heads
+    assert cp_block_extra(cfg, batch=1, seq=SEQ, cp=4, precision="fp32", cp_mask=False) == \
+        2 * 4 * (SEQ * kv - SEQ // 4 * h)
+    assert cp_block_extra(cfg, batch=1, seq=SEQ, cp=2, precision="bf16", cp_mask=False) == 0  # kv = h / cp
+    # SDPA with the mask (elsewhere): K and V of the whole row at the query heads (GQA's repeat is what SDPA saves)
+    assert cp_block_extra(cfg, batch=1, seq=SEQ, cp=2, precision="fp32") == 2 * 4 * (SEQ - SEQ // 2) * h
+    assert cp_block_extra(cfg, batch=1, seq=SEQ, cp=2, precision="bf16") == 2 * 2 * (SEQ - SEQ // 2) * h
     local = SEQ // 4
     mask = 4 * local * SEQ
-    assert cp_outside_extra(cfg, batch=1, seq=SEQ, cp=4, precision="fp32") == 16 * local - 8 * (local + 1) + \
-        4 * local * 16 + mask
+    ids_rope = 16 * local - 8 * (local + 1) + 4 * local * 16
+    assert cp_outside_extra(cfg, batch=1, seq=SEQ, cp=4, precision="fp32") == ids_rope + mask
+    assert cp_outside_extra(cfg, batch=1, seq=SEQ, cp=4, precision="fp32", cp_mask=False) == ids_rope
     assert cp_block_extra(cfg, batch=1, seq=SEQ, cp=1, precision="fp32") == 0
     assert cp_outside_extra(cfg, batch=1, seq=SEQ, cp=1, precision="fp32") == 0
     # checkpointing: the gathered K/V are not kept, they are part of the one block recomputed
-    kept, work = activation_parts(cfg, batch=1, seq=SEQ, precision="fp32", checkpointing="full", cp=2)
-    kept1, work1 = activation_parts(cfg, batch=1, seq=SEQ // 2, precision="fp32", checkpointing="full")
-    assert work - work1 == cp_block_extra(cfg, batch=1, seq=SEQ, cp=2, precision="fp32")
+    kept, work = activation_parts(cfg, batch=1, seq=SEQ, precision="fp32", checkpointing="full", cp=4)
+    kept1, work1 = activation_parts(cfg, batch=1, seq=SEQ // 4, precision="fp32", checkpointing="full")
+    assert work - work1 == cp_block_extra(cfg, batch=1, seq=SEQ, cp=4, precision="fp32")
     assert predicted_activations(MODEL, seq=SEQ, cp=2, checkpointing="full") < predicted_activations(
         MODEL, seq=SEQ, cp=2)
+
+
+@pytest.mark.fast
+def test_cp_lowers_the_planned_activations_per_rank_on_the_cpu_at_every_length():
+    """Without the [T/cp, T] mask the per-rank activations fall with cp (they rose with it at 16K tokens before)."""
+    model = {**MODEL, "dim": 128}
+    for seq in (4096, 8192, 16384):
+        per_cp = [predicted_activations(model, seq=seq, cp=cp) for cp in (1, 2, 4)]
+        assert per_cp[0] > per_cp[1] > per_cp[2], (seq, per_cp)
 
 
 def _plan(*items: str, gpus: int, gpu: str = "H100"):

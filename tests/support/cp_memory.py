@@ -2,12 +2,14 @@
 at a cp degree (tests/test_cp_memory.py, benchmarks/cp_memory.py).
 
 The built-in LLaMA is parallelised exactly as `dptrain run` does it (`parallel.strategy=ddp`, `parallel.cp`: the
-mesh, `apply_cp`'s gathered-K/V attention, DDP over dp x cp), the row is cut into this rank's chunks by the plan's
+mesh, `apply_cp`'s gathered-K/V attention, on this CPU blockwise with no mask (parallel/cp_attention.py), DDP over
+dp x cp), the row is cut into this rank's chunks by the plan's
 `ContextParallel.shard`, and after a warm-up step the activations are the storages the forward created that are still
 alive when it returns, each once at its current size, less the parameters and the loss (two warm-up steps first:
 DDP rebuilds its gradient buckets in the second forward, the plan's `temporary`) (the method of
-support/alive.py and support/fsdp_alive.py, storages tracked by identity). The rank's cached causal mask is dropped
-before the measured forward, so the mask it makes again (and every layer shares) is counted once.
+support/alive.py and support/fsdp_alive.py, storages tracked by identity). On the SDPA path (off the CPU) the rank's
+cached causal mask would be dropped before the measured forward, so the mask it makes again (and every layer shares)
+is counted once.
 
 Storages of the functional collective's autograd wrapper are views of the all-gather's output (counted there) and
 cannot be read back through a weak reference: they are skipped.

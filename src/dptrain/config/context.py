@@ -37,9 +37,6 @@ def validate_context_parallel(cfg: Config, *, dims: ParallelDims, mode: DataPara
         raise ConfigError(f"{where}: model.factory={cfg.model.factory!r} cannot be split over the sequence; context "
                           f"parallelism supports the built-in LLaMA ({CP_MODEL}, no pretrained folder) only: use it, "
                           "or parallel.cp=1")
-    if cfg.data.factory == PACKED_DATA:
-        raise ConfigError(f"{where}: data.factory={PACKED_DATA!r} (packed rows with document masks) is not supported "
-                          "with cp > 1 yet; use unpacked rows, or parallel.cp=1")
     if cfg.train.loss is not None:
         raise ConfigError(f"{where}: train.loss={cfg.train.loss!r} would see only this rank's chunks of each row; drop "
                           "train.loss (the model's own token loss is exact under cp), or use parallel.cp=1")
@@ -49,8 +46,8 @@ def validate_context_parallel(cfg: Config, *, dims: ParallelDims, mode: DataPara
     if cfg.parallel.grad_compression != "none":
         raise ConfigError(f"{where}: parallel.grad_compression={cfg.parallel.grad_compression!r} is not supported "
                           "with cp > 1; use parallel.grad_compression=none, or parallel.cp=1")
-    seq = cfg.data.kwargs.get("seq_len")  # the built-in corpus's rows: seq_len inputs (other data: checked per batch)
-    if cfg.data.factory == CORPUS_DATA and isinstance(seq, int) and seq % (2 * cp):
+    seq = cfg.data.kwargs.get("seq_len")  # built-in corpus and packed rows: seq_len inputs (other data: per batch)
+    if cfg.data.factory in (CORPUS_DATA, PACKED_DATA) and isinstance(seq, int) and seq % (2 * cp):
         raise ConfigError(f"{where}: data.kwargs.seq_len={seq} is not divisible by 2*cp={2 * cp} (each cp rank takes "
                           f"two of 2*cp equal chunks); use a seq_len that is a multiple of {2 * cp}")
     if cfg.data.factory == CORPUS_DATA and isinstance(seq, int) and dims.tp > 1 and cfg.parallel.sequence_parallel:

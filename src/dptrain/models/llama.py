@@ -80,6 +80,21 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ((seg[:, :, None] == seg[:, None, :]) & causal).unsqueeze(1)
 
 
+class DocumentMask(nn.Module):
+    """The attention mask of packed rows, passed to every block's attention core: from `position_ids`
+    (`document_mask`), or from `document_ids` ``[B, T]`` (each token's document, numbered over the row: attention
+    within equal ids, causal) when the caller gives them. A module of its own (no parameters) so that a parallelism
+    can replace it with its core: context parallelism (dptrain.parallel.context) swaps in one that gathers the
+    document ids of the whole row, which one rank's positions alone cannot tell."""
+
+    def forward(self, position_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        if document_ids is None:
+            return document_mask(position_ids)
+        T = document_ids.size(1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+        return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale, computed in float32."""
 
@@ -190,6 +205,7 @@ class LlamaLM(nn.Module):
         self.layers = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.doc_mask: nn.Module = DocumentMask()
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         # Non-persistent: derived from the config, so they stay out of checkpoints.
@@ -235,13 +251,16 @@ class LlamaLM(nn.Module):
             self._refresh_rope(device)
         return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
 
-    def logits(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None,
+               document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits ``[B, T, V]`` for token ids ``idx`` of shape ``[B, T]``.
 
         ``position_ids`` ``[B, T]`` (packed rows): each token's position in its document; a document starts
         where the position does not follow the one before (``0`` after a document's end), and attention
         stays inside each document (a block-diagonal causal mask), so every document of a packed row gets
-        the logits it would get alone.
+        the logits it would get alone. ``document_ids`` ``[B, T]`` (with ``position_ids``, which then only
+        rotate): each token's document, numbered over the whole row; attention stays within equal ids (context
+        parallelism passes them: a rank holds chunks of the row, see :class:`DocumentMask`).
 
         Under FSDP2 call ``register_fsdp_forward_method(model, "logits")`` first so the
         parameters get all-gathered (only ``__call__``/``forward`` trigger the hooks).
@@ -253,7 +272,7 @@ class LlamaLM(nn.Module):
         else:
             cos, sin = self._rope(self.cfg.max_seq_len, x.device)  # positions index the whole table (no host sync)
             cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)  # [B, 1, T, hd/2]
-            mask = document_mask(position_ids)
+            mask = self.doc_mask(position_ids, document_ids)
         for layer in self.layers:
             x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask=mask)
         return self.head(self.norm(x))
@@ -262,6 +281,7 @@ class LlamaLM(nn.Module):
         self, batch: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None, *,
         input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None, position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Cross-entropy loss of a batch: the mean over its valid targets, or, given
         ``num_items_in_batch`` (dptrain's token rule, Hugging Face's loss kwarg), their sum divided
@@ -272,7 +292,7 @@ class LlamaLM(nn.Module):
         mapping batch under the default loss, ``model(**batch)``). ``labels`` are aligned with the
         predictions: ``labels[:, t]`` is the target after ``input_ids[:, :t+1]``; ``-100`` is
         ignored (padding, prompts), so every label that is not ``-100`` is scored. ``position_ids`` (also a
-        mapping's key): packed rows, see :meth:`logits`.
+        mapping's key) and ``document_ids`` (likewise): packed rows, see :meth:`logits`.
         """
         if batch is None:
             if input_ids is None or labels is None:
@@ -281,11 +301,12 @@ class LlamaLM(nn.Module):
         elif isinstance(batch, Mapping):  # model(batch) with a mapping batch, as in one's own loop
             idx, targets = batch["input_ids"], batch["labels"]
             position_ids = batch.get("position_ids", position_ids)
+            document_ids = batch.get("document_ids", document_ids)
         elif isinstance(batch, Sequence):
             idx, targets = batch
         else:
             idx, targets = batch[:, :-1], batch[:, 1:]
-        logits = self.logits(idx, position_ids)
+        logits = self.logits(idx, position_ids, document_ids)
         # float32 CE even under bf16 autocast: log-softmax over the vocab is precision-sensitive.
         flat_logits, flat_targets = logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1)
         if num_items_in_batch is None:

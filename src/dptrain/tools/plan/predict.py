@@ -51,7 +51,8 @@ def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int, cpu: bool =
                   sequence_parallel=p.sequence_parallel, pp_stages_per_rank=p.pp_stages_per_rank,
                   overhead=0.0 if cpu else FRAMEWORK_OVERHEAD,
                   lora_rank=cfg.model.lora.rank if cfg.model.lora.enabled else 0,
-                  lora_targets=cfg.model.lora.target_modules, cp=dims.cp, loss_parallel=p.loss_parallel)
+                  lora_targets=cfg.model.lora.target_modules, cp=dims.cp, loss_parallel=p.loss_parallel,
+                  cp_mask=not cpu)  # the CPU runs cp attention blockwise, without a mask (parallel/cp_attention.py)
 
 
 def resolve_for_plan(cfg: Config, *, gpus: int, gpu_type: str) -> Resolved:

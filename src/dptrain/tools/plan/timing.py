@@ -255,7 +255,9 @@ def cp_exchange_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int,
     nbytes = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch * lay.seq * cfg.n_kv_heads * cfg.head_dim / lay.tp
     per_node = max(1, gpus // nodes)
     spans = lay.cp * lay.tp > per_node
-    link = comm if comm and spans else links(spec, nodes=nodes, interconnect=interconnect, spans_nodes=spans)
+    # a CPU has no table link: the measured one (as the data-parallel link)
+    link = comm if comm and (spans or spec.key == "cpu") else links(spec, nodes=nodes, interconnect=interconnect,
+                                                                      spans_nodes=spans)
     calls = 4 + (2 if lay.checkpointing in RECOMPUTING else 0)
     return accum * cfg.n_layers * calls * gather_time(nbytes, lay.cp, link)
 

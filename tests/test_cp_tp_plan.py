@@ -14,6 +14,7 @@ from dptrain.config.load import load_config
 from dptrain.models.llama import LlamaConfig
 from dptrain.tools.plan.llama import cp_block_extra, cp_outside_extra
 from dptrain.tools.plan.predict import predict
+from dptrain.tools.plan.timing import Link
 from support.mp import run_ranks
 
 MODEL = {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}
@@ -25,18 +26,21 @@ LLAMA_8B = ["model.kwargs.dim=4096", "model.kwargs.n_layers=32", "model.kwargs.n
 
 
 def _predict(items: list[str], *, seq: int, cp: int, tp: int, gpus: int | None = None, batch: int = 1,
-             context: int | None = None, micro: int = 1) -> Any:
+             context: int | None = None, micro: int = 1, cpu: bool = False) -> Any:
     gpus = gpus or cp * tp
     cfg = load_config(None, [*items, f"model.kwargs.max_seq_len={context or seq}", f"data.kwargs.seq_len={seq}",
                              f"parallel.cp={cp}", f"parallel.tp={tp}", f"train.micro_batch_size={micro}",
                              "train.grad_accum_steps=1", f"train.global_batch_size={batch}"])
+    if cpu:  # what the measurement runs: the CPU's blockwise cp attention, no mask (parallel/cp_attention.py)
+        return predict(cfg, gpus=gpus, nodes=1, gpu_type="cpu", interconnect="nvlink",
+                       comm=Link(bandwidth=1e9, alpha=1e-5), efficiency=0.5)
     return predict(cfg, gpus=gpus, nodes=1, gpu_type="H100", interconnect="nvlink", comm=None, efficiency=0.5)
 
 
-def _tiny(*, cp: int, tp: int, sp: bool = True) -> Any:
+def _tiny(*, cp: int, tp: int, sp: bool = True, cpu: bool = False) -> Any:
     items = [f"model.kwargs.{k}={v}" for k, v in MODEL.items()]
     return _predict([*items, "parallel.strategy=ddp", f"parallel.sequence_parallel={str(sp).lower()}"], seq=SEQ,
-                    cp=cp, tp=tp)
+                    cp=cp, tp=tp, cpu=cpu)
 
 
 def _measure(cp: int, tp: int, sp: bool) -> int:
@@ -82,9 +86,9 @@ def test_cp_x_tp_activation_memory_per_rank_within_15_percent_of_the_plan(cp, tp
     from support.cp_memory import on_ranks
 
     got = run_ranks(on_ranks, cp * tp, _measure, cp, tp, sp, timeout=80)
-    want = _tiny(cp=cp, tp=tp, sp=sp).memory["activations"]
-    assert len(set(got)) == 1, got  # equal chunks, equal head shares
-    assert got[0] == pytest.approx(want, rel=0.15), (got[0], want)
+    want = _tiny(cp=cp, tp=tp, sp=sp, cpu=True).memory["activations"]
+    # every rank (equal chunks, equal head shares: equal counts, but a buffer of a gloo thread is sometimes caught)
+    assert all(g == pytest.approx(want, rel=0.15) for g in got), (got, want)
 
 
 @pytest.mark.fast

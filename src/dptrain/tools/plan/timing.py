@@ -320,7 +320,9 @@ def step_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes:
                                 dp=grad_ranks, link=dp_link, compute_micro=compute / accum, accum=accum,
                                 overlap=overlap) if grad_ranks > 1 else (0.0, 0.0)
     act = (2 if lay.precision != "fp32" else 4) * lay.micro_batch * lay.seq // lay.cp * cfg.dim  # the cp rank's share
-    tp_link = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False) if lay.tp > 1 else dp_link
+    # a CPU has no table link: the measured one (as the data-parallel link)
+    tp_link = links(spec, nodes=1, interconnect="nvlink", spans_nodes=False) if lay.tp > 1 and spec.key != "cpu" \
+        else dp_link
     tp_comm = accum * 4 * cfg.n_layers / lay.pp * all_reduce_time(act, lay.tp, tp_link)
     offload = offload_time(replica, lay, spec, accum=accum)
     pp_comm = pipeline_p2p_time(cfg, lay, spec, gpus=gpus, nodes=nodes, interconnect=interconnect, accum=accum,

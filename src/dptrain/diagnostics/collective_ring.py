@@ -31,7 +31,7 @@ from dptrain.distributed.flight_recorder import recorder_size
 # (DDP reduces gradients inside backward). The innermost Python frame of such a rank is in one.
 WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/")
 _TORCH_DIR = os.path.dirname(torch.__file__).replace("\\", "/") + "/"
-_DPTRAIN_DIR = str(Path(__file__).resolve().parents[1]).replace("\\", "/") + "/"
+DPTRAIN_DIR = str(Path(__file__).resolve().parents[1]).replace("\\", "/") + "/"
 _C10D_FILE = "torch/distributed/distributed_c10d.py"
 
 
@@ -55,10 +55,11 @@ def read_calls(now_ns: int | None = None) -> list[Call]:
         return []
     entries = json.loads(dump(True, False)).get("entries", [])
     now = time.time_ns() if now_ns is None else now_ns
-    return [_call(e, now) for e in entries]
+    return [entry_call(e, now) for e in entries]
 
 
-def _call(e: dict[str, Any], now_ns: int) -> Call:
+def entry_call(e: dict[str, Any], now_ns: int) -> Call:
+    """One flight-recorder entry (its JSON or pickle dump form) as a `Call`; `now_ns`: for its age."""
     pg = e.get("process_group") or ["?", ""]
     age = max(0, now_ns - int(e.get("time_created_ns") or now_ns)) / 1e9
     return Call(pg=str(pg[0]), seq=int(e.get("collective_seq_id", 0)),
@@ -112,9 +113,9 @@ def call_site(frame: types.FrameType | None) -> tuple[str, str | None]:
     if not own:
         return "?", blocked
     site = _short(own[0])
-    if _path(own[0]).startswith(_DPTRAIN_DIR):
+    if _path(own[0]).startswith(DPTRAIN_DIR):
         # the user's code: not dptrain's, and not the interpreter's own (`<frozen runpy>` under `python -m`)
-        user = next((f for f in own if not _path(f).startswith(_DPTRAIN_DIR) and not _path(f).startswith("<")), None)
+        user = next((f for f in own if not _path(f).startswith(DPTRAIN_DIR) and not _path(f).startswith("<")), None)
         if user is not None:
             site += f", called from {os.path.basename(user.f_code.co_filename)}:{user.f_lineno}"
     return site, blocked

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from dptrain.config import DiagnosticsConfig
+from dptrain.diagnostics.collective_record import install_abort_record, record_failure
 from dptrain.diagnostics.watchdog import Watchdog, job_store
 from dptrain.launch.worker import exit_when_orphaned
 
@@ -63,6 +64,7 @@ def watch_collectives(*, poll_s: float = 0.5,
         while not dist.is_initialized():
             time.sleep(poll_s)
         if dist.get_world_size() > 1:
+            install_abort_record()  # a rank gloo aborts (data of another size arrived) says what it called
             Watchdog(timeout_s=math.inf, store=job_store(), rank=dist.get_rank(), world_size=dist.get_world_size(),
                      run_dir=None, desync_after_s=desync_after_s, yielding=True, on_death=quiet).start()
 
@@ -81,7 +83,12 @@ def main() -> None:
 
     def run() -> None:
         watch_collectives()
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except BaseException as e:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                record_failure(e)  # this rank's unfinished collectives, for the launcher's verdict
+            raise
 
     record(run, error_handler=ScriptErrorHandler(script))()
 

@@ -1,0 +1,151 @@
+"""A rank's unfinished collectives as it fails, left for the launcher: who called which collective, how, and where.
+
+gloo aborts a rank (SIGABRT from one of its transport threads: "Received data size doesn't match expected size")
+the moment that rank receives another rank's data of another size. So the same collective called with different
+shapes on two ranks ends the receiving rank at once, before any watchdog can compare the rings, and the other ranks
+fail with "Connection reset by peer" a few milliseconds later; torchrun then names the aborted rank, the victim.
+Here every rank leaves its side of the story in the launcher's exit-marks folder (distributed/exit_marks.py) as it
+fails, and the launcher compares them (launch/culprit.py `collective_mismatch`):
+
+- `record_failure(error)`: a collective raised in the training thread (called before anything is torn down, while
+  the run's SIGTERM handler still defers torchrun's stop);
+- `install_abort_record()`: a C-level SIGABRT handler (ctypes) that writes the record of a rank gloo aborts, then
+  hands the signal on to the handler it replaced (faulthandler's stack dump, which ends the process).
+
+Each writes `collective_rank_<RANK>.json`: the last collectives of this rank's flight-recorder ring (group, sequence
+number, op, shapes, dtypes, done or not) with the line that called each (torch records every entry's Python frames),
+and where the training thread was. Nothing is written outside a dptrain launcher or with the flight recorder off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dptrain.diagnostics.collective_ring import DPTRAIN_DIR, Call, call_site, entry_call, main_thread_frame
+from dptrain.diagnostics.loader_stacks import SKIPPED_DIRS
+from dptrain.distributed.flight_recorder import recorder_size
+from dptrain.distributed.exit_marks import EXIT_MARKS_ENV
+
+RECORD_PREFIX = "collective_rank_"
+"""`collective_rank_<RANK>.json` in the exit-marks folder (launch/culprit.py reads them)."""
+MAX_CALLS = 16
+ABORT_WRITE_LIMIT_S = 5
+"""A record the aborting process cannot write within this long does not keep it alive: SIGALRM ends it."""
+_SIG_DFL, _SIG_IGN = 0, 1
+_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
+_installed: dict[str, Any] = {}
+
+
+def failure_record(error: BaseException | None, *, why: str) -> dict[str, Any] | None:
+    """This rank's last collectives (done or not: the rank that sent the bigger buffer may have finished the
+    mismatched one and failed in the next), each with the line that called it, and where its training thread was
+    (from `error`'s traceback, else the main thread's stack); None with the flight recorder off or empty."""
+    calls = ring_with_sites()[-MAX_CALLS:]
+    if not calls:
+        return None
+    frame = _innermost(error) if error is not None else main_thread_frame()
+    site, blocked = call_site(frame)
+    text = " ".join(str(error).split())[:300] if error is not None else ""
+    return {"rank": int(os.environ.get("RANK", "0")), "pid": os.getpid(), "why": why, "error": text,
+            "site": site, "blocked_in": blocked, "calls": [[*c, line] for c, line in calls]}
+
+
+def ring_with_sites() -> list[tuple[Call, str]]:
+    """The flight recorder's ring, oldest first, each collective with the line that called it: torch records every
+    entry's Python frames (its pickle dump has them; the JSON dump that the desync watchdog reads does not)."""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None or recorder_size() == 0:
+        return []
+    entries = pickle.loads(dump(True, True, False)).get("entries", [])  # noqa: S301 - this process's own dump
+    now = time.time_ns()
+    return [(entry_call(e, now), frames_site(e.get("frames") or [])) for e in entries]
+
+
+def frames_site(frames: list[dict[str, Any]]) -> str:
+    """"losses.py:81 in collective_shape_differs" from a flight-recorder entry's frames (innermost first): the first
+    one outside torch and the standard library, with the user's line when that one is dptrain's own; "" if none."""
+    own = [f for f in frames if not str(f.get("filename", "")).replace("\\", "/").startswith(SKIPPED_DIRS)]
+    if not own:
+        return ""
+
+    def short(f: dict[str, Any]) -> str:
+        return f"{os.path.basename(str(f.get('filename')))}:{f.get('line')} in {f.get('name')}"
+
+    site = short(own[0])
+    if str(own[0].get("filename", "")).startswith(DPTRAIN_DIR):
+        user = next((f for f in own if not str(f.get("filename", "")).startswith((DPTRAIN_DIR, "<"))), None)
+        if user is not None:
+            site += f", called from {short(user)}"
+    return site
+
+
+def _innermost(error: BaseException) -> types.FrameType | None:
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame if tb is not None else None
+
+
+def write_record(record: dict[str, Any] | None) -> bool:
+    """Write `record` for the launcher; whether it was written (never raises)."""
+    folder = os.environ.get(EXIT_MARKS_ENV)
+    if not folder or record is None:
+        return False
+    path = Path(folder) / f"{RECORD_PREFIX}{record['rank']}.json"
+    try:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
+
+
+def record_failure(error: BaseException) -> bool:
+    """A collective (or anything) failed in the training thread: leave this rank's unfinished collectives."""
+    if not os.environ.get(EXIT_MARKS_ENV):
+        return False
+    try:
+        return write_record(failure_record(error, why="raised"))
+    except Exception:  # a courtesy to the launcher's verdict: the error itself goes on regardless
+        return False
+
+
+def install_abort_record() -> bool:
+    """Have a SIGABRT of this process (gloo aborting it) write its record first; whether it was installed (Linux,
+    under a dptrain launcher, once per process). The handler it replaces (faulthandler's, installed by torchelastic's
+    `record`) still runs after it."""
+    if _installed or not sys.platform.startswith("linux") or not os.environ.get(EXIT_MARKS_ENV):
+        return bool(_installed)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    handler = _HANDLER(_on_abort)
+    previous = libc.signal(signal.SIGABRT, ctypes.cast(handler, ctypes.c_void_p))
+    _installed.update(libc=libc, handler=handler, previous=previous or _SIG_DFL)
+    return True
+
+
+def _on_abort(signum: int) -> None:
+    """Runs in the aborting thread (ctypes takes the GIL: the training thread waits in a collective without it)."""
+    libc = _installed["libc"]
+    libc.alarm(ABORT_WRITE_LIMIT_S)
+    with contextlib.suppress(BaseException):
+        write_record(failure_record(None, why="aborted (SIGABRT)"))
+    libc.alarm(0)
+    # Hand the signal on: it is blocked while this handler runs, so raised now it reaches the handler this one
+    # replaced (faulthandler's: every thread's stack, then the default action) as soon as this one returns.
+    libc.signal(signum, _installed["previous"])
+    getattr(libc, "raise")(signum)

@@ -23,19 +23,14 @@ import contextlib
 import ctypes
 import json
 import os
-import pickle
 import signal
 import sys
-import time
 import types
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from dptrain.diagnostics.collective_ring import DPTRAIN_DIR, Call, call_site, entry_call, main_thread_frame
-from dptrain.diagnostics.loader_stacks import SKIPPED_DIRS
-from dptrain.distributed.flight_recorder import recorder_size
+from dptrain.diagnostics.collective_ring import call_site, main_thread_frame, read_calls
+from dptrain.diagnostics.watchdog import active_desync
 from dptrain.distributed.exit_marks import EXIT_MARKS_ENV
 
 RECORD_PREFIX = "collective_rank_"
@@ -43,6 +38,8 @@ RECORD_PREFIX = "collective_rank_"
 MAX_CALLS = 16
 ABORT_WRITE_LIMIT_S = 5
 """A record the aborting process cannot write within this long does not keep it alive: SIGALRM ends it."""
+PEERS_WAIT_S = 2.0
+"""How long an aborting rank waits for the others' rings (their watchdog threads answer every desync_after_s / 10)."""
 _SIG_DFL, _SIG_IGN = 0, 1
 _HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
 _installed: dict[str, Any] = {}
@@ -52,43 +49,25 @@ def failure_record(error: BaseException | None, *, why: str) -> dict[str, Any] |
     """This rank's last collectives (done or not: the rank that sent the bigger buffer may have finished the
     mismatched one and failed in the next), each with the line that called it, and where its training thread was
     (from `error`'s traceback, else the main thread's stack); None with the flight recorder off or empty."""
-    calls = ring_with_sites()[-MAX_CALLS:]
+    calls = read_calls(sites=True)[-MAX_CALLS:]
     if not calls:
         return None
     frame = _innermost(error) if error is not None else main_thread_frame()
     site, blocked = call_site(frame)
     text = " ".join(str(error).split())[:300] if error is not None else ""
     return {"rank": int(os.environ.get("RANK", "0")), "pid": os.getpid(), "why": why, "error": text,
-            "site": site, "blocked_in": blocked, "calls": [[*c, line] for c, line in calls]}
+            "site": site, "blocked_in": blocked, "calls": [list(c) for c in calls]}
 
 
-def ring_with_sites() -> list[tuple[Call, str]]:
-    """The flight recorder's ring, oldest first, each collective with the line that called it: torch records every
-    entry's Python frames (its pickle dump has them; the JSON dump that the desync watchdog reads does not)."""
-    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
-    if dump is None or recorder_size() == 0:
-        return []
-    entries = pickle.loads(dump(True, True, False)).get("entries", [])  # noqa: S301 - this process's own dump
-    now = time.time_ns()
-    return [(entry_call(e, now), frames_site(e.get("frames") or [])) for e in entries]
-
-
-def frames_site(frames: list[dict[str, Any]]) -> str:
-    """"losses.py:81 in collective_shape_differs" from a flight-recorder entry's frames (innermost first): the first
-    one outside torch and the standard library, with the user's line when that one is dptrain's own; "" if none."""
-    own = [f for f in frames if not str(f.get("filename", "")).replace("\\", "/").startswith(SKIPPED_DIRS)]
-    if not own:
-        return ""
-
-    def short(f: dict[str, Any]) -> str:
-        return f"{os.path.basename(str(f.get('filename')))}:{f.get('line')} in {f.get('name')}"
-
-    site = short(own[0])
-    if str(own[0].get("filename", "")).startswith(DPTRAIN_DIR):
-        user = next((f for f in own if not str(f.get("filename", "")).startswith((DPTRAIN_DIR, "<"))), None)
-        if user is not None:
-            site += f", called from {short(user)}"
-    return site
+def _peer_snapshots() -> dict[str, Any]:
+    """The other ranks' rings and positions, asked for through the store now (diagnostics/desync_watch.py): the ranks
+    still alive are blocked in, or just past, the collective this rank was aborted in, and torchrun may stop them
+    before they leave their own record once this process is gone. {} without a watchdog in this process."""
+    desync = active_desync()
+    if desync is None:
+        return {}
+    rank = int(os.environ.get("RANK", "0"))
+    return {str(r): snap for r, snap in desync.ask_all(timeout_s=PEERS_WAIT_S).items() if r != rank}
 
 
 def _innermost(error: BaseException) -> types.FrameType | None:
@@ -143,7 +122,10 @@ def _on_abort(signum: int) -> None:
     libc = _installed["libc"]
     libc.alarm(ABORT_WRITE_LIMIT_S)
     with contextlib.suppress(BaseException):
-        write_record(failure_record(None, why="aborted (SIGABRT)"))
+        record = failure_record(None, why="aborted (SIGABRT)")
+        if record is not None:
+            record["peers"] = _peer_snapshots()
+        write_record(record)
     libc.alarm(0)
     # Hand the signal on: it is blocked while this handler runs, so raised now it reaches the handler this one
     # replaced (faulthandler's: every thread's stack, then the default action) as soon as this one returns.

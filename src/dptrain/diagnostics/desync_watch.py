@@ -74,6 +74,18 @@ class DesyncWatch:
             found = found or self._check()
         return found
 
+    def ask_all(self, *, timeout_s: float) -> dict[int, dict[str, Any]]:
+        """Every rank's snapshot now, this one's included: for a rank about to die (gloo aborting it), which cannot
+        wait for its own thread's next tick. The others answer at their next tick; waits at most `timeout_s`."""
+        number = self.store.add(_REQUEST, 1)
+        self._publish(_RING, number)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            snaps = self._gather(_RING, number)
+            if len(snaps) >= self.world_size or time.monotonic() >= deadline:
+                return snaps
+            time.sleep(0.05)
+
     def _publish(self, prefix: str, number: int) -> None:
         snap = snapshot(rank=self.rank, heartbeat=self._heartbeat())
         self.store.set(f"{prefix}{self.rank}", json.dumps({**snap, "number": number}))

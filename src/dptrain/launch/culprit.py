@@ -62,7 +62,7 @@ def name_root_cause(error: Any, marks: dict[int, dict[str, Any]] | None = None, 
     """Make torchrun's ChildFailedError report (format_msg's 'Root Cause') name `root_cause` (or `cause`, a rank
     known otherwise, e.g. by `collective_mismatch`); returns it. `marks`: the workers' exit marks (read_exit_marks)."""
     victims = {rank for rank, mark in (marks or {}).items() if mark.get("reason") == PEER_LOST_MARK}
-    rank = cause if cause in error.failures else root_cause(error.failures, victims=victims)
+    rank = cause if cause is not None and cause in error.failures else root_cause(error.failures, victims=victims)
     error.get_first_failure = lambda: (rank, error.failures[rank])
     return rank, error.failures[rank]
 
@@ -109,25 +109,34 @@ def collective_mismatch(records: dict[int, dict[str, Any]]) -> Mismatch | None:
     from dptrain.diagnostics.desync import fingerprint
 
     at: dict[tuple[str, int], dict[int, Call]] = collections.defaultdict(dict)
-    sites: dict[tuple[int, str, int], str] = {}
-    for rank, rec in records.items():
-        for row in rec.get("calls") or []:
+    for rank, rows in _rings(records).items():
+        for row in rows:
             with contextlib.suppress(TypeError, ValueError):  # a record of another version
-                call = Call(*row[:8])
+                call = Call(*row)
                 if not call.p2p:
                     at[(call.pg, call.seq)][rank] = call
-                    sites[(rank, call.pg, call.seq)] = str(row[8]) if len(row) > 8 else ""
     for key, calls in sorted(at.items(), key=lambda kv: (kv[0][0] != "0", kv[0][1], kv[0][0])):
         sides: dict[tuple[Any, ...], list[int]] = collections.defaultdict(list)
         for rank, call in sorted(calls.items()):
             sides[fingerprint(call)].append(rank)
         if len(sides) > 1:
-            return _mismatch(key, calls, list(sides.values()), records, sites)
+            return _mismatch(key, calls, list(sides.values()), records)
     return None
 
 
+def _rings(records: dict[int, dict[str, Any]]) -> dict[int, list[list[Any]]]:
+    """Each rank's last collectives: from its own record, else from the snapshot a rank the backend aborted asked it
+    for just before it died (its "peers")."""
+    rings = {rank: list(rec.get("calls") or []) for rank, rec in records.items()}
+    for rec in records.values():
+        for rank, snap in (rec.get("peers") or {}).items():
+            with contextlib.suppress(ValueError):
+                rings.setdefault(int(rank), list(snap.get("ring") or []))
+    return rings
+
+
 def _mismatch(key: tuple[str, int], calls: dict[int, Any], sides: list[list[int]],
-              records: dict[int, dict[str, Any]], sites: dict[tuple[int, str, int], str]) -> Mismatch:
+              records: dict[int, dict[str, Any]]) -> Mismatch:
     from dptrain.diagnostics.desync import describe_call
 
     sizes = sorted((len(s) for s in sides), reverse=True)
@@ -136,17 +145,25 @@ def _mismatch(key: tuple[str, int], calls: dict[int, Any], sides: list[list[int]
 
     def side(ranks: list[int]) -> str:
         call = calls[ranks[0]]
-        site = sites.get((ranks[0], call.pg, call.seq))
-        where = f" at {site}" if site else ""
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        return f"{who} called {describe_call(call)}{where}"
+        where = f" at {call.site}" if call.site else ""
+        return f"{_ranks(ranks)} called {describe_call(call)}{where}"
 
     first, other = calls[odd[0]], calls[base[0]]
     what = ("op" if first.op != other.op else "shapes" if str(first.sizes) != str(other.sizes) else "dtypes")
     parts = [side(s) for s in sides if s is not base] + [side(base)]  # the odd ones first: the line's subject
-    aborted = sorted(r for r in calls if str(records[r].get("why", "")).startswith("aborted"))
-    victims = f"; rank(s) {', '.join(map(str, aborted))} were aborted by the backend on receiving the others' " \
-              "data (victims, not the cause)" if aborted and not set(aborted) & set(odd) else ""
-    line = (f"collective mismatch: {'; '.join(parts)}: the {what} differ between ranks at collective #{key[1]}"
+    aborted = [r for r in sorted(calls) if str(records.get(r, {}).get("why", "")).startswith("aborted")
+               and r not in odd]
+    victims = ""
+    if aborted:
+        who = ", ".join(map(str, aborted))
+        victims = (f"; rank{'s' if len(aborted) > 1 else ''} {who} only died of it (the backend aborts a rank that "
+                   f"receives data of another size): not the cause")
+    differs = "differs" if len(odd) == 1 else "differ"
+    line = (f"collective mismatch: {'; '.join(parts)}: {_ranks(odd)} {differs} in its {what} from "
+            f"{'the others' if sizes[0] > sizes[1] else _ranks(base)} at collective #{key[1]}"
             f"{'' if key[0] == '0' else ' of group ' + key[0]}{victims}")
     return Mismatch(odd, line)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -267,7 +267,8 @@ def _broadcast_shapes_differ(rank: int, out: Path, mark: Path) -> None:
             for step in range(1, 120):  # ends at the verdict (about 1 s after step 3); room for a loaded machine
                 if step == 3:
                     mark.write_text(str(time.time()))
-                    dist.broadcast(torch.zeros(3 if rank == 0 else 5), 0)  # gloo completes it: silent corruption
+                    # gloo completes it: silent corruption
+                    dist.broadcast(torch.zeros(3 if rank == 0 else 5), 0)  # broadcast-differs
                 x = torch.ones(2)
                 dist.all_reduce(x)
                 mon.step(step)
@@ -280,8 +281,9 @@ def _broadcast_shapes_differ(rank: int, out: Path, mark: Path) -> None:
 def test_the_check_mode_catches_a_broadcast_with_different_shapes_that_completed(tmp_path):
     report, summary, seconds = _job_ended_by_the_watchdog(
         _broadcast_shapes_differ, tmp_path, "broadcast with different shapes (check mode, every step)")
-    assert re.search(r"ranks disagree from collective #\d+: rank 0 called broadcast #\d+ \(\[3\] Float\); "
-                     r"rank 1 called broadcast #\d+ \(\[5\] Float\)", summary), report
+    at = rf"at {HERE}:{_line('broadcast-differs')} in body"  # each finished call's line, as the recorder kept it
+    assert re.search(rf"ranks disagree from collective #\d+: rank 0 called broadcast #\d+ \(\[3\] Float\) {at}; "
+                     rf"rank 1 called broadcast #\d+ \(\[5\] Float\) {at}", summary), report
     assert re.search(r"found by the collective check at step \d+ \(diagnostics.collective_check_every_steps\)", report)
     assert seconds < 30  # seconds, not hang_timeout_s (the figure is printed; the bound allows a loaded CI)
 

@@ -117,7 +117,8 @@ def _mismatch(snaps: dict[int, dict[str, Any]], calls: dict[int, list[Call]]) ->
     for r, c in sorted(at.items()):
         state = "called" if c.done else "is in"
         pending = _oldest_pending(calls[r])
-        where = f" at {describe_position(snaps[r])}" if pending is not None and pending[:2] == c[:2] else ""
+        where = (f" at {describe_position(snaps[r])}" if pending is not None and pending[:2] == c[:2]
+                 else f" at {c.site}" if c.site else "")  # a finished one: the line the flight recorder kept
         parts.append(f"rank {r} {state} {describe_call(c)}{where}")
     group = "" if key[0] == DEFAULT_GROUP else f" of group {key[0]}"
     summary = f"ranks disagree from collective #{key[1]}{group}: " + "; ".join(parts)

@@ -1,4 +1,4 @@
-"""The fault matrix: ten faults injected into real runs at default settings; was the culprit named, and how fast?
+"""The fault matrix: eleven faults injected into real runs at default settings; was the culprit named, and how fast?
 
 Each fault runs in a fresh `dptrain run` of the toy MLP recipe (a `train.loss` or `data.factory` from
 benchmarks/faults/ injects it), or in an own loop under `dptrain launch` (faults/own_loop.py: a rank-0-only
@@ -91,6 +91,9 @@ FAULTS = [
           ("train.loss=faults.losses:collective_shape_differs",),
           what=r"all_reduce[^\n]*(shape|size|\[6\]|\[4\])|(shape|size)[^\n]*all_reduce",
           where=r"collective_shape_differs|faults/losses\.py", desync=True, deadline_s=330, bounded_by=WATCHDOG),
+    Fault("p2p", "a send one pipeline stage skips (send/recv)", "run",
+          ("train.loss=faults.losses:pipeline_send_skipped",), what=r"\brecv\b|\bsend\b",
+          where=r"pipeline_send_skipped|faults/losses\.py", desync=True, deadline_s=330, bounded_by=WATCHDOG),
     Fault("skip", "a collective one rank skips (rank-0-only ckpt.save, own loop)", "launch",
           what=r"save|barrier", where=r"own_loop\.py", desync=True, culprit=0, deadline_s=330,
           bounded_by="Checkpointer's save_timeout_s (10 s default)"),

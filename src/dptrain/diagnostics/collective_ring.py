@@ -143,6 +143,34 @@ def call_site(frame: types.FrameType | None) -> tuple[str, str | None]:
     return site, blocked
 
 
+P2P_OPS = {"recv": "src", "send": "dst"}
+"""c10d's blocking point-to-point calls and the argument naming the peer (a global rank; `group_src`/`group_dst` a
+rank of `group`). gloo's send/recv are not in the flight recorder (torch 2.13), so a rank blocked in one is read from
+its stack: which call, which peer, what tensor."""
+
+
+def p2p_wait(frame: types.FrameType | None) -> dict[str, Any] | None:
+    """{"op": "recv", "peer": 0, "sizes": [[4]], "dtype": "Float"} when the stack waits in c10d's send or recv (the
+    outermost such frame), else None. The peer is a global rank when the call named one (`src`/`dst`), else the group
+    rank it named; None when it receives from any rank."""
+    found = None
+    while frame is not None:
+        if _path(frame).endswith(_C10D_FILE) and frame.f_code.co_name in P2P_OPS:
+            found = frame
+        frame = frame.f_back
+    if found is None:
+        return None
+    names = found.f_code.co_varnames[:found.f_code.co_argcount + found.f_code.co_kwonlyargcount]
+    args = {k: v for k, v in found.f_locals.items() if k in names}  # the arguments only: no other local is read
+    arg = P2P_OPS[found.f_code.co_name]
+    peer = args.get(arg) if args.get(arg) is not None else args.get(f"group_{arg}")
+    tensor = args.get("tensor")
+    sizes = [list(tensor.shape)] if isinstance(tensor, torch.Tensor) else []
+    dtype = str(tensor.dtype).removeprefix("torch.").capitalize() if isinstance(tensor, torch.Tensor) else ""
+    return {"op": found.f_code.co_name, "peer": int(peer) if isinstance(peer, int) else None, "sizes": sizes,
+            "dtype": dtype.replace("Float32", "Float")}
+
+
 def group_members() -> dict[str, list[int]]:
     """{process group name: its global ranks} of the groups this rank belongs to."""
     out: dict[str, list[int]] = {}
@@ -164,8 +192,8 @@ def snapshot(*, rank: int, heartbeat: dict[str, Any] | None = None) -> dict[str,
     beat = heartbeat or {}
     return {"rank": rank, "host": beat.get("host", ""), "pid": beat.get("pid", os.getpid()),
             "ring": [list(c) for c in read_calls(sites=True)], "recorder": recorder_size() > 0,
-            "groups": group_members(),
-            "where": where, "site": site, "blocked_in": blocked, "in_collective": in_collective,
+            "groups": group_members(), "where": where, "site": site, "blocked_in": blocked,
+            "in_collective": in_collective, "p2p": p2p_wait(frame),
             "step": beat.get("step"), "phase": beat.get("phase"), "label": beat.get("collective") or ""}
 
 

@@ -137,19 +137,27 @@ def _waits(snaps: dict[int, dict[str, Any]], calls: dict[int, list[Call]], wait_
         p = _oldest_pending(cs)
         if p is not None and p.age_s >= wait_s:
             waiting[r] = p
-    if not waiting:
+    if not waiting and not any(s.get("p2p") for s in snaps.values()):
         return None
     waits_for = {r: sorted(q for q in _members(snaps, calls, p.pg) if q != r and q in snaps
                            and last[q].get(p.pg, 0) < p.seq) for r, p in waiting.items()}
     stuck = {r for r in waiting if snaps[r].get("in_collective") and _idle_s(calls[r]) >= wait_s}
-    cycle = _find_cycle({r: [q for q in qs if q in stuck] for r, qs in waits_for.items() if r in stuck})
+    # a rank blocked in send/recv waits for its peer (not in the ring: gloo's point-to-point calls are not recorded)
+    p2p = {r: s["p2p"] for r, s in snaps.items() if s.get("p2p") and s.get("in_collective") and r not in waiting
+           and s["p2p"].get("peer") in snaps}
+    graph = {r: [q for q in qs if q in stuck or q in p2p] for r, qs in waits_for.items() if r in stuck}
+    graph.update({r: [w["peer"]] for r, w in p2p.items()})
+    cycle = _find_cycle(graph)
+    if cycle and not set(cycle) & stuck and min(_idle_s(calls[r]) for r in cycle) < wait_s:
+        cycle = []  # only send/recv, not yet waited wait_s: the snapshots, taken at different times, may be stale
     if cycle:
         parts = [f"rank {r} is in {describe_call(waiting[r])} at {describe_position(snaps[r])}, which rank(s) "
-                 f"{', '.join(map(str, waits_for[r]))} have not called" for r in cycle]
+                 f"{', '.join(map(str, waits_for[r]))} have not called" if r in waiting else _describe_p2p(r, snaps[r])
+                 for r in cycle]
         summary = "ranks wait in collectives the others have not called and cannot reach: " + "; ".join(parts)
-        first = waiting[cycle[0]]
-        return Desync("cycle", True, sorted(cycle), summary, _ring_lines(snaps, calls, (first.pg, first.seq)),
-                      (first.pg, first.seq))
+        first = waiting[next(r for r in cycle if r in waiting)] if set(cycle) & set(waiting) else None
+        key = (first.pg, first.seq) if first is not None else ("p2p", 0)
+        return Desync("cycle", True, sorted(cycle), summary, _ring_lines(snaps, calls, key), key)
     for r, p in sorted(waiting.items(), key=lambda kv: -kv[1].age_s):
         absent = [q for q in waits_for[r] if q not in stuck]
         if not absent:
@@ -162,6 +170,14 @@ def _waits(snaps: dict[int, dict[str, Any]], calls: dict[int, list[Call]], wait_
                    f"{who}")
         return Desync("absent", False, absent, summary, _ring_lines(snaps, calls, (p.pg, p.seq)), (p.pg, p.seq))
     return None
+
+
+def _describe_p2p(r: int, s: dict[str, Any]) -> str:
+    w = s["p2p"]
+    args = f" ({', '.join(str(x) for x in w.get('sizes') or [])} {w.get('dtype', '')})" if w.get("sizes") else ""
+    frm, verb = ("from", "sent") if w["op"] == "recv" else ("to", "received")
+    return (f"rank {r} is in {w['op']} {frm} rank {w['peer']}{args} at {describe_position(s)}, which rank "
+            f"{w['peer']} has not {verb} (point-to-point: not in the flight recorder, read from the stack)")
 
 
 def _find_cycle(graph: dict[int, list[int]]) -> list[int]:

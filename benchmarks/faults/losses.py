@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from faults.cgroup import confine
 from faults.inject import fault_step, is_culprit, mark, rank, stall_forever, training_step
 
 KILL_AFTER_S = 0.3
@@ -114,6 +115,18 @@ def nan_on_one_rank(model: nn.Module, batch) -> torch.Tensor:
         mark()
         return loss * float("nan")
     return loss
+
+
+def oom_killed(model: nn.Module, batch) -> torch.Tensor:
+    """At the fault step the culprit moves into a memory cgroup of its own, capped just above its size, and keeps
+    allocating until the kernel's OOM killer ends it with SIGKILL (faults/cgroup.py)."""
+    if training_step(model) == fault_step() and is_culprit():
+        confine(MEMORY_HEADROOM)
+        mark()
+        hoard = []
+        while True:
+            hoard.append(torch.ones(16 << 20))  # 64 MiB, touched
+    return model(batch)
 
 
 def exhaust_host_memory(model: nn.Module, batch) -> torch.Tensor:

@@ -19,6 +19,7 @@ and where the training thread was. Nothing is written outside a dptrain launcher
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import json
@@ -114,7 +115,15 @@ def install_abort_record() -> bool:
     handler = _HANDLER(_on_abort)
     previous = libc.signal(signal.SIGABRT, ctypes.cast(handler, ctypes.c_void_p))
     _installed.update(libc=libc, handler=handler, previous=previous or _SIG_DFL)
+    atexit.register(_uninstall)  # no Python from a signal handler once the interpreter is finalizing
     return True
+
+
+def _uninstall() -> None:
+    """Put the replaced handler back (at exit: a backend thread that aborts during the interpreter's teardown must not
+    call into it)."""
+    if _installed:
+        _installed["libc"].signal(signal.SIGABRT, _installed["previous"])
 
 
 def _on_abort(signum: int) -> None:

@@ -1,8 +1,11 @@
 """What one rank says about its collectives: the flight recorder's ring plus where its main thread is.
 
 The ring (distributed/flight_recorder.py) gives, per collective, the group, its sequence number, the op,
-the shapes and dtypes, and whether it finished. gloo records no Python line, so `snapshot` adds the
-main thread's position, read from its stack (`sys._current_frames`, no cost until asked): the innermost
+the shapes and dtypes, whether it finished, and the Python frames that issued it (torch records them for
+every entry; its pickle dump has them, its JSON dump does not): `read_calls(sites=True)` gives each call's
+line. gloo's send/recv are not recorded at all (torch 2.13), and a finished collective says nothing about
+where the rank is now, so `snapshot` adds the main thread's position, read from its stack
+(`sys._current_frames`, no cost until asked), and the send/recv it waits in (`p2p_wait`): the innermost
 line outside torch, and, when that line is dptrain's own, the user's line that called it
 ("checkpointer.py:279 in _all_here, called from train.py:40"); plus the c10d function it waits in
 (`barrier`, `monitored_barrier`, ...) or "backward" when it is inside autograd (DDP reduces gradients
@@ -19,12 +22,13 @@ import time
 import traceback
 import types
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dptrain.diagnostics.loader_stacks import SKIPPED_DIRS, waits_for_loader, worker_sites
+from dptrain.distributed.collective_calls import Call
 from dptrain.distributed.flight_recorder import recorder_size
 
 # Where a rank blocked in a collective waits: c10d calls, FSDP/DDP hooks, the autograd engine
@@ -33,20 +37,6 @@ WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/")
 _TORCH_DIR = os.path.dirname(torch.__file__).replace("\\", "/") + "/"
 DPTRAIN_DIR = str(Path(__file__).resolve().parents[1]).replace("\\", "/") + "/"
 _C10D_FILE = "torch/distributed/distributed_c10d.py"
-
-
-class Call(NamedTuple):
-    """One collective of the ring, JSON-able as a list (`Call(*row)` reads it back)."""
-
-    pg: str  # the process group's name: "0" is the default group; the same on every rank
-    seq: int  # its sequence number in that group (1, 2, ...): one collective has the same number on every rank
-    op: str  # "all_reduce", "barrier", "broadcast", ... (without the backend's "gloo:"/"nccl:")
-    sizes: list[list[int]]
-    dtypes: list[str]
-    done: bool  # finished (retired) on this rank
-    age_s: float  # seconds since this rank issued it
-    p2p: bool = False  # send/recv: no group sequence number to compare
-    site: str = ""  # the line that called it ("losses.py:81 in sync"), when read with `sites`
 
 
 def read_calls(now_ns: int | None = None, *, sites: bool = False) -> list[Call]:

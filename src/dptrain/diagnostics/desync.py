@@ -20,15 +20,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from dptrain.diagnostics.collective_ring import Call
-
-# Ops whose inputs have the same shapes and dtypes on every rank (gather/scatter/all_to_all and
-# list all_gather/reduce_scatter may differ legally; only their op is compared).
-SAME_INPUT_OPS = frozenset({
-    "all_reduce", "allreduce", "broadcast", "reduce", "barrier", "_allgather_base", "all_gather_into_tensor",
-    "_reduce_scatter_base", "reduce_scatter_tensor", "allreduce_coalesced", "all_reduce_coalesced",
-})
-DEFAULT_GROUP = "0"
+from dptrain.distributed.collective_calls import DEFAULT_GROUP, Call, describe_call, fingerprint
 
 
 @dataclass
@@ -47,19 +39,6 @@ class Desync:
 
 def _calls(snaps: dict[int, dict[str, Any]]) -> dict[int, list[Call]]:
     return {r: [Call(*c) for c in s.get("ring") or []] for r, s in snaps.items()}
-
-
-def fingerprint(c: Call) -> tuple[Any, ...]:
-    return (c.op, str(c.sizes), str(c.dtypes)) if c.op in SAME_INPUT_OPS else (c.op,)
-
-
-def describe_call(c: Call) -> str:
-    """"all_reduce #418 ([5] Float)", "barrier #418", with " on group 3" off the default group."""
-    shapes = ", ".join(str(s) for s in c.sizes)
-    types = "/".join(sorted(set(c.dtypes)))
-    args = f" ({shapes} {types})" if c.sizes else ""
-    group = "" if c.pg == DEFAULT_GROUP else f" on group {c.pg}"
-    return f"{c.op} #{c.seq}{group}{args}"
 
 
 def describe_position(s: dict[str, Any]) -> str:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dptrain.distributed.collective_calls import Call, describe_call, fingerprint
+
 PEER_LOST_MARK = "lost peer"
 """The exit mark's reason (distributed/exit_marks.py) of a dptrain worker that stopped because another rank died."""
 
@@ -104,10 +106,7 @@ class Mismatch:
 
 def collective_mismatch(records: dict[int, dict[str, Any]]) -> Mismatch | None:
     """The first collective (group, sequence number) that the records show called with another op, shape or dtype
-    on some rank, or None. Needs torch (the launcher has imported it by then)."""
-    from dptrain.diagnostics.collective_ring import Call
-    from dptrain.diagnostics.desync import fingerprint
-
+    on some rank, or None."""
     at: dict[tuple[str, int], dict[int, Call]] = collections.defaultdict(dict)
     for rank, rows in _rings(records).items():
         for row in rows:
@@ -135,10 +134,8 @@ def _rings(records: dict[int, dict[str, Any]]) -> dict[int, list[list[Any]]]:
     return rings
 
 
-def _mismatch(key: tuple[str, int], calls: dict[int, Any], sides: list[list[int]],
+def _mismatch(key: tuple[str, int], calls: dict[int, Call], sides: list[list[int]],
               records: dict[int, dict[str, Any]]) -> Mismatch:
-    from dptrain.diagnostics.desync import describe_call
-
     sizes = sorted((len(s) for s in sides), reverse=True)
     base = (max(sides, key=len) if sizes[0] > sizes[1] else next(s for s in sides if min(calls) in s))
     odd = sorted(r for r in calls if r not in base)

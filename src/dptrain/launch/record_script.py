@@ -13,7 +13,9 @@ timeout when its ranks call different collectives: a certain desync (another op,
 same collective; ranks blocked in collectives the others have not called) ends the job within seconds
 with the report on the console (exit 3); a rank merely outside the collective the others wait in gets
 a warning naming it and its line, and the job goes on. It steps aside while `dptrain.monitor` runs
-its own watchdog, which does the same and more.
+its own watchdog, which does the same and more. A rank that fails leaves its last collectives for the
+launcher (diagnostics/collective_record.py), so that a collective called with another shape, which gloo
+answers by aborting the receiving rank, is named with both sides rather than by the aborted rank.
 """
 
 from __future__ import annotations

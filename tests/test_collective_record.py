@@ -8,6 +8,7 @@ the same fault under `dptrain run` (tests/test_fault_matrix.py)."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -66,3 +67,20 @@ def test_a_collective_is_placed_at_the_first_frame_outside_torch_and_dptrains_ow
     assert frames_site(frames) == "collectives.py:41 in mean, called from train.py:30 in main"
     assert frames_site(frames[2:]) == "train.py:30 in main"
     assert frames_site(frames[:1]) == ""  # only torch's frames (DDP's reducer): no line
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(30)
+def test_a_restarted_rank_clears_its_earlier_attempts_record(tmp_path, monkeypatch):
+    """Under torchrun's restarts a rank's record from an earlier attempt (other sequence numbers) must not meet the
+    next attempt's records in the launcher's comparison."""
+    from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, clear_exit_mark
+    from dptrain.launch.culprit import read_collective_records
+
+    monkeypatch.setenv(EXIT_MARKS_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    for rank in (0, 1):
+        (tmp_path / f"collective_rank_{rank}.json").write_text(json.dumps({"rank": rank, "calls": []}))
+    assert sorted(read_collective_records(tmp_path)) == [0, 1]
+    clear_exit_mark()
+    assert sorted(read_collective_records(tmp_path)) == [0]  # only this rank's own

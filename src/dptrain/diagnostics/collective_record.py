@@ -32,10 +32,8 @@ from typing import Any
 
 from dptrain.diagnostics.collective_ring import call_site, main_thread_frame, read_calls
 from dptrain.diagnostics.watchdog import active_desync
-from dptrain.distributed.exit_marks import EXIT_MARKS_ENV
+from dptrain.distributed.exit_marks import COLLECTIVE_RECORD_PREFIX, EXIT_MARKS_ENV
 
-RECORD_PREFIX = "collective_rank_"
-"""`collective_rank_<RANK>.json` in the exit-marks folder (launch/culprit.py reads them)."""
 MAX_CALLS = 16
 ABORT_WRITE_LIMIT_S = 5
 """A record the aborting process cannot write within this long does not keep it alive: SIGALRM ends it."""
@@ -83,7 +81,7 @@ def write_record(record: dict[str, Any] | None) -> bool:
     folder = os.environ.get(EXIT_MARKS_ENV)
     if not folder or record is None:
         return False
-    path = Path(folder) / f"{RECORD_PREFIX}{record['rank']}.json"
+    path = Path(folder) / f"{COLLECTIVE_RECORD_PREFIX}{record['rank']}.json"
     try:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(record))

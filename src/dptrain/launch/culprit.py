@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.distributed.collective_calls import Call, describe_call, fingerprint
+from dptrain.distributed.exit_marks import COLLECTIVE_RECORD_PREFIX
 
 PEER_LOST_MARK = "lost peer"
 """The exit mark's reason (distributed/exit_marks.py) of a dptrain worker that stopped because another rank died."""
@@ -70,8 +71,6 @@ def name_root_cause(error: Any, marks: dict[int, dict[str, Any]] | None = None, 
 
 
 # ------------------------------------------------------------------------------------------ collective mismatch
-RECORD_PREFIX = "collective_rank_"
-"""= diagnostics.collective_record.RECORD_PREFIX (not imported: the launcher imports this module without torch)."""
 
 
 def read_collective_records(folder: str | Path | None) -> dict[int, dict[str, Any]]:
@@ -79,9 +78,9 @@ def read_collective_records(folder: str | Path | None) -> dict[int, dict[str, An
     out: dict[int, dict[str, Any]] = {}
     if folder is None or not Path(folder).is_dir():
         return out
-    for p in Path(folder).glob(f"{RECORD_PREFIX}*.json"):
+    for p in Path(folder).glob(f"{COLLECTIVE_RECORD_PREFIX}*.json"):
         try:
-            out[int(p.stem.removeprefix(RECORD_PREFIX))] = json.loads(p.read_text())
+            out[int(p.stem.removeprefix(COLLECTIVE_RECORD_PREFIX))] = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
     return out

@@ -33,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from dptrain.config import DiagnosticsConfig
 from dptrain.diagnostics.collective_record import install_abort_record, record_failure
 from dptrain.diagnostics.watchdog import Watchdog, job_store
+from dptrain.distributed.exit_marks import clear_exit_mark
 from dptrain.launch.worker import exit_when_orphaned
 
 
@@ -81,6 +82,7 @@ def main() -> None:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]  # the script sees exactly what `python SCRIPT ARGS` gives it
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    clear_exit_mark()  # an earlier attempt's mark and collective record, under torchrun's --max-restarts
     exit_when_orphaned()  # the script ends a few seconds after its launcher at most, even hung in a collective
 
     def run() -> None:

@@ -25,7 +25,7 @@ def test_an_oom_kill_counted_in_the_jobs_cgroups_names_the_rank_that_died_of_sig
     (job / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")  # cgroup v1
     (job / "rank1" / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 0\n")  # cgroup v2
     monkeypatch.setattr(oom, "_own_memory_cgroups", lambda: [job])
-    monkeypatch.setattr(oom, "_kernel_log_pids", set)  # dmesg unreadable, as in most containers
+    monkeypatch.setattr(oom, "_kernel_log_pids", lambda since_s: set())  # dmesg unreadable, as in most containers
     before = oom.oom_counts()
     assert before == {str(job): 2, str(job / "rank1"): 0}
     failures = _failures(r0=-signal.SIGTERM, r1=-signal.SIGKILL)
@@ -37,7 +37,7 @@ def test_an_oom_kill_counted_in_the_jobs_cgroups_names_the_rank_that_died_of_sig
     # two ranks SIGKILLed and only a counter to go by: which one is not known, nothing is claimed
     assert oom.oom_kill_line(_failures(r0=-signal.SIGKILL, r1=-signal.SIGKILL), before) is None
     # the kernel log names the pid: that rank, even among two
-    monkeypatch.setattr(oom, "_kernel_log_pids", lambda: {100})
+    monkeypatch.setattr(oom, "_kernel_log_pids", lambda since_s: {100})
     line = oom.oom_kill_line(_failures(r0=-signal.SIGKILL, r1=-signal.SIGKILL), before)
     assert line is not None and line.startswith("rank 0 (pid 100) was killed")
     assert "the kernel log says it killed pid 100" in line
@@ -53,3 +53,11 @@ def test_the_memory_cgroups_of_this_process_are_found_in_v1_and_v2_layouts(tmp_p
     proc = tmp_path / "cgroup"
     proc.write_text("4:memory:/a/b\n3:cpu:/x\n0::/c\n")
     assert oom._own_memory_cgroups(proc) == [tmp_path / "memory" / "a" / "b", tmp_path / "c"]
+
+
+def test_only_kernel_log_kills_since_the_launch_count(monkeypatch):
+    log = ("[  100.5] Memory cgroup out of memory: Killed process 7 (python) total-vm:1kB\n"
+           "[ 2000.25] Memory cgroup out of memory: Killed process 8 (python) total-vm:1kB\n[ 2001.0] other\n")
+    monkeypatch.setattr(oom.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=log))
+    assert oom._kernel_log_pids(0.0) == {7, 8}
+    assert oom._kernel_log_pids(1500.0) == {8}  # pid 7's kill came before this launch: a reused pid is no evidence

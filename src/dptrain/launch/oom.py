@@ -60,23 +60,34 @@ def oom_counts() -> dict[str, int]:
     return out
 
 
-def _kernel_log_pids() -> set[int]:
-    """The pids the kernel log says the OOM killer killed (empty when the log cannot be read)."""
+def uptime_s() -> float:
+    """Seconds since boot: the kernel log's clock."""
+    try:
+        return float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _kernel_log_pids(since_s: float = 0.0) -> set[int]:
+    """The pids the kernel log says the OOM killer killed since `since_s` (seconds since boot: an older kill of a pid
+    that was reused is no evidence); empty when the log cannot be read."""
     try:
         text = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=3).stdout
     except (OSError, subprocess.SubprocessError):
         return set()
-    return {int(m) for m in re.findall(r"Killed process (\d+)", text)}
+    return {int(pid) for t, pid in re.findall(r"^\[\s*([\d.]+)\][^\n]*Killed process (\d+)", text, re.M)
+            if float(t) >= since_s}
 
 
-def oom_kill_line(failures: dict[int, Any], before: dict[str, int]) -> str | None:
+def oom_kill_line(failures: dict[int, Any], before: dict[str, int], *, since_s: float = 0.0) -> str | None:
     """One line naming the rank the OOM killer ended, with the evidence, or None: no rank died of SIGKILL, or no OOM
-    kill was counted since `before` (oom_counts() at launch) and the kernel log names none of them."""
+    kill was counted since `before` (oom_counts() at launch) and the kernel log names none of them since `since_s`
+    (uptime_s() at launch)."""
     killed = {rank: f for rank, f in failures.items() if f.exitcode == -signal.SIGKILL}
     if not killed:
         return None
     grown = {path: n - before.get(path, 0) for path, n in oom_counts().items() if n > before.get(path, 0)}
-    logged = _kernel_log_pids()
+    logged = _kernel_log_pids(since_s)
     named = [r for r, f in killed.items() if f.pid in logged]
     if not named and not (grown and len(killed) == 1):
         return None

@@ -28,7 +28,7 @@ from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, final_status, read_ex
 from dptrain.distributed.flight_recorder import enable_by_default
 from dptrain.launch.culprit import Mismatch, mismatch_in, name_root_cause
 from dptrain.launch.interrupts import EARLY, CtrlC, last_saved, workers_start_with_sigint_blocked
-from dptrain.launch.oom import oom_counts, oom_kill_line
+from dptrain.launch.oom import oom_counts, oom_kill_line, uptime_s
 from dptrain.launch.rdzv_probe import SilentStoreWatch
 from dptrain.launch.warm import WarmServer, client_command
 
@@ -133,7 +133,7 @@ def run_torchrun(
         args.training_script, args.training_script_args = client_command(args.training_script,
                                                                           args.training_script_args)
     interrupts = CtrlC(ckpt_root)
-    oom_before = oom_counts()  # the kernel's OOM kills so far, to tell a rank it killed from a `kill -9`
+    oom_before, started_s = oom_counts(), uptime_s()  # the kernel's OOM kills so far: its kill, or a `kill -9`?
     waiting = (NodeWait(launch_cfg, abandon=abandon, ignore={server.pid} if server else set())
                if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None)
     probe = (SilentStoreWatch(args.rdzv_endpoint, conf=args.rdzv_conf, abandon=abandon,
@@ -161,7 +161,7 @@ def run_torchrun(
         codes = {f.exitcode for f in e.failures.values()}
         marks = read_exit_marks(marks_dir)  # which ranks' statuses dptrain chose (distributed/exit_marks.py)
         mismatch = mismatch_in(marks_dir)  # a collective called differently: the odd rank is the cause
-        oom = oom_kill_line(e.failures, oom_before)
+        oom = oom_kill_line(e.failures, oom_before, since_s=started_s)
         if not own_workers:
             code = _script_failed(e, args, marks, mismatch)
             if oom is not None:

@@ -25,7 +25,7 @@ estimate per-collective cost (`--micro`, measured in the same run) x collectives
 numbers) / the off job's step time.
 
 Each job runs `dptrain run`'s whole step (`run_step`, as benchmarks/diagnostics_overhead.py) with the hang
-watchdog on (300 s) in every variant; rank 0 also times one ring read (JSON dump) and one snapshot.
+watchdog on (300 s) in every variant; rank 0 also times one ring read (torch's pickle dump) and one snapshot.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fault matrix: ten faults injected into real runs at default settings; was the culprit named, and how fast?
+"""The fault matrix: twelve faults injected into real runs at default settings; was the culprit named, and how fast?
 
 Each fault runs in a fresh `dptrain run` of the toy MLP recipe (a `train.loss` or `data.factory` from
 benchmarks/faults/ injects it), or in an own loop under `dptrain launch` (faults/own_loop.py: a rank-0-only
@@ -44,6 +44,8 @@ for _p in (ROOT / "src", HERE):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from faults.cgroup import remove_leftovers  # noqa: E402
+from faults.cgroup import unavailable as cgroup_unavailable  # noqa: E402
 from faults.report import messages, table  # noqa: E402
 from faults.verdict import Event, Expect, judge  # noqa: E402
 
@@ -91,6 +93,9 @@ FAULTS = [
           ("train.loss=faults.losses:collective_shape_differs",),
           what=r"all_reduce[^\n]*(shape|size|\[6\]|\[4\])|(shape|size)[^\n]*all_reduce",
           where=r"collective_shape_differs|faults/losses\.py", desync=True, deadline_s=330, bounded_by=WATCHDOG),
+    Fault("p2p", "a send one pipeline stage skips (send/recv)", "run",
+          ("train.loss=faults.losses:pipeline_send_skipped",), what=r"\brecv\b|\bsend\b",
+          where=r"pipeline_send_skipped|faults/losses\.py", desync=True, deadline_s=330, bounded_by=WATCHDOG),
     Fault("skip", "a collective one rank skips (rank-0-only ckpt.save, own loop)", "launch",
           what=r"save|barrier", where=r"own_loop\.py", desync=True, culprit=0, deadline_s=330,
           bounded_by="Checkpointer's save_timeout_s (10 s default)"),
@@ -109,6 +114,8 @@ FAULTS = [
     Fault("memory", "host memory exhausted on one rank (RLIMIT_AS)", "run",
           ("train.loss=faults.losses:exhaust_host_memory",), what=r"memory|MemoryError|can't allocate|OOM",
           where=r"exhaust_host_memory|faults/losses\.py"),
+    Fault("oom", "a rank the kernel's OOM killer ends (memory cgroup limit)", "run",
+          ("train.loss=faults.losses:oom_killed",), what=r"OOM killer"),
 ]
 BY_NAME = {f.name: f for f in FAULTS}
 
@@ -213,6 +220,7 @@ def end_all(watch: Watch, procs: list[subprocess.Popen], cluster: Cluster | None
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
+    remove_leftovers()  # the OOM fault's memory cgroups (empty once their process is gone)
 
 
 def environment(d: Draw, mark: Path) -> dict[str, str]:
@@ -351,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeat):
             for name in names:
                 fault = BY_NAME[name]
-                if fault.kind == "nodes" and (why := unavailable_reason()) is not None:
+                why = (unavailable_reason() if fault.kind == "nodes"
+                       else cgroup_unavailable() if fault.name == "oom" else None)
+                if why is not None:
                     print(f"{name}: skipped ({why})", file=sys.stderr)
                     continue
                 row = run_fault(fault, nproc=args.nproc, seed=args.seed, repeat=repeat, deadline_s=args.deadline,

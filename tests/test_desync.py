@@ -140,19 +140,26 @@ def _verdict_seconds(out: Path, mark: Path) -> float:
     return (out / "hang_report.txt").stat().st_mtime - float(mark.read_text())
 
 
-@pytest.mark.timeout(60)
-def test_rank0_only_save_barrier_against_the_ddp_backward_is_named_within_seconds(tmp_path):
+def _job_ended_by_the_watchdog(fn, tmp_path: Path, what: str) -> tuple[str, str, float]:
+    """Run `fn` on 2 ranks (it writes the fault's mark); the job must end with the hang watchdog's exit. Returns the
+    hang report, its summary line, and the seconds from the fault to the report (printed: `pytest -s`)."""
     mark = tmp_path / "fault"
-    t0 = time.monotonic()
     with pytest.raises(RankError) as e:
-        run_ranks(_rank0_saves_alone, 2, tmp_path, mark, timeout=45)
+        run_ranks(fn, 2, tmp_path, mark, timeout=45)
     assert f"exited with code {EXIT_HANG}" in str(e.value), str(e.value)[-3000:]
     report = (tmp_path / "hang_report.txt").read_text()
     seconds = _verdict_seconds(tmp_path, mark)
-    print(f"\nrank-0-only save barrier vs DDP backward: verdict {seconds:.1f}s after the fault")
+    print(f"\n{what}: verdict {seconds:.1f}s after the fault")
+    return report, report.splitlines()[2], seconds
+
+
+@pytest.mark.timeout(60)
+def test_rank0_only_save_barrier_against_the_ddp_backward_is_named_within_seconds(tmp_path):
+    t0 = time.monotonic()
+    report, summary, seconds = _job_ended_by_the_watchdog(_rank0_saves_alone, tmp_path,
+                                                          "rank-0-only save barrier vs DDP backward")
     assert "collective desync (mismatch)" in report and "desync_after_s=5" in report, report
-    assert "suspect rank(s): rank 0 (" in report and "rank 1 (" in report.splitlines()[2], report
-    summary = report.splitlines()[2]
+    assert "suspect rank(s): rank 0 (" in report and "rank 1 (" in summary, report
     assert re.search(r"rank 0 is in barrier #(\d+) at collectives\.py:\d+ in barrier, called from "
                      rf"{HERE}:{_line('rank-0-barrier')}", summary), summary
     assert re.search(rf"rank 1 is in all_reduce #\d+ \(\[\d+\] Float\) at {HERE}:{_line('rank-1-backward')} .*"
@@ -244,14 +251,8 @@ def _two_groups_swapped(rank: int, out: Path, mark: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_two_groups_called_in_a_different_order_end_the_job_within_seconds(tmp_path):
-    mark = tmp_path / "fault"
-    with pytest.raises(RankError) as e:
-        run_ranks(_two_groups_swapped, 2, tmp_path, mark, timeout=45)
-    assert f"exited with code {EXIT_HANG}" in str(e.value)
-    report = (tmp_path / "hang_report.txt").read_text()
-    seconds = _verdict_seconds(tmp_path, mark)
-    print(f"\ntwo groups in a different order: verdict {seconds:.1f}s after the fault")
-    summary = report.splitlines()[2]
+    report, summary, seconds = _job_ended_by_the_watchdog(_two_groups_swapped, tmp_path,
+                                                          "two groups in a different order")
     assert "collective desync: ranks wait in collectives the others have not called" in summary, report
     assert re.search(rf"rank 0 is in all_reduce #1 on group \d+ \(\[3\] Float\) at {HERE}:"
                      rf"{_line('rank-0-other-group')}", summary), summary
@@ -266,7 +267,8 @@ def _broadcast_shapes_differ(rank: int, out: Path, mark: Path) -> None:
             for step in range(1, 120):  # ends at the verdict (about 1 s after step 3); room for a loaded machine
                 if step == 3:
                     mark.write_text(str(time.time()))
-                    dist.broadcast(torch.zeros(3 if rank == 0 else 5), 0)  # gloo completes it: silent corruption
+                    # gloo completes it: silent corruption
+                    dist.broadcast(torch.zeros(3 if rank == 0 else 5), 0)  # broadcast-differs
                 x = torch.ones(2)
                 dist.all_reduce(x)
                 mon.step(step)
@@ -277,22 +279,18 @@ def _broadcast_shapes_differ(rank: int, out: Path, mark: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_the_check_mode_catches_a_broadcast_with_different_shapes_that_completed(tmp_path):
-    mark = tmp_path / "fault"
-    with pytest.raises(RankError) as e:
-        run_ranks(_broadcast_shapes_differ, 2, tmp_path, mark, timeout=45)
-    assert f"exited with code {EXIT_HANG}" in str(e.value)
-    report = (tmp_path / "hang_report.txt").read_text()
-    seconds = _verdict_seconds(tmp_path, mark)
-    print(f"\nbroadcast with different shapes (check mode, every step): verdict {seconds:.1f}s after the fault")
-    summary = report.splitlines()[2]
-    assert re.search(r"ranks disagree from collective #\d+: rank 0 called broadcast #\d+ \(\[3\] Float\); "
-                     r"rank 1 called broadcast #\d+ \(\[5\] Float\)", summary), report
+    report, summary, seconds = _job_ended_by_the_watchdog(
+        _broadcast_shapes_differ, tmp_path, "broadcast with different shapes (check mode, every step)")
+    at = rf"at {HERE}:{_line('broadcast-differs')} in body"  # each finished call's line, as the recorder kept it
+    assert re.search(rf"ranks disagree from collective #\d+: rank 0 called broadcast #\d+ \(\[3\] Float\) {at}; "
+                     rf"rank 1 called broadcast #\d+ \(\[5\] Float\) {at}", summary), report
     assert re.search(r"found by the collective check at step \d+ \(diagnostics.collective_check_every_steps\)", report)
     assert seconds < 30  # seconds, not hang_timeout_s (the figure is printed; the bound allows a loaded CI)
 
 
 def _agreed_but_slow(rank: int, out: Path, mark: Path) -> None:
-    def slow_ring(now_ns: int | None = None) -> list[Call]:  # every rank in the same all_reduce, for ever longer
+    # every rank in the same all_reduce, for ever longer
+    def slow_ring(now_ns: int | None = None, *, sites: bool = False) -> list[Call]:
         if not mark.exists():
             return []
         return [Call("0", 1, "all_reduce", [[5]], ["Float"], False, time.time() - float(mark.read_text()) + 6)]

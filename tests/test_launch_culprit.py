@@ -90,3 +90,61 @@ def test_a_node_whose_rendezvous_endpoint_refuses_connections_says_so_and_names_
     assert "node_rank(s)" not in line
     line = waiting_line(LaunchConfig(nnodes=2, node_rank=0, rdzv_endpoint=endpoint), 10)
     assert "this is node_rank 0; node_rank(s) 1 have not all joined" in line, line
+
+
+def _record(rank: int, why: str, *calls: tuple) -> dict:
+    """A failing rank's record (diagnostics/collective_record.py): rows of Call fields plus the calling line."""
+    return {"rank": rank, "why": why, "calls": [[pg, seq, op, sizes, ["Float"], done, 0.1, False, site]
+                                               for pg, seq, op, sizes, done, site in calls]}
+
+
+def _snapshot(*calls: tuple) -> dict:
+    """What a rank's watchdog publishes when asked (diagnostics/collective_ring.py `snapshot`): its ring."""
+    return {"ring": _record(0, "", *calls)["calls"], "site": "x.py:1 in f"}
+
+
+AGREED = ("0", 13, "all_reduce", [[1732]], True, "comm.py:148 in metered")
+
+
+def test_a_collective_mismatch_names_the_rank_that_differs_not_the_one_the_backend_aborted():
+    from dptrain.launch.culprit import collective_mismatch
+
+    two = {0: _record(0, "aborted (SIGABRT)", AGREED, ("0", 14, "all_reduce", [[4]], False, "loss.py:81 in sync")),
+           1: _record(1, "raised", AGREED, ("0", 14, "all_reduce", [[6]], True, "loss.py:81 in sync"))}
+    found = collective_mismatch(two)
+    assert found is not None and found.odd == [1]  # two sides, no majority: the side that is not rank 0's
+    assert found.line.startswith(
+        "collective mismatch: rank 1 called all_reduce #14 ([6] Float) at loss.py:81 in sync; rank 0 called "
+        "all_reduce #14 ([4] Float) at loss.py:81 in sync: rank 1 differs in its shapes from rank 0 at collective #14; "
+        "rank 0 only died of it"), found.line
+    # four ranks: the majority's shape is the norm, whichever rank the backend aborted
+    four = {r: _record(r, "aborted (SIGABRT)" if r == 0 else "raised",
+                       ("0", 14, "all_reduce", [[6 if r == 2 else 4]], r != 0, f"loss.py:{80 + r} in sync"))
+            for r in range(4)}
+    found = collective_mismatch(four)
+    assert found is not None and found.odd == [2]
+    assert "rank 2 called all_reduce #14 ([6] Float) at loss.py:82 in sync; ranks 0, 1, 3 called" in found.line
+    assert "from the others" in found.line
+    # another op at the same sequence number; groups other than the default one are compared too
+    ops = {0: _record(0, "raised", ("5", 2, "barrier", [[1]], False, "a.py:1 in f")),
+           1: _record(1, "raised", ("5", 2, "broadcast", [[3]], False, "b.py:2 in g"))}
+    found = collective_mismatch(ops)
+    assert found is not None and "differs in its op" in found.line and "of group 5" in found.line
+    # the other side from the snapshot the aborted rank asked for (torchrun stopped rank 1 before its own record)
+    peer = _snapshot(AGREED, ("0", 14, "all_reduce", [[6]], False, "loss.py:81 in sync"))
+    found = collective_mismatch({0: {**two[0], "peers": {"1": peer}}})
+    assert found is not None and found.odd == [1]
+    assert "rank 1 called all_reduce #14 ([6] Float) at loss.py:81" in found.line
+    # agreement, one record alone, or records of ranks that never met at one collective: nothing to name
+    assert collective_mismatch({0: two[0], 1: _record(1, "raised", AGREED)}) is None
+    assert collective_mismatch({0: two[0]}) is None
+    assert collective_mismatch({}) is None
+
+
+def test_a_mismatch_repoints_torchruns_root_cause(tmp_path, monkeypatch):
+    failures = {0: _failure(tmp_path, 0, -signal.SIGABRT, None, monkeypatch),
+                1: _failure(tmp_path, 1, -signal.SIGTERM, None, monkeypatch)}
+    error = ChildFailedError("dptrain.launch.worker", failures)
+    assert name_root_cause(error)[0] == 0  # the aborted rank: torchrun's pick, and the victim rule's
+    assert name_root_cause(error, cause=1)[0] == 1
+    assert error.get_first_failure()[0] == 1

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from faults.inject import fault_step, is_culprit, mark, stall_forever, training_step
+from faults.cgroup import confine
+from faults.inject import fault_step, is_culprit, mark, rank, stall_forever, training_step
 
 KILL_AFTER_S = 0.3
 """The culprit is killed this long after entering the step, while it waits in the gradient all-reduce for the
@@ -82,6 +83,22 @@ def collective_shape_differs(model: nn.Module, batch) -> torch.Tensor:
     return model(batch)
 
 
+def pipeline_send_skipped(model: nn.Module, batch) -> torch.Tensor:
+    """At the fault step every rank passes 4 floats to the next rank and receives the previous one's (a pipeline's
+    activations, in a ring); the culprit never sends its own (a stage that took another branch), so the next rank waits
+    in `recv` for ever while the culprit goes on to the gradient all-reduce. gloo's send/recv are not in the flight
+    recorder: the desync watchdog reads them from the stacks."""
+    if training_step(model) == fault_step():
+        if is_culprit():
+            mark()
+        n, r = dist.get_world_size(), rank()
+        sent = None if is_culprit() else dist.isend(torch.ones(4), (r + 1) % n)
+        dist.recv(torch.zeros(4), (r - 1) % n)
+        if sent is not None:
+            sent.wait()
+    return model(batch)
+
+
 def straggler(model: nn.Module, batch) -> torch.Tensor:
     """Every rank's loss takes STRAGGLER_BASE_S; from the fault step on, the culprit's takes 3x as long."""
     slow = training_step(model) >= fault_step() and is_culprit()
@@ -98,6 +115,18 @@ def nan_on_one_rank(model: nn.Module, batch) -> torch.Tensor:
         mark()
         return loss * float("nan")
     return loss
+
+
+def oom_killed(model: nn.Module, batch) -> torch.Tensor:
+    """At the fault step the culprit moves into a memory cgroup of its own, capped just above its size, and keeps
+    allocating until the kernel's OOM killer ends it with SIGKILL (faults/cgroup.py)."""
+    if training_step(model) == fault_step() and is_culprit():
+        confine(MEMORY_HEADROOM)
+        mark()
+        hoard = []
+        while True:
+            hoard.append(torch.ones(16 << 20))  # 64 MiB, touched
+    return model(batch)
 
 
 def exhaust_host_memory(model: nn.Module, batch) -> torch.Tensor:

@@ -20,15 +20,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from dptrain.diagnostics.collective_ring import Call
-
-# Ops whose inputs have the same shapes and dtypes on every rank (gather/scatter/all_to_all and
-# list all_gather/reduce_scatter may differ legally; only their op is compared).
-SAME_INPUT_OPS = frozenset({
-    "all_reduce", "allreduce", "broadcast", "reduce", "barrier", "_allgather_base", "all_gather_into_tensor",
-    "_reduce_scatter_base", "reduce_scatter_tensor", "allreduce_coalesced", "all_reduce_coalesced",
-})
-DEFAULT_GROUP = "0"
+from dptrain.distributed.collective_calls import DEFAULT_GROUP, Call, describe_call, fingerprint
 
 
 @dataclass
@@ -47,19 +39,6 @@ class Desync:
 
 def _calls(snaps: dict[int, dict[str, Any]]) -> dict[int, list[Call]]:
     return {r: [Call(*c) for c in s.get("ring") or []] for r, s in snaps.items()}
-
-
-def fingerprint(c: Call) -> tuple[Any, ...]:
-    return (c.op, str(c.sizes), str(c.dtypes)) if c.op in SAME_INPUT_OPS else (c.op,)
-
-
-def describe_call(c: Call) -> str:
-    """"all_reduce #418 ([5] Float)", "barrier #418", with " on group 3" off the default group."""
-    shapes = ", ".join(str(s) for s in c.sizes)
-    types = "/".join(sorted(set(c.dtypes)))
-    args = f" ({shapes} {types})" if c.sizes else ""
-    group = "" if c.pg == DEFAULT_GROUP else f" on group {c.pg}"
-    return f"{c.op} #{c.seq}{group}{args}"
 
 
 def describe_position(s: dict[str, Any]) -> str:
@@ -117,7 +96,8 @@ def _mismatch(snaps: dict[int, dict[str, Any]], calls: dict[int, list[Call]]) ->
     for r, c in sorted(at.items()):
         state = "called" if c.done else "is in"
         pending = _oldest_pending(calls[r])
-        where = f" at {describe_position(snaps[r])}" if pending is not None and pending[:2] == c[:2] else ""
+        where = (f" at {describe_position(snaps[r])}" if pending is not None and pending[:2] == c[:2]
+                 else f" at {c.site}" if c.site else "")  # a finished one: the line the flight recorder kept
         parts.append(f"rank {r} {state} {describe_call(c)}{where}")
     group = "" if key[0] == DEFAULT_GROUP else f" of group {key[0]}"
     summary = f"ranks disagree from collective #{key[1]}{group}: " + "; ".join(parts)
@@ -136,19 +116,27 @@ def _waits(snaps: dict[int, dict[str, Any]], calls: dict[int, list[Call]], wait_
         p = _oldest_pending(cs)
         if p is not None and p.age_s >= wait_s:
             waiting[r] = p
-    if not waiting:
+    if not waiting and not any(s.get("p2p") for s in snaps.values()):
         return None
     waits_for = {r: sorted(q for q in _members(snaps, calls, p.pg) if q != r and q in snaps
                            and last[q].get(p.pg, 0) < p.seq) for r, p in waiting.items()}
     stuck = {r for r in waiting if snaps[r].get("in_collective") and _idle_s(calls[r]) >= wait_s}
-    cycle = _find_cycle({r: [q for q in qs if q in stuck] for r, qs in waits_for.items() if r in stuck})
+    # a rank blocked in send/recv waits for its peer (not in the ring: gloo's point-to-point calls are not recorded)
+    p2p = {r: s["p2p"] for r, s in snaps.items() if s.get("p2p") and s.get("in_collective") and r not in waiting
+           and s["p2p"].get("peer") in snaps}
+    graph = {r: [q for q in qs if q in stuck or q in p2p] for r, qs in waits_for.items() if r in stuck}
+    graph.update({r: [w["peer"]] for r, w in p2p.items()})
+    cycle = _find_cycle(graph)
+    if cycle and not set(cycle) & stuck and min(_idle_s(calls[r]) for r in cycle) < wait_s:
+        cycle = []  # only send/recv, not yet waited wait_s: the snapshots, taken at different times, may be stale
     if cycle:
         parts = [f"rank {r} is in {describe_call(waiting[r])} at {describe_position(snaps[r])}, which rank(s) "
-                 f"{', '.join(map(str, waits_for[r]))} have not called" for r in cycle]
+                 f"{', '.join(map(str, waits_for[r]))} have not called" if r in waiting else _describe_p2p(r, snaps[r])
+                 for r in cycle]
         summary = "ranks wait in collectives the others have not called and cannot reach: " + "; ".join(parts)
-        first = waiting[cycle[0]]
-        return Desync("cycle", True, sorted(cycle), summary, _ring_lines(snaps, calls, (first.pg, first.seq)),
-                      (first.pg, first.seq))
+        first = waiting[next(r for r in cycle if r in waiting)] if set(cycle) & set(waiting) else None
+        key = (first.pg, first.seq) if first is not None else ("p2p", 0)
+        return Desync("cycle", True, sorted(cycle), summary, _ring_lines(snaps, calls, key), key)
     for r, p in sorted(waiting.items(), key=lambda kv: -kv[1].age_s):
         absent = [q for q in waits_for[r] if q not in stuck]
         if not absent:
@@ -161,6 +149,14 @@ def _waits(snaps: dict[int, dict[str, Any]], calls: dict[int, list[Call]], wait_
                    f"{who}")
         return Desync("absent", False, absent, summary, _ring_lines(snaps, calls, (p.pg, p.seq)), (p.pg, p.seq))
     return None
+
+
+def _describe_p2p(r: int, s: dict[str, Any]) -> str:
+    w = s["p2p"]
+    args = f" ({', '.join(str(x) for x in w.get('sizes') or [])} {w.get('dtype', '')})" if w.get("sizes") else ""
+    frm, verb = ("from", "sent") if w["op"] == "recv" else ("to", "received")
+    return (f"rank {r} is in {w['op']} {frm} rank {w['peer']}{args} at {describe_position(s)}, which rank "
+            f"{w['peer']} has not {verb} (point-to-point: not in the flight recorder, read from the stack)")
 
 
 def _find_cycle(graph: dict[int, list[int]]) -> list[int]:

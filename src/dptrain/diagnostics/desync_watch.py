@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dptrain.diagnostics.collective_ring import main_thread_position, read_calls, snapshot
+from dptrain.diagnostics.collective_ring import main_thread_frame, main_thread_position, p2p_wait, read_calls, snapshot
 from dptrain.diagnostics.desync import Desync, describe_call, find_desync
 
 _REQUEST, _RING, _CHECK = "ring_req", "ring/", "ring_check/"
@@ -44,6 +44,8 @@ class DesyncWatch:
         self._next_ask = 0.0
         self._warned: set[str] = set()
         self._check_step, self._checked_step, self._check_published = 0, 0, 0
+        self._p2p_key: str | None = None  # the send/recv the main thread waits in, and since when
+        self._p2p_since = 0.0
         self.last: Desync | None = None  # the last finding, certain or not
         self.waited = ""  # what this rank waited in when it last compared ("barrier #9, waiting 5.2s")
 
@@ -64,15 +66,45 @@ class DesyncWatch:
             self._next_ask = now + self.wait_s / 5
             pending = [c for c in read_calls() if not c.done and not c.p2p]
             oldest = max(pending, key=lambda c: c.age_s, default=None)
+            p2p = self._p2p_waited(now)
             if oldest is not None and oldest.age_s >= self.wait_s:
-                number = self.store.add(_REQUEST, 1)
-                self._publish(_RING, number)
-                self._answered = max(self._answered, number)
-                self._asked = (number, now, f"{describe_call(oldest)} for {oldest.age_s:.1f}s")
+                self._ask(now, f"{describe_call(oldest)} for {oldest.age_s:.1f}s")
+            elif p2p is not None:
+                self._ask(now, p2p)
         found = self._verdict(now) if self._asked is not None else None
         if self._check_step > self._checked_step:
             found = found or self._check()
         return found
+
+    def _ask(self, now: float, waits_in: str) -> None:
+        number = self.store.add(_REQUEST, 1)
+        self._publish(_RING, number)
+        self._answered = max(self._answered, number)
+        self._asked = (number, now, waits_in)
+
+    def _p2p_waited(self, now: float) -> str | None:
+        """"recv from rank 0 for 5.2s" once the main thread has waited `wait_s` in one send or recv (which the flight
+        recorder does not record under gloo), else None."""
+        wait = p2p_wait(main_thread_frame())
+        key = None if wait is None else json.dumps(wait, sort_keys=True)
+        if key != self._p2p_key:
+            self._p2p_key, self._p2p_since = key, now
+        if wait is None or now - self._p2p_since < self.wait_s:
+            return None
+        where = "from" if wait["op"] == "recv" else "to"
+        return f"{wait['op']} {where} rank {wait['peer']} for {now - self._p2p_since:.1f}s"
+
+    def ask_all(self, *, timeout_s: float) -> dict[int, dict[str, Any]]:
+        """Every rank's snapshot now, this one's included: for a rank about to die (gloo aborting it), which cannot
+        wait for its own thread's next tick. The others answer at their next tick; waits at most `timeout_s`."""
+        number = self.store.add(_REQUEST, 1)
+        self._publish(_RING, number)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            snaps = self._gather(_RING, number)
+            if len(snaps) >= self.world_size or time.monotonic() >= deadline:
+                return snaps
+            time.sleep(0.05)
 
     def _publish(self, prefix: str, number: int) -> None:
         snap = snapshot(rank=self.rank, heartbeat=self._heartbeat())

@@ -29,6 +29,7 @@ from torch import nn
 from dptrain.config import DiagnosticsConfig, hang_timeout
 from dptrain.config.speed_checks import parse_profile_steps
 from dptrain.data.loader import LOADER_STACKS_ENV
+from dptrain.diagnostics.collective_record import install_abort_record, record_failure
 from dptrain.diagnostics.drift import ReplicaDriftError, check_replicas
 from dptrain.diagnostics.nonfinite import NonFiniteGuard, describe_origin, first_nonfinite_steps
 from dptrain.diagnostics.preflight import run_preflight
@@ -122,11 +123,19 @@ class Diagnostics:
         if (window := parse_profile_steps(cfg.profile_steps)) is not None:
             self.profiler = StepProfiler(window, run_dir=self.run_dir, rank=env.rank, device=device, start_step=step,
                                          say=self._say, is_main=env.is_main)
+        if env.world_size > 1:  # a rank gloo aborts (a collective of another size arrived) says what it called
+            install_abort_record()
         if self.hang_timeout_s > 0:
             self.watchdog = Watchdog(timeout_s=self.hang_timeout_s, store=_default_store(), rank=self.env.rank,
                                      world_size=self.env.world_size, run_dir=self.run_dir,
                                      on_death=self._watchdog_died, desync_after_s=cfg.desync_after_s)
             self.watchdog.start()
+
+    def failed(self, error: BaseException) -> None:
+        """The run failed with `error` (nothing torn down yet): leave this rank's unfinished collectives for the
+        launcher's verdict (diagnostics/collective_record.py)."""
+        if self.env.world_size > 1:
+            record_failure(error)
 
     def close(self) -> None:
         if self.profiler is not None:

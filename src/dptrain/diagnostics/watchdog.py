@@ -44,6 +44,11 @@ EXIT_HANG = 3
 STORE_PREFIX = "dptrain/diag/"
 _FLAG, _DONE, _REASON = "hang", "hang_reported", "hang_reason"
 _ACTIVE: list[Watchdog] = []  # the watchdogs running in this process (a yielding one steps aside for the others)
+def active_desync() -> DesyncWatch | None:
+    """The ring comparison of a watchdog running in this process (None when none runs, or at world size 1)."""
+    return next((w.desync for w in list(_ACTIVE) if w.desync is not None), None)
+
+
 def job_store() -> Any:
     """The job's store (torch.distributed's default store: torchrun's TCPStore) under the watchdog's prefix."""
     return dist.PrefixStore(STORE_PREFIX, dist.distributed_c10d._get_default_store())

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 EXIT_MARKS_ENV = "DPTRAIN_EXIT_MARKS"
+COLLECTIVE_RECORD_PREFIX = "collective_rank_"
+"""`collective_rank_<RANK>.json`: a failing rank's last collectives (diagnostics/collective_record.py), in the same
+folder; the launcher compares them (launch/culprit.py)."""
 
 
 def mark_exit(code: int, reason: str, *, detail: str = "", final: bool = False) -> bool:
@@ -39,10 +42,13 @@ def mark_exit(code: int, reason: str, *, detail: str = "", final: bool = False) 
 
 
 def clear_exit_mark() -> None:
-    """Remove this rank's mark left by an earlier attempt (torchrun restarts workers under the same launcher)."""
+    """Remove this rank's mark and collective record left by an earlier attempt (torchrun restarts workers under the
+    same launcher)."""
     folder = os.environ.get(EXIT_MARKS_ENV)
     if folder:
-        Path(folder, f"rank_{os.environ.get('RANK', '0')}.json").unlink(missing_ok=True)
+        rank = os.environ.get("RANK", "0")
+        Path(folder, f"rank_{rank}.json").unlink(missing_ok=True)
+        Path(folder, f"{COLLECTIVE_RECORD_PREFIX}{rank}.json").unlink(missing_ok=True)
 
 
 def read_exit_marks(folder: str | Path | None) -> dict[int, dict[str, Any]]:

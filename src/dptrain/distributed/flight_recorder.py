@@ -5,9 +5,9 @@ torch (2.13) keeps, per process, a ring of the last N collectives every process 
 made). Each entry says the group, its sequence number in that group, the op, the input shapes and dtypes,
 and whether it has finished ("retired": set when the work completes, waited on or not). dptrain's workers
 (`dptrain run`, `dptrain launch`, `init_distributed`) get a smaller ring unless the user set a size
-(`enable_by_default`): 128 entries are a few steps of DDP buckets, and the JSON dump the desync watchdog
-reads (diagnostics/collective_ring.py) then takes under a millisecond instead of ~10. Standard library
-only: the launcher imports it. Not recorded: gloo's `monitored_barrier` (the desync report names a rank
+(`enable_by_default`): 128 entries are a few steps of DDP buckets, and the dump the desync watchdog
+reads (diagnostics/collective_ring.py) then takes about a millisecond. Standard library only: the launcher
+imports it. Not recorded under gloo: `monitored_barrier` and send/recv (the desync report names a rank
 waiting there by its stack).
 """
 

@@ -13,7 +13,9 @@ timeout when its ranks call different collectives: a certain desync (another op,
 same collective; ranks blocked in collectives the others have not called) ends the job within seconds
 with the report on the console (exit 3); a rank merely outside the collective the others wait in gets
 a warning naming it and its line, and the job goes on. It steps aside while `dptrain.monitor` runs
-its own watchdog, which does the same and more.
+its own watchdog, which does the same and more. A rank that fails leaves its last collectives for the
+launcher (diagnostics/collective_record.py), so that a collective called with another shape, which gloo
+answers by aborting the receiving rank, is named with both sides rather than by the aborted rank.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from dptrain.config import DiagnosticsConfig
+from dptrain.diagnostics.collective_record import install_abort_record, record_failure
 from dptrain.diagnostics.watchdog import Watchdog, job_store
+from dptrain.distributed.exit_marks import clear_exit_mark
 from dptrain.launch.worker import exit_when_orphaned
 
 
@@ -63,6 +67,7 @@ def watch_collectives(*, poll_s: float = 0.5,
         while not dist.is_initialized():
             time.sleep(poll_s)
         if dist.get_world_size() > 1:
+            install_abort_record()  # a rank gloo aborts (data of another size arrived) says what it called
             Watchdog(timeout_s=math.inf, store=job_store(), rank=dist.get_rank(), world_size=dist.get_world_size(),
                      run_dir=None, desync_after_s=desync_after_s, yielding=True, on_death=quiet).start()
 
@@ -77,11 +82,17 @@ def main() -> None:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]  # the script sees exactly what `python SCRIPT ARGS` gives it
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    clear_exit_mark()  # an earlier attempt's mark and collective record, under torchrun's --max-restarts
     exit_when_orphaned()  # the script ends a few seconds after its launcher at most, even hung in a collective
 
     def run() -> None:
         watch_collectives()
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except BaseException as e:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                record_failure(e)  # this rank's unfinished collectives, for the launcher's verdict
+            raise
 
     record(run, error_handler=ScriptErrorHandler(script))()
 

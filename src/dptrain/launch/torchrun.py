@@ -20,8 +20,9 @@ from dptrain.config import LaunchConfig
 from dptrain.config.nodes import max_nodes, node_range, rdzv_settings, torchrun_nnodes
 from dptrain.distributed.exit_marks import EXIT_MARKS_ENV, final_status, read_exit_marks
 from dptrain.distributed.flight_recorder import enable_by_default
-from dptrain.launch.culprit import name_root_cause
+from dptrain.launch.culprit import Mismatch, mismatch_in, name_root_cause
 from dptrain.launch.interrupts import EARLY, CtrlC, last_saved, workers_start_with_sigint_blocked
+from dptrain.launch.oom import oom_counts, oom_kill_line, uptime_s
 from dptrain.launch.rdzv_probe import SilentStoreWatch
 from dptrain.launch.rendezvous_wait import EXIT_RENDEZVOUS, NodeWait, port_holder, rendezvous_failed
 from dptrain.launch.warm import WarmServer, client_command
@@ -118,6 +119,7 @@ def run_torchrun(
         args.training_script, args.training_script_args = client_command(args.training_script,
                                                                           args.training_script_args)
     interrupts = CtrlC(ckpt_root)
+    oom_before, started_s = oom_counts(), uptime_s()  # the kernel's OOM kills so far: its kill, or a `kill -9`?
     waiting = (NodeWait(launch_cfg, abandon=abandon, ignore={server.pid} if server else set())
                if launch_cfg is not None and max_nodes(launch_cfg) > 1 else None)
     probe = (SilentStoreWatch(args.rdzv_endpoint, conf=args.rdzv_conf, abandon=abandon,
@@ -144,8 +146,13 @@ def run_torchrun(
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         marks = read_exit_marks(marks_dir)  # which ranks' statuses dptrain chose (distributed/exit_marks.py)
+        mismatch = mismatch_in(marks_dir)  # a collective called differently: the odd rank is the cause
+        oom = oom_kill_line(e.failures, oom_before, since_s=started_s)
         if not own_workers:
-            return _script_failed(e, args, marks)
+            code = _script_failed(e, args, marks, mismatch)
+            if oom is not None:
+                print(f"dptrain: {oom}", file=sys.stderr)
+            return code
         final = final_status(marks)
         if final is not None:  # a rank stopped for good (its line is above); the others only lost it
             return final
@@ -169,9 +176,12 @@ def run_torchrun(
         if args.module and args.training_script == "dptrain.launch.record_script" and args.training_script_args:
             e.name = args.training_script_args[0]  # the report's title names the user's script, not the shim
         # torchrun's own report first: the root-cause rank, host, exit code, error file, traceback
-        name_root_cause(e, marks)
+        name_root_cause(e, marks, cause=mismatch.odd[0] if mismatch else None)
         print(e.format_msg(), file=sys.stderr)
         print(f"dptrain: worker(s) failed: {failures}", file=sys.stderr)
+        for line in (mismatch.line if mismatch else None, oom):
+            if line is not None:
+                print(f"dptrain: {line}", file=sys.stderr)
         return 1
     else:  # every worker exited 0; a final stop (bad input, the non-finite policy) said its status in a mark
         final = final_status(read_exit_marks(marks_dir))
@@ -190,12 +200,12 @@ def run_torchrun(
     return 0
 
 
-def _script_failed(e: Any, args: Any, marks: dict[int, dict[str, Any]]) -> int:
+def _script_failed(e: Any, args: Any, marks: dict[int, dict[str, Any]], mismatch: Mismatch | None = None) -> int:
     """A user's script (`dptrain launch`) failed: the launcher exits with the root-cause rank's status (a signal N:
     128 + N, as a shell says). When that rank's exit mark says dptrain chose the status (the hang watchdog of an
     own loop: 3), one line says what dptrain did; otherwise torchrun's report, then one line naming the status as
-    the script's own (and the other ranks')."""
-    root_rank, root = name_root_cause(e, marks)
+    the script's own (and the other ranks'), and a last one naming the `mismatch` of a collective, if any."""
+    root_rank, root = name_root_cause(e, marks, cause=mismatch.odd[0] if mismatch else None)
     mark = marks.get(root_rank, {})
     if mark.get("code") == root.exitcode and root.exitcode > 0:
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(e.failures.items()))
@@ -214,6 +224,8 @@ def _script_failed(e: Any, args: Any, marks: dict[int, dict[str, Any]]) -> int:
     others = [f"rank {r} {status(f.exitcode)}" for r, f in sorted(e.failures.items()) if r != root_rank]
     print(f"dptrain: your script {status(root.exitcode)} on rank {root_rank}"
           f"{' (then ' + '; '.join(others) + ')' if others else ''}", file=sys.stderr)
+    if mismatch is not None:
+        print(f"dptrain: {mismatch.line}", file=sys.stderr)
     return min(255, root.exitcode) if root.exitcode > 0 else 128 + (-root.exitcode or 1)
 
 

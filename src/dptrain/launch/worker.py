@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from dptrain.distributed.exit_marks import clear_exit_mark, mark_exit
-from dptrain.launch.culprit import PEER_LOST_MARK
+from dptrain.launch.culprit import PEER_LOST_ERRORS, PEER_LOST_MARK
 from dptrain.launch.warm_client import PARENT_ENV
 
 EXIT_INTERRUPTED = 130  # = dptrain.checkpoint.preempt.EXIT_INTERRUPTED (not imported: it imports torch)
@@ -40,8 +40,6 @@ REMOTE_PEER_LOST_GRACE_S = 2.0
 """The same wait when the peer was on another node. This node's agent never sees that rank die, so the wait only
 gives the other node's agent time to re-join the rendezvous (then this agent stops the worker without spending one of
 its restarts); a node that is gone never re-joins, and waiting longer only delays the survivors' new group."""
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing")
-"""How gloo says that another rank's process is gone (the survivors' collectives fail with it)."""
 LAUNCHER_PID = "DPTRAIN_LAUNCHER_PID"
 """Set by the launcher (launch/torchrun.py) for its workers: the process whose death they must follow."""
 ORPHAN_STUCK_S = 2.0
@@ -221,8 +219,9 @@ def final(code: int, reason: str, *, detail: str = "") -> int:
 
 
 def peer_lost(error: BaseException) -> bool:
-    """Whether `error` is a collective failing because another rank's process is gone."""
-    return isinstance(error, RuntimeError) and any(m in str(error) for m in PEER_LOST)
+    """Whether `error` is a collective failing because another rank's process is gone (the messages the launcher
+    also takes for a victim's: launch/culprit.py PEER_LOST_ERRORS)."""
+    return isinstance(error, RuntimeError) and PEER_LOST_ERRORS.search(str(error)) is not None
 
 
 def peer_is_remote(error: BaseException) -> bool:

@@ -335,6 +335,9 @@ class Trainer:
                     self.out.save_final(self.parallel)
                     self.ckpt.save_final(self.checkpoint_state)
                 finished = True
+            except BaseException as e:
+                self.diag.failed(e)  # first: torchrun's stop may follow a peer's death within milliseconds
+                raise
             finally:
                 self.close(wait=finished)
             self.out.finish(summary, progress=self.cfg.log.progress)  # rank 0: summary.json, the table

@@ -12,7 +12,7 @@ from support import ROOT, subprocess_env
 
 @pytest.mark.timeout(180)
 def test_overhead_benchmark_runs_and_weights_match():
-    r = subprocess.run([sys.executable, "benchmarks/overhead.py", "--steps", "4", "--warmup", "1", "--dim", "32",
+    r = subprocess.run([sys.executable, "benchmarks/perf/overhead.py", "--steps", "4", "--warmup", "1", "--dim", "32",
                         "--layers", "1", "--seq", "32"], cwd=ROOT, capture_output=True, text=True, timeout=170,
                        env=subprocess_env(tests=False))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -24,7 +24,7 @@ def test_overhead_benchmark_runs_and_weights_match():
 def test_diagnostics_overhead_benchmark_runs():
     env = subprocess_env(tests=False)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "benchmarks/diagnostics_overhead.py", "--rounds", "2"], cwd=ROOT, capture_output=True,
+                        "benchmarks/perf/diagnostics_overhead.py", "--rounds", "2"], cwd=ROOT, capture_output=True,
                        text=True, timeout=170, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -32,7 +32,7 @@ def test_diagnostics_overhead_benchmark_runs():
 @pytest.mark.timeout(240)
 def test_meta_init_memory_benchmark_runs_and_weights_match():
     env = subprocess_env(tests=False)
-    r = subprocess.run([sys.executable, "benchmarks/meta_init_memory.py", "--vocab", "64", "--dim", "32",
+    r = subprocess.run([sys.executable, "benchmarks/memory/meta_init_memory.py", "--vocab", "64", "--dim", "32",
                         "--layers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=230, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("peak RSS") == 4
@@ -43,7 +43,7 @@ def test_meta_init_memory_benchmark_runs_and_weights_match():
 def test_tp_comm_benchmark_matches_theory():
     env = subprocess_env(tests=False)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "benchmarks/tp_comm.py", "--dim", "32", "--seq", "16", "--batch", "2"], cwd=ROOT,
+                        "benchmarks/perf/tp_comm.py", "--dim", "32", "--seq", "16", "--batch", "2"], cwd=ROOT,
                        capture_output=True, text=True, timeout=170, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "per-block bytes equal theory: True" in r.stdout
@@ -55,7 +55,7 @@ def test_pipeline_bubble_benchmark_runs():
     r = subprocess.run(
         [
             sys.executable,
-            "benchmarks/pipeline_bubble.py",
+            "benchmarks/perf/pipeline_bubble.py",
             "--steps",
             "1",
             "--warmup",
@@ -85,7 +85,8 @@ def test_pipeline_bubble_benchmark_runs():
 def test_finetune_memory_benchmark_samples_every_rank_of_a_real_run():
     pytest.importorskip("peft")
     pytest.importorskip("psutil")
-    r = subprocess.run([sys.executable, "benchmarks/finetune_memory.py", "--params", "2e5", "--nproc", "2", "--lora"],
+    r = subprocess.run([sys.executable, "benchmarks/memory/finetune_memory.py", "--params", "2e5", "--nproc", "2",
+                        "--lora"],
                        cwd=ROOT, capture_output=True, text=True, timeout=290, env=subprocess_env(tests=False))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "LoRA r=8, adamw, fsdp, 2 steps, factory eager" in r.stdout

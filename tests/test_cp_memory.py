@@ -1,7 +1,7 @@
 """`dptrain plan` under `parallel.cp` against context-parallel ranks on gloo (plan/llama.py's cp terms,
 plan/memory.py, plan/timing.py's K/V exchange): the activation memory of one rank for cp 1, 2 and 4 within 15% of the
 prediction, the K/V all-gather and the shared mask counted, FSDP2's shards over dp_shard x cp, and the exchange in
-the time model. benchmarks/cp_memory.py prints the same comparison at 4K-16K tokens."""
+the time model. benchmarks/memory/cp_memory.py prints the same comparison at 4K-16K tokens."""
 
 from __future__ import annotations
 

@@ -6,13 +6,16 @@ the first line of dptrain's message (or "no traceback: ok"), whether a traceback
 (clean refusal, other clean exit, traceback, hang, silently wrong). After the table come the facts of the
 three composite cases: the orphan test, the double start and the corrupt-only continue.
 
-    nice -n 19 python benchmarks/acceptance/input_battery.py > /tmp/battery.md
+    nice -n 19 python benchmarks/acceptance/input_battery.py [CASE ...] > /tmp/battery.md
+
+CASE: only the cases whose name contains one of these words (all cases without any).
 
 Tiny configs throughout (the toy MLP with 1 or 2 gloo workers, a few steps), so each case takes seconds.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -762,7 +765,9 @@ def md(text: str) -> str:
 
 
 def main() -> int:
-    only = sys.argv[1:]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("only", nargs="*", metavar="CASE", help="run only the cases whose name contains one of these")
+    only = ap.parse_args().only
     rows: list[Row] = []
     t_all = time.monotonic()
     for cls, name, fn in CASES:

@@ -22,11 +22,12 @@ import gc
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
+
+from dptrain.tools.bench.harness import torchrun_output
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -102,9 +103,7 @@ def main(argv: list[str]) -> int:
         return 0
     rows = []
     for mode in ("eager", "meta"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
-               __file__, *argv, "--mode", mode]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = torchrun_output(__file__, [*argv, "--mode", mode], nproc=a.nproc)
         if r.returncode != 0:
             print(r.stderr[-3000:], file=sys.stderr)
             return r.returncode

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from dptrain.tools.bench.harness import dptrain_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,18 +45,9 @@ VARIANTS: dict[str, list[str]] = {
 
 def run(name: str, overrides: list[str], *, steps: int, seed: int, out: Path) -> list[dict]:
     run_dir = out / name.split(" (")[0].replace(" ", "-").replace(",", "")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [
-        sys.executable, "-m", "dptrain", "run",
-        f"train.max_steps={steps}", f"train.seed={seed}", "train.log_every_steps=1", "log.progress=false",
-        "checkpoint.every_steps=0",
-        "parallel.strategy=fsdp", *overrides,
-        "--nproc-per-node", "2", "--out", str(run_dir),
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if r.returncode != 0:
-        raise RuntimeError(f"{name}: dptrain run exited {r.returncode}:\n{r.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    items = [f"train.max_steps={steps}", f"train.seed={seed}", "train.log_every_steps=1", "log.progress=false",
+             "checkpoint.every_steps=0", "parallel.strategy=fsdp", *overrides]
+    return dptrain_run(items, nproc=2, out=run_dir).records()
 
 
 def curve(records: list[dict]) -> dict[int, float]:

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from dptrain.tools.bench.harness import dptrain_run
 
 ROOT = Path(__file__).resolve().parents[2]
 WARMUP = 20  # optim.warmup_steps of the recipe
@@ -90,25 +89,8 @@ def bytes_per_step(name: str, rank: int) -> int:
 
 def run(name: str, overrides: list[str], *, steps: int, out: Path) -> dict:
     run_dir = out / name.replace(" ", "-").replace(",", "")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [
-        sys.executable,
-        "-m",
-        "dptrain",
-        "run",
-        f"train.max_steps={steps}",
-        "log.progress=false",
-        "checkpoint.every_steps=0",
-        *overrides,
-        "--nproc-per-node",
-        "2",
-        "--out",
-        str(run_dir),
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if r.returncode != 0:
-        raise RuntimeError(f"{name}: dptrain run exited {r.returncode}:\n{r.stderr[-3000:]}")
-    return json.loads((run_dir / "summary.json").read_text())
+    items = [f"train.max_steps={steps}", "log.progress=false", "checkpoint.every_steps=0", *overrides]
+    return dptrain_run(items, nproc=2, out=run_dir).summary()
 
 
 def main() -> None:

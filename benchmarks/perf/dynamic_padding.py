@@ -29,11 +29,12 @@ import json
 import math
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from dptrain.tools.bench.harness import dptrain_run, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ("explain the difference between data parallel and model parallel training give an example write a short "
@@ -139,8 +140,7 @@ def padding(a: argparse.Namespace, tmp: Path) -> None:
 
 def share_of_runs(run_dir: Path) -> list[float]:
     shares = []
-    for line in (run_dir / "diagnostics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_jsonl(run_dir / "diagnostics.jsonl"):
         if rec.get("kind") == "step_split":
             for row in rec["ranks"]:
                 total = sum(row[k] for k in ("data", "compute", "wait", "other"))
@@ -163,10 +163,7 @@ def data_wait(a: argparse.Namespace, tmp: Path) -> None:
         every = []
         for k in range(a.wait_runs):
             out = tmp / f"wait-{len(summary)}-{k}"
-            cmd = [sys.executable, "-m", "dptrain", "run", *common, *items, "--nproc-per-node", "2", "--out", str(out)]
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-            if r.returncode != 0:
-                raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+            dptrain_run([*common, *items], nproc=2, out=out, timeout=1800)
             shares = share_of_runs(out)
             every += shares
             pct = [round(100 * s, 2) for s in shares]

@@ -37,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
+from dptrain.tools.bench.harness import dptrain_run, read_jsonl  # noqa: E402
+
 MEMORY = ["checkpoint.every_steps=1000", "checkpoint.snapshot_every_steps=1"]
 
 
@@ -285,20 +287,17 @@ def nodeloss(a: argparse.Namespace) -> None:
     print(f"membership record: {change[-1] if change else None}")
     print(f"training again {again_s:.2f}s after the kill; steps lost {change[-1]['steps_lost'] if change else '?'}")
     toy = [s for s in items if not s.startswith(("launch.", "checkpoint.snapshot", "train.max_steps"))]
-    run = [sys.executable, "-m", "dptrain", "run", *toy]
-    subprocess.run([*run, f"train.max_steps={k}", "--nproc-per-node", "2", "--out", str(tmp / "ref2")],
-                   env=env(), cwd=ROOT, check=True, capture_output=True)
-    subprocess.run([*run, f"train.max_steps={a.steps}", "--nproc-per-node", "1", "--out", str(tmp / "ref1"), "--resume",
-                    str(tmp / "ref2" / "checkpoints" / f"step_{k:06d}")], env=env(), cwd=ROOT, check=True,
-                   capture_output=True)
+    dptrain_run([*toy, f"train.max_steps={k}"], nproc=2, out=tmp / "ref2", env=env(), cwd=ROOT)
+    dptrain_run([*toy, f"train.max_steps={a.steps}", "--resume", str(tmp / "ref2" / "checkpoints" / f"step_{k:06d}")],
+                nproc=1, out=tmp / "ref1", env=env(), cwd=ROOT)
     got, want = load_file(out / "final" / "model.safetensors"), load_file(tmp / "ref1" / "final" / "model.safetensors")
     diff = max((got[n] - want[n]).abs().max().item() for n in want)
     same = all(torch.equal(got[n], want[n]) for n in want)
     print(f"final weights vs the 2->1 reference switched at step {k}: max |diff| = {diff:.3g} (identical: {same})")
     losses = {}
     for name in ("run", "ref1"):
-        recs = [json.loads(s) for s in (tmp / name / "metrics.jsonl").read_text().splitlines()]
-        losses[name] = [(r["step"], r["loss"]) for r in recs if "loss" in r and r["step"] > k]
+        losses[name] = [(r["step"], r["loss"]) for r in read_jsonl(tmp / name / "metrics.jsonl")
+                        if "loss" in r and r["step"] > k]
     ldiff = max(abs(x[1] - y[1]) for x, y in zip(losses["run"], losses["ref1"], strict=True))
     print(f"losses after step {k}: {len(losses['run'])} steps, max |diff| vs the reference = {ldiff:.3g}")
 

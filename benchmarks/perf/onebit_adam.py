@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import two_host as th  # the cluster, the runs and the table of benchmarks/perf/two_host.py (this script's folder)
+
+from dptrain.tools.bench.harness import dptrain_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,15 +46,10 @@ def variants(freezes: list[int]) -> dict[str, list[str]]:
 
 def run(name: str, overrides: list[str], *, steps: int, out: Path) -> dict:
     """One 2-rank `dptrain run`; its summary and per-step records (a finished run directory is reused)."""
-    run_dir = out / name.replace(" ", "-")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "dptrain", "run", f"train.max_steps={steps}", "train.log_every_steps=1",
-           "log.progress=false", "checkpoint.every_steps=0", *overrides, "--nproc-per-node", "2", "--out", str(run_dir)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if r.returncode != 0:
-        raise RuntimeError(f"{name}: dptrain run exited {r.returncode}:\n{r.stderr[-3000:]}")
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"summary": json.loads((run_dir / "summary.json").read_text()), "steps": [r for r in recs if "loss" in r]}
+    items = [f"train.max_steps={steps}", "train.log_every_steps=1", "log.progress=false", "checkpoint.every_steps=0",
+             *overrides]
+    r = dptrain_run(items, nproc=2, out=out / name.replace(" ", "-"))
+    return {"summary": r.summary(), "steps": r.steps()}
 
 
 def convergence(args: argparse.Namespace) -> None:

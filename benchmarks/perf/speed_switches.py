@@ -22,7 +22,10 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
+
+from dptrain.tools.bench.harness import alternate
 
 MODEL = ["model.kwargs.dim=128", "model.kwargs.n_layers=4", "model.kwargs.n_heads=4", "model.kwargs.max_seq_len=128",
          "data.kwargs.seq_len=128", "train.micro_batch_size=4", "train.grad_accum_steps=1",
@@ -99,10 +102,7 @@ def main(argv: list[str]) -> int:
     suites = list(SUITES) if a.suite == "all" else a.suite.split(",")
     for suite in suites:
         variants = SUITES[suite]
-        results: dict[str, list[dict]] = {name: [] for name in variants}
-        for _ in range(a.rounds):
-            for name, items in variants.items():
-                results[name].append(run_job(items, a.steps))
+        results = alternate({name: partial(run_job, items, a.steps) for name, items in variants.items()}, a.rounds)
         print(f"\n{suite}: 2 ranks (gloo, CPU), {a.rounds} interleaved rounds x {a.steps} steps, "
               f"first {a.warmup} steps of each job excluded; 1 thread per rank")
         print("| variant | median step (ms) | spread over rounds (ms) | first step (ms, per round) | peak RSS (MiB) |")

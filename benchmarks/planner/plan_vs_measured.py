@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from dptrain.config.load import load_config  # noqa: E402
+from dptrain.tools.bench.harness import dptrain_run, read_jsonl  # noqa: E402
 from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason  # noqa: E402
 from dptrain.tools.plan.calibrate import calibrated_efficiency, link_from_sweep, load_sweep  # noqa: E402
 from dptrain.tools.plan.predict import predict  # noqa: E402
@@ -58,7 +59,7 @@ def dptrain(*argv: str, timeout: float = 600) -> None:
 
 
 def step_times(run_dir: Path, warmup: int) -> list[float]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = read_jsonl(run_dir / "metrics.jsonl")
     return [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > warmup]
 
 
@@ -133,8 +134,9 @@ def main() -> int:
             for r in range(args.rounds):
                 for n in ranks:
                     out = tmp / f"run{n}-{r}"
-                    dptrain("run", *items, "--nproc-per-node", str(n), "--out", str(out), timeout=args.timeout)
-                    medians.setdefault(f"loopback x{n}", []).append(statistics.median(step_times(out, args.warmup)))
+                    run = dptrain_run(items, nproc=n, out=out, timeout=args.timeout, env=env(), cwd=ROOT)
+                    times = run.step_times(after=args.warmup)
+                    medians.setdefault(f"loopback x{n}", []).append(statistics.median(times))
                 for rate, c in clusters.items():
                     for v in variants:
                         port += 1

@@ -93,6 +93,8 @@ def test_dptrain_run_returns_the_runs_records_and_names_a_failure(tmp_path):
     assert refused.returncode == 2 and "train.max_steps" in refused.output
     with pytest.raises(RuntimeError, match="exited 2"):
         dptrain_run(bad, out=tmp_path / "bad2", env=env, timeout=60)
+    late = dptrain_run(bad, out=tmp_path / "late", check=False, env=env, timeout=0.01)
+    assert late.returncode == 124 and late.output.startswith("timed out after")
 
 
 @pytest.mark.timeout(180)

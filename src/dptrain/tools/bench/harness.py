@@ -115,7 +115,8 @@ def dptrain_run(items: Sequence[str], *, out: Path, nproc: int | None = None, ch
                            cwd=cwd)
         code, output = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
-        code, output = 124, f"timed out after {timeout:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+        partial = [s.decode(errors="replace") if isinstance(s, bytes) else s for s in (e.stdout, e.stderr) if s]
+        code, output = 124, f"timed out after {timeout:.0f} s\n" + "".join(partial)
     run = Run(Path(out), code, output, time.perf_counter() - t0)
     if check and code != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {code}:\n{output[-3000:]}")

@@ -1,4 +1,4 @@
-"""A short chaos soak (benchmarks/chaos_soak.py) on the two-namespace cluster: a worker SIGKILL, a stalled
+"""A short chaos soak (benchmarks/acceptance/chaos_soak.py) on the two-namespace cluster: a worker SIGKILL, a stalled
 rank and a corrupted newest checkpoint under `launch.nnodes=1:2`. The world size never changes, so the final
 weights and every step's loss must be bit-identical to an undisturbed run of the same seed and batch. Needs
 root (network namespaces, tmpfs); the full 20-fault soak is the benchmark's own (docs/results/chaos_soak.md)."""
@@ -26,7 +26,8 @@ pytestmark = [
 def test_three_faults_recover_and_the_result_is_bit_identical_to_an_undisturbed_run(tmp_path):
     out = tmp_path / "soak.json"
     p = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / "chaos_soak.py"), "--plan", "worker_kill@6:1,stall@9:0,corrupt@13:1",
+        [sys.executable, str(ROOT / "benchmarks" / "acceptance" / "chaos_soak.py"),
+         "--plan", "worker_kill@6:1,stall@9:0,corrupt@13:1",
          "--max-steps", "20", "--keep", str(tmp_path / "work"), "--json", str(out),
          "--overrides", "checkpoint.snapshot_every_steps=0"],  # the disk path: the corrupt newest checkpoint is skipped
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(tests=False), cwd=ROOT,

@@ -2,7 +2,7 @@
 plan/memory.py, plan/timing.py's K/V exchange): the activation memory of one rank for cp 1, 2 and 4 within 15% of the
 prediction (the CPU's blockwise attention: the gathered K/V at the KV heads, no mask; the mask of the SDPA path
 off the CPU counted by formula), FSDP2's shards over dp_shard x cp, and the exchange in
-the time model. benchmarks/cp_memory.py prints the same comparison at 4K-16K tokens."""
+the time model. benchmarks/memory/cp_memory.py prints the same comparison at 4K-16K tokens."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ engine builds, its scheduler objects stepped for the whole run, its fp16 config)
 row (tests/support/deepspeed_oracle.py). Configs: DeepSpeed's own unit-test cases (tests/support/deepspeed_cases.py),
 the public configs of tests/test_deepspeed_configs.py, and configs drawn at random (seeded) within DeepSpeed's
 schema. Every disagreement must be one of the listed remaining differences, each with its reason.
-benchmarks/deepspeed_conformance.py prints the table (docs/results/deepspeed_conformance.md).
+benchmarks/acceptance/deepspeed_conformance.py prints the table (docs/results/deepspeed_conformance.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ not decay 1-D parameters, DeepSpeed decays every parameter), WarmupLR, gradient 
 ZeRO 0 here: the final weights are bitwise DeepSpeed's (same all-reduce average, the same AdamW kernel on each
 parameter, the same clipping); the logged loss within 1e-6 relative (each side averages its micro-batch losses in
 its own order: one float32 rounding). ZeRO 1 (bitwise too) and 2 (flat partitions reduced in DeepSpeed's own
-buckets: 1.5e-8 absolute) take about 20 s each and run in benchmarks/deepspeed_conformance.py
+buckets: 1.5e-8 absolute) take about 20 s each and run in benchmarks/acceptance/deepspeed_conformance.py
 (docs/results/deepspeed_conformance.md).
 """
 

@@ -1,4 +1,5 @@
-"""The fault matrix (benchmarks/fault_matrix.py): its verdicts on made-up output, and a cheap subset run for real.
+"""The fault matrix (benchmarks/acceptance/fault_matrix.py): its verdicts on made-up output, and a cheap subset
+run for real.
 
 The verdict logic must be able to fail: a wrong expected rank, a victim named instead of the culprit, a name without
 its op or place are each reported as not named right."""
@@ -14,7 +15,7 @@ import pytest
 
 from support import ROOT, subprocess_env
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "acceptance"))
 
 from faults.verdict import Event, Expect, claims, judge  # noqa: E402
 
@@ -108,7 +109,7 @@ def test_the_harness_times_and_judges_a_kill_and_a_memory_exhaustion(tmp_path):
 
     out = tmp_path / "matrix.json"
     oom = unavailable() is None  # the kernel's OOM killer, where this machine lets a rank make a memory cgroup
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fault_matrix.py"), "--only",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "acceptance" / "fault_matrix.py"), "--only",
                         "kill,memory" + (",oom" if oom else ""),
                         "--seed", "3", "--deadline", "40", "--json", str(out), "--workdir", str(tmp_path / "work")],
                        capture_output=True, text=True, timeout=220, cwd=ROOT, env=subprocess_env(tests=False))

@@ -208,7 +208,7 @@ def test_comm_overlap_benchmark_runs():
     from support import subprocess_env
 
     env = subprocess_env(tests=False)
-    r = subprocess.run([sys.executable, "benchmarks/comm_overlap.py", "--dim", "32", "--layers", "1", "--seq", "8",
+    r = subprocess.run([sys.executable, "benchmarks/perf/comm_overlap.py", "--dim", "32", "--layers", "1", "--seq", "8",
                         "--rounds", "2", "--buckets", "1", "--static", "off,on"], cwd=root, capture_output=True,
                        text=True, timeout=290, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

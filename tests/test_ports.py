@@ -2,7 +2,8 @@
 bases: each port run as plain `python` (a world of one) gives the base's per-step losses and evaluation
 results bit for bit; the MNIST port under `dptrain launch --nproc-per-node 2` (same global batch) gives them
 within a relative 1e-4. Dropout is off in these runs (2 ranks draw other masks than 1 process); every run
-has OMP_NUM_THREADS=1. benchmarks/ports.py measures more (world 2 for all three, resume across world sizes)."""
+has OMP_NUM_THREADS=1.
+benchmarks/acceptance/ports.py measures more (world 2 for all three, resume across world sizes)."""
 
 from __future__ import annotations
 
@@ -67,5 +68,5 @@ def test_the_guide_shows_each_ports_whole_diff(name):
     page = (ROOT / "docs" / "guides" / "porting.md").read_text()
     start = page.index(f"<!-- diff:{name} -->\n") + len(f"<!-- diff:{name} -->\n")
     assert page[start:page.index(f"<!-- /diff:{name} -->")] == f"```diff\n{diff}```\n", (
-        "docs/guides/porting.md is stale: PYTHONPATH=src python benchmarks/ports.py --docs --diffs-only"
+        "docs/guides/porting.md is stale: PYTHONPATH=src python benchmarks/acceptance/ports.py --docs --diffs-only"
     )

@@ -64,7 +64,8 @@ def test_cluster_is_removed_on_exit():
 def test_two_host_benchmark_runs():
     """The script end to end on two of its variants (raw DDP, the reference, and one compression): each
     variant is a two-node run of its own, and the compressions themselves are tested in test_compression."""
-    r = subprocess.run([sys.executable, "benchmarks/two_host.py", "--rates", "100mbit", "--steps", "3", "--warmup", "1",
+    r = subprocess.run([sys.executable, "benchmarks/perf/two_host.py", "--rates", "100mbit", "--steps", "3",
+                        "--warmup", "1",
                         "--rounds", "1", "--variant", "raw-ddp=parallel.strategy=ddp",
                         "--variant", "fp16=parallel.strategy=ddp,parallel.grad_compression=fp16"],
                        cwd=ROOT, capture_output=True, text=True, timeout=190, env=subprocess_env(tests=False))

@@ -1,5 +1,5 @@
 """One context-parallel rank's activation memory, measured the way the planner counts it, and one training step
-at a cp degree (tests/test_cp_memory.py, benchmarks/cp_memory.py).
+at a cp degree (tests/test_cp_memory.py, benchmarks/memory/cp_memory.py).
 
 The built-in LLaMA is parallelised exactly as `dptrain run` does it (`parallel.strategy=ddp`, `parallel.cp`: the
 mesh, `apply_cp`'s gathered-K/V attention, on this CPU blockwise with no mask (parallel/cp_attention.py), DDP over

@@ -1,5 +1,5 @@
 """Training the toy MLP under `deepspeed.initialize` and under dptrain from one DeepSpeed JSON (2 CPU ranks, gloo):
-the two sides of tests/test_deepspeed_engine_parity.py and benchmarks/deepspeed_conformance.py."""
+the two sides of tests/test_deepspeed_engine_parity.py and benchmarks/acceptance/deepspeed_conformance.py."""
 
 from __future__ import annotations
 

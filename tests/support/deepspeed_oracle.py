@@ -1,5 +1,5 @@
 """DeepSpeed itself as the oracle for DeepSpeed files: one config read by DeepSpeed's own code and by dptrain,
-compared row by row (tests/test_deepspeed_conformance.py, benchmarks/deepspeed_conformance.py).
+compared row by row (tests/test_deepspeed_conformance.py, benchmarks/acceptance/deepspeed_conformance.py).
 
 DeepSpeed's reading: `deepspeed.runtime.config.DeepSpeedConfig` (given a stand-in mpu for the data-parallel
 size, and deepspeed.comm's rank stubbed so it takes it), the optimizer class its engine would build

@@ -1,4 +1,5 @@
-"""One rank's memory under FSDP2 as the planner splits it (benchmarks/bf16_memory.py, tests/test_plan_measure.py):
+"""One rank's memory under FSDP2 as the planner splits it (benchmarks/memory/bf16_memory.py,
+tests/test_plan_measure.py):
 the local shards' bytes of parameters, gradients and optimizer state, and the activations a forward leaves alive
 (the method of support/alive.py, on a real FSDP2 module: the storages the forward created that are still allocated
 when it returns, each once at its current size, less the parameters' storages: the shards and FSDP2's unsharded

@@ -1,6 +1,6 @@
 """Real public DeepSpeed configs (trimmed to the keys that matter), each with its source and what it means at a
 data-parallel size of 2 (or the refusal's pattern): used by tests/test_deepspeed_configs.py and, as configs DeepSpeed
-itself reads, by tests/test_deepspeed_conformance.py and benchmarks/deepspeed_conformance.py."""
+itself reads, by tests/test_deepspeed_conformance.py and benchmarks/acceptance/deepspeed_conformance.py."""
 
 from __future__ import annotations
 

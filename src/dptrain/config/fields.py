@@ -180,8 +180,9 @@ class TrainConfig:
     """Linux with glibc: allocations of at least this many KiB (host tensors) get their own memory map, returned to the
     system when freed (glibc's mallopt M_MMAP_THRESHOLD, set by each worker at start). glibc otherwise raises this
     threshold to up to 32 MiB as large blocks are freed, and its heap keeps what training frees: fine-tuning a 230M
-    model under fsdp then peaked at 3.84 GB per rank instead of 2.90 GB (benchmarks/finetune_memory.py). null: glibc's
-    own dynamic threshold. A MALLOC_MMAP_THRESHOLD_ in the environment wins; other C libraries: nothing is set."""
+    model under fsdp then peaked at 3.84 GB per rank instead of 2.90 GB (benchmarks/memory/finetune_memory.py).
+    null: glibc's own dynamic threshold. A MALLOC_MMAP_THRESHOLD_ in the environment wins; other C libraries:
+    nothing is set."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def llama_tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> tuple[dict
         # One replicated DTensor input shared by q/k/v (and by w1/w3): their input gradients add up
         # as partial DTensors and are reduced once per block input, not once per projection (without
         # it each projection's own from_local boundary all-reduces its gradient: 5 instead of 2 per
-        # block backward, measured by benchmarks/tp_comm.py). Under SP this is also the all-gather
+        # block backward, measured by benchmarks/perf/tp_comm.py). Under SP this is also the all-gather
         # of the sequence. The rope tables (attention's other inputs) are plain tensors: left alone.
         "attn": PrepareModuleInput(input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)),
         "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),

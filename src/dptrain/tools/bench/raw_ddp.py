@@ -6,7 +6,7 @@ dptrain run is the *recipe*, so that both train the same thing: the same model (
 same seed), the same micro-batches (dptrain's `GlobalBatchSampler`, which is only a deterministic
 index order), the same loss function and the same optimizer and learning-rate schedule
 (`optim.param_groups`/`optimizer_spec`/`build_scheduler`: plain torch.optim objects). Used by
-`dptrain bench` and benchmarks/overhead.py.
+`dptrain bench` and benchmarks/perf/overhead.py.
 """
 
 from __future__ import annotations

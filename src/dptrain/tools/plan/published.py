@@ -3,7 +3,7 @@
 A `Run` states what a published run did (model shape, layout, precision path, checkpointing, framework) and what it
 reports; `predict_run` predicts it from plan/efficiency.py (compute), plan/timing.py's collectives, the pipeline
 bubble, and plan/gpt.py's or plan/memory.py's memory counts. The rows and their sources are plan/published_runs.py;
-`benchmarks/plan_published.py` prints the table that docs/results/planner.md shows.
+`benchmarks/planner/plan_published.py` prints the table that docs/results/planner.md shows.
 
 One factor is set from a published reference run, not from the rows checked: `SUSTAINED`, the share of the
 roofline (MAMF GEMMs, FlashAttention's measured rate, HBM bandwidth) that a whole training step's kernels

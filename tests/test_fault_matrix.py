@@ -145,7 +145,7 @@ def test_the_matrix_names_both_sides_of_a_shape_mismatch_that_gloo_aborts(tmp_pa
     """Two ranks all-reduce 4 and 6 floats: gloo aborts the receiving rank at once (SIGABRT); the launcher's last line
     names the rank whose shape differs (the drawn culprit, rank 1) with both shapes and lines, not the aborted rank."""
     out = tmp_path / "matrix.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fault_matrix.py"), "--only", "shape",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "acceptance" / "fault_matrix.py"), "--only", "shape",
                         "--seed", "0", "--deadline", "60", "--json", str(out), "--workdir", str(tmp_path / "work")],
                        capture_output=True, text=True, timeout=110, cwd=ROOT, env=subprocess_env(tests=False))
     assert r.returncode == 0, r.stderr[-3000:]

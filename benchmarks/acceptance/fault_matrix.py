@@ -10,8 +10,8 @@ faults/verdict.py finds the first line that names a rank (or node) as the cause 
 op or phase, and a stack frame or file:line of the fault. A run still going at the fault's deadline is killed
 (every process it started).
 
-    python benchmarks/acceptance/fault_matrix.py                       # the whole matrix, 2 ranks (about 25 min: 4 hangs wait
-                                                            # for the watchdog's default 300 s)
+    python benchmarks/acceptance/fault_matrix.py         # the whole matrix, 2 ranks (about 25 min: 4 hangs wait
+                                                         # for the watchdog's default 300 s)
     python benchmarks/acceptance/fault_matrix.py --only kill,nan --nproc 4 --repeat 3 --json matrix.json
 
 Prints a Markdown table `| fault | named right | seconds to the name | what the user reads |` (seconds from the

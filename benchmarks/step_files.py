@@ -41,7 +41,9 @@ def main(argv: list[str]) -> int:
     from dptrain.tools.bench.harness import under_torchrun
 
     a = _args(argv)
-    return under_torchrun(lambda: worker(a), script=__file__, argv=argv, nproc=a.nproc)
+    # the workers need no --nproc (and torchrun would take it for an abbreviation of its own --nproc-per-node)
+    passed = [*(["--list"] if a.list else []), f"--warmup={a.warmup}", *a.overrides]
+    return under_torchrun(lambda: worker(a), script=__file__, argv=passed, nproc=a.nproc)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ class StepFiles:
 
     quiet: frozenset[str]
     logging: frozenset[str]
+    quiet_calls: dict[str, int]
+    """Python function entries during the quiet step: `dptrain` (in dptrain's files) and `all` (any Python code,
+    torch's included): a per-step overhead figure that does not depend on the machine's load."""
     strategy: str
     precision: str
     world_size: int
@@ -37,23 +40,32 @@ class StepFiles:
         lines = [f"default step (strategy {self.strategy}, precision {self.precision}, world size {self.world_size}): "
                  "dptrain files touched",
                  f"  a step that does not log: {len(self.quiet)}",
-                 f"  a logging step:           {len(self.logging)}"]
+                 f"  a logging step:           {len(self.logging)}",
+                 f"  Python calls in a step that does not log: {self.quiet_calls['dptrain']} in dptrain's files, "
+                 f"{self.quiet_calls['all']} in all"]
         if listing:
             lines += ["", "non-logging step:", *(f"  {f}" for f in sorted(self.quiet)),
                       "", "logging step adds:", *(f"  {f}" for f in sorted(self.logging - self.quiet) or ["(nothing)"])]
         return "\n".join(lines)
 
 
-def files_of_step(step: Callable[[], Any], *, root: Path) -> set[str]:
-    """The files under `root` whose Python functions are entered while `step()` runs (this thread)."""
+def files_of_step(step: Callable[[], Any], *, root: Path, calls: dict[str, int] | None = None) -> set[str]:
+    """The files under `root` whose Python functions are entered while `step()` runs (this thread). `calls`, if
+    given, counts the entries: `calls["dptrain"]` those under `root`, `calls["all"]` every Python function's."""
     seen: set[str] = set()
     prefix, own = str(root) + os.sep, os.path.abspath(__file__)  # this module's `run_step` is not the step's
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event == "call":
             name = frame.f_code.co_filename
-            if name.startswith(prefix) and name != own:
+            if name == own:
+                return
+            if calls is not None:
+                calls["all"] += 1
+            if name.startswith(prefix):
                 seen.add(os.path.relpath(name, root.parent))
+                if calls is not None:
+                    calls["dptrain"] += 1
 
     sys.setprofile(profile)
     try:
@@ -86,10 +98,11 @@ def step_files(overrides: list[str], *, warmup: int = 2, out_dir: str | None = N
             run_step()
         while (trainer.state.step + 1) % every == 0:  # the next step must not log
             run_step()
-        quiet = files_of_step(run_step, root=root)
+        calls = {"dptrain": 0, "all": 0}
+        quiet = files_of_step(run_step, root=root, calls=calls)
         while (trainer.state.step + 1) % every != 0:  # up to the step before a logging one
             run_step()
         logging = files_of_step(run_step, root=root)
         trainer.close()
-    return StepFiles(quiet=frozenset(quiet), logging=frozenset(logging), strategy=cfg.parallel.strategy,
+    return StepFiles(quiet=frozenset(quiet), logging=frozenset(logging), quiet_calls=calls, strategy=cfg.parallel.strategy,
                      precision=cfg.precision.dtype, world_size=trainer.env.world_size)

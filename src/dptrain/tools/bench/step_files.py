@@ -104,5 +104,5 @@ def step_files(overrides: list[str], *, warmup: int = 2, out_dir: str | None = N
             run_step()
         logging = files_of_step(run_step, root=root)
         trainer.close()
-    return StepFiles(quiet=frozenset(quiet), logging=frozenset(logging), quiet_calls=calls, strategy=cfg.parallel.strategy,
-                     precision=cfg.precision.dtype, world_size=trainer.env.world_size)
+    return StepFiles(quiet=frozenset(quiet), logging=frozenset(logging), quiet_calls=calls,
+                     strategy=cfg.parallel.strategy, precision=cfg.precision.dtype, world_size=trainer.env.world_size)

@@ -29,7 +29,9 @@ Wall-clock ratios need a quiet machine: on a shared one, read the CPU-time ratio
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,7 +64,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10, help="steps left out at the start of each run")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--keep", help="keep the runs' directories under this folder")
+    p.add_argument("--keep", help="write the runs' directories, logs and stamps under this folder")
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one run may take")
     p.add_argument("--raw-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stamps", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="config overrides (key=value) for both sides")
@@ -83,25 +86,35 @@ def raw_worker(a: argparse.Namespace) -> None:
     device = torch.device("cpu")
     raw = RawDDP(cfg, device=device, steps=a.steps, bucket_cap_mb=cfg.parallel.bucket_cap_mb)
     out = open(a.stamps, "w", buffering=1) if rank == 0 else None  # noqa: SIM115 - closed below
-    every, window = cfg.train.log_every_steps, torch.zeros(())
+    every, window, steps = cfg.train.log_every_steps, torch.zeros(()), 0
     for step in range(1, a.steps + 1):
         window += raw.step()
+        steps += 1
         if step % every == 0 or step == a.steps:  # the log line: the window's mean loss over the ranks
             dist.all_reduce(window)
             if rank == 0:
-                print(f"step {step}/{a.steps} loss {window.item() / every / dist.get_world_size():.4f}", flush=True)
-            window = torch.zeros(())
+                print(f"step {step}/{a.steps} loss {window.item() / steps / dist.get_world_size():.4f}", flush=True)
+            window, steps = torch.zeros(()), 0
         if out is not None:
             out.write(f"{time.perf_counter()} {time.process_time()}\n")
     if out is not None:
         out.close()
+    del raw  # the DDP reducer goes before the process group (gloo's teardown can hang otherwise)
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- the driver
-def _run(cmd: list[str], *, env: dict[str, str], log: Path) -> None:
+def _run(cmd: list[str], *, env: dict[str, str], log: Path, timeout_s: float) -> None:
     with open(log, "w") as f:
-        code = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: their own session
+            proc.wait()
+            raise SystemExit(f"{' '.join(cmd)} ran past --run-timeout={timeout_s:g}s; its output: {log}") from None
     if code != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {code}; its output: {log}\n" + log.read_text()[-3000:])
 
@@ -127,7 +140,7 @@ def one_side(side: str, a: argparse.Namespace, work: Path, pair: int) -> tuple[f
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.nproc), "--standalone",
                __file__, "--raw-worker", f"--stamps={stamps}", f"--steps={a.steps}", *a.overrides]
-    _run(cmd, env=env, log=work / f"{side}{pair}.log")
+    _run(cmd, env=env, log=work / f"{side}{pair}.log", timeout_s=a.run_timeout)
     wall, cpu = _step_times(stamps, warmup=a.warmup)
     return statistics.median(wall), statistics.median(cpu)
 
@@ -144,7 +157,7 @@ def main(argv: list[str]) -> int:
     (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     print(f"whole loop: dptrain run vs a hand-written DDP loop, {a.nproc} ranks, {a.steps} steps "
           f"(first {a.warmup} left out), {a.pairs} pairs; overrides: {' '.join(a.overrides) or '(defaults)'}")
-    print(f"{'pair':>4}  {'dptrain s/step':>14}  {'raw s/step':>10}  {'ratio':>6}  {'CPU ratio':>9}")
+    print(f"{'pair':>4}  {'dptrain s/step':>14}  {'raw s/step':>10}  {'ratio':>6}  {'CPU ratio':>9}", flush=True)
     ratios, cpu_ratios = [], []
     for pair in range(a.pairs):
         order = ("dptrain", "raw") if pair % 2 == 0 else ("raw", "dptrain")

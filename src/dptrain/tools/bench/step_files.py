@@ -21,6 +21,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import dptrain
+from dptrain.config.load import load_config
+from dptrain.distributed.process_group import process_group
+from dptrain.train.trainer import Trainer
+
 
 @dataclass(frozen=True)
 class StepFiles:
@@ -78,11 +83,6 @@ def files_of_step(step: Callable[[], Any], *, root: Path, calls: dict[str, int] 
 def step_files(overrides: list[str], *, warmup: int = 2, out_dir: str | None = None) -> StepFiles:
     """Count the files of a quiet and of a logging step of the run `overrides` describe (see the module
     docstring). Collective: every rank of the launched job calls it."""
-    import dptrain
-    from dptrain.config.load import load_config
-    from dptrain.distributed.process_group import process_group
-    from dptrain.train.trainer import Trainer
-
     cfg = load_config(None, list(overrides))
     trainer = Trainer(cfg, out_dir=out_dir or tempfile.mkdtemp(prefix="dptrain-step-files-"))
     root = Path(dptrain.__file__).resolve().parent

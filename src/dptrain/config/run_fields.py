@@ -58,6 +58,11 @@ class LogConfig:
     status_every_s: float = 1.0
     """Every rank rewrites RUN_DIR/status/rank<R>.json (step, phase, step time, memory, GPU) this often, from a
     background thread, for `dptrain top` (0: off)."""
+    comm_times: bool = False
+    """Also time DDP's gradient communication (`comm_s`, `exposed_comm_s` in metrics.jsonl and the summary) with a
+    metered communication hook: a Python call and clock reads per gradient bucket. Off: DDP reduces with its built-in
+    all-reduce, `comm_bytes` is counted from the gradients once, and the times are null. A `parallel.grad_compression`
+    hook is always metered."""
 
 
 @dataclass(frozen=True)

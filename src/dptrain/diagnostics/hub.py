@@ -3,7 +3,11 @@
 The trainer calls it at a few fixed points: `preflight(model)` before the strategy wraps the
 model, `start()` before the first step, `phase(name)` when the step enters data loading,
 forward, backward or the optimizer, `skip_step(loss, grad_norm)` before `optimizer.step()`,
-`on_step_end(step)` after it, and `close()`. `diagnostics.profile_steps` is a `StepProfiler`
+`on_step_end(step)` after it, and `close()`. A steady step calls none of them: the trainer writes
+the heartbeat into `pulse` itself (diagnostics/watchdog.py's `Pulse`: attribute stores, which the
+watchdog thread reads) unless `phase_hook()` asks for the calls (the straggler split's timed steps),
+calls `skip_step` only when a non-finite policy is on, and `on_step_end` only at the steps
+`next_check` names. `diagnostics.profile_steps` is a `StepProfiler`
 (profiler.py) started here and advanced in `on_step_end`. Each check is a small object of its own module;
 the hub only routes calls and writes findings to `RUN_DIR/diagnostics.jsonl` (rank 0) and the
 console.
@@ -36,7 +40,7 @@ from dptrain.diagnostics.preflight import run_preflight
 from dptrain.diagnostics.profiler import StepProfiler
 from dptrain.diagnostics.rss import MemoryMonitor, describe_leak, gpu0_pids, stray_gpu0_contexts
 from dptrain.diagnostics.straggler import SAMPLE_STEPS, StepTimer, describe, find_stragglers, gather_rows
-from dptrain.diagnostics.watchdog import Watchdog, job_store
+from dptrain.diagnostics.watchdog import Pulse, Watchdog, job_store
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.metrics import strict_json
@@ -51,6 +55,12 @@ def apply_collective_checks(cfg: DiagnosticsConfig) -> None:
 
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         dist.set_debug_level_from_env()  # torch reads the variable when it is imported; re-read it now
+
+
+SYNC_COLLECTIVE = "gradient reduction in backward"
+"""The collective a backward that reduces gradients waits in, as heartbeats name it."""
+NEVER = sys.maxsize
+"""`next_check`'s answer when no periodic check is on."""
 
 
 def _default_store() -> Any:
@@ -68,8 +78,7 @@ class Diagnostics:
             (self.run_dir / "stacks").mkdir(parents=True, exist_ok=True)
             os.environ[LOADER_STACKS_ENV] = str(self.run_dir / "stacks")
         self.device = torch.device("cpu")
-        self.step = 0  # the step being trained (1-based), for heartbeats and reports
-        self.phase_name = "setup"  # ...and the phase it is in (read by the status file's thread)
+        self.pulse = Pulse()  # the step being trained (1-based) and its phase: heartbeats, reports, the status file
         self.listeners: list[Any] = []  # listener(kind, record) for every finding (the Prometheus counters)
         self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
         self.watchdog: Watchdog | None = None
@@ -128,7 +137,8 @@ class Diagnostics:
         if self.hang_timeout_s > 0:
             self.watchdog = Watchdog(timeout_s=self.hang_timeout_s, store=_default_store(), rank=self.env.rank,
                                      world_size=self.env.world_size, run_dir=self.run_dir,
-                                     on_death=self._watchdog_died, desync_after_s=cfg.desync_after_s)
+                                     on_death=self._watchdog_died, desync_after_s=cfg.desync_after_s,
+                                     pulse=self.pulse)
             self.watchdog.start()
 
     def failed(self, error: BaseException) -> None:
@@ -149,19 +159,61 @@ class Diagnostics:
                 self._sink = None
 
     # ------------------------------------------------------------------ the step
+    @property
+    def step(self) -> int:
+        """The step being trained (1-based), for heartbeats and reports."""
+        return self.pulse.step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        if step != self.pulse.step:
+            self.pulse.step, self.pulse.seq = step, 0
+
+    @property
+    def phase_name(self) -> str:
+        """The phase the training thread is in (read by the status file's thread)."""
+        return self.pulse.phase
+
     def phase(self, name: str, *, sync: bool = False, collective: str | None = None) -> None:
         """The training thread enters `name` (data, forward, backward, optimizer, eval, save, ...);
         `sync`: this backward reduces gradients across ranks (the straggler probe goes just before it)."""
-        self.phase_name = name
-        timed = self.timer is not None and self._timed(self.step)
+        pulse = self.pulse
+        pulse.phase = name
+        pulse.seq += 1
+        timed = self.timer is not None and self._timed(pulse.step)
         if sync:
-            collective = "gradient reduction in backward" + (" (after the straggler probe)" if timed else "")
-        if self.watchdog is not None:
-            self.watchdog.beat(self.step, name, collective)
+            collective = SYNC_COLLECTIVE + (" (after the straggler probe)" if timed else "")
+        if collective is not None:
+            pulse.collective = collective
         if self.timer is not None and timed:
             if sync:
                 self.timer.probe()
             self.timer.mark(name)
+
+    def phase_hook(self) -> Callable[..., None] | None:
+        """`phase` when the step about to be trained needs its phases as calls (the straggler split times
+        them), else None: the trainer then writes `pulse` itself. Asked after `start` and `on_step_end`."""
+        return self.phase if self.timer is not None and self._timed(self.pulse.step) else None
+
+    def next_check(self, step: int) -> int:
+        """The first step after `step` at whose end `on_step_end` has work (a periodic check, the straggler
+        timer's window, the profiler): the trainer calls it only then. `NEVER` when nothing is on."""
+        cfg = self.cfg
+        if self.profiler is not None:
+            return step + 1
+        periods = [every for every, on in ((cfg.straggler_every_steps, self.timer is not None),
+                                           (cfg.drift_every_steps, self.replica is not None),
+                                           (cfg.rss_every_steps, self.memory is not None),
+                                           (cfg.collective_check_every_steps,
+                                            self.watchdog is not None and self.watchdog.desync is not None))
+                   if on and every]
+        if not periods:
+            return NEVER
+        due = step + 1
+        while not (any(due % every == 0 for every in periods)
+                   or (self.timer is not None and (self._timed(due) or self._timed(due + 1)))):
+            due += 1
+        return due
 
     def _timed(self, step: int) -> bool:
         """Straggler timing (and its probe) covers the last SAMPLE_STEPS steps of every window."""
@@ -226,7 +278,7 @@ class Diagnostics:
         every = self.cfg.collective_check_every_steps
         if every and step % every == 0 and self.watchdog is not None and self.watchdog.desync is not None:
             self.watchdog.desync.request_check(step)  # the watchdog thread publishes and compares the rings
-        self.step = step + 1
+        self.step = step + 1  # (the trainer has written it already)
 
     def _check_memory(self, step: int) -> None:
         assert self.memory is not None

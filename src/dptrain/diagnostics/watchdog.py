@@ -1,9 +1,12 @@
 """Hang watchdog: heartbeats through the job's store, stacks of every rank, one report, exit.
 
-Every rank runs a daemon thread. The training thread only records where it is (`beat`: step,
-phase, last collective; a few attribute writes). The thread publishes that position to the
-job's store (torch.distributed's default store: torchrun's TCPStore) when it changes, and
-watches local progress. When a rank has made no progress for `timeout_s`, it raises a flag in
+Every rank runs a daemon thread. The training thread only records where it is, in a `Pulse` (step,
+phase, last collective, a count of phases within the step): plain attribute writes, which the trainer
+makes inline on a steady step (no call into this module) and `beat` makes for other callers. The thread
+reads the pulse every `interval_s`, publishes the position to the job's store (torch.distributed's
+default store: torchrun's TCPStore) when it changed, and times local progress from the last change it
+saw (so a hang is declared between `timeout_s` and `timeout_s + interval_s` after the last beat).
+When a rank has made no progress for `timeout_s`, it raises a flag in
 the store; the first rank to do so is the reporter. On seeing the flag every rank writes the
 Python stacks of all its threads to `RUN_DIR/stacks/rank<N>.txt` and into the store; the
 reporter collects them, names the suspect rank(s) (`find_suspects`), writes
@@ -47,6 +50,21 @@ _ACTIVE: list[Watchdog] = []  # the watchdogs running in this process (a yieldin
 def active_desync() -> DesyncWatch | None:
     """The ring comparison of a watchdog running in this process (None when none runs, or at world size 1)."""
     return next((w.desync for w in list(_ACTIVE) if w.desync is not None), None)
+
+
+class Pulse:
+    """Where the training thread is: the step being trained (1-based), the phase it entered last, the
+    last collective named, and `seq`, the phases entered within the step. Written by the training thread
+    (attribute stores only: a steady step calls no function to beat), read by the watchdog thread;
+    (step, seq) only grows while the thread makes progress."""
+
+    __slots__ = ("collective", "phase", "seq", "step")
+
+    def __init__(self) -> None:
+        self.step, self.seq, self.phase, self.collective = 0, 0, "setup", ""
+
+    def position(self) -> tuple[int, int]:
+        return self.step, self.seq
 
 
 def job_store() -> Any:
@@ -100,6 +118,8 @@ class Watchdog:
     (diagnostics/desync_watch.py); a certain desync ends the job at once, with the report (0: off).
     `timeout_s=inf`: no progress timeout, only the desync verdict (the `dptrain launch` shim). `run_dir=None`:
     the report is printed, no file written. `yielding`: idle while another watchdog runs in this process.
+    `pulse`: the training thread's position, shared with its writer (the diagnostics hub's; default: its own,
+    written by `beat`).
     """
 
     def __init__(
@@ -115,6 +135,7 @@ class Watchdog:
         on_death: Callable[[BaseException], None] | None = None,
         desync_after_s: float = 0.0,
         yielding: bool = False,
+        pulse: Pulse | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.store, self.rank, self.world_size = store, rank, world_size
@@ -130,30 +151,31 @@ class Watchdog:
         self._on_death = on_death or self._print_death
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._step, self._phase, self._collective, self._seq = 0, "setup", "", 0
-        self._progress, self._published = 0, -1
+        self.pulse = pulse if pulse is not None else Pulse()
+        self._seen: tuple[int, int] | None = None  # the pulse's position at the last look, and when it changed:
+        self._published: tuple[int, int] | None = None
         self._last_progress = time.monotonic()
         self.host = socket.gethostname()
 
     # ------------------------------------------------------------ training thread
     def beat(self, step: int, phase: str, collective: str | None = None) -> None:
-        """Record progress: the training thread is at `step`, entering `phase`."""
-        if step != self._step:
-            self._step, self._seq = step, 0
-        self._phase = phase
-        self._seq += 1
+        """Record progress: the training thread is at `step`, entering `phase` (the pulse's writes)."""
+        pulse = self.pulse
+        if step != pulse.step:
+            pulse.step, pulse.seq = step, 0
+        pulse.phase = phase
+        pulse.seq += 1
         if collective is not None:
-            self._collective = collective
-        self._progress += 1
-        self._last_progress = time.monotonic()
+            pulse.collective = collective
 
     def start(self) -> None:
         self._last_progress = time.monotonic()
+        self._seen = self.pulse.position()
         # Publish once from this thread: a rank that freezes (holding the GIL) before its watchdog
         # thread first runs is still known by host and pid, so the report can name and end it.
         if not self.yielding:
             self.store.set(f"hb/{self.rank}", json.dumps(self.heartbeat()))
-            self._published = self._progress
+            self._published = self._seen
         _ACTIVE.append(self)
         self._thread = threading.Thread(target=self._run, name="dptrain-watchdog", daemon=True)
         self._thread.start()
@@ -169,17 +191,25 @@ class Watchdog:
     # ------------------------------------------------------------ watchdog thread
     def heartbeat(self) -> dict[str, Any]:
         """This rank's position, as published to the store."""
-        return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self._step, "seq": self._seq,
-                "phase": self._phase, "collective": self._collective, "time": time.time(),
+        pulse = self.pulse
+        return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": pulse.step, "seq": pulse.seq,
+                "phase": pulse.phase, "collective": pulse.collective, "time": time.time(),
                 "idle_s": round(time.monotonic() - self._last_progress, 2)}
+
+    def _look(self) -> tuple[int, int]:
+        """The pulse's position now; a change since the last look is progress (timed from now)."""
+        position = self.pulse.position()
+        if position != self._seen:
+            self._seen, self._last_progress = position, time.monotonic()
+        return position
 
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.interval_s):
                 if self.yielding and any(w is not self for w in _ACTIVE):
                     continue  # dptrain.monitor's watchdog runs in this process: it does this job
-                if self._progress != self._published:
-                    self._published = self._progress
+                if (position := self._look()) != self._published:
+                    self._published = position
                     self.store.set(f"hb/{self.rank}", json.dumps(self.heartbeat()))
                 if self.store.add(_FLAG, 0) > 0:
                     self._on_hang(reporter=False)

@@ -1,8 +1,10 @@
 """Measured gradient communication: bytes sent per rank, communication time, exposed communication.
 
 `CommMeter.wrap(state, hook, payload_bytes)` wraps a DDP communication hook (torch's
-`default_hooks.allreduce_hook` when no compression is configured, or the `CommHook` of
-`parallel/comm_hooks.py`). Per bucket it records the launch time (in the hook) and the completion
+`default_hooks.allreduce_hook` when `log.comm_times` asks for the times and no compression is
+configured, or the `CommHook` of `parallel/comm_hooks.py`). Without either, DDP reduces with its
+built-in C++ all-reduce (no Python per bucket) and the bytes are the gradients' (`ddp_grad_bytes`,
+counted once at setup), the times null. Per bucket it records the launch time (in the hook) and the completion
 time (in a callback chained on the hook's future; DDP waits on the chained future, so the time is
 recorded before `backward()` returns). At the first bucket of a backward it queues an autograd
 final callback that queues a second one: it runs after DDP's own finalizer (queued when the last
@@ -117,7 +119,7 @@ class CommMeter:
         self._launch: list[Any] = []
         self._done: list[Any] = []
         self._in_backward = False
-        self._window: list[tuple[float, list[tuple[list[Any], list[Any], Any]]]] = []
+        self._window: list[tuple[int, float, list[tuple[list[Any], list[Any], Any]]]] = []  # (steps, bytes, ...)
         self._run = {"steps": 0, "bytes": 0.0, "comm_s": 0.0, "exposed_s": 0.0}
         self.outside: Callable[[], float] | None = None
         """Bytes sent outside the hook since the last call (onebit_adam's momentum exchange), added per step."""
@@ -168,11 +170,18 @@ class CommMeter:
     # ---------------------------------------------------------------- steps and windows
     def step_done(self, *, micro_steps: int = 1, sync_steps: int = 1) -> None:
         """Close one optimizer step (`micro_steps` forwards/backwards, `sync_steps` of them reducing)."""
+        self.steps_done(1, micro_steps=micro_steps, sync_steps=sync_steps)
+
+    def steps_done(self, steps: int, *, micro_steps: int = 1, sync_steps: int = 1) -> None:
+        """Close `steps` optimizer steps at once (each `micro_steps` forwards/backwards, `sync_steps` of them
+        reducing): the trainer hands its steps over at log steps, not one call per step."""
+        if steps <= 0:
+            return
         fixed = self.fixed
-        sent = self._bytes + fixed.per_micro * micro_steps + fixed.per_sync * sync_steps + fixed.per_step
+        sent = self._bytes + steps * (fixed.per_micro * micro_steps + fixed.per_sync * sync_steps + fixed.per_step)
         if self.outside is not None:
             sent += self.outside()
-        self._window.append((sent, self._backwards))
+        self._window.append((steps, sent, self._backwards))
         self._bytes, self._backwards = 0.0, []
 
     def _times(self, backwards: list[tuple[list[Any], list[Any], Any]]) -> tuple[float, float]:
@@ -186,20 +195,20 @@ class CommMeter:
 
     def window(self) -> dict[str, float | None]:
         """Means per step since the last call (a log record's fields); resets the window."""
-        steps, self._window = self._window, []
-        if not steps:
+        parts, self._window = self._window, []
+        n = sum(k for k, _, _ in parts)
+        if not n:
             return {}
-        total = sum(b for b, _ in steps)
+        total = sum(b for _, b, _ in parts)
         comm = exposed = 0.0
-        for _, backwards in steps:
+        for _, _, backwards in parts:
             c, e = self._times(backwards)
             comm, exposed = comm + c, exposed + e
         run = self._run
-        run["steps"] += len(steps)
+        run["steps"] += n
         run["bytes"] += total
         run["comm_s"] += comm
         run["exposed_s"] += exposed
-        n = len(steps)
         return {
             "comm_bytes": total / n,
             "comm_s": comm / n if self.timed else None,
@@ -262,6 +271,13 @@ def fsdp_comm_bytes(
             per_sync += ring_bytes("reduce_scatter", numel * rd.itemsize, shard)
             per_sync += ring_bytes("all_reduce", numel / shard * rd.itemsize, replicate)
     return FixedBytes(per_micro=per_micro, per_sync=per_sync)
+
+
+def ddp_grad_bytes(model: nn.Module, *, n: int) -> float:
+    """DDP's gradient reduction without a hook: one all-reduce of every trainable parameter's gradient per
+    gradient sync (its buckets hold exactly those, in the parameters' dtypes), sent by the ring rule."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return ring_bytes("all_reduce", total, n)
 
 
 def zero1_broadcast_bytes(model: nn.Module, *, n: int) -> float:

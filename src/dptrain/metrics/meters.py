@@ -1,12 +1,14 @@
 """The run's meters, for the trainer: communication (metrics/comm.py), throughput per rank and MFU
 (metrics/mfu.py). The trainer makes four calls: `ddp_comm_hook` (before `parallelize`), `attach`
-(after it, with the plan), `step_done` (every step boundary) and `record`/`summary` (log steps and
-the end). Nothing here syncs with the device per step or issues a collective per step; `attach`
+(after it, with the plan), `steps_done` (the steps since the last call, handed over at log steps and
+the end: nothing per step) and `record`/`summary` (log steps and the end). Nothing here syncs with
+the device per step or issues a collective per step; `attach`
 on CPU measures the matmul peak once and averages it over the ranks (one collective, at setup).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,14 @@ from dptrain.config.layout import DataParallelMode
 from dptrain.distributed import collectives
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.metrics import mfu as mfu_lib
-from dptrain.metrics.comm import CommMeter, FixedBytes, bucket_payload, fsdp_comm_bytes, zero1_broadcast_bytes
+from dptrain.metrics.comm import (
+    CommMeter,
+    FixedBytes,
+    bucket_payload,
+    ddp_grad_bytes,
+    fsdp_comm_bytes,
+    zero1_broadcast_bytes,
+)
 from dptrain.parallel.fsdp import DTYPES
 
 CommHookPair = tuple[Any, Callable[..., Any]]
@@ -35,8 +44,10 @@ class RunMeters:
     """Communication, throughput and MFU of one rank's run."""
 
     def __init__(self, *, mode: DataParallelMode, mesh: ParallelMesh, device: torch.device, precision: str,
-                 flops_per_token: float | None = None, peak_tflops: float | None = None) -> None:
+                 flops_per_token: float | None = None, peak_tflops: float | None = None,
+                 comm_times: bool = False) -> None:
         self.mode, self.mesh, self.device, self.precision = mode, mesh, device, precision
+        self.comm_times = comm_times  # log.comm_times: meter DDP's buckets (a Python hook) for comm_s, exposed_comm_s
         self._flops_override, self._peak_override = flops_per_token, peak_tflops
         self.comm: CommMeter | None = None
         self.flops_per_token: float | None = None
@@ -48,9 +59,10 @@ class RunMeters:
     def ddp_comm_hook(self, custom: Any = None) -> CommHookPair | None:
         """The metered (state, hook) for `parallelize(comm_hook=...)`, or None when the plan is not
         DDP. `custom`: a `CommHook` (`.state`, `.hook`, `.payload_bytes(bucket)`) from
-        parallel/comm_hooks.py; None: torch's default all-reduce hook (the same arithmetic as DDP's
-        built-in reduction: each gradient divided by the world size, then summed)."""
-        if not hooks_ddp(mode=self.mode, mesh=self.mesh):
+        parallel/comm_hooks.py; None: with `comm_times`, torch's default all-reduce hook (the same
+        arithmetic as DDP's built-in reduction: each gradient divided by the world size, then summed),
+        else no hook at all (DDP's built-in C++ reduction; `attach` counts the bytes from the gradients)."""
+        if not hooks_ddp(mode=self.mode, mesh=self.mesh) or (custom is None and not self.comm_times):
             return None
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -79,10 +91,15 @@ class RunMeters:
                 reduce_dtype=DTYPES[rd] if (rd := fsdp_reduce_dtype(cfg)) else None,
             )  # grad_compression fp16/bf16 too
             self.comm = CommMeter(group_size=dims.grad_size, device=self.device, fixed=fixed, timed=False)
-        elif self.comm is not None and self.mode.shard_optimizer:
-            self.comm.fixed = FixedBytes(per_step=zero1_broadcast_bytes(model, n=dims.dp_size))
+        elif self.comm is None and hooks_ddp(mode=self.mode, mesh=self.mesh):  # DDP, no hook: bytes, no times
+            self.comm = CommMeter(group_size=dims.grad_size, device=self.device, timed=False,
+                                  fixed=FixedBytes(per_sync=ddp_grad_bytes(model, n=dims.grad_size)))
         elif self.comm is None and dims.world_size == 1 and self.mode.wrapper == "none":
             self.comm = CommMeter(group_size=1, device=self.device, timed=False)  # nothing to send
+        if self.comm is not None and self.mode.shard_optimizer and hooks_ddp(mode=self.mode, mesh=self.mesh):
+            # zero1: each rank broadcasts its updated partition after every step
+            broadcast = zero1_broadcast_bytes(model, n=dims.dp_size)
+            self.comm.fixed = dataclasses.replace(self.comm.fixed, per_step=broadcast)
         self.flops_per_token, self.flops_source = mfu_lib.model_flops_per_token(
             model, seq_len=seq_len, override=self._flops_override
         )
@@ -93,10 +110,12 @@ class RunMeters:
             mean = collectives.all_reduce_mean([self.peak.flops], device=self.device)[0]  # setup only
             self.peak = mfu_lib.Peak(mean, self.peak.source + f", mean over {collectives.world_size()} rank(s)")
 
-    # ---------------------------------------------------------------- per step, per log line
-    def step_done(self, *, micro_steps: int, sync_steps: int) -> None:
+    # ---------------------------------------------------------------- per log line
+    def steps_done(self, steps: int, *, micro_steps: int, sync_steps: int) -> None:
+        """`steps` optimizer steps since the last call, each of `micro_steps` micro-steps, `sync_steps` of which
+        reduced gradients (called at log steps and the end, before `record`/`summary`)."""
         if self.comm is not None:
-            self.comm.step_done(micro_steps=micro_steps, sync_steps=sync_steps)
+            self.comm.steps_done(steps, micro_steps=micro_steps, sync_steps=sync_steps)
 
     def record(self, throughput: dict[str, float]) -> dict[str, Any]:
         """Fields for a log record (comm means over the window since the last call) from the

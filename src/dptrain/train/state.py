@@ -61,37 +61,46 @@ class TrainState:
 
 
 class LogWindow:
-    """This rank's loss sum and step count since the last log line (checkpointed per rank, so a
-    resumed run logs the same numbers as an uninterrupted one)."""
+    """This rank's losses since the last log line (checkpointed per rank, so a resumed run logs the same
+    numbers as an uninterrupted one). The trainer appends each step's loss to `losses` itself (a list
+    append, no call into this module per step); `loss_sum` and `steps` are read at a log step or a save."""
 
     def __init__(self) -> None:
-        self.loss_sum = torch.zeros(())
-        self.steps = 0
-        self.losses: list[torch.Tensor] = []  # the window's step losses: read only when its mean is not finite
+        self.losses: list[torch.Tensor] = []  # the window's step losses (on the loss's device), in step order
+        self._carried_sum: torch.Tensor | None = None  # a window that began before a resume: its sum and steps then
+        self._carried_steps = 0
 
     def add(self, loss: torch.Tensor) -> None:
-        if self.loss_sum.device != loss.device:
-            self.loss_sum = self.loss_sum.to(loss.device)
-        self.loss_sum += loss
-        self.steps += 1
         self.losses.append(loss.detach())
+
+    @property
+    def steps(self) -> int:
+        return self._carried_steps + len(self.losses)
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        """The window's loss sum, added in step order from zero (the same float as a running sum)."""
+        device = self.losses[0].device if self.losses else torch.device("cpu")
+        total = torch.zeros((), device=device) if self._carried_sum is None else self._carried_sum.to(device)
+        for loss in self.losses:
+            total += loss
+        return total
 
     def first_nonfinite_step(self, last_step: int) -> int | None:
         """The global step of this rank's first non-finite loss in the window that ends at `last_step`; None when
         every loss was finite (or the window began before a resume: then `last_step` if the sum is not finite)."""
-        if len(self.losses) == self.steps and self.losses:
+        if self._carried_steps == 0 and self.losses:
             bad = (~torch.isfinite(torch.stack(self.losses).float())).nonzero()
             return last_step - self.steps + 1 + int(bad[0]) if len(bad) else None
         return None if bool(torch.isfinite(self.loss_sum)) else last_step
 
     def reset(self) -> None:
-        self.loss_sum = torch.zeros((), device=self.loss_sum.device)
-        self.steps = 0
-        self.losses = []
+        self.losses.clear()  # the same list: the trainer holds it
+        self._carried_sum, self._carried_steps = None, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss_sum": self.loss_sum.detach().cpu().clone(), "steps": self.steps}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.loss_sum = sd["loss_sum"].to(self.loss_sum.device)
-        self.steps = int(sd["steps"])
+        self.losses.clear()
+        self._carried_sum, self._carried_steps = sd["loss_sum"].detach().clone(), int(sd["steps"])

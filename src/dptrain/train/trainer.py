@@ -12,6 +12,13 @@ every benchmark call `end_step(train_step())`, so a benchmark times exactly what
 per step. Apart from the logging interval (and evaluation, drift/memory/straggler checks and saves
 at their own intervals), a step makes no host-device sync: the loss window and the fp16 skip count
 stay on the device, and the preemption flag is agreed without blocking (checkpoint/preempt.py).
+
+A steady step (one that does not log, evaluate, save or run a periodic check) calls into no service
+module: the heartbeat is written inline (`_beat`: the watchdog thread reads `diag.pulse`), the loss is
+appended to the log window's list, the meters get the window's steps at the log step, and the
+diagnostics' and snapshots' periodic work is asked for only at the steps it names (`_check_at`;
+the checkpoint manager holds the snapshots' next step). The preemption agreement, a collective,
+runs at every boundary as before. tests/test_step_files.py holds the step to 10 files.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from dptrain.config.load import dump_yaml
 from dptrain.config.pipeline import settle_pipeline
 from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.diagnostics import Diagnostics, apply_collective_checks
+from dptrain.diagnostics.hub import SYNC_COLLECTIVE
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.mesh import ParallelMesh
@@ -121,6 +129,13 @@ class Trainer:
         self.diag.start(
             self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled(), mesh=self.mesh
         )
+        # The step's service bookkeeping, held here so that a steady step calls into no service module:
+        self.pulse = self.diag.pulse  # the heartbeat the watchdog thread reads (written by `_beat`)
+        self._check_at = self.diag.next_check(self.state.step)  # the next step with a periodic diagnostic
+        self._phase = self.diag.phase_hook() or self._beat  # the hub's `phase` while the straggler split times
+        self.step_losses = self.log_window.losses  # the log window's list: one append per step
+        self._metered_to = self.state.step  # the meters have the steps up to this one (handed over at log steps)
+        self._sync_steps = self.res.grad_accum_steps if self.cfg.parallel.sync_each_micro_step else 1
         self.last_loss: float | None = None
         self._config_written = False  # RUN_DIR/config.yaml: written after the first step (end_step)
         # What log records and the summary say, the throughput clock, the fp16 skip count: metrics/records.py
@@ -136,6 +151,7 @@ class Trainer:
             bytes_per_token=getattr(self.val_ds, "bytes_per_token", 1),
         )
         self.state.watch_loss_scale(self.scaler, device=self.device)  # fp16: skipped steps, counted on the device
+        self._counts_skips = self.scaler.is_enabled()
 
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint saves, as named Stateful objects (the manager never sees the Trainer)."""
@@ -189,6 +205,7 @@ class Trainer:
             precision=cfg.precision.dtype,
             flops_per_token=cfg.train.flops_per_token,
             peak_tflops=cfg.log.peak_tflops,
+            comm_times=cfg.log.comm_times,  # else no DDP hook: its built-in all-reduce, bytes from the gradients
         )
         self.parallel: ParallelModel = parallelize_model(
             model,
@@ -270,8 +287,8 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step over `grad_accum_steps` micro-batches. Returns this rank's share of the
         global batch's loss: its mean over the data-parallel ranks is the global batch's loss."""
-        diag = self.diag  # heartbeats and step-time split; see diagnostics/hub.py
-        diag.phase("data")
+        diag, phase = self.diag, self._phase  # heartbeats (and the straggler split's timing): see `_beat`
+        phase("data")
         micro_batches = [next(self.batches) for _ in range(self.res.grad_accum_steps)]
         # Forward and backward of every micro-batch, gradients reduced in the last backward only; the
         # losses normalised by the token or sample rule; fp16: scaled backward (parallel/model.py).
@@ -281,12 +298,13 @@ class Trainer:
             count_items=self.count_items,
             scaler=self.scaler,
             context=self.autocast,
-            phase=diag.phase,
+            phase=phase,
         )
-        diag.phase("optimizer")
+        phase("optimizer")
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         self.grad_norm = self.parallel.clip_grad_norm_(self.cfg.optim.grad_clip)  # global norm, every dimension
-        if not diag.skip_step(step_loss, self.grad_norm):  # nonfinite=skip: all ranks skip the same step
+        # nonfinite=skip|error: all ranks skip the same step (diagnostics/nonfinite.py); off: nothing to ask
+        if diag.nonfinite is None or not diag.skip_step(step_loss, self.grad_norm):
             self.scaler.step(self.optimizer)  # skipped by fp16 overflow, counted in `skipped_steps`
         self.scaler.update()
         self.step_lr = float(self.scheduler.get_last_lr()[0])  # the rate this step trained at (a Python float: no sync)
@@ -294,6 +312,17 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return step_loss
+
+    def _beat(self, name: str, *, sync: bool = False, collective: str | None = None) -> None:
+        """The heartbeat of a step the diagnostics do not time: `diag.phase`'s writes to the pulse (the
+        watchdog thread reads it: diagnostics/watchdog.py), without a call into the diagnostics."""
+        pulse = self.pulse
+        pulse.phase = name
+        pulse.seq += 1
+        if sync:
+            pulse.collective = SYNC_COLLECTIVE
+        elif collective is not None:
+            pulse.collective = collective
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> float | None:
@@ -377,6 +406,7 @@ class Trainer:
                 preempted = True
                 break
         final_val = None if preempted else self._eval_and_log()
+        self._hand_over_meters()  # the steps after the last log line
         times = {"wall_s": time.perf_counter() - t0, "train_s": self.records.train_time}
         summary = self.records.summary(
             last_loss=self.last_loss,
@@ -409,13 +439,16 @@ class Trainer:
             self._config_written = True
             if self.env.is_main:
                 write_atomically(self.run_dir / "config.yaml", dump_yaml(self.cfg))
-        self.log_window.add(loss)
+        self.step_losses.append(loss.detach())  # the log window's (train/state.py), summed at the log step
         state.step += 1
+        self.pulse.step, self.pulse.seq = state.step + 1, 0  # heartbeats from here on belong to the next step
         state.samples_seen += self.step_rows(state.step - 1)
-        state.count_fp16_skip(self.scaler)  # fp16: on the device, no sync
-        accum = self.res.grad_accum_steps
-        self.meters.step_done(micro_steps=accum, sync_steps=accum if cfg.parallel.sync_each_micro_step else 1)
-        self.diag.on_step_end(state.step)
+        if self._counts_skips:
+            state.count_fp16_skip(self.scaler)  # fp16: on the device, no sync
+        if state.step >= self._check_at:  # drift, memory, straggler split, profiler, collective check
+            self.diag.on_step_end(state.step)
+            self._check_at = self.diag.next_check(state.step)
+            self._phase = self.diag.phase_hook() or self._beat
         if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
             self.ckpt.record_progress(
                 state.step
@@ -425,12 +458,18 @@ class Trainer:
         if every and state.step % every == 0 and state.step < cfg.train.max_steps:
             self._eval_and_log()
             self.records.restart_window()  # evaluation time is not training throughput
-        self.diag.phase("checkpoint", collective="all_reduce (preemption flags, started one step earlier)")
+        self._phase("checkpoint", collective="all_reduce (preemption flags, started one step earlier)")
         return self.ckpt.maybe_save(self.checkpoint_state, step=state.step)
+
+    def _hand_over_meters(self) -> None:
+        """Give the meters the steps trained since the last hand-over (log steps and the end: not per step)."""
+        steps, self._metered_to = self.state.step - self._metered_to, self.state.step
+        self.meters.steps_done(steps, micro_steps=self.res.grad_accum_steps, sync_steps=self._sync_steps)
 
     def _log_step(self) -> None:
         """A log line: the one host-device sync of the interval (loss mean over ranks)."""
         window, state = self.log_window, self.state
+        self._hand_over_meters()
         local = self.parallel.reduce_loss(window.loss_sum / window.steps).item()  # a pipeline's: its last stage's
         self.last_loss = last_loss = collectives.all_reduce_mean(
             [local], device=self.device, group=self.mesh.grad_group  # dp (x cp): each rank's share

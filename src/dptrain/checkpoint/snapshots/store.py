@@ -121,6 +121,14 @@ class MemorySnapshots:
             return True
         return step % self.every_steps == 0
 
+    def next_due(self, step: int) -> int:
+        """The first boundary after `step` at which `due` can be true (the manager asks `due` only then)."""
+        if not self.enabled:
+            return sys.maxsize
+        if self.auto and self._pace.probing:
+            return step + 1
+        return (step // self.every_steps + 1) * self.every_steps
+
     def start(self, *, fresh: bool) -> None:
         """At setup, before recovery: own the node's folder; a `fresh` start (no restart) clears the run's
         own stale snapshots; the slots of the node's earlier processes are let go (flat.py: the snapshots

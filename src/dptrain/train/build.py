@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dptrain.config import ConfigError, DataConfig, ModelConfig
+from dptrain.config import Config, ConfigError, DataConfig, ModelConfig, Resolved
 from dptrain.config.datasource import FINETUNE_FACTORY, PACKED_FACTORY, resolve_data
 from dptrain.config.imports import import_object
+from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.data.loader import split_train_val
 from dptrain.models.labels import labels_shifted_by, model_kind
 from dptrain.models.lora import apply_lora
@@ -181,3 +182,50 @@ def build_loss_fn(spec: str | None) -> LossFn:
     return checked
 
 
+@dataclasses.dataclass
+class TrainData:
+    """What the trainer reads its batches from: the datasets, the collate, the batch order, the DataLoader."""
+
+    train_ds: Any
+    val_ds: Any | None
+    collate: Callable[[list[Any]], Any] | None
+    sampler: Any
+    loader: Any
+
+
+def build_train_data(cfg: Config, res: Resolved, *, dp_rank: int, dp_size: int, device: torch.device,
+                     start_step: int) -> TrainData:
+    """The datasets of `data.*`, the world-size-invariant batch order of this data-parallel rank from `start_step`
+    (a dataset's own batch sampler, e.g. fine-tuning rows under a token budget, else fixed-size global batches), and
+    the DataLoader over it."""
+    train_ds, val_ds = build_datasets(cfg.data)
+    # data.collate (+ collate_kwargs: a partial), else the dataset's own (packed rows: one storage per batch),
+    # else None (torch's default)
+    collate = build_collate(cfg.data) or getattr(train_ds, "collate", None)
+    order: dict[str, Any] = {
+        "global_batch_size": res.global_batch_size,
+        "micro_batch_size": res.micro_batch_size,
+        "grad_accum_steps": res.grad_accum_steps,
+        "dp_rank": dp_rank,
+        "dp_world_size": dp_size,
+        "seed": cfg.train.seed,
+        "shuffle": cfg.data.shuffle,
+        "start_step": start_step,
+    }
+    own = getattr(train_ds, "make_batch_sampler", None)
+    if own is not None and cfg.data.rank_split != "contiguous":
+        raise ConfigError(f"data.rank_split={cfg.data.rank_split!r} applies to fixed-size global batches; this "
+                          f"dataset ({type(train_ds).__name__}) brings its own batches: leave it contiguous")
+    sampler = (own(**order) if own is not None else
+               GlobalBatchSampler(dataset_len=len(train_ds), rank_split=cfg.data.rank_split, **order))
+    loader = build_dataloader(
+        train_ds,
+        sampler=sampler,
+        num_workers=cfg.data.num_workers,
+        pin_memory=cfg.data.pin_memory and device.type == "cuda",
+        collate_fn=collate,
+        seed=cfg.train.seed,
+        persistent_workers=cfg.data.persistent_workers,
+        prefetch_factor=cfg.data.prefetch_factor,
+    )
+    return TrainData(train_ds=train_ds, val_ds=val_ds, collate=collate, sampler=sampler, loader=loader)

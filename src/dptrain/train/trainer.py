@@ -38,11 +38,10 @@ from dptrain.checkpoint.base_identity import base_record
 from dptrain.checkpoint.manager import CheckpointManager
 from dptrain.checkpoint.rundir import write_atomically
 from dptrain.checkpoint.state import CheckpointState, DataPosition, ModelState, OptimizerState
-from dptrain.config import Config, ConfigError, Resolved, default_out_dir, resolve, to_dict
+from dptrain.config import Config, Resolved, default_out_dir, resolve, to_dict
 from dptrain.config.layout import strategy_mode
 from dptrain.config.load import dump_yaml
 from dptrain.config.pipeline import settle_pipeline
-from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.diagnostics import Diagnostics, apply_collective_checks
 from dptrain.diagnostics.hub import SYNC_COLLECTIVE
 from dptrain.distributed import collectives
@@ -58,10 +57,9 @@ from dptrain.parallel.nvme_offload import NvmeOptimizerState
 from dptrain.train.backend import apply_backend_flags, apply_malloc_threshold, compile_backend
 from dptrain.train.build import (
     align_labels,
-    build_collate,
-    build_datasets,
     build_loss_fn,
     build_model_meta,
+    build_train_data,
     import_object,
 )
 from dptrain.train.evaluation import evaluate, summarize
@@ -99,9 +97,8 @@ class Trainer:
         self.state = TrainState()
         self.log_window = LogWindow()
         self.out = RunOutputs(env=self.env, run_dir=self.run_dir)  # console, metrics.jsonl, monitor, summary, final/
-        self.ckpt = CheckpointManager(
-            cfg=cfg, run_dir=self.run_dir, env=self.env, resume=resume, trust=trust_checkpoint
-        )
+        self.ckpt = CheckpointManager(cfg=cfg, run_dir=self.run_dir, env=self.env, resume=resume,
+                                      trust=trust_checkpoint)
         # Watchdog, pre-flight, non-finite policy, stragglers, drift, memory: idle until start().
         self.diag = Diagnostics(
             cfg.diagnostics, env=self.env, run_dir=self.run_dir, pg_timeout_s=cfg.parallel.timeout_s, say=self.out.say
@@ -113,15 +110,8 @@ class Trainer:
         diagnostics. Call it inside the process group (`fit` does); afterwards
         `end_step(train_step())` is one step of `dptrain run` (benchmarks call exactly that)."""
         cfg = self.cfg
-        self.out.open(
-            log=cfg.log,
-            max_steps=cfg.train.max_steps,
-            res=self.res,
-            strategy=cfg.parallel.strategy,
-            precision=cfg.precision.dtype,
-            device=self.device,
-            diag=self.diag,
-        )
+        self.out.open(log=cfg.log, max_steps=cfg.train.max_steps, res=self.res, strategy=cfg.parallel.strategy,
+                      precision=cfg.precision.dtype, device=self.device, diag=self.diag)
         self._build()
         self.checkpoint_state = self._checkpoint_state()
         self.ckpt.maybe_resume(self.checkpoint_state)  # model, optimizer, schedule, scaler, RNG, data position
@@ -139,17 +129,10 @@ class Trainer:
         self.last_loss: float | None = None
         self._config_written = False  # RUN_DIR/config.yaml: written after the first step (end_step)
         # What log records and the summary say, the throughput clock, the fp16 skip count: metrics/records.py
-        self.records = Records(
-            res=self.res,
-            strategy=cfg.parallel.strategy,
-            precision=cfg.precision.dtype,
-            state=self.state,
-            scaler=self.scaler,
-            device=self.device,
-            meters=self.meters,
-            tokens_per_sample=self.tokens_per_sample,
-            bytes_per_token=getattr(self.val_ds, "bytes_per_token", 1),
-        )
+        self.records = Records(res=self.res, strategy=cfg.parallel.strategy, precision=cfg.precision.dtype,
+                               state=self.state, scaler=self.scaler, device=self.device, meters=self.meters,
+                               tokens_per_sample=self.tokens_per_sample,
+                               bytes_per_token=getattr(self.val_ds, "bytes_per_token", 1))
         self.state.watch_loss_scale(self.scaler, device=self.device)  # fp16: skipped steps, counted on the device
         self._counts_skips = self.scaler.is_enabled()
 
@@ -198,24 +181,13 @@ class Trainer:
             cfg.parallel, process_group=self.mesh.dp_group, backend=res.backend, optim=cfg.optim
         )
         # Communication (the DDP hook, metered), throughput per rank, MFU: metrics/meters.py
-        self.meters = RunMeters(
-            mode=strategy_mode(cfg.parallel),
-            mesh=self.mesh,
-            device=self.device,
-            precision=cfg.precision.dtype,
-            flops_per_token=cfg.train.flops_per_token,
-            peak_tflops=cfg.log.peak_tflops,
-            comm_times=cfg.log.comm_times,  # else no DDP hook: its built-in all-reduce, bytes from the gradients
-        )
+        # log.comm_times: the metered DDP hook, else DDP's built-in all-reduce and the bytes from the gradients
+        self.meters = RunMeters(mode=strategy_mode(cfg.parallel), mesh=self.mesh, device=self.device,
+                                precision=cfg.precision.dtype, flops_per_token=cfg.train.flops_per_token,
+                                peak_tflops=cfg.log.peak_tflops, comm_times=cfg.log.comm_times)
         self.parallel: ParallelModel = parallelize_model(
-            model,
-            cfg=cfg.parallel,
-            mesh=self.mesh,
-            device=self.device,
-            materialize=materialize,
-            compile_backend=compile_backend(cfg.train),
-            comm_hook=self.meters.ddp_comm_hook(self.comm_hook),
-        )
+            model, cfg=cfg.parallel, mesh=self.mesh, device=self.device, materialize=materialize,
+            compile_backend=compile_backend(cfg.train), comm_hook=self.meters.ddp_comm_hook(self.comm_hook))
         self.model: nn.Module = self.parallel.module  # what to call
         # dptrain's SGD/Adam/AdamW/1-bit Adam + warmup/decay, or optim.factory / scheduler_factory (train/optim.py)
         exchange = self.comm_hook.state if self.comm_hook is not None and self.comm_hook.name == "onebit_adam" else None
@@ -246,40 +218,13 @@ class Trainer:
         )
         self.eval_fn = import_object(cfg.train.eval_fn) if cfg.train.eval_fn else None
         self.eval_summary = import_object(cfg.train.eval_summary) if cfg.train.eval_summary else None
-        self.train_ds, self.val_ds = build_datasets(cfg.data)
-        # data.collate (+ collate_kwargs: a partial), else the dataset's own (packed rows: one storage per batch),
-        # else None (torch's default)
-        self.collate = build_collate(cfg.data) or getattr(self.train_ds, "collate", None)
-        order: dict[str, Any] = {
-            "global_batch_size": res.global_batch_size,
-            "micro_batch_size": res.micro_batch_size,
-            "grad_accum_steps": res.grad_accum_steps,
-            "dp_rank": self.mesh.dp_rank,
-            "dp_world_size": self.mesh.dp_size,
-            "seed": cfg.train.seed,
-            "shuffle": cfg.data.shuffle,
-            "start_step": self.state.step,
-        }
-        # A dataset may bring its own world-size-invariant batch sampler (fine-tuning rows: length-grouped
-        # batches under a token budget, data/token_batches.py); else fixed-size global batches.
-        own = getattr(self.train_ds, "make_batch_sampler", None)
-        if own is not None and cfg.data.rank_split != "contiguous":
-            raise ConfigError(f"data.rank_split={cfg.data.rank_split!r} applies to fixed-size global batches; this "
-                              f"dataset ({type(self.train_ds).__name__}) brings its own batches: leave it contiguous")
-        self.sampler = (own(**order) if own is not None else
-                        GlobalBatchSampler(dataset_len=len(self.train_ds), rank_split=cfg.data.rank_split, **order))
+        # datasets, the world-size-invariant batch order from the resumed step, the DataLoader (train/build.py)
+        data = build_train_data(cfg, res, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, device=self.device,
+                                start_step=self.state.step)
+        self.train_ds, self.val_ds, self.collate, self.sampler, self.loader = (
+            data.train_ds, data.val_ds, data.collate, data.sampler, data.loader)
         self.scheduler_period = scheduler_period(interval=cfg.optim.scheduler_interval,
                                                  steps_per_epoch=self.sampler.steps_per_epoch)
-        self.loader = build_dataloader(
-            self.train_ds,
-            sampler=self.sampler,
-            num_workers=cfg.data.num_workers,
-            pin_memory=cfg.data.pin_memory and self.device.type == "cuda",
-            collate_fn=self.collate,
-            seed=cfg.train.seed,
-            persistent_workers=cfg.data.persistent_workers,
-            prefetch_factor=cfg.data.prefetch_factor,
-        )
         self.tokens_per_sample = getattr(self.train_ds, "seq_len", None)
         self.meters.attach(model, cfg=cfg.parallel, seq_len=self.tokens_per_sample)  # bytes, FLOPs, peak
 
@@ -450,9 +395,7 @@ class Trainer:
             self._check_at = self.diag.next_check(state.step)
             self._phase = self.diag.phase_hook() or self._beat
         if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
-            self.ckpt.record_progress(
-                state.step
-            )  # the restart report's last finished step (before the log's all-reduce)
+            self.ckpt.record_progress(state.step)  # the restart report's last finished step (before the all-reduce)
             self._log_step()
         every = cfg.train.eval_every_steps
         if every and state.step % every == 0 and state.step < cfg.train.max_steps:

@@ -106,7 +106,7 @@ def test_the_plan_report_names_cp_and_the_exchange(capsys):
 
     assert main(["plan", "--gpus", "4", "--gpu-type", "H100", "--efficiency", "0.5", "parallel.strategy=fsdp",
                  "parallel.cp=2", "train.global_batch_size=2", "train.micro_batch_size=1",
-                 "train.grad_accum_steps=1"]) == 0
+                 "train.grad_accum_steps=1", "parallel.cp_attention=allgather"]) == 0
     out = capsys.readouterr().out
     assert "dp_shard 4, tp 1, pp 1, cp 2;" in out  # FSDP2 shards over dp_shard 2 x cp 2
     assert "context-parallel K/V exchange" in out and "not overlapped" in out

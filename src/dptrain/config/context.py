@@ -73,10 +73,8 @@ def validate_context_parallel(cfg: Config, *, dims: ParallelDims, mode: DataPara
     if cfg.parallel.grad_compression != "none":
         raise ConfigError(f"{where}: parallel.grad_compression={cfg.parallel.grad_compression!r} is not supported "
                           "with cp > 1; use parallel.grad_compression=none, or parallel.cp=1")
-    heads = cfg.model.kwargs.get("n_heads", LLAMA_DEFAULT_HEADS)
-    kv_heads = cfg.model.kwargs.get("n_kv_heads") or heads
     try:
-        choose_cp_attention(cfg.parallel.cp_attention, n_heads=heads, n_kv_heads=kv_heads, tp=dims.tp, cp=cp)
+        cp_attention_of(cfg, tp=dims.tp, cp=cp)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     seq = cfg.data.kwargs.get("seq_len")  # built-in corpus and packed rows: seq_len inputs (other data: per batch)
@@ -88,6 +86,14 @@ def validate_context_parallel(cfg: Config, *, dims: ParallelDims, mode: DataPara
             check_seq_len(seq_len=seq, cp=cp, sp=dims.tp)
         except ConfigError as e:
             raise ConfigError(f"{where}: data.kwargs.seq_len={seq}: {e}") from None
+
+
+def cp_attention_of(cfg: Config, *, tp: int, cp: int) -> str:
+    """`choose_cp_attention` for the built-in LLaMA of `cfg` (its model.kwargs' n_heads and n_kv_heads, the model's
+    defaults where absent) on `tp` x `cp` ranks: what `dptrain run` and `dptrain plan` take."""
+    heads = cfg.model.kwargs.get("n_heads", LLAMA_DEFAULT_HEADS)
+    kv_heads = cfg.model.kwargs.get("n_kv_heads") or heads
+    return choose_cp_attention(cfg.parallel.cp_attention, n_heads=heads, n_kv_heads=kv_heads, tp=tp, cp=cp)
 
 
 def check_seq_len(*, seq_len: int | None, cp: int, sp: int = 1) -> None:

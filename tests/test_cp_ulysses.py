@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_context_parallel import cp_case, packed_case
 
 from dptrain.config import ConfigError, resolve
 from dptrain.config.context import LLAMA_DEFAULT_HEADS, choose_cp_attention
@@ -13,7 +14,6 @@ from dptrain.config.load import load_config
 from dptrain.parallel.context import chunk_positions
 from dptrain.parallel.ulysses import gathered_positions
 from support.parity import MODELS
-from test_context_parallel import cp_case, packed_case
 
 FOUR_HEADS = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "max_seq_len": 16}
 """The parity model with 4 query and 4 KV heads: Ulysses at cp 4, and at cp 2 x tp 2 (2 heads a tp rank)."""

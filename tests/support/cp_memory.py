@@ -1,14 +1,14 @@
 """One context-parallel rank's activation memory, measured the way the planner counts it, and one training step
 at a cp degree (tests/test_cp_memory.py, benchmarks/cp_memory.py).
 
-The built-in LLaMA is parallelised exactly as `dptrain run` does it (`parallel.strategy=ddp`, `parallel.cp`: the
-mesh, `apply_cp`'s attention: the gathered K/V, on this CPU blockwise with no mask (parallel/cp_attention.py), or
-Ulysses' all-to-all on heads (parallel/ulysses.py), DDP over dp x cp), the row is cut into this rank's chunks by the plan's
+The built-in LLaMA is parallelised exactly as `dptrain run` does it (`parallel.strategy=ddp`, `parallel.cp`: the mesh,
+`apply_cp`'s attention: the gathered K/V, on this CPU blockwise with no mask (parallel/cp_attention.py), or Ulysses'
+all-to-all on heads (parallel/ulysses.py), DDP over dp x cp), the row is cut into this rank's chunks by the plan's
 `ContextParallel.shard`, and after a warm-up step the activations are the storages the forward created that are still
-alive when it returns, each once at its current size, less the parameters and the loss (two warm-up steps first:
-DDP rebuilds its gradient buckets in the second forward, the plan's `temporary`) (the method of
-support/alive.py and support/fsdp_alive.py, storages tracked by identity). On the SDPA path (off the CPU) the rank's
-cached causal mask would be dropped before the measured forward, so the mask it makes again (and every layer shares)
+alive when it returns, each once at its current size, less the parameters and the loss (two warm-up steps first: DDP
+rebuilds its gradient buckets in the second forward, the plan's `temporary`) (the method of support/alive.py and
+support/fsdp_alive.py, storages tracked by identity). On the SDPA path (off the CPU) the rank's cached causal mask would
+be dropped before the measured forward, so the mask it makes again (and every layer shares)
 is counted once.
 
 Storages of the functional collective's autograd wrapper are views of the all-gather's output (counted there) and
@@ -89,10 +89,10 @@ def measure_activations(model_kwargs: dict[str, Any], seq: int, cp: int, attenti
         pm.release()
 
 
-def train_step(model_kwargs: dict[str, Any], seq: int, cp: int) -> float:
+def train_step(model_kwargs: dict[str, Any], seq: int, cp: int, attention: str = "auto") -> float:
     """Train one SGD step on this rank's chunks (forward, backward with DDP's all-reduce over dp x cp, step) and
-    return its loss: the row of `seq` tokens trains at this cp degree."""
-    pm = build_cp_model(model_kwargs, cp=cp)
+    return its loss: the row of `seq` tokens trains at this cp degree (and `parallel.cp_attention`)."""
+    pm = build_cp_model(model_kwargs, cp=cp, attention=attention)
     try:
         opt = torch.optim.SGD(pm.module.parameters(), lr=0.01)
         loss = pm.module(rank_batch(pm, seq=seq, vocab=model_kwargs.get("vocab_size", 256)))

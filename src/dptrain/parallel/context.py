@@ -168,8 +168,8 @@ def apply_cp(model: nn.Module, *, group: Any, cp: int, rank: int, attention: str
     first = cores[0]  # nn.Linear keeps its global out_features under tp's DTensor weights
     chosen = choose_cp_attention(attention, n_heads=first.wq.out_features // first.head_dim,
                                  n_kv_heads=first.wk.out_features // first.head_dim, tp=tp, cp=cp)
-    for module in cores:
-        module.core = (UlyssesAttention(group, cp=cp, rank=rank) if chosen == "ulysses"
+    for attn in cores:
+        attn.core = (UlyssesAttention(group, cp=cp, rank=rank) if chosen == "ulysses"
                        else GatheredKVAttention(group, cp=cp, rank=rank))
     for module in model.modules():
         if isinstance(getattr(module, "doc_mask", None), DocumentMask):  # packed rows: ids over the whole row

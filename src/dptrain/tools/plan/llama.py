@@ -46,9 +46,10 @@ stage however many micro-batches are in flight (`activation_parts`). tests/test_
 of this against the storages alive after forward on this CPU, for fp32, autocast and pure half.
 
 Context parallelism (`parallel.cp`, parallel/context.py: each rank holds 2 of the row's 2*cp chunks, T/cp tokens, and
-all-gathers K and V over the cp ranks before attention, or runs Ulysses' all-to-all on heads): everything above at T/cp tokens, except (`cp_block_extra`,
-`cp_outside_extra`) what the attention path keeps, and the ids and labels, separate tensors of T/cp (8 bytes each), and
-the rotary tables gathered at the rank's positions (two [B, T/cp, hd/2] fp32). The attention paths:
+all-gathers K and V over the cp ranks before attention, or runs Ulysses' all-to-all on heads): everything above at T/cp
+tokens, except (`cp_block_extra`, `cp_outside_extra`) what the attention path keeps, and the ids and labels, separate
+tensors of T/cp (8 bytes each), and the rotary tables gathered at the rank's positions (two [B, T/cp, hd/2] fp32). The
+attention paths:
 - blockwise (on a CPU, parallel/cp_attention.py; `cp_mask` False): the gathered K and V of the whole row at the KV
   heads (T tokens, kv width) instead of the rank's own k and v at h heads; no mask;
 - SDPA with the gathered-K/V mask (elsewhere, e.g. CUDA; `cp_mask` True): K and V of the whole row at h heads (GQA's

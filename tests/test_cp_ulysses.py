@@ -55,6 +55,12 @@ def test_ulysses_cp2_with_tp2_matches_reference(tmp_path, monkeypatch):
     cp_case(tmp_path, strategy="ddp", dp=1, cp=2, tp=2, accum=1, attention="ulysses")
 
 
+@pytest.mark.timeout(60)
+def test_ulysses_cp2_with_pp2_matches_reference(tmp_path):
+    """Each pipeline stage's attention runs the all-to-alls over the cp ranks of its stage."""
+    cp_case(tmp_path, strategy="ddp", dp=1, cp=2, pp=2, accum=2, attention="ulysses")
+
+
 @pytest.mark.timeout(90)
 def test_ulysses_packed_rows_with_document_masks_match_one_process(tmp_path):
     """After the all-to-all each rank holds whole rows: the single-process document mask on the gathered ids."""
@@ -73,6 +79,40 @@ def test_the_tolerance_catches_ulysses_rows_left_in_chunk_order(tmp_path, monkey
             cp_case(tmp_path, strategy="ddp", dp=1, cp=2, accum=1, attention="ulysses")
     finally:
         ulysses._natural_order.cache_clear()
+
+
+def _logged_attention(rank: int) -> list[str]:
+    import logging
+
+    import torch.distributed as dist
+
+    from dptrain.models.llama import build_llama
+    from dptrain.parallel.context import apply_cp
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dptrain.parallel").addHandler(handler)
+    logging.getLogger("dptrain.parallel").setLevel(logging.INFO)
+    dist.init_process_group("gloo")
+    try:
+        model = build_llama(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+        assert apply_cp(model, group=dist.group.WORLD, cp=2, rank=rank) == "ulysses"  # auto
+        rows = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+        pos = torch.arange(16).view(4, 4)[[rank, 3 - rank]].flatten()
+        model(input_ids=rows[:, :-1][:, pos], labels=rows[:, 1:][:, pos], position_ids=pos.expand(2, -1))
+        return [line for line in lines if "parallel.cp: attention is" in line]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_the_attention_that_runs_is_logged_once():
+    from support.mp import run_ranks
+
+    for lines in run_ranks(_logged_attention, 2, timeout=50):
+        assert lines == ["parallel.cp: attention is Ulysses all-to-all on heads (4 query / 2 KV heads a rank, 2 / 1 "
+                         "after the all-to-all, whole rows, causal SDPA)"]
 
 
 def test_gathered_positions_are_the_cp_ranks_chunks_in_rank_order():

@@ -50,12 +50,14 @@ CP_STEPS = 10
 
 
 def cp_case(tmp_path, *, strategy: str, dp: int, cp: int, accum: int, extra: tuple[str, ...] = (),
-            tp: int = 1, pp: int = 1) -> float:
-    """Train the tiny LLaMA on dp x cp (x tp x pp) gloo ranks for CP_STEPS SGD steps; assert every step's loss and
-    gradient norm and the final weights equal the reference; return the largest weight difference."""
+            tp: int = 1, pp: int = 1, attention: str = "allgather") -> float:
+    """Train the tiny LLaMA on dp x cp (x tp x pp) gloo ranks for CP_STEPS SGD steps with `attention`
+    (parallel.cp_attention); assert every step's loss and gradient norm and the final weights equal the reference;
+    return the largest weight difference."""
     g = GLOBAL_BATCH[dp]
     items = overrides(strategy=strategy, world_size=dp, accum=accum, model="llama", steps=CP_STEPS)
-    items += [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.pp={pp}", *extra]
+    items += [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp_attention={attention}",
+              *extra]
     got, records = train(items, dp * cp * tp * pp, tmp_path, timeout=50)
     want, norms = reference("llama", global_batch=g, steps=CP_STEPS)
     logged = [r["loss"] for r in records if "loss" in r]
@@ -64,8 +66,8 @@ def cp_case(tmp_path, *, strategy: str, dp: int, cp: int, accum: int, extra: tup
     assert [r["grad_norm"] for r in records if "grad_norm" in r] == pytest.approx(norms, rel=1e-4)
     assert_weights_close(got, want)
     diff = max_abs_diff(got, want)
-    print(f"cp {cp} x tp {tp} x pp {pp} x {strategy} dp {dp}, accumulation {accum}: max |weight difference| after "
-          f"{CP_STEPS} steps {diff:.2g}")
+    print(f"{attention}: cp {cp} x tp {tp} x pp {pp} x {strategy} dp {dp}, accumulation {accum}: max |weight "
+          f"difference| after {CP_STEPS} steps {diff:.2g}")
     return diff
 
 
@@ -238,18 +240,20 @@ def test_the_packed_case_catches_attention_across_documents(tmp_path, monkeypatc
         packed_case(tmp_path)
 
 
-def packed_case(tmp_path) -> None:
+def packed_case(tmp_path, attention: str = "allgather") -> None:
     source = packed_corpus(tmp_path / "corpus")
     g = GLOBAL_BATCH[1]
     items = [i for i in overrides(strategy="ddp", world_size=1, accum=1, model="llama", steps=CP_STEPS)
              if not i.startswith("data.")]
     items += ["data.factory=dptrain.data.packed:build_packed", f"data.kwargs.source={source}",
-              "data.kwargs.seq_len=16", "data.num_workers=0", "parallel.cp=2", "train.eval_every_steps=0"]
+              "data.kwargs.seq_len=16", "data.num_workers=0", "parallel.cp=2", "train.eval_every_steps=0",
+              f"parallel.cp_attention={attention}"]
     got, records = train(items, 2, tmp_path / "run", timeout=60)
     want, losses = packed_reference(source, global_batch=g, steps=CP_STEPS)
     assert [r["loss"] for r in records if "loss" in r] == pytest.approx(losses, rel=1e-5)
     assert_weights_close(got, want)
-    print(f"packed rows, cp 2: max |weight difference| after {CP_STEPS} steps {max_abs_diff(got, want):.2g}")
+    diff = max_abs_diff(got, want)
+    print(f"packed rows, {attention}, cp 2: max |weight difference| after {CP_STEPS} steps {diff:.2g}")
 
 
 @pytest.mark.timeout(60)
@@ -325,7 +329,7 @@ def test_shard_of_packed_rows_numbers_documents_on_the_whole_row():
     assert ContextParallel(None, cp=2, rank=0).shard(packed)["document_ids"].tolist() == [[1, 1, 2, 2]]
 
 
-def _eval_on_cp_ranks(rank: int, cp: int) -> tuple[float, float]:
+def _eval_on_cp_ranks(rank: int, cp: int, attention: str) -> tuple[float, float]:
     import torch.distributed as dist
 
     from dptrain.models.llama import build_llama
@@ -343,7 +347,7 @@ def _eval_on_cp_ranks(rank: int, cp: int) -> tuple[float, float]:
         with torch.no_grad():
             whole = float(model(batch))
         group = dist.new_group(list(range(cp)))
-        apply_cp(model, group=group, cp=cp, rank=rank)
+        assert apply_cp(model, group=group, cp=cp, rank=rank, attention=attention) == attention
         split = float(ContextParallel(group, cp=cp, rank=rank).eval_loss(model, batch, loss_fn=forward_loss))
         return whole, split
     finally:
@@ -351,10 +355,11 @@ def _eval_on_cp_ranks(rank: int, cp: int) -> tuple[float, float]:
 
 
 @pytest.mark.timeout(60)
-def test_validation_loss_of_split_rows_is_the_whole_rows_token_mean():
+@pytest.mark.parametrize("attention", ["allgather", "ulysses"])
+def test_validation_loss_of_split_rows_is_the_whole_rows_token_mean(attention):
     from support.mp import run_ranks
 
-    for whole, split in run_ranks(_eval_on_cp_ranks, 2, 2, timeout=50):
+    for whole, split in run_ranks(_eval_on_cp_ranks, 2, 2, attention, timeout=50):
         assert split == pytest.approx(whole, rel=1e-6)
 
 

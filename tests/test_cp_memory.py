@@ -1,5 +1,6 @@
 """`dptrain plan` under `parallel.cp` against context-parallel ranks on gloo (plan/llama.py's cp terms,
-plan/memory.py, plan/timing.py's K/V exchange): the activation memory of one rank for cp 1, 2 and 4 within 15% of the
+plan/memory.py, plan/timing.py's K/V exchange; `parallel.cp_attention=allgather`, Ulysses in test_cp_ulysses_plan.py):
+the activation memory of one rank for cp 1, 2 and 4 within 15% of the
 prediction (the CPU's blockwise attention: the gathered K/V at the KV heads, no mask; the mask of the SDPA path
 off the CPU counted by formula), FSDP2's shards over dp_shard x cp, and the exchange in
 the time model. benchmarks/memory/cp_memory.py prints the same comparison at 4K-16K tokens."""
@@ -24,6 +25,7 @@ def predicted_activations(model: dict, *, seq: int, cp: int, checkpointing: str 
     """`dptrain plan`'s activations per rank for one row of `seq` tokens on cp ranks (`predict`, as the CLI)."""
     items = [f"model.kwargs.{k}={v}" for k, v in {**model, "max_seq_len": seq}.items()]
     items += [f"data.kwargs.seq_len={seq}", f"parallel.cp={cp}", "parallel.strategy=ddp",
+              "parallel.cp_attention=allgather",
               "train.micro_batch_size=1", "train.global_batch_size=1", "train.grad_accum_steps=1",
               f"parallel.activation_checkpointing={checkpointing}"]
     # on the CPU (the blockwise attention path, the one measured); the link only enters the time, not compared here
@@ -34,7 +36,7 @@ def predicted_activations(model: dict, *, seq: int, cp: int, checkpointing: str 
 
 def measured(model: dict, *, seq: int, cp: int) -> list[int]:
     kw = {**model, "max_seq_len": seq}
-    return run_ranks(on_ranks, cp, measure_activations, kw, seq, cp, timeout=60)
+    return run_ranks(on_ranks, cp, measure_activations, kw, seq, cp, "allgather", timeout=60)
 
 
 @pytest.mark.timeout(90)
@@ -106,7 +108,7 @@ def test_the_plan_report_names_cp_and_the_exchange(capsys):
 
     assert main(["plan", "--gpus", "4", "--gpu-type", "H100", "--efficiency", "0.5", "parallel.strategy=fsdp",
                  "parallel.cp=2", "train.global_batch_size=2", "train.micro_batch_size=1",
-                 "train.grad_accum_steps=1"]) == 0
+                 "train.grad_accum_steps=1", "parallel.cp_attention=allgather"]) == 0
     out = capsys.readouterr().out
     assert "dp_shard 4, tp 1, pp 1, cp 2;" in out  # FSDP2 shards over dp_shard 2 x cp 2
     assert "context-parallel K/V exchange" in out and "not overlapped" in out

@@ -1,7 +1,7 @@
 """Context parallelism (`parallel.cp`) measured on gloo ranks against `dptrain plan` (issue 35).
 
     python benchmarks/memory/cp_memory.py [--seqs 4096 8192 16384] [--cps 1 2 4] [--budget-mb 160] [--time-seq 4096]
-                                   [--steps 6] [--skip memory longest time]
+                                          [--steps 6] [--skip memory longest time] [--attention allgather]
 
 The built-in LLaMA (dim 128, 2 layers, 4 heads, 2 KV heads, byte vocabulary; fp32, batch 1), one row split over cp
 ranks, each rank a forked process with one thread in a real gloo group (tests/support/mp.py):
@@ -17,6 +17,9 @@ ranks, each rank a forked process with one thread in a real gloo group (tests/su
    step dropped) for cp 1, 2 and 4 on the same row, side by side, with the planner's prediction for H100s (modelled
    efficiency; plan/timing.py: the K/V exchange is not overlapped) for this model and for Llama 3.1 8B at 131,072
    tokens.
+
+Every run and plan takes `--attention` as `parallel.cp_attention` (default allgather, the figures of
+docs/guides/long-sequences.md's tables; ulysses needs the 2 KV heads divisible by cp, so cp <= 2 with this model).
 
 The machine has 2 cores: cp 4 runs 4 one-thread ranks on them (oversubscribed 2x); cp 2 uses both; cp 1 one.
 """
@@ -45,12 +48,14 @@ from support.mp import run_ranks  # noqa: E402
 
 MODEL = {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}
 MB = 2**20
+ATTENTION = "allgather"
+"""parallel.cp_attention of every run and plan (`--attention`)."""
 
 
 def items(seq: int, cp: int, *, model: dict | None = None) -> list[str]:
     kw = {**(model or MODEL), "max_seq_len": seq}
     return [*(f"model.kwargs.{k}={v}" for k, v in kw.items()), f"data.kwargs.seq_len={seq}", f"parallel.cp={cp}",
-            "parallel.strategy=ddp", "train.micro_batch_size=1",
+            "parallel.strategy=ddp", f"parallel.cp_attention={ATTENTION}", "train.micro_batch_size=1",
             "train.global_batch_size=1", "train.grad_accum_steps=1", "optim.name=sgd", "optim.momentum=0",
             "optim.weight_decay=0", "parallel.device=cpu", "log.progress=false", "train.eval_every_steps=0"]
 
@@ -67,7 +72,8 @@ def planned(seq: int, cp: int, *, gpu: str = "cpu", efficiency: float | None = 0
 
 
 def measured(seq: int, cp: int) -> int:
-    got = run_ranks(on_ranks, cp, measure_activations, {**MODEL, "max_seq_len": seq}, seq, cp, timeout=600)
+    got = run_ranks(on_ranks, cp, measure_activations, {**MODEL, "max_seq_len": seq}, seq, cp, ATTENTION,
+                    timeout=600)
     return max(got)
 
 
@@ -107,7 +113,7 @@ def longest_table(budget_mb: float) -> list[str]:
     for cp in (1, 4):
         seq = longest(cp, budget)
         got = measured(seq, cp)
-        loss = run_ranks(on_ranks, cp, train_step, {**MODEL, "max_seq_len": seq}, seq, cp, timeout=600)
+        loss = run_ranks(on_ranks, cp, train_step, {**MODEL, "max_seq_len": seq}, seq, cp, ATTENTION, timeout=600)
         out.append(f"| {cp} | {seq:,} | {states_and_acts(seq, cp) / MB:,.1f} | {got / MB:,.1f} | "
                    f"{planned(seq, cp).memory['activations'] / MB:,.1f} | trains (loss {loss[0]:.3f}) |")
         print(out[-1], flush=True)
@@ -170,7 +176,10 @@ def main() -> None:
     ap.add_argument("--time-seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--skip", nargs="*", default=[], choices=["memory", "longest", "time"])
+    ap.add_argument("--attention", default="allgather", choices=["auto", "allgather", "ulysses"])
     args = ap.parse_args()
+    global ATTENTION
+    ATTENTION = args.attention
     lines: list[str] = []
     if "memory" not in args.skip:
         lines += memory_table(args.seqs, args.cps) + [""]

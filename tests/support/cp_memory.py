@@ -1,14 +1,14 @@
 """One context-parallel rank's activation memory, measured the way the planner counts it, and one training step
 at a cp degree (tests/test_cp_memory.py, benchmarks/memory/cp_memory.py).
 
-The built-in LLaMA is parallelised exactly as `dptrain run` does it (`parallel.strategy=ddp`, `parallel.cp`: the
-mesh, `apply_cp`'s gathered-K/V attention, on this CPU blockwise with no mask (parallel/cp_attention.py), DDP over
-dp x cp), the row is cut into this rank's chunks by the plan's
+The built-in LLaMA is parallelised exactly as `dptrain run` does it (`parallel.strategy=ddp`, `parallel.cp`: the mesh,
+`apply_cp`'s attention: the gathered K/V, on this CPU blockwise with no mask (parallel/cp_attention.py), or Ulysses'
+all-to-all on heads (parallel/ulysses.py), DDP over dp x cp), the row is cut into this rank's chunks by the plan's
 `ContextParallel.shard`, and after a warm-up step the activations are the storages the forward created that are still
-alive when it returns, each once at its current size, less the parameters and the loss (two warm-up steps first:
-DDP rebuilds its gradient buckets in the second forward, the plan's `temporary`) (the method of
-support/alive.py and support/fsdp_alive.py, storages tracked by identity). On the SDPA path (off the CPU) the rank's
-cached causal mask would be dropped before the measured forward, so the mask it makes again (and every layer shares)
+alive when it returns, each once at its current size, less the parameters and the loss (two warm-up steps first: DDP
+rebuilds its gradient buckets in the second forward, the plan's `temporary`) (the method of support/alive.py and
+support/fsdp_alive.py, storages tracked by identity). On the SDPA path (off the CPU) the rank's cached causal mask would
+be dropped before the measured forward, so the mask it makes again (and every layer shares)
 is counted once.
 
 Storages of the functional collective's autograd wrapper are views of the all-gather's output (counted there) and
@@ -49,10 +49,11 @@ def _alive(track: _Made, owned: set[int]) -> int:
     return total
 
 
-def build_cp_model(model_kwargs: dict[str, Any], *, cp: int) -> Any:
+def build_cp_model(model_kwargs: dict[str, Any], *, cp: int, attention: str = "auto") -> Any:
     """After the process group is up: the built-in LLaMA parallelised as `dptrain run` would with
-    `parallel.strategy=ddp parallel.cp=cp` on this world (the ParallelModel; its `.context` splits batches)."""
-    cfg = ParallelConfig(strategy=STRATEGY, cp=cp)
+    `parallel.strategy=ddp parallel.cp=cp parallel.cp_attention=attention` on this world (the ParallelModel; its
+    `.context` splits batches)."""
+    cfg = ParallelConfig(strategy=STRATEGY, cp=cp, cp_attention=attention)
     dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
     mesh = ParallelMesh.build(dims, device_type="cpu")
     torch.manual_seed(0)
@@ -66,9 +67,10 @@ def rank_batch(pm: Any, *, seq: int, vocab: int, batch: int = 1) -> Any:
     return pm.context.shard(rows) if pm.context is not None else rows
 
 
-def measure_activations(model_kwargs: dict[str, Any], seq: int, cp: int) -> int:
-    """This rank's activation bytes for one row of `seq` tokens under `parallel.cp=cp` (module docstring)."""
-    pm = build_cp_model(model_kwargs, cp=cp)
+def measure_activations(model_kwargs: dict[str, Any], seq: int, cp: int, attention: str = "auto") -> int:
+    """This rank's activation bytes for one row of `seq` tokens under `parallel.cp=cp` and `parallel.cp_attention`
+    (module docstring)."""
+    pm = build_cp_model(model_kwargs, cp=cp, attention=attention)
     try:
         mine = rank_batch(pm, seq=seq, vocab=model_kwargs.get("vocab_size", 256))
         for _ in range(2):  # warm-up: the rope tables exist, DDP has rebuilt its buckets (in the 2nd forward)
@@ -87,10 +89,10 @@ def measure_activations(model_kwargs: dict[str, Any], seq: int, cp: int) -> int:
         pm.release()
 
 
-def train_step(model_kwargs: dict[str, Any], seq: int, cp: int) -> float:
+def train_step(model_kwargs: dict[str, Any], seq: int, cp: int, attention: str = "auto") -> float:
     """Train one SGD step on this rank's chunks (forward, backward with DDP's all-reduce over dp x cp, step) and
-    return its loss: the row of `seq` tokens trains at this cp degree."""
-    pm = build_cp_model(model_kwargs, cp=cp)
+    return its loss: the row of `seq` tokens trains at this cp degree (and `parallel.cp_attention`)."""
+    pm = build_cp_model(model_kwargs, cp=cp, attention=attention)
     try:
         opt = torch.optim.SGD(pm.module.parameters(), lr=0.01)
         loss = pm.module(rank_batch(pm, seq=seq, vocab=model_kwargs.get("vocab_size", 256)))

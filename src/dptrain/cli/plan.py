@@ -216,7 +216,7 @@ def _layout_report(args: argparse.Namespace, *, comm, efficiency: tuple[float | 
         *memory_lines(mem, spec),
         *gpu_lines(spec),
     ]
-    lines += time_lines(args, t, comm=comm, efficiency=efficiency)
+    lines += time_lines(args, t, comm=comm, efficiency=efficiency, cp_attention=lay.cp_attention)
     if args.scaling:
         lines += _scaling_lines(args, cfg, comm=comm, efficiency=efficiency[0])
     return "\n".join(lines)

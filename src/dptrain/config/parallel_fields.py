@@ -60,9 +60,17 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree: ranks each sequence is split over (built-in LLaMA only; docs/guides/long-sequences.md).
     Each of the cp ranks of a data-parallel rank takes chunks i and 2*cp-1-i of the rows' 2*cp equal chunks (causal load
-    balance); attention all-gathers K/V over the cp ranks, exact. Gradients are averaged over dp x cp. Composes with
-    ddp, zero2 and fsdp (dp_shard: parameters sharded over dp_shard x cp); tp > 1, pp > 1, zero1 and packed rows are
-    refused; the model's input length must be divisible by 2*cp. dp_replicate * dp_shard * cp * tp * pp = world size."""
+    balance); attention is exact (cp_attention). Gradients are averaged over dp x cp. Composes with
+    ddp, zero2 and fsdp (dp_shard: parameters sharded over dp_shard x cp), tp and pp, and packed rows; zero1 is refused;
+    the model's input length must be divisible by 2*cp. dp_replicate * dp_shard * cp * tp * pp = world size. Which
+    attention splits the row: cp_attention."""
+    cp_attention: str = "auto"
+    """cp > 1: how attention sees the whole row. allgather: K/V all-gathered over the cp ranks, each rank's queries
+    attend to the whole row's keys (any head count). ulysses: DeepSpeed-Ulysses, q/k/v all-to-all'd from T/cp tokens
+    x all heads to all T tokens x 1/cp of the heads, plain causal attention, all-to-all back (less communication per
+    rank as cp grows); needs the query and the KV heads of each tp rank (n_heads/tp, n_kv_heads/tp) divisible by cp,
+    refused before launch otherwise. auto: ulysses where the heads allow, else allgather. The choice is logged;
+    docs/guides/long-sequences.md compares them."""
     pp_schedule: str = "1f1b"
     """pp > 1: the pipeline schedule of torch.distributed.pipelining: gpipe (all forwards, then all backwards), 1f1b
     (one forward, one backward in the steady state; needs pp_microbatches >= pp) or interleaved_1f1b (pp_stages_per_rank

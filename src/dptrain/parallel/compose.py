@@ -3,7 +3,7 @@
 
 With pp > 1 the model is first split into pipeline stages (`parallel/pipeline.py`), and steps 1 to 3
 apply to each stage. Order (torchtitan's): 1. tensor parallelism on the tp mesh (parallel/tensor.py),
-1b. context parallelism (parallel.cp: the built-in LLaMA's attention gathers K/V over the cp ranks;
+1b. context parallelism (parallel.cp: the built-in LLaMA's attention: Ulysses all-to-all or K/V all-gather;
 parallel/context.py), 2. activation checkpointing per block, 2b. torch.compile per block (train.compile;
 parallel/compile.py), 3. data parallelism: FSDP2 `fully_shard` on the dp_shard dimension (dp_shard x cp
 under cp), or the 2-D (dp_replicate, dp_shard) mesh: HSDP, or DDP on the data-parallel group (dp x cp; over a
@@ -66,9 +66,9 @@ def parallelize_model(
             loss_parallel=cfg.loss_parallel,
         )
     cp = None
-    if mesh.dims.cp > 1:  # 1b. context parallelism: attention over K/V gathered from the cp ranks
+    if mesh.dims.cp > 1:  # 1b. context parallelism: Ulysses or the K/V all-gather over the cp ranks
         cp = ContextParallel(mesh.cp_group, cp=mesh.cp_size, rank=mesh.cp_rank)
-        apply_cp(model, group=cp.group, cp=cp.cp, rank=cp.rank)
+        apply_cp(model, group=cp.group, cp=cp.cp, rank=cp.rank, attention=cfg.cp_attention, tp=mesh.dims.tp)
     apply_activation_checkpointing(model, mode=cfg.activation_checkpointing)  # 2.
     if compile_backend is not None:  # 2b. per block, before the data-parallel wrapper
         apply_compile(model, backend=compile_backend)

@@ -5,7 +5,9 @@
   early chunks attend to little and the late ones to much, so every rank gets one of each). Its labels are split the
   same way, and its ``position_ids`` are the global positions of its tokens, so rotary embeddings rotate by where each
   token is in the whole row.
-- **Attention** (`GatheredKVAttention`, swapped in for the built-in LLaMA's `CoreAttention` by `apply_cp`): K and V
+- **Attention**, one of two (`parallel.cp_attention`, chosen by `apply_cp`): Ulysses (parallel/ulysses.py: q/k/v
+  all-to-all'd to whole rows of 1/cp of the heads, where the heads divide by cp) or the K/V all-gather:
+- **The K/V all-gather** (`GatheredKVAttention`, swapped in for the built-in LLaMA's `CoreAttention`): K and V
   (after rotary, before GQA's repeat) are all-gathered over the cp group with torch's autograd-aware functional
   collective `all_gather_single_autograd` (its backward sends each rank the sum of the gradients of its K/V), and
   every local query attends to the gathered keys at global positions not after its own: exactly the causal attention of
@@ -19,7 +21,8 @@
 - **Packed rows** (a batch with ``position_ids``, data/packed.py): the documents are found on the whole row's
   positions (every cp rank holds the whole row before `shard`), numbered into ``document_ids`` and split like the
   tokens; `GatheredDocuments` (swapped in for the model's `DocumentMask`) gathers them once per forward, and each
-  query attends to keys of its own document only. Rotary uses the positions within each document, as one process.
+  query attends to keys of its own document only (Ulysses: the whole row's document mask, as one process). Rotary
+  uses the positions within each document, as one process.
 - **Loss and gradients**: the token rule counts every token once (each token is on one cp rank) over the dp x cp ranks
   (`ParallelMesh.grad_group`), DDP all-reduces and FSDP2 reduce-scatters gradients over the same ranks, so the step's
   gradient is the global batch's token mean (train/loss.py).
@@ -39,10 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain.config import ConfigError
-from dptrain.config.context import check_seq_len
+from dptrain.config.context import check_seq_len, choose_cp_attention
 from dptrain.distributed import collectives
 from dptrain.models.llama import Attention, DocumentMask
 from dptrain.parallel.cp_attention import blockwise_attention, blockwise_supported
+from dptrain.parallel.ulysses import UlyssesAttention
 
 __all__ = ["ContextParallel", "GatheredDocuments", "GatheredKVAttention", "apply_cp", "chunk_positions"]
 
@@ -152,21 +156,25 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(dim=1)
 
 
-def apply_cp(model: nn.Module, *, group: Any, cp: int, rank: int) -> int:
-    """Swap every built-in LLaMA attention's core for `GatheredKVAttention` (in place); returns how many. A model
-    without one is refused (config/context.py refuses it before launch; this catches a factory that hides it)."""
-    swapped = 0
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.core = GatheredKVAttention(group, cp=cp, rank=rank)
-            swapped += 1
+def apply_cp(model: nn.Module, *, group: Any, cp: int, rank: int, attention: str = "auto", tp: int = 1) -> str:
+    """Swap every built-in LLaMA attention's core for the cp attention (in place) and return its name: `attention`
+    (`parallel.cp_attention`) resolved on the model's heads and `tp` (config/context.py `choose_cp_attention`):
+    `UlyssesAttention` (parallel/ulysses.py) or `GatheredKVAttention`. A model without one is refused (config/context.py
+    refuses it before launch; this catches a factory that hides it)."""
+    cores = [m for m in model.modules() if isinstance(m, Attention)]
+    if not cores:
+        raise ConfigError(f"parallel.cp={cp}: the model ({type(model).__name__}) has no built-in LLaMA attention to "
+                          "split over the sequence; use dptrain.models.llama:build_llama, or parallel.cp=1")
+    first = cores[0]  # nn.Linear keeps its global out_features under tp's DTensor weights
+    chosen = choose_cp_attention(attention, n_heads=first.wq.out_features // first.head_dim,
+                                 n_kv_heads=first.wk.out_features // first.head_dim, tp=tp, cp=cp)
+    for attn in cores:
+        attn.core = (UlyssesAttention(group, cp=cp, rank=rank) if chosen == "ulysses"
+                       else GatheredKVAttention(group, cp=cp, rank=rank))
     for module in model.modules():
         if isinstance(getattr(module, "doc_mask", None), DocumentMask):  # packed rows: ids over the whole row
             module.doc_mask = GatheredDocuments(group)
-    if not swapped:
-        raise ConfigError(f"parallel.cp={cp}: the model ({type(model).__name__}) has no built-in LLaMA attention to "
-                          "split over the sequence; use dptrain.models.llama:build_llama, or parallel.cp=1")
-    return swapped
+    return chosen
 
 
 class ContextParallel:

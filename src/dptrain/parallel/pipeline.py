@@ -23,7 +23,7 @@ activation checkpointing per block, then data parallelism over
 the data-parallel ranks of that stage: torch's FSDP2-based `replicate` (ddp; see `apply_replicate`
 for why not the DDP wrapper) or FSDP2 `fully_shard` (zero2/fsdp, HSDP), per block and per stage;
 nothing at dp size 1. zero1 is refused before launch (config/pipeline.py). Under context parallelism (cp > 1) each
-stage holds the cp split: its attention gathers K/V over the cp ranks (`apply_cp`), every micro-batch is cut to the
+stage holds the cp split: its attention spans the cp ranks (`apply_cp`), every micro-batch is cut to the
 rank's chunks first (`ContextParallel.shard`), the stages read the rotary tables at the rank's global positions
 (`LlamaStage.positions`), the data-parallel wrapper reduces over dp x cp, and evaluation counts and sums over the cp
 group too.
@@ -341,8 +341,9 @@ def parallelize_pipeline(
         hook = materialize.for_part(model) if isinstance(materialize, Materializer) and on_meta else None
         if tp:  # 1. tensor parallelism on the tp mesh, as parallelize does for the unsplit model
             apply_llama_tp(part, mesh.tp_mesh, sequence_parallel=cfg.sequence_parallel)
-        if mesh.dims.cp > 1:  # 1b. context parallelism: the stage's attention gathers K/V over the cp ranks
-            apply_cp(part, group=mesh.cp_group, cp=mesh.cp_size, rank=mesh.cp_rank)
+        if mesh.dims.cp > 1:  # 1b. context parallelism: the stage's attention (Ulysses or the K/V all-gather) over cp
+            apply_cp(part, group=mesh.cp_group, cp=mesh.cp_size, rank=mesh.cp_rank, attention=cfg.cp_attention,
+                     tp=mesh.dims.tp)
         apply_activation_checkpointing(part, mode=cfg.activation_checkpointing)  # 2.
         if mode.wrapper == "fsdp" and mesh.grad_size > 1:  # over dp_shard (x cp)
             module: nn.Module = fsdp.apply_fsdp(

@@ -46,17 +46,21 @@ stage however many micro-batches are in flight (`activation_parts`). tests/test_
 of this against the storages alive after forward on this CPU, for fp32, autocast and pure half.
 
 Context parallelism (`parallel.cp`, parallel/context.py: each rank holds 2 of the row's 2*cp chunks, T/cp tokens, and
-all-gathers K and V over the cp ranks before attention): everything above at T/cp tokens, except (`cp_block_extra`,
-`cp_outside_extra`) what the attention path keeps, and the ids and labels, separate tensors of T/cp (8 bytes each), and
-the rotary tables gathered at the rank's positions (two [B, T/cp, hd/2] fp32). The two attention paths:
+all-gathers K and V over the cp ranks before attention, or runs Ulysses' all-to-all on heads): everything above at T/cp
+tokens, except (`cp_block_extra`, `cp_outside_extra`) what the attention path keeps, and the ids and labels, separate
+tensors of T/cp (8 bytes each), and the rotary tables gathered at the rank's positions (two [B, T/cp, hd/2] fp32). The
+attention paths:
 - blockwise (on a CPU, parallel/cp_attention.py; `cp_mask` False): the gathered K and V of the whole row at the KV
   heads (T tokens, kv width) instead of the rank's own k and v at h heads; no mask;
 - SDPA with the gathered-K/V mask (elsewhere, e.g. CUDA; `cp_mask` True): K and V of the whole row at h heads (GQA's
   repeat is what SDPA saves), and the rank's additive causal mask, [T/cp, T] in the compute dtype, one per rank
-  shared by every block and cached for the next step.
+  shared by every block and cached for the next step;
+- Ulysses (`ulysses`, parallel/ulysses.py: q, k, v all-to-all'd to the whole row at h/cp heads): the attention saves
+  q, K, V (GQA's repeat), its output and log-sum-exp of T tokens at h/cp heads, as many elements as one process at
+  T/cp tokens and h heads: no extra in the blocks, no mask outside.
 Under activation checkpointing the gathered K/V are not kept (the recompute gathers again) and are part of the one
 block recomputed at a time. Packed rows' document ids (8 bytes a token of the row, once) are not counted.
-tests/test_cp_memory.py checks the blockwise path against cp ranks on gloo."""
+tests/test_cp_memory.py checks the blockwise path, tests/test_cp_ulysses_plan.py Ulysses, against cp ranks on gloo."""
 
 from __future__ import annotations
 
@@ -195,11 +199,14 @@ def outside_activation_bytes(cfg: LlamaConfig, *, batch: int, seq: int, precisio
     return ids + rope + norm + head + 4 * bt * v + 4
 
 
-def cp_block_extra(cfg: LlamaConfig, *, batch: int, seq: int, cp: int, precision: str, cp_mask: bool = True) -> int:
+def cp_block_extra(cfg: LlamaConfig, *, batch: int, seq: int, cp: int, precision: str, cp_mask: bool = True,
+                   ulysses: bool = False) -> int:
     """Bytes a block saves under context parallelism beyond `block_activation_bytes` at seq/cp tokens (negative when
     less): K and V over the whole row of `seq` tokens in the compute dtype instead of the rank's seq/cp at h heads; at
-    the KV heads on the blockwise path, at h heads on the masked SDPA path (`cp_mask`); 0 at cp 1."""
-    if cp == 1:
+    the KV heads on the blockwise path, at h heads on the masked SDPA path (`cp_mask`); 0 at cp 1, and 0 under
+    Ulysses (`ulysses`: q, K, V, the output and log-sum-exp of the whole row at h/cp heads, as many elements as one
+    process saves at seq/cp tokens and h heads)."""
+    if cp == 1 or ulysses:
         return 0
     assert cfg.n_kv_heads is not None
     width = cfg.n_heads * cfg.head_dim
@@ -207,42 +214,46 @@ def cp_block_extra(cfg: LlamaConfig, *, batch: int, seq: int, cp: int, precision
     return 2 * (2 if precision in HALF else 4) * batch * (seq * kept - (seq // cp) * width)
 
 
-def cp_outside_extra(cfg: LlamaConfig, *, batch: int, seq: int, cp: int, precision: str, cp_mask: bool = True) -> int:
+def cp_outside_extra(cfg: LlamaConfig, *, batch: int, seq: int, cp: int, precision: str, cp_mask: bool = True,
+                     ulysses: bool = False) -> int:
     """Bytes saved outside the blocks under context parallelism beyond `outside_activation_bytes` at seq/cp tokens:
     the ids and labels as two tensors (no shared row), the rotary tables at the rank's positions, and on the masked
-    SDPA path (`cp_mask`) the rank's additive causal mask [seq/cp, seq] in the compute dtype (module docstring); 0 at
-    cp 1."""
+    SDPA path (`cp_mask`, not under Ulysses: causal SDPA, no mask) the rank's additive causal mask [seq/cp, seq] in the
+    compute dtype (module docstring); 0 at cp 1."""
     if cp == 1:
         return 0
     local = seq // cp
     bt = batch * local
     ids = 16 * bt - 8 * (batch * (local + 1) + (bt if batch > 1 else 0))
     rope = 4 * bt * cfg.head_dim
-    mask = (2 if precision in HALF else 4) * local * seq if cp_mask else 0
+    mask = (2 if precision in HALF else 4) * local * seq if cp_mask and not ulysses else 0
     return ids + rope + mask
 
 
 def tp_whole_outside_bytes(cfg: LlamaConfig, *, batch: int, seq: int, cp: int, precision: str,
-                           loss_parallel: bool, cp_mask: bool = True) -> int:
+                           loss_parallel: bool, cp_mask: bool = True, ulysses: bool = False) -> int:
     """Of the bytes saved outside the blocks (`outside_activation_bytes` at seq/cp tokens plus `cp_outside_extra`),
     what tensor parallelism leaves whole on every tp rank: the fp32 log-softmax [B*seq/cp, V] (the head's output is
     gathered over the vocabulary, unless `loss_parallel` keeps it sharded), and under cp the rank's own ids, rotary
     rows and, on the masked path (`cp_mask`), causal mask (`cp_outside_extra`: they belong to the cp rank, not to a tp
     shard)."""
     softmax = 0 if loss_parallel else 4 * batch * (seq // cp) * cfg.vocab_size
-    return softmax + cp_outside_extra(cfg, batch=batch, seq=seq, cp=cp, precision=precision, cp_mask=cp_mask)
+    return softmax + cp_outside_extra(cfg, batch=batch, seq=seq, cp=cp, precision=precision, cp_mask=cp_mask,
+                                      ulysses=ulysses)
 
 
 def activation_parts(cfg: LlamaConfig, *, batch: int, seq: int, precision: str, checkpointing: str = "none",
                      n_layers: int | None = None, outside: bool = True,
-                     param_dtype: str | None = None, cp: int = 1, cp_mask: bool = True) -> tuple[int, int]:
+                     param_dtype: str | None = None, cp: int = 1, cp_mask: bool = True,
+                     ulysses: bool = False) -> tuple[int, int]:
     """(bytes one micro-batch keeps from forward to backward over `n_layers` blocks, plus the parts
     outside them with `outside`; the recompute working set of one block in backward, needed once
     per stage: 0 without checkpointing). `cp`: the row of `seq` tokens is split over cp ranks, `cp_mask`: the
-    attention path that keeps a mask (module docstring)."""
+    attention path that keeps a mask, `ulysses`: the all-to-all on heads instead of the K/V all-gather (module
+    docstring)."""
     layers = cfg.n_layers if n_layers is None else n_layers
     local = seq // cp
-    extra = cp_block_extra(cfg, batch=batch, seq=seq, cp=cp, precision=precision, cp_mask=cp_mask)
+    extra = cp_block_extra(cfg, batch=batch, seq=seq, cp=cp, precision=precision, cp_mask=cp_mask, ulysses=ulysses)
     recomputing = checkpointing in RECOMPUTING
     kept = kept_block_bytes(cfg, batch=batch, seq=local, precision=precision, checkpointing=checkpointing,
                             param_dtype=param_dtype) + (0 if recomputing else extra)
@@ -251,7 +262,8 @@ def activation_parts(cfg: LlamaConfig, *, batch: int, seq: int, precision: str, 
     rest = outside_activation_bytes(cfg, batch=batch, seq=local, precision=precision,
                                     param_dtype=param_dtype) if outside else 0
     if outside:
-        rest += cp_outside_extra(cfg, batch=batch, seq=seq, cp=cp, precision=precision, cp_mask=cp_mask)
+        rest += cp_outside_extra(cfg, batch=batch, seq=seq, cp=cp, precision=precision, cp_mask=cp_mask,
+                                 ulysses=ulysses)
     return layers * kept + rest, work
 
 

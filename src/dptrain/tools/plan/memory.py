@@ -104,6 +104,12 @@ class Layout:
     cp: int = 1  # parallel.cp: each row of `seq` tokens split over cp ranks (seq/cp each, K/V all-gathered)
     loss_parallel: bool = False  # tp > 1: the logits stay vocabulary-sharded (else gathered whole on every tp rank)
     cp_mask: bool = True  # cp > 1 off the CPU: SDPA with a [T/cp, T] mask; on the CPU blockwise attention, no mask
+    cp_attention: str = "allgather"  # cp > 1: allgather (K/V all-gathered) or ulysses (all-to-all on heads, no mask)
+
+    @property
+    def ulysses(self) -> bool:
+        """Context parallelism by Ulysses' all-to-all on heads (cp > 1, cp_attention ulysses)."""
+        return self.cp > 1 and self.cp_attention == "ulysses"
 
     @property
     def pure_half(self) -> bool:
@@ -230,16 +236,18 @@ def _stage_memory(cfg: LlamaConfig, c: ParamCounts, lay: Layout, *, layers: list
     chunk = sum(layers) / len(layers)  # blocks per stage of this rank (an even split: all the same)
     kept_i, work_i = activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision,
                                       checkpointing=lay.checkpointing, n_layers=1, outside=False, param_dtype=pdt,
-                                      cp=lay.cp, cp_mask=lay.cp_mask)
+                                      cp=lay.cp, cp_mask=lay.cp_mask, ulysses=lay.ulysses)
     kept, work = float(kept_i), float(work_i)
     outside = float(activation_parts(cfg, batch=batch, seq=lay.seq, precision=lay.precision, n_layers=0,
-                                     param_dtype=pdt, cp=lay.cp, cp_mask=lay.cp_mask)[0]) if last else 0.0
+                                     param_dtype=pdt, cp=lay.cp, cp_mask=lay.cp_mask,
+                                     ulysses=lay.ulysses)[0]) if last else 0.0
     rep = replicated_block_bytes(cfg, batch=batch, seq=lay.seq // lay.cp, precision=lay.precision,
                                  checkpointing=lay.checkpointing, param_dtype=pdt)
     if lay.tp > 1:  # sequence parallel: all of it on 1/tp of the sequence; else the norms' part replicated
         kept = kept / lay.tp if lay.sequence_parallel else rep + (kept - rep) / lay.tp
         whole = tp_whole_outside_bytes(cfg, batch=batch, seq=lay.seq, cp=lay.cp, precision=lay.precision,
-                                       loss_parallel=lay.loss_parallel, cp_mask=lay.cp_mask) if last else 0
+                                       loss_parallel=lay.loss_parallel, cp_mask=lay.cp_mask,
+                                       ulysses=lay.ulysses) if last else 0
         work, outside = work / lay.tp, whole + (outside - whole) / lay.tp  # the head's log-softmax, cp's own parts
     # the last stage's outside part (final norm, head, loss) for each of its micro-batches in flight
     acts = in_flight * chunk * kept + work + (min(in_flight, m) * outside if last else 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dptrain.config.context import cp_attention_of
 from dptrain.config.fields import ConfigError
 from dptrain.config.resolve import resolve
 from dptrain.metrics.hardware import GpuSpec, gpu_spec, with_memory
@@ -52,7 +53,8 @@ def layout_from_config(cfg: Config, resolved: Resolved, *, seq: int, cpu: bool =
                   overhead=0.0 if cpu else FRAMEWORK_OVERHEAD,
                   lora_rank=cfg.model.lora.rank if cfg.model.lora.enabled else 0,
                   lora_targets=cfg.model.lora.target_modules, cp=dims.cp, loss_parallel=p.loss_parallel,
-                  cp_mask=not cpu)  # the CPU runs cp attention blockwise, without a mask (parallel/cp_attention.py)
+                  cp_mask=not cpu,  # the CPU runs the K/V all-gather blockwise, without a mask (cp_attention.py)
+                  cp_attention=cp_attention_of(cfg, tp=dims.tp, cp=dims.cp))  # ulysses or allgather, as the run
 
 
 def resolve_for_plan(cfg: Config, *, gpus: int, gpu_type: str) -> Resolved:

@@ -32,8 +32,9 @@ def gpu_lines(spec: GpuSpec) -> list[str]:
 
 
 def time_lines(args: argparse.Namespace, t: dict[str, float], *, comm: Any,
-               efficiency: tuple[float | None, str]) -> list[str]:
-    """The time part of a layout report (`step_time` / `profile_step_time`'s result)."""
+               efficiency: tuple[float | None, str], cp_attention: str = "allgather") -> list[str]:
+    """The time part of a layout report (`step_time` / `profile_step_time`'s result; `cp_attention`: the cp
+    attention the layout runs, allgather or ulysses)."""
     link = "measured, " + args.comm if comm else f"{args.interconnect} datasheet"
     used = efficiency[0] if efficiency[0] is not None else t.get("efficiency", 0.0)
     lines = [f"time per step (alpha-beta model; {efficiency_text(used, efficiency[1])}; "
@@ -41,7 +42,10 @@ def time_lines(args: argparse.Namespace, t: dict[str, float], *, comm: Any,
              f"  compute {t['compute']:.4g} s, data-parallel comm {t['dp_comm']:.4g} s of which exposed "
              f"{t['exposed_comm']:.4g} s, tensor-parallel comm {t['tp_comm']:.4g} s, pipeline transfers (exposed) "
              f"{t['pp_comm']:.4g} s"]
-    if t.get("cp_comm"):
+    if t.get("cp_comm") and cp_attention == "ulysses":
+        lines.append(f"  context-parallel Ulysses exchange (4 all-to-alls on heads a layer, q, k, v and the output, "
+                     f"as many in backward; not overlapped): {t['cp_comm']:.4g} s")
+    elif t.get("cp_comm"):
         lines.append(f"  context-parallel K/V exchange (all-gathers before attention, reduce-scatters in backward; "
                      f"not overlapped): {t['cp_comm']:.4g} s")
     rate = f"{t['samples_per_s']:,.1f} samples/s, " if "samples_per_s" in t else ""

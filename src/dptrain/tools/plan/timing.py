@@ -37,13 +37,15 @@
   overlapped.
 - Context parallelism (`parallel.cp`): each of the cp ranks of a model replica computes 1/cp of its tokens' FLOPs
   (the load-balanced chunks give every rank the same share of the causal attention); gradients are reduced over
-  dp x cp ranks (DDP's group; FSDP2 shards over dp_shard x cp). The K/V exchange (`cp_exchange_time`): per layer and
-  micro-step an all-gather of K and one of V in forward, a reduce-scatter of each gradient in backward, and under
-  activation checkpointing one more all-gather of each in the recompute. parallel/context.py all-gathers before
-  attention and waits for the result, so none of it overlaps with compute: all of it is exposed (a ring that
-  overlaps the exchange with attention, as torchtitan's and Megatron's do, would hide most of it; not built).
-  With tp (cp x tp) each rank exchanges its own n_kv_heads/tp heads over its cp group, and the tensor-parallel
-  all-reduces carry the rank's seq/cp tokens.
+  dp x cp ranks (DDP's group; FSDP2 shards over dp_shard x cp). The exchange (`cp_exchange_time`,
+  `cp_exchange_bytes`), per the layout's `cp_attention`: the K/V all-gather, per layer and micro-step an all-gather
+  of K and one of V in forward, a reduce-scatter of each gradient in backward, and under activation checkpointing
+  one more all-gather of each in the recompute; or Ulysses, 4 all-to-alls (q, k, v, output) of the rank's seq/cp
+  tokens in forward, 4 in backward and 4 more in the recompute. Both wait for their result before attention, so none
+  of it overlaps with compute: all of it is exposed (a ring that overlaps the exchange with attention, as
+  torchtitan's and Megatron's do, would hide most of the all-gather's; not built). With tp (cp x tp) each rank
+  exchanges its own heads (n_heads/tp, n_kv_heads/tp) over its cp group, and the tensor-parallel all-reduces carry
+  the rank's seq/cp tokens.
 """
 
 from __future__ import annotations
@@ -241,25 +243,47 @@ def pipeline_p2p_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int
     return accum * 2 * (lay.pp - 1) * (link.alpha + nbytes / link.bandwidth)
 
 
+def cp_exchange_bytes(cfg: LlamaConfig, lay: Layout, *, recompute: bool = False) -> tuple[int, float]:
+    """(collectives, bytes one rank sends) per layer and micro-step of context parallelism's exchange (module
+    docstring), in the compute dtype, each rank's own heads under tp. Forward and backward, plus the recompute's
+    forward under activation checkpointing (`recompute`):
+    - allgather: K and V ``[micro-batch, seq, kv heads/tp x head dim]`` once gathered; an all-gather of each in
+      forward, a reduce-scatter of each in backward, each sending (cp-1)/cp of the whole row's K or V: the bytes per
+      rank do not fall with cp;
+    - ulysses: q, k, v and the attention output, each the rank's ``[micro-batch, seq/cp, heads/tp x head dim]`` (KV
+      heads for k and v), one all-to-all each in forward and in backward, each sending (cp-1)/cp of it: the bytes per
+      rank fall as 1/cp."""
+    if lay.cp == 1:
+        return 0, 0.0
+    assert cfg.n_kv_heads is not None
+    width = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch * cfg.head_dim / lay.tp
+    share = (lay.cp - 1) / lay.cp
+    if lay.ulysses:
+        local = lay.seq / lay.cp
+        forward = 2 * local * width * (cfg.n_heads + cfg.n_kv_heads)  # q and output, k and v
+        passes = 3 if recompute else 2
+        return 4 * passes, passes * share * forward
+    kv = lay.seq * width * cfg.n_kv_heads
+    calls = 4 + (2 if recompute else 0)
+    return calls, calls * share * kv
+
+
 def cp_exchange_time(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, gpus: int, nodes: int, interconnect: str,
                      accum: int, comm: Link | None = None) -> float:
-    """Exposed seconds per step of context parallelism's K/V exchange (module docstring): K and V are each
-    [micro-batch, seq, kv heads / tp x head dim] in the compute dtype once gathered (under tp each rank exchanges its
-    own heads over its cp group); per layer and micro-step 2 all-gathers
-    and 2 reduce-scatters of that size over the cp ranks, 2 all-gathers more under activation checkpointing. The cp
-    ranks sit next to each other in the mesh (only tp is inner): one node's link while cp * tp fits a node, else the
-    interconnect (or the measured link `comm`)."""
+    """Exposed seconds per step of context parallelism's exchange (module docstring): per layer and micro-step the
+    collectives and bytes of `cp_exchange_bytes`, each collective (cp-1) steps of the link's latency (a ring
+    all-gather or reduce-scatter, a pairwise all-to-all), the bytes at its bandwidth. The cp ranks sit next to each
+    other in the mesh (only tp is inner): one node's link while cp * tp fits a node, else the interconnect (or the
+    measured link `comm`)."""
     if lay.cp == 1:
         return 0.0
-    assert cfg.n_kv_heads is not None
-    nbytes = DTYPE_BYTES.get(lay.precision, 4) * lay.micro_batch * lay.seq * cfg.n_kv_heads * cfg.head_dim / lay.tp
     per_node = max(1, gpus // nodes)
     spans = lay.cp * lay.tp > per_node
     # a CPU has no table link: the measured one (as the data-parallel link)
     link = comm if comm and (spans or spec.key == "cpu") else links(spec, nodes=nodes, interconnect=interconnect,
                                                                       spans_nodes=spans)
-    calls = 4 + (2 if lay.checkpointing in RECOMPUTING else 0)
-    return accum * cfg.n_layers * calls * gather_time(nbytes, lay.cp, link)
+    calls, nbytes = cp_exchange_bytes(cfg, lay, recompute=lay.checkpointing in RECOMPUTING)
+    return accum * cfg.n_layers * (calls * (lay.cp - 1) * link.alpha + nbytes / link.bandwidth)
 
 
 def layout_efficiency(cfg: LlamaConfig, lay: Layout, spec: GpuSpec, *, flops_per_token: float) -> float:

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from dptrain.config import ConfigError, DataConfig, ModelConfig
+from dptrain.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from dptrain.config.datasource import FINETUNE_FACTORY, PACKED_FACTORY, resolve_data
 from dptrain.config.imports import import_object
 from dptrain.data.loader import split_train_val
+from dptrain.models.chunked_loss import apply_chunked_loss
 from dptrain.models.labels import labels_shifted_by, model_kind
 from dptrain.models.lora import apply_lora
 from dptrain.models.pretrained import find_source
@@ -30,7 +31,7 @@ from dptrain.train.loss import LossFn, check_scalar, forward_loss
 
 __all__ = [
     "align_labels", "build_collate", "build_datasets", "build_loss_fn", "build_model", "build_model_meta",
-    "import_object", "to_device",
+    "chunk_the_loss", "import_object", "to_device",
 ]
 
 
@@ -181,3 +182,21 @@ def build_loss_fn(spec: str | None) -> LossFn:
     return checked
 
 
+
+
+def chunk_the_loss(model: nn.Module, *, train: TrainConfig, tp: int, pp: int) -> str | None:
+    """Switch `model`'s training loss to the chunked one (`train.loss_chunk_tokens`, dptrain/models/chunked_loss.py)
+    where it applies: the default loss, no tensor or pipeline parallelism, a model it knows. Returns a line to
+    say when the user set a chunk size and it does not apply, else None."""
+    asked = train.loss_chunk_tokens
+    if asked == 0:
+        return None
+    if train.loss is not None:
+        problem = f"train.loss={train.loss!r} computes the loss itself"
+    elif tp > 1 or pp > 1:
+        problem = "tensor and pipeline parallelism keep the model's own loss"
+    else:
+        problem = apply_chunked_loss(model, chunk_tokens=asked)
+    if problem is None or asked is None:
+        return None
+    return f"train.loss_chunk_tokens={asked} does not apply: {problem}; the loss is computed over the whole logits"

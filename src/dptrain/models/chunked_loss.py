@@ -3,9 +3,11 @@
 
 `linear_cross_entropy(hidden, weight, bias, targets)` is the sum of the token losses of
 ``cross_entropy(hidden @ weight.T + bias, targets, ignore_index=-100, reduction="sum")``, computed chunk by chunk of
-tokens: forward keeps only each token's log-sum-exp; backward recomputes one chunk's logits at a time and turns them
-into that chunk's gradient in place (softmax minus the one-hot target), then into the gradients of the hidden states,
-the weight (accumulated in one buffer) and the bias. Same arithmetic as the unchunked path, in another summation
+tokens: each chunk's logits are turned in place into that chunk's gradient (softmax minus the one-hot target), then
+into the gradients of the hidden states, the weight (accumulated in one buffer) and the bias. With a frozen weight
+(LoRA) that happens in forward and backward only scales the result; with a trained weight forward keeps each
+token's log-sum-exp and backward recomputes the chunk's logits, so the weight's gradient exists only during backward
+(one matrix product more per chunk). Same arithmetic as the unchunked path, in another summation
 order: loss and gradients agree within float32 rounding (tests/test_chunked_loss.py). The field's reference designs
 are Liger-Kernel's fused linear cross-entropy and torchtune's chunked cross-entropy.
 
@@ -56,31 +58,65 @@ def auto_chunk_tokens(vocab_size: int) -> int:
     return 1 << (fit.bit_length() - 1)
 
 
+def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """d(sum of token losses)/d logits of one chunk, times `scale`: softmax minus the one-hot target for valid
+    targets, 0 for ignored ones; computed in place on the float32 `logits`."""
+    valid = target != IGNORE_INDEX
+    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+    grad[torch.arange(grad.size(0), device=grad.device), torch.where(valid, target, 0)] -= 1.0
+    return grad.mul_(torch.where(valid, scale.float(), 0.0).unsqueeze(1))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Sum of token cross-entropies of ``hidden @ weight.T + bias`` against `targets`, chunk by chunk."""
+    """Sum of token cross-entropies of ``hidden @ weight.T + bias`` against `targets`, chunk by chunk.
+
+    A frozen weight (LoRA): the gradients of the hidden states and the bias are made in forward, chunk by chunk
+    (two matrix products per chunk, as the unchunked path), and backward only scales them. A trained weight: forward
+    keeps each token's log-sum-exp, backward recomputes each chunk's logits (one product more) and accumulates the
+    weight's gradient in one buffer, which then exists only during this backward, not from forward on."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        early = not need_w and (need_h or need_b)  # the gradients in forward: nothing to recompute
         lse = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if early and need_h else None
+        grad_b = None
+        if early and need_b and bias is not None:
+            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        one = torch.ones((), device=hidden.device)
         for start in range(0, hidden.size(0), chunk):
-            logits = F.linear(hidden[start:start + chunk], weight, bias).float()
-            target = targets[start:start + chunk]
+            raw = F.linear(hidden[start:start + chunk], weight, bias)
+            logits, target = raw.float(), targets[start:start + chunk]
             valid = target != IGNORE_INDEX
             lse_c = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1)
             total += torch.where(valid, lse_c - picked, 0.0).sum()
             lse[start:start + chunk] = lse_c
-            del logits
+            if early:
+                grad_c = _logits_grad(logits, lse_c, target, one).to(raw.dtype)
+                if grad_h is not None:
+                    grad_h[start:start + chunk] = (grad_c @ weight.to(grad_c.dtype)).to(hidden.dtype)
+                if grad_b is not None:
+                    grad_b += grad_c.float().sum(0)
+            del raw, logits
         device_type = hidden.device.type
         ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
-        ctx.chunk = chunk
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk, ctx.early, ctx.bias_dtype = chunk, early, None if bias is None else bias.dtype
+        if early:
+            ctx.save_for_backward(grad_h, grad_b)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, targets, lse)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.early:
+            grad_h, grad_b = ctx.saved_tensors
+            bias_grad = None if grad_b is None else (grad_b * grad_out).to(ctx.bias_dtype)
+            return (None if grad_h is None else grad_h * grad_out.to(grad_h.dtype), None, bias_grad, None, None)
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -89,17 +125,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         device_type, dtype, enabled = ctx.autocast
         for start in range(0, hidden.size(0), ctx.chunk):
             h = hidden[start:start + ctx.chunk]
-            target = targets[start:start + ctx.chunk]
-            valid = target != IGNORE_INDEX
             with torch.autocast(device_type, dtype=dtype, enabled=enabled):  # the forward's matmul precision
                 raw = F.linear(h, weight, bias)
-            # d(lse - logit[t])/d logits = softmax - one-hot(t), for valid targets; in place on the recomputed logits
-            grad = raw.float().sub_(lse[start:start + ctx.chunk].unsqueeze(1)).exp_()
-            rows = torch.arange(grad.size(0), device=grad.device)
-            grad[rows, torch.where(valid, target, 0)] -= 1.0
-            grad.mul_(torch.where(valid, grad_out.float(), 0.0).unsqueeze(1))
-            grad_c = grad.to(raw.dtype)
-            del raw, grad
+            grad_c = _logits_grad(raw.float(), lse[start:start + ctx.chunk], targets[start:start + ctx.chunk],
+                                  grad_out).to(raw.dtype)
+            del raw
             if grad_h is not None:
                 grad_h[start:start + ctx.chunk] = (grad_c @ weight.to(grad_c.dtype)).to(hidden.dtype)
             if grad_w is not None:
@@ -133,7 +163,7 @@ def _head_forward(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor |
     return linear_cross_entropy(hidden, head.weight, head.bias, targets, chunk_tokens=chunk_tokens)
 
 
-def _causal_lm_forward(model: nn.Module, *args: Any, labels: torch.Tensor | None = None,
+def _causal_lm_forward(model: Any, *args: Any, labels: torch.Tensor | None = None,
                        num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> Any:
     """A transformers causal LM's forward with the chunked loss: a training forward (gradients on, labels given,
     keyword arguments only) calls the decoder, then `lm_head` with the shifted labels; anything else is the class's
@@ -150,7 +180,7 @@ def _causal_lm_forward(model: nn.Module, *args: Any, labels: torch.Tensor | None
     shifted = kwargs.pop("shift_labels", None)
     outputs = model.model(**kwargs)
     if shifted is None:  # transformers' rule: tokens < n predict n, the last position has no target
-        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # type: ignore[arg-type]
     total = model.lm_head(outputs.last_hidden_state, targets=shifted)
     if num_items_in_batch is None:
         loss = total / (shifted != IGNORE_INDEX).sum().to(total.device)
@@ -176,7 +206,7 @@ def _function_body(fn: Any) -> str | None:
 
 
 @functools.cache
-def _common_forward(cls: type) -> bool:
+def _common_forward(cls: Any) -> bool:
     """Whether `cls.forward` is transformers' common causal-LM forward (the code of LlamaForCausalLM's)."""
     import transformers  # lazy: the optional hf extra (only called for a transformers model)
 
@@ -186,7 +216,7 @@ def _common_forward(cls: type) -> bool:
 
 def chunked_loss_problem(model: nn.Module) -> str | None:
     """Why `model`'s loss cannot be chunked (a sentence), or None when `apply_chunked_loss` applies to it."""
-    base = base_of(model)
+    base: Any = base_of(model)
     if hasattr(type(base), "loss_chunk_tokens"):  # the built-in LLaMA
         return None
     if labels_shifted_by(base) is not True:
@@ -207,13 +237,13 @@ def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int | None) -> str | N
     problem = chunked_loss_problem(model)
     if problem is not None:
         return problem
-    base = base_of(model)
+    base: Any = base_of(model)
     if hasattr(type(base), "loss_chunk_tokens"):
-        base.loss_chunk_tokens = chunk_tokens or auto_chunk_tokens(base.head.out_features)  # type: ignore[union-attr]
+        base.loss_chunk_tokens = chunk_tokens or auto_chunk_tokens(base.head.out_features)
         return None
     head = base.lm_head
-    assert isinstance(head, nn.Linear)
+    # instance attributes: nn.Module.__call__ (and FSDP2's hooks around it, PEFT's call of `model.forward`) find them
     head.forward = functools.partial(_head_forward, head, chunk_tokens=chunk_tokens or auto_chunk_tokens(
-        head.out_features))  # type: ignore[method-assign]
-    base.forward = functools.partial(_causal_lm_forward, base)  # type: ignore[method-assign]
+        head.out_features))
+    base.forward = functools.partial(_causal_lm_forward, base)
     return None

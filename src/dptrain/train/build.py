@@ -191,6 +191,7 @@ def chunk_the_loss(model: nn.Module, *, train: TrainConfig, tp: int, pp: int) ->
     asked = train.loss_chunk_tokens
     if asked == 0:
         return None
+    problem: str | None
     if train.loss is not None:
         problem = f"train.loss={train.loss!r} computes the loss itself"
     elif tp > 1 or pp > 1:

@@ -205,7 +205,6 @@ def _function_body(fn: Any) -> str | None:
     return "\n".join(ast.unparse(s) for s in body)
 
 
-@functools.cache
 def _common_forward(cls: Any) -> bool:
     """Whether `cls.forward` is transformers' common causal-LM forward (the code of LlamaForCausalLM's)."""
     import transformers  # lazy: the optional hf extra (only called for a transformers model)

@@ -65,7 +65,8 @@ def watch(model: Any, places: Places) -> None:
     for name, module in model.named_modules():
         short = name.replace("base_model.model.", "").replace("_fsdp_wrapped_module.", "")
         parts = short.split(".")
-        if not (short.endswith(("embed_tokens", "lm_head", "model.norm")) or (len(parts) == 3 and parts[1] == "layers")):
+        layer = len(parts) == 3 and parts[1] == "layers"
+        if not (short.endswith(("embed_tokens", "lm_head", "model.norm")) or layer):
             continue
 
         def pre(_m: Any, _a: Any, *, label: str = short) -> None:

@@ -167,3 +167,21 @@ def test_models_it_does_not_know_keep_their_own_loss_with_the_reason() -> None:
         head_lora)
     assert "neither the built-in LLaMA nor a transformers causal LM" in chunked_loss_problem(torch.nn.Linear(2, 2))
     assert isinstance(tiny_llama(), transformers.LlamaForCausalLM) and chunked_loss_problem(tiny_llama()) is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("frozen", [False, True])
+def test_under_full_activation_checkpointing_the_chunked_head_is_no_block_and_stays_exact(frozen: bool) -> None:
+    """The head keeps nothing to recompute: activation checkpointing leaves it out (the embedding stays in)."""
+    transformers = pytest.importorskip("transformers")
+    from dptrain.parallel.activation_checkpointing import apply_activation_checkpointing
+    from support.pretrained import hf_llama_config
+
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(hf_llama_config())
+    plain.lm_head.weight.requires_grad_(not frozen)
+    chunked = copy.deepcopy(plain)
+    assert apply_chunked_loss(chunked, chunk_tokens=4) is None
+    blocks = apply_activation_checkpointing(chunked, mode="full")
+    assert chunked.lm_head not in blocks and chunked.model.embed_tokens in blocks
+    _compare(plain, chunked, _hf_batch(plain.config.vocab_size), num_items_in_batch=torch.tensor(17.0))

@@ -67,6 +67,33 @@ def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, 
     return grad.mul_(torch.where(valid, scale.float(), 0.0).unsqueeze(1))
 
 
+def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+            chunk: int, *, grad_h: bool, grad_b: bool) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
+    """The forward pass over the chunks (no autograd): the float32 sum of the token losses, each token's log-sum-exp,
+    and when asked the gradients of that sum with respect to `hidden` and `bias` (None otherwise)."""
+    lse = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    dh = torch.empty_like(hidden) if grad_h else None
+    db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if grad_b and bias is not None else None
+    one = torch.ones((), device=hidden.device)
+    for start in range(0, hidden.size(0), chunk):
+        raw = F.linear(hidden[start:start + chunk], weight, bias)
+        logits, target = raw.float(), targets[start:start + chunk]
+        valid = target != IGNORE_INDEX
+        lse_c = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1)
+        total += torch.where(valid, lse_c - picked, 0.0).sum()
+        lse[start:start + chunk] = lse_c
+        if dh is not None or db is not None:
+            grad_c = _logits_grad(logits, lse_c, target, one).to(raw.dtype)
+            if dh is not None:
+                dh[start:start + chunk] = (grad_c @ weight.to(grad_c.dtype)).to(hidden.dtype)
+            if db is not None:
+                db += grad_c.float().sum(0)
+        del raw, logits
+    return total, lse, dh, db
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Sum of token cross-entropies of ``hidden @ weight.T + bias`` against `targets`, chunk by chunk.
 
@@ -80,28 +107,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 targets: torch.Tensor, chunk: int) -> torch.Tensor:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         early = not need_w and (need_h or need_b)  # the gradients in forward: nothing to recompute
-        lse = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if early and need_h else None
-        grad_b = None
-        if early and need_b and bias is not None:
-            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        one = torch.ones((), device=hidden.device)
-        for start in range(0, hidden.size(0), chunk):
-            raw = F.linear(hidden[start:start + chunk], weight, bias)
-            logits, target = raw.float(), targets[start:start + chunk]
-            valid = target != IGNORE_INDEX
-            lse_c = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1)
-            total += torch.where(valid, lse_c - picked, 0.0).sum()
-            lse[start:start + chunk] = lse_c
-            if early:
-                grad_c = _logits_grad(logits, lse_c, target, one).to(raw.dtype)
-                if grad_h is not None:
-                    grad_h[start:start + chunk] = (grad_c @ weight.to(grad_c.dtype)).to(hidden.dtype)
-                if grad_b is not None:
-                    grad_b += grad_c.float().sum(0)
-            del raw, logits
+        total, lse, grad_h, grad_b = _chunks(hidden, weight, bias, targets, chunk, grad_h=early and need_h,
+                                             grad_b=early and need_b)
         device_type = hidden.device.type
         ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
         ctx.chunk, ctx.early, ctx.bias_dtype = chunk, early, None if bias is None else bias.dtype
@@ -151,15 +158,40 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     return _LinearCrossEntropy.apply(flat, weight, bias, targets.reshape(-1).to(flat.device), chunk_tokens)
 
 
+class _WithGrad(torch.autograd.Function):
+    """`total`, whose gradient with respect to `hidden` is `grad_hidden` (made beforehand) times the incoming one."""
+
+    @staticmethod
+    def forward(ctx: Any, total: torch.Tensor, hidden: torch.Tensor, grad_hidden: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad_hidden)
+        return total.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (grad_hidden,) = ctx.saved_tensors
+        return None, grad_hidden * grad_out.to(grad_hidden.dtype), None
+
+
 def _head_forward(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None, *,
-                  chunk_tokens: int) -> torch.Tensor:
-    """`lm_head`'s forward: the logits (as `nn.Linear`), or with `targets` the sum of the token losses (chunked)."""
+                  chunk_tokens: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`lm_head`'s forward: the logits (as `nn.Linear`), or with `targets` the sum of the token losses (chunked).
+
+    A frozen head (LoRA) with hidden states that need a gradient returns ``(sum, gradient of the sum with respect to
+    the hidden states)``, neither attached to autograd, and `_causal_lm_forward` attaches the gradient outside the
+    head: backward then never passes through the head, so FSDP2 does not all-gather its weight a second time."""
     if targets is None:
         return F.linear(hidden, head.weight, head.bias)
     if isinstance(head.weight, DTensor):  # a tensor-parallel head: the whole logits, as the model's own path
         logits = F.linear(hidden, head.weight, head.bias).float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1).to(logits.device),
                                ignore_index=IGNORE_INDEX, reduction="sum")
+    frozen = not head.weight.requires_grad and (head.bias is None or not head.bias.requires_grad)
+    if frozen and hidden.requires_grad:
+        with torch.no_grad():
+            flat = hidden.reshape(-1, hidden.size(-1))
+            total, _, grad_hidden, _ = _chunks(flat, head.weight, head.bias, targets.reshape(-1).to(flat.device),
+                                               chunk_tokens, grad_h=True, grad_b=False)
+        return total, grad_hidden.view_as(hidden)
     return linear_cross_entropy(hidden, head.weight, head.bias, targets, chunk_tokens=chunk_tokens)
 
 
@@ -181,7 +213,10 @@ def _causal_lm_forward(model: Any, *args: Any, labels: torch.Tensor | None = Non
     outputs = model.model(**kwargs)
     if shifted is None:  # transformers' rule: tokens < n predict n, the last position has no target
         shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # type: ignore[arg-type]
-    total = model.lm_head(outputs.last_hidden_state, targets=shifted)
+    hidden = outputs.last_hidden_state
+    total = model.lm_head(hidden, targets=shifted)
+    if isinstance(total, tuple):  # a frozen head: its gradient for the hidden states, attached outside the head
+        total = _WithGrad.apply(total[0], hidden, total[1])
     if num_items_in_batch is None:
         loss = total / (shifted != IGNORE_INDEX).sum().to(total.device)
     else:
@@ -244,5 +279,8 @@ def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int | None) -> str | N
     # instance attributes: nn.Module.__call__ (and FSDP2's hooks around it, PEFT's call of `model.forward`) find them
     head.forward = functools.partial(_head_forward, head, chunk_tokens=chunk_tokens or auto_chunk_tokens(
         head.out_features))
+    # under activation checkpointing the head is no block to recompute: it keeps no logits for backward, and a
+    # recompute would run every chunk's forward again
+    head.skip_activation_checkpointing = True
     base.forward = functools.partial(_causal_lm_forward, base)
     return None

@@ -1,7 +1,9 @@
 """Measure the speed switches on this machine: train.compile, the DataLoader's workers and
-prefetching, and FSDP2's explicit prefetch and reshard_after_forward.
+prefetching, FSDP2's explicit prefetch and reshard_after_forward, and the chunked loss (train.loss_chunk_tokens;
+`loss`: the built-in LLaMA's byte vocabulary of 256, one chunk per micro-batch; `loss32k`: the same model with a
+vocabulary of 32,000, where the head outweighs the blocks and the chunks are 256 tokens).
 
-    python benchmarks/perf/speed_switches.py [--suite compile|loader|fsdp|all] [--rounds 3] [--steps 25]
+    python benchmarks/perf/speed_switches.py [--suite compile|loader|fsdp|loss|loss32k|all] [--rounds 3] [--steps 25]
 
 Each variant is one 2-rank job (ranks forked from this process by tests/support/mp.py's harness, a real
 gloo group with torchrun's environment; forking skips the re-import of torch that makes a torchrun
@@ -50,6 +52,16 @@ SUITES: dict[str, dict[str, list[str]]] = {
         "forward 2 / backward 2": ["parallel.strategy=fsdp", "parallel.fsdp_forward_prefetch=2",
                                    "parallel.fsdp_backward_prefetch=2"],
         "reshard_after_forward=false": ["parallel.strategy=fsdp", "parallel.reshard_after_forward=false"],
+    },
+    "loss": {
+        "whole logits (loss_chunk_tokens=0)": ["parallel.strategy=fsdp", "train.loss_chunk_tokens=0"],
+        "chunked (default: one chunk)": ["parallel.strategy=fsdp"],
+        "chunked, 128 tokens (4 chunks)": ["parallel.strategy=fsdp", "train.loss_chunk_tokens=128"],
+    },
+    "loss32k": {
+        "whole logits (loss_chunk_tokens=0)": ["parallel.strategy=fsdp", "model.kwargs.vocab_size=32000",
+                                               "train.loss_chunk_tokens=0"],
+        "chunked (default: 256 tokens)": ["parallel.strategy=fsdp", "model.kwargs.vocab_size=32000"],
     },
 }
 

@@ -147,6 +147,15 @@ class TrainConfig:
     """Micro-batches per rank in one evaluation."""
     loss: str | None = None
     """Import path `pkg.mod:fn(model, batch) -> loss`; by default the model's forward returns the loss."""
+    loss_chunk_tokens: int | None = None
+    """A causal LM's training loss in chunks of this many tokens, the output projection and the cross-entropy fused
+    (dptrain/models/chunked_loss.py): the whole [tokens, vocabulary] logits, their log-softmax and their gradient
+    never exist at once; each chunk's logits are recomputed in backward. Exact (loss and gradients equal to the
+    unchunked path within float32 rounding). It applies with the default loss (no train.loss) to the built-in LLaMA
+    and to transformers causal LMs with the common forward (Llama, Mistral, Qwen2/3, Gemma, Phi-3, OLMo, ...; also
+    in a PEFT wrapper) and an nn.Linear head, without tensor or pipeline parallelism; other models keep their own
+    loss. null: as many tokens as keep a chunk's float32 logits within 32 MiB (256 at a vocabulary of 32,000);
+    0: off, the model's own loss over the whole logits. Evaluation keeps the model's own path."""
     eval_fn: str | None = None
     """Import path `pkg.mod:fn(model, batch) -> {name: value}` of evaluation metrics beyond the loss: each value the
     batch's mean of a per-sample quantity (accuracy: (pred == y).float().mean()). dptrain weights each by the batch's

@@ -58,6 +58,7 @@ RANGES: dict[str, dict[str, Range]] = {
         "max_steps": POS_INT,
         "log_every_steps": POS_INT,
         "eval_batches": POS_INT,
+        "loss_chunk_tokens": Range(int, 0, optional=True, note="0: off; null: 32 MiB of logits per chunk"),
         "eval_every_steps": Range(int, 0, note="0: only at the start and the end"),
         "global_batch_size": Range(int, 1, optional=True),
         "micro_batch_size": Range(int, 1, optional=True),

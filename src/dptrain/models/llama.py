@@ -15,8 +15,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dptrain.config.fields import LLAMA_RECIPE_KWARGS
+from dptrain.models.chunked_loss import linear_cross_entropy
 from dptrain.models.llama_hf import hf_key, llama_kwargs
 from dptrain.models.pretrained import meta_parameters, read_config, read_index, source_for
 
@@ -197,6 +199,9 @@ class LlamaLM(nn.Module):
 
     shifts_labels = False
     """Its ``labels`` are aligned with the predictions: the data shifts them (``dptrain.models.labels``)."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of a training forward's loss (``dptrain.models.chunked_loss``, set by the Trainer from
+    ``train.loss_chunk_tokens``): the head and the cross-entropy fused, no whole logits; None: the whole logits."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -253,7 +258,16 @@ class LlamaLM(nn.Module):
 
     def logits(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None,
                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Next-token logits ``[B, T, V]`` for token ids ``idx`` of shape ``[B, T]``.
+        """Next-token logits ``[B, T, V]`` for token ids ``idx`` of shape ``[B, T]`` (see :meth:`hidden_states`).
+
+        Under FSDP2 call ``register_fsdp_forward_method(model, "logits")`` first so the
+        parameters get all-gathered (only ``__call__``/``forward`` trigger the hooks).
+        """
+        return self.head(self.hidden_states(idx, position_ids, document_ids))
+
+    def hidden_states(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output ``[B, T, dim]`` for token ids ``idx`` of shape ``[B, T]``: the head's input.
 
         ``position_ids`` ``[B, T]`` (packed rows): each token's position in its document; a document starts
         where the position does not follow the one before (``0`` after a document's end), and attention
@@ -275,7 +289,7 @@ class LlamaLM(nn.Module):
             mask = self.doc_mask(position_ids, document_ids)
         for layer in self.layers:
             x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask=mask)
-        return self.head(self.norm(x))
+        return self.norm(x)
 
     def forward(
         self, batch: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None, *,
@@ -306,6 +320,11 @@ class LlamaLM(nn.Module):
             idx, targets = batch
         else:
             idx, targets = batch[:, :-1], batch[:, 1:]
+        if self.loss_chunk_tokens and torch.is_grad_enabled() and not isinstance(self.head.weight, DTensor):
+            hidden = self.hidden_states(idx, position_ids, document_ids)
+            total = linear_cross_entropy(hidden, self.head.weight, self.head.bias, targets,
+                                         chunk_tokens=self.loss_chunk_tokens)  # float32, never whole logits
+            return total / (num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum())
         logits = self.logits(idx, position_ids, document_ids)
         # float32 CE even under bf16 autocast: log-softmax over the vocab is precision-sensitive.
         flat_logits, flat_targets = logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1)

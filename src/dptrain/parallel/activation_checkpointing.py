@@ -2,7 +2,9 @@
 
 Applied with PyTorch's composable `checkpoint` (torch.distributed._composable), which hooks the
 block's forward without wrapping it: parameter names, state dicts and FSDP2 units stay the same.
-The blocks are the outermost units FSDP would shard (`fsdp.block_units`).
+The blocks are the outermost units FSDP would shard (`fsdp.block_units`), except a module that says
+`skip_activation_checkpointing = True` (the chunked-loss head of dptrain/models/chunked_loss.py: it keeps no
+logits for backward, and a recompute would run its every chunk again).
 
 - `full`: keep only each block's input; the whole block is recomputed in backward.
 - `selective`: op-level selective activation checkpointing (SAC): the outputs of matrix
@@ -118,7 +120,8 @@ def apply_activation_checkpointing(model: nn.Module, *, mode: str) -> list[nn.Mo
         return []
     from torch.distributed._composable import checkpoint
 
-    blocks = outermost_blocks(model)
+    # a block that keeps nothing worth recomputing says so (the chunked-loss head, dptrain/models/chunked_loss.py)
+    blocks = [b for b in outermost_blocks(model) if not getattr(b, "skip_activation_checkpointing", False)]
     if not blocks:
         warnings.warn(
             f"activation_checkpointing={mode}: {type(model).__name__} has no nn.ModuleList and no _no_split_modules "

@@ -12,11 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from dptrain.config import Config, ConfigError, DataConfig, ModelConfig, Resolved
+from dptrain.config import Config, ConfigError, DataConfig, ModelConfig, Resolved, TrainConfig
 from dptrain.config.datasource import FINETUNE_FACTORY, PACKED_FACTORY, resolve_data
 from dptrain.config.imports import import_object
 from dptrain.data import GlobalBatchSampler, build_dataloader
 from dptrain.data.loader import split_train_val
+from dptrain.models.chunked_loss import apply_chunked_loss
 from dptrain.models.labels import labels_shifted_by, model_kind
 from dptrain.models.lora import apply_lora
 from dptrain.models.pretrained import find_source
@@ -31,7 +32,7 @@ from dptrain.train.loss import LossFn, check_scalar, forward_loss
 
 __all__ = [
     "align_labels", "build_collate", "build_datasets", "build_loss_fn", "build_model", "build_model_meta",
-    "import_object", "to_device",
+    "chunk_the_loss", "import_object", "to_device",
 ]
 
 
@@ -229,3 +230,22 @@ def build_train_data(cfg: Config, res: Resolved, *, dp_rank: int, dp_size: int, 
         prefetch_factor=cfg.data.prefetch_factor,
     )
     return TrainData(train_ds=train_ds, val_ds=val_ds, collate=collate, sampler=sampler, loader=loader)
+
+
+def chunk_the_loss(model: nn.Module, *, train: TrainConfig, tp: int, pp: int) -> str | None:
+    """Switch `model`'s training loss to the chunked one (`train.loss_chunk_tokens`, dptrain/models/chunked_loss.py)
+    where it applies: the default loss, no tensor or pipeline parallelism, a model it knows. Returns a line to
+    say when the user set a chunk size and it does not apply, else None."""
+    asked = train.loss_chunk_tokens
+    if asked == 0:
+        return None
+    problem: str | None
+    if train.loss is not None:
+        problem = f"train.loss={train.loss!r} computes the loss itself"
+    elif tp > 1 or pp > 1:
+        problem = "tensor and pipeline parallelism keep the model's own loss"
+    else:
+        problem = apply_chunked_loss(model, chunk_tokens=asked)
+    if problem is None or asked is None:
+        return None
+    return f"train.loss_chunk_tokens={asked} does not apply: {problem}; the loss is computed over the whole logits"

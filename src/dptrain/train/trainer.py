@@ -60,6 +60,7 @@ from dptrain.train.build import (
     build_loss_fn,
     build_model_meta,
     build_train_data,
+    chunk_the_loss,
     import_object,
 )
 from dptrain.train.evaluation import evaluate, summarize
@@ -168,6 +169,10 @@ class Trainer:
         # The labels this model expects (a transformers causal LM shifts its own): the fine-tuning data's
         # `shift` follows the model, one against it is refused; config.yaml then says what trained.
         self.cfg = cfg = dataclasses.replace(cfg, data=align_labels(cfg.data, model))
+        # A causal LM's loss in chunks of tokens, never the whole logits (train.loss_chunk_tokens; where it applies)
+        chunking = chunk_the_loss(model, train=cfg.train, tp=res.dims.tp, pp=res.dims.pp)
+        if chunking and self.env.is_main:
+            self.out.say(f"dptrain: {chunking}")
         # Before any wrapper's own collectives: all ranks agree on world size, config and model.
         self.diag.preflight(model, config=to_dict(cfg))
         # One mesh per run: every group and data-parallel rank below comes from it.

@@ -175,13 +175,13 @@ def _head_forward(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor |
 
 
 def _causal_lm_forward(model: Any, *args: Any, labels: torch.Tensor | None = None,
-                       num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> Any:
+                       num_items_in_batch: torch.Tensor | int | None = None, chunk_tokens: int, **kwargs: Any) -> Any:
     """A transformers causal LM's forward with the chunked loss: a training forward (gradients on, labels given,
-    keyword arguments only) calls the decoder, then `lm_head` with the shifted labels; anything else is the class's
-    own forward."""
+    keyword arguments only) of more than one chunk of tokens calls the decoder, then `lm_head` with the shifted
+    labels; anything else is the class's own forward (a batch within one chunk: bit for bit the model's own loss)."""
     keep = kwargs.get("logits_to_keep", 0)
     plain = (args or labels is None or not torch.is_grad_enabled() or kwargs.get("return_dict") is False
-             or not isinstance(keep, int) or keep != 0)
+             or not isinstance(keep, int) or keep != 0 or labels.numel() <= chunk_tokens)
     if plain:
         extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
         return type(model).forward(model, *args, labels=labels, **extra, **kwargs)
@@ -252,11 +252,11 @@ def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int | None) -> str | N
         base.loss_chunk_tokens = chunk_tokens or auto_chunk_tokens(base.head.out_features)
         return None
     head = base.lm_head
+    chunk = chunk_tokens or auto_chunk_tokens(head.out_features)
     # instance attributes: nn.Module.__call__ (and FSDP2's hooks around it, PEFT's call of `model.forward`) find them
-    head.forward = functools.partial(_head_forward, head, chunk_tokens=chunk_tokens or auto_chunk_tokens(
-        head.out_features))
+    head.forward = functools.partial(_head_forward, head, chunk_tokens=chunk)
     # under activation checkpointing the head is no block to recompute: it keeps no logits for backward, and a
     # recompute would run every chunk's forward again
     head.skip_activation_checkpointing = True
-    base.forward = functools.partial(_causal_lm_forward, base)
+    base.forward = functools.partial(_causal_lm_forward, base, chunk_tokens=chunk)
     return None

@@ -320,10 +320,12 @@ class LlamaLM(nn.Module):
             idx, targets = batch
         else:
             idx, targets = batch[:, :-1], batch[:, 1:]
-        if self.loss_chunk_tokens and torch.is_grad_enabled() and not isinstance(self.head.weight, DTensor):
+        chunk = self.loss_chunk_tokens
+        # more than one chunk of tokens (a batch within one chunk: the plain path below, bit for bit)
+        if chunk and targets.numel() > chunk and torch.is_grad_enabled() and not isinstance(self.head.weight, DTensor):
             hidden = self.hidden_states(idx, position_ids, document_ids)
             total = linear_cross_entropy(hidden, self.head.weight, self.head.bias, targets,
-                                         chunk_tokens=self.loss_chunk_tokens)  # float32, never whole logits
+                                         chunk_tokens=chunk)  # float32, never whole logits
             return total / (num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum())
         logits = self.logits(idx, position_ids, document_ids)
         # float32 CE even under bf16 autocast: log-softmax over the vocab is precision-sensitive.

@@ -14,7 +14,7 @@ at their own intervals), a step makes no host-device sync: the loss window and t
 stay on the device, and the preemption flag is agreed without blocking (checkpoint/preempt.py).
 
 A steady step (one that does not log, evaluate, save or run a periodic check) calls into no service
-module: the heartbeat is written inline (`_beat`: the watchdog thread reads `diag.pulse`), the loss is
+module: the heartbeat is written inline (`beat`: the watchdog thread reads `diag.pulse`), the loss is
 appended to the log window's list, the meters get the window's steps at the log step, and the
 diagnostics' and snapshots' periodic work is asked for only at the steps it names (`_check_at`;
 the checkpoint manager holds the snapshots' next step). The preemption agreement, a collective,
@@ -44,6 +44,7 @@ from dptrain.config.load import dump_yaml
 from dptrain.config.pipeline import settle_pipeline
 from dptrain.diagnostics import Diagnostics, apply_collective_checks
 from dptrain.diagnostics.hub import SYNC_COLLECTIVE
+from dptrain.diagnostics.watchdog import Pulse
 from dptrain.distributed import collectives
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.mesh import ParallelMesh
@@ -121,9 +122,10 @@ class Trainer:
             self.model, step=self.state.step, device=self.device, loss_scaling=self.scaler.is_enabled(), mesh=self.mesh
         )
         # The step's service bookkeeping, held here so that a steady step calls into no service module:
-        self.pulse = self.diag.pulse  # the heartbeat the watchdog thread reads (written by `_beat`)
+        self.pulse = self.diag.pulse  # the heartbeat the watchdog thread reads (written by `beat`)
         self._check_at = self.diag.next_check(self.state.step)  # the next step with a periodic diagnostic
-        self._phase = self.diag.phase_hook() or self._beat  # the hub's `phase` while the straggler split times
+        # the hub's `phase` while the straggler split times, else `beat`
+        self._phase = self.diag.phase_hook() or functools.partial(beat, self.pulse)
         self.step_losses = self.log_window.losses  # the log window's list: one append per step
         self._metered_to = self.state.step  # the meters have the steps up to this one (handed over at log steps)
         self._sync_steps = self.res.grad_accum_steps if self.cfg.parallel.sync_each_micro_step else 1
@@ -237,7 +239,7 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step over `grad_accum_steps` micro-batches. Returns this rank's share of the
         global batch's loss: its mean over the data-parallel ranks is the global batch's loss."""
-        diag, phase = self.diag, self._phase  # heartbeats (and the straggler split's timing): see `_beat`
+        diag, phase = self.diag, self._phase  # heartbeats (and the straggler split's timing): see `beat`
         phase("data")
         micro_batches = [next(self.batches) for _ in range(self.res.grad_accum_steps)]
         # Forward and backward of every micro-batch, gradients reduced in the last backward only; the
@@ -262,17 +264,6 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return step_loss
-
-    def _beat(self, name: str, *, sync: bool = False, collective: str | None = None) -> None:
-        """The heartbeat of a step the diagnostics do not time: `diag.phase`'s writes to the pulse (the
-        watchdog thread reads it: diagnostics/watchdog.py), without a call into the diagnostics."""
-        pulse = self.pulse
-        pulse.phase = name
-        pulse.seq += 1
-        if sync:
-            pulse.collective = SYNC_COLLECTIVE
-        elif collective is not None:
-            pulse.collective = collective
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> float | None:
@@ -398,7 +389,7 @@ class Trainer:
         if state.step >= self._check_at:  # drift, memory, straggler split, profiler, collective check
             self.diag.on_step_end(state.step)
             self._check_at = self.diag.next_check(state.step)
-            self._phase = self.diag.phase_hook() or self._beat
+            self._phase = self.diag.phase_hook() or functools.partial(beat, self.pulse)
         if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
             self.ckpt.record_progress(state.step)  # the restart report's last finished step (before the all-reduce)
             self._log_step()
@@ -438,3 +429,16 @@ class Trainer:
     def module(self) -> nn.Module:
         """The user's plain module (for inspection after fit)."""
         return unwrap(self.model)
+
+
+def beat(pulse: Pulse, name: str, *, sync: bool = False, collective: str | None = None) -> None:
+    """The heartbeat of a step the diagnostics do not time: `diag.phase`'s writes to the pulse (the watchdog thread
+    reads it: diagnostics/watchdog.py), without a call into the diagnostics. A function of the pulse, not a method
+    of the Trainer: a Trainer holding its own bound method would live in a reference cycle, and the process groups
+    it holds would then be freed by a later garbage collection, where gloo's teardown can wait for ever."""
+    pulse.phase = name
+    pulse.seq += 1
+    if sync:
+        pulse.collective = SYNC_COLLECTIVE
+    elif collective is not None:
+        pulse.collective = collective

@@ -30,7 +30,6 @@ _EXPORTS = {
     "mixed_precision": "dptrain.api",
     "monitor": "dptrain.api",
     "parallelize": "dptrain.api",
-    "prepare_model": "dptrain.api.setup",  # deprecated: parallelize(...).module; not in __all__
     "prepare_dataloader": "dptrain.api",
     "prepare_eval_dataloader": "dptrain.api",
     "print0": "dptrain.api",
@@ -50,6 +49,9 @@ _EXPORTS = {
     "Trainer": "dptrain.train.trainer",
     "to_device": "dptrain.train.build",
 }
+
+# deprecated names, still resolved for 0.1's scripts (each warns when called); not in __all__
+_DEPRECATED = {"prepare_model": "dptrain.api.setup"}
 
 __all__ = [
     "__version__",
@@ -91,7 +93,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = _EXPORTS.get(name) or _DEPRECATED.get(name)
     if module is None:
         raise AttributeError(f"module 'dptrain' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

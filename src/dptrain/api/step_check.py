@@ -34,6 +34,9 @@ def watch(loader: EpochLoader) -> None:
 
 
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if not _LOADERS:  # every watched loader warned or gone: the global hook goes too (other optimizers pay nothing)
+        _HOOK.pop().remove()
+        return
     for loader in list(_LOADERS):
         if loader.at_step_boundary:
             continue

@@ -38,17 +38,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dptrain.models.labels import labels_shifted_by
 from dptrain.models.lora import base_of
 
 __all__ = ["CHUNK_BYTES", "IGNORE_INDEX", "apply_chunked_loss", "auto_chunk_tokens", "chunked_loss_problem",
+           "is_dtensor",
            "linear_cross_entropy"]
 
 IGNORE_INDEX = -100
 CHUNK_BYTES = 32 * 2**20
 """The auto chunk: as many tokens (a power of two) as keep one chunk's float32 logits within 32 MiB."""
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether `tensor` is a DTensor (a tensor-parallel or not-yet-gathered FSDP2 weight)."""
+    from torch.distributed.tensor import DTensor  # lazy: the fast commands never import the distributed stack
+
+    return isinstance(tensor, DTensor)
 
 
 def auto_chunk_tokens(vocab_size: int) -> int:
@@ -167,7 +174,7 @@ def _head_forward(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor |
     through the next forward (FSDP2's backward prefetch of a unit whose backward never runs): 0.26 GB more.)"""
     if targets is None:
         return F.linear(hidden, head.weight, head.bias)
-    if isinstance(head.weight, DTensor):  # a tensor-parallel head: the whole logits, as the model's own path
+    if is_dtensor(head.weight):  # a tensor-parallel head: the whole logits, as the model's own path
         logits = F.linear(hidden, head.weight, head.bias).float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1).to(logits.device),
                                ignore_index=IGNORE_INDEX, reduction="sum")

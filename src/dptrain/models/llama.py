@@ -15,10 +15,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dptrain.config.fields import LLAMA_RECIPE_KWARGS
-from dptrain.models.chunked_loss import linear_cross_entropy
+from dptrain.models.chunked_loss import is_dtensor, linear_cross_entropy
 from dptrain.models.llama_hf import hf_key, llama_kwargs
 from dptrain.models.pretrained import meta_parameters, read_config, read_index, source_for
 
@@ -322,7 +321,7 @@ class LlamaLM(nn.Module):
             idx, targets = batch[:, :-1], batch[:, 1:]
         chunk = self.loss_chunk_tokens
         # more than one chunk of tokens (a batch within one chunk: the plain path below, bit for bit)
-        if chunk and targets.numel() > chunk and torch.is_grad_enabled() and not isinstance(self.head.weight, DTensor):
+        if chunk and targets.numel() > chunk and torch.is_grad_enabled() and not is_dtensor(self.head.weight):
             hidden = self.hidden_states(idx, position_ids, document_ids)
             total = linear_cross_entropy(hidden, self.head.weight, self.head.bias, targets,
                                          chunk_tokens=chunk)  # float32, never whole logits

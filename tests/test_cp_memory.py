@@ -44,8 +44,11 @@ def measured(model: dict, *, seq: int, cp: int) -> list[int]:
 def test_activation_memory_per_rank_within_15_percent_of_the_plan(cp):
     got = measured(MODEL, seq=SEQ, cp=cp)
     want = predicted_activations(MODEL, seq=SEQ, cp=cp)
-    assert len(set(got)) == 1, got  # every cp rank holds the same (equal chunks, equal masks)
-    assert got[0] == pytest.approx(want, rel=0.15), (got[0], want)
+    # every cp rank holds the same (equal chunks, equal masks), give or take a buffer a gloo thread allocated
+    # while the rank was measuring (16 KB was seen once in 1.9 MB)
+    assert max(got) - min(got) <= 0.02 * max(got), got
+    for rank_bytes in got:
+        assert rank_bytes == pytest.approx(want, rel=0.15), (got, want)
 
 
 @pytest.mark.fast

@@ -101,5 +101,6 @@ def test_ulysses_activation_memory_per_rank_within_15_percent_of_the_plan(cp):
                     timeout=60)
     want = predicted(MODEL, seq=SEQ, cp=cp, attention="ulysses").memory["activations"]
     print(f"Ulysses cp {cp}, {SEQ} tokens: measured {got} bytes per rank, planned {want:.0f}")
-    assert len(set(got)) == 1, got
-    assert got[0] == pytest.approx(want, rel=0.15), (got[0], want)
+    assert max(got) - min(got) <= 0.02 * max(got), got  # as test_cp_memory.py: equal chunks, give or take a buffer
+    for rank_bytes in got:
+        assert rank_bytes == pytest.approx(want, rel=0.15), (got, want)

@@ -12,8 +12,9 @@ How the split is measured (host clocks, per rank, summed over a window of steps)
   CUDA the device is synchronised before the barrier so that queued kernels count as compute.
 
 Only the last SAMPLE_STEPS steps of every `every_steps` window are timed and probed, so the
-probe's cost is paid on at most that many steps per window. At the window's end the per-rank
-averages are gathered (`all_gather_object`); a rank
+probe's cost is paid on at most that many steps per window. At the window's end each rank's median step (per
+bucket, over the timed steps: one step the OS delayed, a page fault storm or a neighbour's burst on a shared host
+moves a mean, not a median; a rank that is slow on most steps moves both) is gathered (`all_gather_object`); a rank
 whose data + compute exceeds the median of the other ranks by more than `margin` (and by at
 least 1 ms per step, so that jitter on tiny steps is not news) is named with its host, and the
 split says whether its data loading or its compute is slow.
@@ -48,9 +49,13 @@ class StepTimer:
         self.reset()
 
     def reset(self) -> None:
-        self.sums = dict.fromkeys(BUCKETS, 0.0)
-        self.steps = 0
+        self.done: list[dict[str, float]] = []  # each timed step's seconds per bucket
+        self.sums = dict.fromkeys(BUCKETS, 0.0)  # the running step's
         self._bucket, self._last = "other", time.perf_counter()
+
+    @property
+    def steps(self) -> int:
+        return len(self.done)
 
     def mark(self, phase: str) -> None:
         """Close the running bucket and open the one of `phase` (unknown phases count as other)."""
@@ -73,12 +78,14 @@ class StepTimer:
 
     def step_done(self) -> None:
         self.mark("other")
-        self.steps += 1
+        self.done.append(self.sums)
+        self.sums = dict.fromkeys(BUCKETS, 0.0)
 
     def row(self, rank: int) -> dict[str, Any]:
-        """This rank's per-step averages over the window (seconds)."""
-        n = max(self.steps, 1)
-        return {"rank": rank, "host": self.host, "steps": self.steps, **{k: v / n for k, v in self.sums.items()}}
+        """This rank's median step over the window: seconds per bucket, each the median over the timed steps
+        (0 with no step timed)."""
+        medians = {k: statistics.median(s[k] for s in self.done) if self.done else 0.0 for k in BUCKETS}
+        return {"rank": rank, "host": self.host, "steps": self.steps, **medians}
 
 
 def find_stragglers(rows: list[dict[str, Any]], *, margin: float) -> list[dict[str, Any]]:

@@ -34,6 +34,11 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
+
+from support.run_helpers import workers_of  # noqa: E402
+
 SRC = ROOT / "src"
 PY = sys.executable
 TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
@@ -175,19 +180,6 @@ def tree_hashes(root: Path) -> dict[str, str]:
 
 def step_dirs(run_dir: Path) -> list[Path]:
     return sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
-
-
-def workers_of(run_dir: Path) -> list[int]:
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"dptrain.launch.worker" in cmd and str(run_dir).encode() in cmd:
-                pids.append(int(p.name))
-    return pids
 
 
 def children_workers(pid: int) -> list[tuple[int, str]]:

@@ -26,10 +26,10 @@ from support.parity import (
 )
 
 
-def reference_losses(*, global_batch: int, steps: int = STEPS) -> list[float]:
-    """The plain single-process run of `reference("llama")`, recording each step's loss (the global batch's mean)."""
+def _sgd_reference(ds, *, global_batch: int, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The tiny LLaMA (seeded) in one plain process on `ds`, SGD on the shuffled global batch:
+    (final weights, each step's loss, the global batch's mean)."""
     spec = MODELS["llama"]
-    ds = spec["data"](**spec["data_kwargs"])
     torch.manual_seed(SEED)
     net = spec["build"](**spec["kwargs"])
     opt = torch.optim.SGD(net.parameters(), lr=LR)
@@ -42,7 +42,13 @@ def reference_losses(*, global_batch: int, steps: int = STEPS) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, losses
+
+
+def reference_losses(*, global_batch: int, steps: int = STEPS) -> list[float]:
+    """The plain single-process run of `reference("llama")`, recording each step's loss (the global batch's mean)."""
+    spec = MODELS["llama"]
+    return _sgd_reference(spec["data"](**spec["data_kwargs"]), global_batch=global_batch, steps=steps)[1]
 
 
 CP_STEPS = 10
@@ -207,20 +213,7 @@ def packed_reference(source: str, *, global_batch: int, steps: int) -> tuple[dic
     from dptrain.data.packed import build_packed
 
     ds, _ = build_packed(source=source, seq_len=16)
-    spec = MODELS["llama"]
-    torch.manual_seed(SEED)
-    net = spec["build"](**spec["kwargs"])
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
-    order = GlobalBatchSampler(dataset_len=len(ds), global_batch_size=global_batch, micro_batch_size=global_batch,
-                               grad_accum_steps=1, dp_rank=0, dp_world_size=1, seed=SEED, shuffle=True)
-    losses = []
-    for step in range(steps):
-        loss = net(default_collate([ds[i] for i in order.global_batch_indices(step)]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}, losses
+    return _sgd_reference(ds, global_batch=global_batch, steps=steps)
 
 
 @pytest.mark.timeout(90)

@@ -24,22 +24,16 @@ from dptrain.launch.torchrun import torchrun_args
 from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason
 from support import ROOT, subprocess_env
 from support import overrides as join
+from support.nodes import kill_running_nodes
+from support.run_helpers import TOY_RUN
 
 REASON = unavailable_reason()
 needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster: {REASON}")
 RTOL, ATOL = 1e-5, 1e-6  # the parity tolerance (tests/test_parity.py)
 TOY = [
-    "model.factory=dptrain.models.toy:build_mlp",
-    "model.kwargs={}",
-    "data.factory=dptrain.models.toy:build_regression_data",
-    "data.kwargs={}",
+    *TOY_RUN,
     "optim.name=sgd",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=2",
-    "train.log_every_steps=1",
-    "train.eval_every_steps=0",
     "train.loss=support.slow_loss:slow_loss",
-    "log.progress=false",
     "checkpoint.every_steps=5",
     "checkpoint.keep_last=null",
 ]
@@ -270,9 +264,7 @@ def test_node_lost_node0_continues_alone_and_matches_a_2_to_1_resume(tmp_path):
             again_s = time.monotonic() - killed
             assert procs[0].wait(timeout=120) == 0, logs[0].read_text()[-4000:]
         finally:
-            for i, p in enumerate(procs):
-                if p.poll() is None:
-                    c.kill_node(i)
+            kill_running_nodes(c, procs)
         host1 = c.hostnames[1]
     (lost,) = membership(out)
     print(f"\nnode loss: {lost}\ntraining again {again_s:.1f}s after the kill")

@@ -20,6 +20,7 @@ import pytest
 
 from dptrain.checkpoint import manifest as mf
 from support import ROOT, subprocess_env
+from support.run_helpers import workers_of
 
 TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
        "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
@@ -52,20 +53,6 @@ def losses(run_dir: Path) -> list[tuple[int, str]]:
 
 def weights(run_dir: Path) -> str:
     return hashlib.sha256((run_dir / "final" / "model.safetensors").read_bytes()).hexdigest()
-
-
-def workers_of(run_dir: Path) -> list[int]:
-    """Pids of this run's worker processes (their command line names the run directory)."""
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"dptrain.launch.worker" in cmd and str(run_dir).encode() in cmd:
-                out.append(int(p.name))
-    return out
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -21,17 +21,14 @@ from dptrain.checkpoint import manifest as mf
 from dptrain.tools.netns import Cluster, dptrain_argv, unavailable_reason
 from support import ROOT, subprocess_env
 from support import overrides as join
+from support.nodes import kill_running_nodes
+from support.run_helpers import TOY_RUN
 
 REASON = unavailable_reason()
 needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster: {REASON}")
 RTOL, ATOL = 1e-5, 1e-6  # the parity tolerance (tests/test_parity.py)
-TOY = [
-    "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
-    "data.factory=dptrain.models.toy:build_regression_data", "data.kwargs={}",
-    "optim.name=sgd", "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_every_steps=1",
-    "train.eval_every_steps=0", "train.loss=support.slow_loss:slow_loss", "log.progress=false",
-    "checkpoint.every_steps=1000", "train.max_steps=20",
-]
+TOY = [*TOY_RUN, "optim.name=sgd", "train.loss=support.slow_loss:slow_loss", "checkpoint.every_steps=1000",
+       "train.max_steps=20"]
 ELASTIC = [
     "launch.max_restarts=3",
     "launch.rdzv_conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
@@ -99,9 +96,7 @@ def test_node_lost_the_survivor_resumes_from_the_lost_nodes_replica_in_memory(tm
             again_s = time.monotonic() - killed
             assert procs[0].wait(timeout=120) == 0, logs[0].read_text()[-4000:]
         finally:
-            for i, p in enumerate(procs):
-                if p.poll() is None:
-                    c.kill_node(i)
+            kill_running_nodes(c, procs)
         hosts = c.hostnames
     log = logs[0].read_text()
     found = re.search(

@@ -51,28 +51,22 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+for _p in (ROOT / "src", ROOT / "tests"):  # dptrain; tests/support (the toy recipe)
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 from dptrain.checkpoint import manifest as mf  # noqa: E402
 from dptrain.checkpoint.snapshots.folder import run_id  # noqa: E402
 from dptrain.checkpoint.snapshots.store import DEFAULT_ROOT  # noqa: E402
 from dptrain.tools.netns import Cluster, unavailable_reason  # noqa: E402
+from support.run_helpers import TOY_RUN  # noqa: E402
 
 KINDS = ("worker_kill", "node_loss", "rejoin", "sigterm", "stall", "full_disk", "corrupt")
 PACE_ENV = "DPTRAIN_CHAOS_PACE_FILE"
 RECIPE = [
-    "model.factory=dptrain.models.toy:build_mlp",
-    "model.kwargs={}",
-    "data.factory=dptrain.models.toy:build_regression_data",
-    "data.kwargs={}",
+    *TOY_RUN,
     "optim.name=sgd",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=2",
-    "train.log_every_steps=1",
-    "train.eval_every_steps=0",
     "train.loss=chaos_soak:paced_loss",
-    "log.progress=false",
     "checkpoint.every_steps=5",
     "checkpoint.keep_last=4",
 ]

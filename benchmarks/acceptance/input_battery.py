@@ -34,6 +34,11 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
+
+from support.run_helpers import workers_of  # noqa: E402
+
 SRC = ROOT / "src"
 PY = sys.executable
 TOY = ["model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
@@ -123,24 +128,18 @@ def short(argv: list[str], tmp: Path) -> str:
 
 def dp(argv: list[str], tmp: Path, *, timeout: float = 120, prefix: list[str] | None = None) -> Result:
     """`dptrain ARGV` in `tmp`; killed (process group) at `timeout`."""
-    full = [*(prefix or [PY, "-m", "dptrain"]), *argv]
     t0 = time.monotonic()
-    proc = subprocess.Popen(full, cwd=tmp, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, rc = proc.communicate(timeout=timeout)[0], proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, rc = proc.communicate()[0] + f"\n[killed after {timeout:.0f} s]", None
-    return Result("dptrain " + short(argv, tmp), rc, out, time.monotonic() - t0)
+    return finish(popen(argv, tmp, prefix=prefix), argv, tmp, t0, timeout)
 
 
-def popen(argv: list[str], tmp: Path) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "dptrain", *argv], cwd=tmp, env=ENV, stdout=subprocess.PIPE,
+def popen(argv: list[str], tmp: Path, *, prefix: list[str] | None = None) -> subprocess.Popen:
+    """`dptrain ARGV` (or `PREFIX ARGV`) started in `tmp`, in a process group of its own."""
+    return subprocess.Popen([*(prefix or [PY, "-m", "dptrain"]), *argv], cwd=tmp, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, argv: list[str], tmp: Path, t0: float, timeout: float = 150) -> Result:
+    """Wait for `proc` (started at `t0`); killed (process group) at `timeout`."""
     try:
         out, rc = proc.communicate(timeout=timeout)[0], proc.returncode
     except subprocess.TimeoutExpired:
@@ -181,19 +180,6 @@ def tree_hashes(root: Path) -> dict[str, str]:
 
 def step_dirs(run_dir: Path) -> list[Path]:
     return sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
-
-
-def workers_of(run_dir: Path) -> list[int]:
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"dptrain.launch.worker" in cmd and str(run_dir).encode() in cmd:
-                pids.append(int(p.name))
-    return pids
 
 
 def children_workers(pid: int) -> list[tuple[int, str]]:

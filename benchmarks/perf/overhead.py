@@ -51,7 +51,7 @@ def worker(a: argparse.Namespace) -> None:
 
     from dptrain.config.load import load_config
     from dptrain.distributed.process_group import process_group
-    from dptrain.tools.bench.harness import run_step
+    from dptrain.tools.bench.harness import Ratios, run_step
     from dptrain.tools.bench.raw_ddp import RawDDP
     from dptrain.train.trainer import Trainer
 
@@ -100,9 +100,7 @@ def worker(a: argparse.Namespace) -> None:
             print(f"world size {world}, {a.steps} steps ({a.warmup} warm-up excluded), accum {a.accum}, "
                   f"micro batch {a.micro}, dim {a.dim}, layers {a.layers}, seq {a.seq}")
             print(f"median step time: dptrain {med['dptrain'] * 1e3:.1f} ms, raw DDP loop {med['raw'] * 1e3:.1f} ms")
-            paired = statistics.median(
-                d / r for d, r in zip(times["dptrain"][a.warmup :], times["raw"][a.warmup :], strict=True)
-            )
+            paired = Ratios.of(times["dptrain"][a.warmup :], times["raw"][a.warmup :]).median
             print(
                 f"ratio dptrain / raw: {med['dptrain'] / med['raw']:.3f} of medians, {paired:.3f} median of "
                 "back-to-back pairs  (target <= 1.02)"

@@ -16,7 +16,7 @@ from support import ROOT, overrides, subprocess_env
 from support import overrides as join
 
 __all__ = ["ROOT", "SLOW_TOY", "TOY_RUN", "dptrain", "logged_steps", "losses", "start", "subprocess_env",
-           "wait_for_step", "wait_training_again", "weights", "worker"]
+           "wait_for_step", "wait_training_again", "weights", "worker", "workers_of"]
 
 TOY_RUN = [
     "model.factory=dptrain.models.toy:build_mlp", "model.kwargs={}",
@@ -69,6 +69,20 @@ def worker(proc: subprocess.Popen, rank: int) -> psutil.Process:
         except psutil.NoSuchProcess:
             continue
     raise AssertionError(f"no worker process of rank {rank}")
+
+
+def workers_of(run_dir: Path) -> list[int]:
+    """Pids of this run's worker processes, its launcher alive or not (their command line names the run directory)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"dptrain.launch.worker" in cmd and str(run_dir).encode() in cmd:
+                out.append(int(p.name))
+    return out
 
 
 def wait_training_again(proc: subprocess.Popen, out: Path, *, attempt: int, timeout: float = 60) -> None:

@@ -168,7 +168,7 @@ def _count_fsdp(rank: int, strategy: str) -> dict[str, float]:
 
     from dptrain.config import ParallelConfig
     from dptrain.distributed.mesh import ParallelDims, ParallelMesh
-    from dptrain.parallel import parallelize_model
+    from dptrain.parallel import fsdp, parallelize_model
 
     dist.init_process_group("gloo")
     try:
@@ -178,20 +178,23 @@ def _count_fsdp(rank: int, strategy: str) -> dict[str, float]:
         pmodel = parallelize_model(model, cfg=ParallelConfig(strategy=strategy), mesh=mesh, device=torch.device("cpu"))
         want = comm.fsdp_comm_bytes(model, shard=2, reshard_after_forward=strategy == "fsdp")
         sent = {"gather": 0.0, "scatter": 0.0}
-        real_ag, real_rs = dist.all_gather_single, dist.reduce_scatter_single
+        real_rs = dist.reduce_scatter_single
+        # on the host FSDP2 gathers through parallel/fsdp.py's HostAllGather (a broadcast from each rank into its
+        # slice: the same bytes per rank as a ring all-gather)
+        real_ag = fsdp.HostAllGather.__call__
 
-        def ag(output, input, *a, **k):  # noqa: A002
-            sent["gather"] += comm.ring_bytes("all_gather", output.numel() * output.element_size(), 2)
-            return real_ag(output, input, *a, **k)
+        def ag(self, output_tensor, input_tensor, **k):  # FSDP2 calls its comm by keyword
+            sent["gather"] += comm.ring_bytes("all_gather", output_tensor.numel() * output_tensor.element_size(), 2)
+            return real_ag(self, output_tensor=output_tensor, input_tensor=input_tensor, **k)
 
         def rs(output, input, *a, **k):  # noqa: A002
             sent["scatter"] += comm.ring_bytes("reduce_scatter", input.numel() * input.element_size(), 2)
             return real_rs(output, input, *a, **k)
 
-        dist.all_gather_single, dist.reduce_scatter_single = ag, rs
+        fsdp.HostAllGather.__call__, dist.reduce_scatter_single = ag, rs
         ids = torch.randint(0, 31, (2, 8))
         pmodel.module(ids, labels=ids).backward()
-        dist.all_gather_single, dist.reduce_scatter_single = real_ag, real_rs
+        fsdp.HostAllGather.__call__, dist.reduce_scatter_single = real_ag, real_rs
         return {**sent, "want_gather": want.per_micro, "want_scatter": want.per_sync}
     finally:
         dist.destroy_process_group()

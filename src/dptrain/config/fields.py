@@ -155,8 +155,9 @@ class TrainConfig:
     and to transformers causal LMs with the common forward (Llama, Mistral, Qwen2/3, Gemma, Phi-3, OLMo, ...; also
     in a PEFT wrapper) and an nn.Linear head, without tensor or pipeline parallelism; other models keep their own
     loss. null: as many tokens as keep a chunk's float32 logits within 32 MiB (256 at a vocabulary of 32,000);
-    0: off, the model's own loss over the whole logits. A micro-batch of at most one chunk of tokens, and
-    evaluation, keep the model's own path (bit for bit)."""
+    0: off, the model's own loss over the whole logits. A micro-batch of at most one chunk of tokens with a trained
+    head, and evaluation, keep the model's own path (bit for bit); a frozen transformers head (LoRA) is always
+    chunked, so that backward needs no gathered head under fsdp."""
     eval_fn: str | None = None
     """Import path `pkg.mod:fn(model, batch) -> {name: value}` of evaluation metrics beyond the loss: each value the
     batch's mean of a per-sample quantity (accuracy: (pred == y).float().mean()). dptrain weights each by the batch's

@@ -173,22 +173,36 @@ def _head_forward(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor |
     backward never passes through the head's FSDP2 unit: measured on a 1B LoRA run, that kept a gathered head alive
     through the next forward (FSDP2's backward prefetch of a unit whose backward never runs): 0.26 GB more.)"""
     if targets is None:
+        unshard_in_backward = getattr(head, "set_unshard_in_backward", None)
+        if unshard_in_backward is not None:
+            unshard_in_backward(True)  # the logits' backward reads the weight
         return F.linear(hidden, head.weight, head.bias)
     if is_dtensor(head.weight):  # a tensor-parallel head: the whole logits, as the model's own path
         logits = F.linear(hidden, head.weight, head.bias).float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1).to(logits.device),
                                ignore_index=IGNORE_INDEX, reduction="sum")
-    return linear_cross_entropy(hidden, head.weight, head.bias, targets, chunk_tokens=chunk_tokens)
+    total = linear_cross_entropy(hidden, head.weight, head.bias, targets, chunk_tokens=chunk_tokens)
+    unshard_in_backward = getattr(head, "set_unshard_in_backward", None)  # the head is an FSDP2 unit
+    if unshard_in_backward is not None:
+        # a frozen head's hidden-state gradient was made in forward: this backward reads no weight, so FSDP2 need
+        # not gather the head again (the whole vocabulary x hidden matrix). Set per call: a plain call (logits,
+        # or a trained head) needs it gathered.
+        unshard_in_backward(head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad))
+    return total
 
 
 def _causal_lm_forward(model: Any, *args: Any, labels: torch.Tensor | None = None,
                        num_items_in_batch: torch.Tensor | int | None = None, chunk_tokens: int, **kwargs: Any) -> Any:
     """A transformers causal LM's forward with the chunked loss: a training forward (gradients on, labels given,
     keyword arguments only) of more than one chunk of tokens calls the decoder, then `lm_head` with the shifted
-    labels; anything else is the class's own forward (a batch within one chunk: bit for bit the model's own loss)."""
+    labels; anything else, and a trained head within one chunk, is the class's own forward (its own loss).
+    """
     keep = kwargs.get("logits_to_keep", 0)
+    # a trained head within one chunk keeps the model's own loss, bit for bit; a frozen head (LoRA) is always
+    # chunked: its hidden-state gradient is made in forward, so backward never gathers its weight again
+    small = labels is not None and labels.numel() <= chunk_tokens and model.lm_head.weight.requires_grad
     plain = (args or labels is None or not torch.is_grad_enabled() or kwargs.get("return_dict") is False
-             or not isinstance(keep, int) or keep != 0 or labels.numel() <= chunk_tokens)
+             or not isinstance(keep, int) or keep != 0 or small)
     if plain:
         extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
         return type(model).forward(model, *args, labels=labels, **extra, **kwargs)

@@ -54,7 +54,7 @@ def _measure(cp: int, tp: int, sp: bool) -> int:
     from dptrain.models.llama import build_llama
     from dptrain.parallel import context, parallelize_model
     from support.cp_memory import _alive, rank_batch
-    from support.fsdp_alive import _Made
+    from support.fsdp_alive import _Made, settled
 
     cfg = ParallelConfig(strategy="ddp", cp=cp, tp=tp, sequence_parallel=sp)
     dims, _ = resolve_layout(cfg, world_size=dist.get_world_size())
@@ -73,7 +73,7 @@ def _measure(cp: int, tp: int, sp: bool) -> int:
         with track:
             loss = pm.module(mine)
         owned = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in pm.module.parameters()}
-        activations = _alive(track, owned | {loss.untyped_storage().data_ptr()})
+        activations = settled(lambda: _alive(track, owned | {loss.untyped_storage().data_ptr()}))
         loss.backward()
         return activations
     finally:

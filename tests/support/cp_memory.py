@@ -27,7 +27,7 @@ from dptrain.config.layout import resolve_layout
 from dptrain.distributed.mesh import ParallelMesh
 from dptrain.models.llama import build_llama
 from dptrain.parallel import context, parallelize_model
-from support.fsdp_alive import _Made
+from support.fsdp_alive import _Made, settled
 
 STRATEGY = "ddp"
 
@@ -82,7 +82,7 @@ def measure_activations(model_kwargs: dict[str, Any], seq: int, cp: int, attenti
             loss = pm.module(mine)
         # the rope tables (buffers) count: the forward's slices of them are saved for backward (plan/llama.py)
         owned = {p.untyped_storage().data_ptr() for p in pm.module.parameters()}
-        activations = _alive(track, owned | {loss.untyped_storage().data_ptr()})
+        activations = settled(lambda: _alive(track, owned | {loss.untyped_storage().data_ptr()}))
         loss.backward()
         return activations
     finally:

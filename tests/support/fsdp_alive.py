@@ -7,6 +7,8 @@ parameters, which are the plan's `temporary`, and the loss)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +45,21 @@ class _Made(TorchDispatchMode):
         """Bytes of the tracked storages still alive, each at its current size, less those at `owned` addresses."""
         live = (torch.UntypedStorage._new_with_weak_ptr(ref.cdata) for ref in self.refs.values() if not ref.expired())
         return sum(s.nbytes() for s in live if s.data_ptr() not in owned)
+
+
+def settled(measure: Callable[[], int], *, polls: int = 3, wait_s: float = 2.0) -> int:
+    """`measure()` once gloo has let go of the buffers of the collectives already waited for: a gloo Work's tensors
+    are released by its worker thread just after the waiting thread wakes, so a buffer about to be freed (FSDP2's
+    all-gather output, a K/V gather) can still be alive for a moment on a loaded machine. The reading that stays the
+    same over `polls` polls 10 ms apart (or the last one after `wait_s`)."""
+    last, same = measure(), 0
+    deadline = time.monotonic() + wait_s
+    while same < polls and time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = measure()
+        same = same + 1 if now == last else 0
+        last = now
+    return last
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +104,7 @@ def fsdp_llama_memory(model_kwargs: dict, batch: torch.Tensor, *, param_dtype: s
         with track, torch.autocast("cpu", dtype=torch.bfloat16):
             loss = pm.module(batch)
         owned = _param_storages(pm.module) | {loss.untyped_storage().data_ptr()}
-        activations = track.alive(owned)
+        activations = settled(lambda: track.alive(owned))
         loss.backward()
         opt.step()
         params = list(pm.module.parameters())

@@ -22,6 +22,11 @@ order; (0, 0) keeps FSDP2's implicit one-block prefetch.
 
 A model on the meta device is sharded there; the `materialize` hook (`dptrain.parallel.materialize`)
 then allocates and fills only this rank's shards.
+
+An `nn.Embedding` unit is not gathered again in backward (its backward reads only the ids and the gradient). On the
+host (`free_gather_buffers_early`), each unit's all-gather is one broadcast per rank into FSDP2's flat buffer, and
+that buffer is freed at its copy-out: the gathered unit exists twice at most, for the copy, where gloo's all-gather and
+FSDP2's GPU-minded deferred free made it three or four times.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """FSDP2 on the host (parallel/fsdp.py `free_gather_buffers_early`): the all-gather is one broadcast per rank
-straight into FSDP2's flat buffer (`HostAllGather`: gloo's own all-gather copies the unit once more), the buffer is
-freed at its copy-out, and backward gathers no weight it does not read: a frozen input embedding, and a frozen
+straight into FSDP2's flat buffer (`HostAllGather`: gloo's own all-gather copies the unit once more), or for a
+one-parameter unit into the parameter's own storage, the buffer is freed at its copy-out, and backward gathers no weight it does not read: a frozen input embedding, and a frozen
 transformers head whose loss is chunked (its hidden-state gradient made in forward). The values are the same as
 torch's all-gather; the memory it saves is measured by benchmarks/memory/finetune_memory.py."""
 
@@ -58,12 +58,17 @@ def _backward_gathers(rank: int, items: list[str], out: str) -> dict[str, list[i
     from dptrain.parallel import fsdp
     from dptrain.train.trainer import Trainer
 
-    seen: dict[str, list[int]] = {"forward": [], "backward": []}
+    seen: dict[str, list[int]] = {"forward": [], "backward": [], "into_own": []}
     real = fsdp.HostAllGather.__call__
+    step = [0]
 
     def record(self, output_tensor, input_tensor, **kw):  # FSDP2 calls its comm by keyword
         in_backward = torch._C._current_graph_task_id() != -1  # the autograd engine is running
-        seen["backward" if in_backward else "forward"].append(output_tensor.numel())
+        if step[0] == 0:
+            seen["backward" if in_backward else "forward"].append(output_tensor.numel())
+        own = getattr(self.into, "all_gather_outputs", None)
+        if own and output_tensor.untyped_storage().data_ptr() == own[0].untyped_storage().data_ptr():
+            seen["into_own"].append(output_tensor.numel())  # gathered straight into the parameter's storage
         return real(self, output_tensor=output_tensor, input_tensor=input_tensor, **kw)
 
     trainer = Trainer(load_config(None, items), out_dir=tempfile.mkdtemp(dir=out))
@@ -72,6 +77,8 @@ def _backward_gathers(rank: int, items: list[str], out: str) -> dict[str, list[i
         fsdp.HostAllGather.__call__ = record  # type: ignore[method-assign]
         try:
             trainer.train_step()
+            step[0] = 1
+            trainer.train_step()  # FSDP2 made each unsharded storage at the first copy-out
         finally:
             fsdp.HostAllGather.__call__ = real  # type: ignore[method-assign]
         model = base_of(trainer.parallel.plain)
@@ -103,3 +110,7 @@ def test_backward_gathers_no_frozen_embedding_and_no_frozen_head(lora: bool, tmp
     # tell: one vocabulary-sized gather in backward)
     assert seen["backward"].count(vocab) == (0 if lora else 1), seen
     assert seen["backward"], seen  # the decoder layers are gathered again
+    # the one-parameter units (the two embeddings, the final norm) gather into the parameter's own storage from their
+    # second gather; a decoder layer (several parameters, the largest other unit) into FSDP2's flat buffer
+    layer = max(n for n in seen["forward"] if n != vocab)
+    assert seen["into_own"].count(vocab) >= 2 and layer not in seen["into_own"], seen

@@ -178,8 +178,10 @@ def free_gather_buffers_early(model: nn.Module) -> None:
         setter(True)
     for module in model.modules():
         if isinstance(module, FSDPModule) and hasattr(module, "set_custom_all_gather"):
-            if len(module._get_fsdp_state()._fsdp_param_groups) == 1:  # the custom comm is per unit
-                module.set_custom_all_gather(HostAllGather())
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            if len(groups) == 1:  # the custom comm is per unit
+                params = groups[0].fsdp_params
+                module.set_custom_all_gather(HostAllGather(into=params[0] if len(params) == 1 else None))
 
 
 class _Works(dist.Work):
@@ -198,10 +200,42 @@ class _Works(dist.Work):
 class HostAllGather(AllGather):
     """FSDP2's all-gather as one broadcast from each rank into its slice of the output: on gloo the gathered unit
     exists once (see `free_gather_buffers_early`). The output is the flat ``[world * shard]`` buffer FSDP2
-    allocates, the input this rank's slice of it (FSDP2 copies the shards in place)."""
+    allocates, the input this rank's slice of it (FSDP2 copies the shards in place).
+
+    `into`: a unit of one parameter (an embedding, a head: the largest units) sharded on dim 0 gathers straight into
+    the parameter's own unsharded storage, which is laid out as the flat buffer (its shards, padded, in rank order):
+    FSDP2's copy-out then copies it onto itself (a no-op), and the vocabulary-sized matrix exists once instead of
+    twice for that moment. From its second gather on (FSDP2 makes that storage at the first copy-out); any mismatch
+    (dtype, size, a tensor subclass that packs its own all-gather inputs) gets a buffer of its own, as FSDP2's."""
+
+    def __init__(self, *, into: Any = None) -> None:
+        super().__init__()
+        self.into = into  # FSDP2's FSDPParam of a one-parameter unit
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        own = self._own_storage(size, dtype, device)
+        return own if own is not None else torch.empty(*size, dtype=dtype, device=device)
+
+    def _own_storage(self, size: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        param = self.into
+        outputs = getattr(param, "all_gather_outputs", None)
+        if param is None or not outputs or len(outputs) != 1 or getattr(param.fsdp_placement, "dim", None) != 0:
+            return None
+        if hasattr(getattr(param, "_sharded_local_tensor", None), "fsdp_pre_all_gather"):
+            return None
+        out = outputs[0]
+        numel = 1
+        for n in size:
+            numel *= int(n)
+        if out.numel() != numel or out.dtype != dtype or out.device != device or not out.is_contiguous():
+            return None
+        storage = out.untyped_storage()
+        if storage.size() != numel * out.itemsize:
+            storage.resize_(numel * out.itemsize)  # FSDP2 frees it by resizing to 0 at every reshard
+        # a tensor of its own on that storage: the gather's writes bump its version counter, not the parameter's
+        # (which autograd checks for the weight a forward saved; FSDP2's own copy-out preserves it the same way)
+        with torch.no_grad():
+            return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(int(n) for n in size))
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:

@@ -1,8 +1,9 @@
 """FSDP2 on the host (parallel/fsdp.py `free_gather_buffers_early`): the all-gather is one broadcast per rank
 straight into FSDP2's flat buffer (`HostAllGather`: gloo's own all-gather copies the unit once more), or for a
-one-parameter unit into the parameter's own storage, the buffer is freed at its copy-out, and backward gathers no weight it does not read: a frozen input embedding, and a frozen
-transformers head whose loss is chunked (its hidden-state gradient made in forward). The values are the same as
-torch's all-gather; the memory it saves is measured by benchmarks/memory/finetune_memory.py."""
+one-parameter unit into the parameter's own storage; the buffer is freed at its copy-out; and backward gathers no
+weight it does not read: a frozen input embedding, and a frozen transformers head whose loss is chunked (its
+hidden-state gradient made in forward). The values are the same as torch's all-gather; the memory it saves is
+measured by benchmarks/memory/finetune_memory.py."""
 
 from __future__ import annotations
 

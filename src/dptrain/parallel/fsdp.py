@@ -235,7 +235,9 @@ class HostAllGather(AllGather):
         # a tensor of its own on that storage: the gather's writes bump its version counter, not the parameter's
         # (which autograd checks for the weight a forward saved; FSDP2's own copy-out preserves it the same way)
         with torch.no_grad():
-            return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(int(n) for n in size))
+            shape = tuple(int(n) for n in size)
+            contiguous = torch.empty(shape, device="meta").stride()
+            return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, contiguous)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:

@@ -50,7 +50,9 @@ def under_torchrun(worker: Callable[[], object], *, script: str, argv: list[str]
         worker()
         return 0
 
-    return run_torchrun(["--nproc-per-node", str(nproc), "--standalone", script, *argv], restarts=False)
+    # "--": the script's own flags are never read as torchrun's (argparse took `--nproc 4` for an ambiguous
+    # abbreviation of --nproc-per-node); torchrun drops it
+    return run_torchrun(["--nproc-per-node", str(nproc), "--standalone", script, "--", *argv], restarts=False)
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -184,17 +184,12 @@ def free_gather_buffers_early(model: nn.Module) -> None:
                 module.set_custom_all_gather(HostAllGather(into=params[0] if len(params) == 1 else None))
 
 
-class _Works(dist.Work):
-    """One Work for several: waits for each (FSDP2 waits for its all-gather's Work at the copy-out)."""
-
-    def __init__(self, works: list[dist.Work]) -> None:
-        super().__init__()
-        self.works = works
-
-    def wait(self, timeout: Any = None) -> bool:
-        for work in self.works:
-            work.wait()
-        return True
+def _all_of(works: list[dist.Work]) -> dist.Work:
+    """One Work for several (FSDP2 waits for its all-gather's Work at the copy-out): torch's own Work of a future
+    that completes when every one has, and fails when one failed. A rank that waits on it blocks inside FSDP2's
+    copy-out, so the hang diagnostics see it waiting in torch.distributed as before."""
+    done = torch.futures.collect_all([w.get_future() for w in works]).then(lambda f: [x.value() for x in f.value()])
+    return torch._C._distributed_c10d._create_work_from_future(done)  # type: ignore[attr-defined]
 
 
 class HostAllGather(AllGather):
@@ -245,9 +240,9 @@ class HostAllGather(AllGather):
         mine = slices[group.rank()]
         if mine.data_ptr() != input_tensor.data_ptr():
             mine.copy_(input_tensor.view(-1))
-        works = [dist.broadcast(piece, group_src=i, group=group, async_op=True) for i, piece in enumerate(slices)]
-        if async_op:
-            return _Works(works)
-        for work in works:
-            work.wait()
-        return None
+        if not async_op:
+            for i, piece in enumerate(slices):
+                dist.broadcast(piece, group_src=i, group=group)
+            return None
+        return _all_of([dist.broadcast(piece, group_src=i, group=group, async_op=True)
+                        for i, piece in enumerate(slices)])

@@ -173,25 +173,22 @@ def _head_forward(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor |
     backward never passes through the head's FSDP2 unit: measured on a 1B LoRA run, that kept a gathered head alive
     through the next forward (FSDP2's backward prefetch of a unit whose backward never runs): 0.26 GB more.)"""
     if targets is None:
-        _gather_in_backward(head, True)  # the logits' backward reads the weight
+        unshard_in_backward = getattr(head, "set_unshard_in_backward", None)
+        if unshard_in_backward is not None:
+            unshard_in_backward(True)  # the logits' backward reads the weight
         return F.linear(hidden, head.weight, head.bias)
     if is_dtensor(head.weight):  # a tensor-parallel head: the whole logits, as the model's own path
         logits = F.linear(hidden, head.weight, head.bias).float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1).to(logits.device),
                                ignore_index=IGNORE_INDEX, reduction="sum")
     total = linear_cross_entropy(hidden, head.weight, head.bias, targets, chunk_tokens=chunk_tokens)
-    # a frozen head's hidden-state gradient was made in forward: this backward reads no weight, so FSDP2 need not
-    # gather the head again (the whole vocabulary x hidden matrix); a trained one's backward does
-    _gather_in_backward(head, head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad))
+    unshard_in_backward = getattr(head, "set_unshard_in_backward", None)  # the head is an FSDP2 unit
+    if unshard_in_backward is not None:
+        # a frozen head's hidden-state gradient was made in forward: this backward reads no weight, so FSDP2 need
+        # not gather the head again (the whole vocabulary x hidden matrix). Set per call: a plain call (logits,
+        # or a trained head) needs it gathered.
+        unshard_in_backward(head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad))
     return total
-
-
-def _gather_in_backward(head: nn.Linear, needed: bool) -> None:
-    """Tell FSDP2 whether this call's backward reads the head's weight, when the head is an FSDP2 unit (set per
-    call: the last forward before a backward decides)."""
-    setter = getattr(head, "set_unshard_in_backward", None)
-    if setter is not None:
-        setter(needed)
 
 
 def _causal_lm_forward(model: Any, *args: Any, labels: torch.Tensor | None = None,

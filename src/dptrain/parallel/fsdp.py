@@ -31,7 +31,6 @@ FSDP2's GPU-minded deferred free made it three or four times.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -220,7 +219,9 @@ class HostAllGather(AllGather):
         if hasattr(getattr(param, "_sharded_local_tensor", None), "fsdp_pre_all_gather"):
             return None
         out = outputs[0]
-        numel = math.prod(int(n) for n in size)
+        numel = 1
+        for n in size:
+            numel *= int(n)
         if out.numel() != numel or out.dtype != dtype or out.device != device or not out.is_contiguous():
             return None
         storage = out.untyped_storage()
